@@ -1,0 +1,194 @@
+"""One typed, read-only settings object: `settings.toml`, then command-line overrides.
+
+The TOML file groups keys in tables for the reader ([model], [engine], [cache], [ui], [limits]);
+every key name is unique across tables, so the command line can override any of them by name
+(`--max-new-tokens 64`). Validation happens once, here: an unknown key or a value of the wrong
+type is a `SettingsError` naming the key and what was expected.
+"""
+
+import argparse
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from omni_local.errors import SettingsError
+
+DEFAULT_SETTINGS_FILE = Path(__file__).resolve().parent.parent / "settings.toml"
+
+
+def _default_cache_root() -> str:
+    return str(Path.home() / ".cache" / "omni_local")
+
+
+@dataclass(frozen=True)
+class Settings:
+    # [model]
+    model: str = field(default="demo", metadata={"table": "model", "help": "checkpoint directory, or 'demo'"})
+    device: str = field(default="auto", metadata={"table": "model", "help": "'auto', 'cpu', 'cuda' or 'cuda:N'"})
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
+        default="auto", metadata={"table": "model", "help": "'auto' is bfloat16 on a GPU, float32 on the CPU"}
+    )
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = field(
+        default="sdpa", metadata={"table": "model", "help": "attention kernels of the Thinker"}
+    )
+    speech: bool = field(
+        default=False, metadata={"table": "model", "help": "load the Talker and Code2Wav (spoken replies)"}
+    )
+    demo_dir: str = field(
+        default="", metadata={"table": "model", "help": "where the demo model is written; '' is <cache_dir>/demo"}
+    )
+    # [engine]
+    kv_slots: int = field(
+        default=4, metadata={"table": "engine", "help": "requests whose KV is held on the device at once"}
+    )
+    max_context_tokens: int = field(
+        default=8192, metadata={"table": "engine", "help": "prompt plus reply, per request (KV rows per slot)"}
+    )
+    max_new_tokens: int = field(default=512, metadata={"table": "engine", "help": "default reply length limit"})
+    temperature: float = field(default=0.0, metadata={"table": "engine", "help": "default; 0 is greedy"})
+    top_p: float = field(default=1.0, metadata={"table": "engine", "help": "default nucleus sampling mass"})
+    top_k: int = field(default=0, metadata={"table": "engine", "help": "default; 0 keeps every token"})
+    repetition_penalty: float = field(default=1.0, metadata={"table": "engine", "help": "default; 1 is off"})
+    # [cache]
+    cache_dir: str = field(
+        default_factory=_default_cache_root, metadata={"table": "cache", "help": "private folder for app data"}
+    )
+    prefix_cache: bool = field(default=True, metadata={"table": "cache", "help": "reuse the Thinker's KV"})
+    gpu_cache_bytes: int = field(
+        default=2 << 30, metadata={"table": "cache", "help": "device memory for cached KV"}
+    )
+    host_cache_bytes: int = field(default=4 << 30, metadata={"table": "cache", "help": "host RAM for cached KV"})
+    encoder_cache_bytes: int = field(
+        default=512 << 20, metadata={"table": "cache", "help": "memory for encoder outputs"}
+    )
+    disk_cache: bool = field(default=False, metadata={"table": "cache", "help": "keep encoder outputs on disk"})
+    disk_cache_bytes: int = field(default=8 << 30, metadata={"table": "cache", "help": "disk cache size limit"})
+    # [ui]
+    ui_host: str = field(default="127.0.0.1", metadata={"table": "ui", "help": "address the UI binds to"})
+    ui_port: int = field(default=7860, metadata={"table": "ui", "help": "port the UI listens on"})
+    # [limits]
+    max_upload_bytes: int = field(
+        default=50 << 20, metadata={"table": "limits", "help": "largest image or audio file accepted"}
+    )
+    max_image_pixels: int = field(
+        default=4096 * 4096, metadata={"table": "limits", "help": "largest decoded image, width times height"}
+    )
+    max_audio_seconds: float = field(
+        default=300.0, metadata={"table": "limits", "help": "longest audio clip accepted"}
+    )
+    max_prompt_tokens: int = field(
+        default=6144, metadata={"table": "limits", "help": "longest prompt, media tokens included"}
+    )
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _check_type(f.name, getattr(self, f.name), f.type)
+        positive = ("kv_slots", "max_context_tokens", "max_new_tokens", "max_upload_bytes", "max_image_pixels",
+                    "max_prompt_tokens", "ui_port")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise SettingsError(f"setting '{name}' must be positive, got {getattr(self, name)!r}")
+        if self.max_prompt_tokens >= self.max_context_tokens:
+            raise SettingsError(
+                f"setting 'max_prompt_tokens' ({self.max_prompt_tokens}) must be below "
+                f"'max_context_tokens' ({self.max_context_tokens}), to leave room for a reply"
+            )
+
+    @property
+    def demo_path(self) -> Path:
+        return Path(self.demo_dir) if self.demo_dir else Path(self.cache_dir) / "demo"
+
+    def replace(self, **changes: Any) -> "Settings":
+        unknown = sorted(set(changes) - {f.name for f in fields(self)})
+        if unknown:
+            raise SettingsError(f"unknown setting '{unknown[0]}'")
+        return dataclasses.replace(self, **changes)
+
+
+_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _check_type(name: str, value: Any, annotation: Any) -> None:
+    expected = annotation
+    if get_origin(expected) is Literal:
+        if value not in get_args(expected):
+            choices = ", ".join(repr(c) for c in get_args(expected))
+            raise SettingsError(f"setting '{name}' must be one of {choices}, got {value!r}")
+        return
+    ok = isinstance(value, expected) and not (expected is not bool and isinstance(value, bool))
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        ok = True
+    if not ok:
+        raise SettingsError(f"setting '{name}' must be {_TYPE_NAMES[expected]}, got {value!r}")
+
+
+def _field_table() -> dict[str, str]:
+    return {f.name: f.metadata["table"] for f in fields(Settings)}
+
+
+def read_settings_file(path: Path) -> dict[str, Any]:
+    """The flat key/value pairs of a settings file; each key must sit in its own table."""
+    try:
+        document = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise SettingsError(f"settings file '{path}' does not exist") from None
+    except tomllib.TOMLDecodeError as error:
+        raise SettingsError(f"settings file '{path}' is not valid TOML: {error}") from None
+    tables = _field_table()
+    values: dict[str, Any] = {}
+    for table, entries in document.items():
+        if not isinstance(entries, dict):
+            raise SettingsError(f"{path}: '{table}' must be a table such as [model], got a bare key")
+        for key, value in entries.items():
+            if key not in tables:
+                raise SettingsError(f"{path}: unknown setting '{table}.{key}'")
+            if tables[key] != table:
+                raise SettingsError(f"{path}: setting '{key}' belongs in [{tables[key]}], not [{table}]")
+            values[key] = value
+    return values
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
+    """One `--dashed-name` option per setting, plus `--settings FILE`."""
+    group = parser.add_argument_group("settings (override settings.toml)")
+    group.add_argument("--settings", type=Path, default=None, help="settings file (default: ./settings.toml)")
+    for f in fields(Settings):
+        flag = "--" + f.name.replace("_", "-")
+        group.add_argument(flag, dest=f"setting_{f.name}", default=None, metavar="VALUE", help=f.metadata["help"])
+
+
+def settings_from_arguments(args: argparse.Namespace) -> Settings:
+    overrides = {f.name: getattr(args, f"setting_{f.name}") for f in fields(Settings)}
+    return load_settings(args.settings, {k: v for k, v in overrides.items() if v is not None})
+
+
+def load_settings(path: Path | None = None, overrides: dict[str, str] | None = None) -> Settings:
+    """Defaults, then the file (if any), then command-line strings parsed by each field's type."""
+    if path is None:
+        local = Path("settings.toml")
+        path = local if local.exists() else (DEFAULT_SETTINGS_FILE if DEFAULT_SETTINGS_FILE.exists() else None)
+    values = read_settings_file(path) if path is not None else {}
+    types = {f.name: f.type for f in fields(Settings)}
+    for name, text in (overrides or {}).items():
+        if name not in types:
+            raise SettingsError(f"unknown setting '{name}'")
+        values[name] = _parse_override(name, text, types[name])
+    return Settings(**values)
+
+
+def _parse_override(name: str, text: str, expected: Any) -> Any:
+    if get_origin(expected) is Literal or expected is str:
+        return text
+    if expected is bool:
+        lowered = text.lower()
+        if lowered in ("true", "1", "yes", "on"):
+            return True
+        if lowered in ("false", "0", "no", "off"):
+            return False
+        raise SettingsError(f"setting '{name}' must be true or false, got {text!r}")
+    try:
+        return expected(text)
+    except ValueError:
+        raise SettingsError(f"setting '{name}' must be {_TYPE_NAMES[expected]}, got {text!r}") from None
