@@ -18,10 +18,6 @@ from omni_local.errors import SettingsError
 DEFAULT_SETTINGS_FILE = Path(__file__).resolve().parent.parent / "settings.toml"
 
 
-def _default_cache_root() -> str:
-    return str(Path.home() / ".cache" / "omni_local")
-
-
 @dataclass(frozen=True)
 class Settings:
     # [model]
@@ -53,18 +49,8 @@ class Settings:
     repetition_penalty: float = field(default=1.0, metadata={"table": "engine", "help": "default; 1 is off"})
     # [cache]
     cache_dir: str = field(
-        default_factory=_default_cache_root, metadata={"table": "cache", "help": "private folder for app data"}
+        default="~/.cache/omni_local", metadata={"table": "cache", "help": "private folder for app data"}
     )
-    prefix_cache: bool = field(default=True, metadata={"table": "cache", "help": "reuse the Thinker's KV"})
-    gpu_cache_bytes: int = field(
-        default=2 << 30, metadata={"table": "cache", "help": "device memory for cached KV"}
-    )
-    host_cache_bytes: int = field(default=4 << 30, metadata={"table": "cache", "help": "host RAM for cached KV"})
-    encoder_cache_bytes: int = field(
-        default=512 << 20, metadata={"table": "cache", "help": "memory for encoder outputs"}
-    )
-    disk_cache: bool = field(default=False, metadata={"table": "cache", "help": "keep encoder outputs on disk"})
-    disk_cache_bytes: int = field(default=8 << 30, metadata={"table": "cache", "help": "disk cache size limit"})
     # [ui]
     ui_host: str = field(default="127.0.0.1", metadata={"table": "ui", "help": "address the UI binds to"})
     ui_port: int = field(default=7860, metadata={"table": "ui", "help": "port the UI listens on"})
@@ -86,7 +72,7 @@ class Settings:
         for f in fields(self):
             _check_type(f.name, getattr(self, f.name), f.type)
         positive = ("kv_slots", "max_context_tokens", "max_new_tokens", "max_upload_bytes", "max_image_pixels",
-                    "max_prompt_tokens", "ui_port")
+                    "max_prompt_tokens", "ui_port", "max_audio_seconds")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise SettingsError(f"setting '{name}' must be positive, got {getattr(self, name)!r}")
@@ -97,8 +83,12 @@ class Settings:
             )
 
     @property
+    def cache_path(self) -> Path:
+        return Path(self.cache_dir).expanduser()
+
+    @property
     def demo_path(self) -> Path:
-        return Path(self.demo_dir) if self.demo_dir else Path(self.cache_dir) / "demo"
+        return Path(self.demo_dir).expanduser() if self.demo_dir else self.cache_path / "demo"
 
     def replace(self, **changes: Any) -> "Settings":
         unknown = sorted(set(changes) - {f.name for f in fields(self)})

@@ -1,0 +1,148 @@
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+
+from omni_local.errors import MediaError
+from omni_local.media import SAMPLE_RATE, MediaLimits, load_audio
+
+LIMITS = MediaLimits(max_upload_bytes=50 << 20, max_image_pixels=4096 * 4096, max_audio_seconds=300.0)
+
+
+def exactly(message: str) -> str:
+    return f"^{re.escape(message)}$"
+
+
+def sine(rate: int, channels: int, seconds: float = 1.0, hertz: float = 440.0) -> np.ndarray:
+    t = np.arange(round(rate * seconds)) / rate
+    wave = 0.5 * np.sin(2 * np.pi * hertz * t)
+    return np.repeat(wave[:, None], channels, axis=1)  # (frames, channels)
+
+
+def write(path: Path, samples: np.ndarray, rate: int, subtype: str | None = None) -> Path:
+    soundfile.write(path, samples, rate, subtype=subtype)
+    return path
+
+
+def peak_hertz(samples: np.ndarray) -> float:
+    spectrum = np.abs(np.fft.rfft(samples))
+    return float(np.fft.rfftfreq(len(samples), 1 / SAMPLE_RATE)[spectrum.argmax()])
+
+
+# Opus only runs at 8, 12, 16, 24 or 48 kHz, so it stands in with 48 kHz for 44.1 kHz.
+@pytest.mark.parametrize(
+    ("file_name", "subtype", "rate", "channels"),
+    [
+        ("tone.wav", "PCM_16", 44_100, 2),
+        ("tone.wav", "PCM_16", 8_000, 1),
+        ("tone.wav", "FLOAT", 44_100, 2),
+        ("tone.flac", None, 44_100, 2),
+        ("tone.flac", None, 8_000, 1),
+        ("tone.ogg", "VORBIS", 44_100, 2),
+        ("tone.ogg", "VORBIS", 8_000, 1),
+        ("tone.ogg", "OPUS", 48_000, 2),
+        ("tone.ogg", "OPUS", 8_000, 1),
+        ("tone.mp3", "MPEG_LAYER_III", 44_100, 2),
+        ("tone.mp3", "MPEG_LAYER_III", 8_000, 1),
+    ],
+)
+def test_each_format_becomes_one_second_of_16khz_mono_float32_at_the_same_pitch(
+    tmp_path, file_name, subtype, rate, channels
+):
+    path = write(tmp_path / file_name, sine(rate, channels), rate, subtype)
+
+    samples = load_audio(path, LIMITS)
+
+    assert samples.dtype == np.float32 and samples.ndim == 1
+    # Lossless formats keep the length exactly; lossy codecs may add or trim a little encoder delay.
+    tolerance = 0 if file_name.endswith((".wav", ".flac")) else SAMPLE_RATE // 10
+    assert abs(len(samples) - SAMPLE_RATE) <= tolerance
+    assert abs(peak_hertz(samples) - 440) < 5
+
+
+def test_audio_given_as_bytes_loads_like_a_file(tmp_path):
+    data = write(tmp_path / "tone.wav", sine(SAMPLE_RATE, 1), SAMPLE_RATE).read_bytes()
+
+    assert len(load_audio(data, LIMITS, name="tone.wav")) == SAMPLE_RATE
+
+
+def test_integer_samples_are_scaled_into_minus_one_to_one(tmp_path):
+    extremes = np.array([[32767], [-32768], [0]], dtype=np.int16)
+    path = write(tmp_path / "loud.wav", extremes, SAMPLE_RATE, "PCM_16")
+
+    samples = load_audio(path, LIMITS)
+
+    assert samples.tolist() == pytest.approx([32767 / 32768, -1.0, 0.0])
+
+
+def test_channels_are_averaged_into_one(tmp_path):
+    left_and_right = np.tile([0.5, 0.25], (100, 1))
+    path = write(tmp_path / "stereo.wav", left_and_right, SAMPLE_RATE, "FLOAT")
+
+    assert load_audio(path, LIMITS) == pytest.approx(np.full(100, 0.375))
+
+
+def test_a_clip_over_the_length_limit_is_refused_from_its_header(tmp_path, monkeypatch):
+    path = write(tmp_path / "talk.wav", np.zeros((412 * 1000, 1), dtype=np.int16), 1000, "PCM_16")
+    # Reading a single frame would mean the header check came too late.
+    monkeypatch.setattr(soundfile.SoundFile, "read", lambda *args, **kwargs: pytest.fail("decoded"))
+
+    with pytest.raises(MediaError, match=exactly("talk.wav: 412.0 s is over the limit of 300 s (max_audio_seconds)")):
+        load_audio(path, LIMITS)
+
+
+def test_a_clip_of_zero_samples_is_refused(tmp_path):
+    path = write(tmp_path / "silence.wav", np.zeros((0, 1)), SAMPLE_RATE)
+
+    with pytest.raises(MediaError, match=exactly("silence.wav: the clip has no audio (zero samples)")):
+        load_audio(path, LIMITS)
+
+
+def test_a_clip_too_short_to_last_one_16khz_sample_is_refused(tmp_path):
+    path = write(tmp_path / "blip.wav", np.zeros((1, 1)), 48_000)
+
+    with pytest.raises(MediaError, match=r"^blip\.wav: the clip has no audio"):
+        load_audio(path, LIMITS)
+
+
+def test_a_text_file_named_wav_is_refused_as_not_audio(tmp_path):
+    (tmp_path / "notes.wav").write_text("shopping list: eggs, milk\n" * 20)
+
+    with pytest.raises(MediaError, match=exactly("notes.wav: not an audio file (WAV, FLAC, OGG or MP3 expected)")):
+        load_audio(tmp_path / "notes.wav", LIMITS)
+
+
+def test_an_aiff_file_is_refused_with_the_list_of_accepted_formats(tmp_path):
+    path = write(tmp_path / "tone.aiff", sine(SAMPLE_RATE, 1), SAMPLE_RATE)
+
+    message = "tone.aiff: AIFF audio is not supported (WAV, FLAC, OGG or MP3 expected)"
+    with pytest.raises(MediaError, match=exactly(message)):
+        load_audio(path, LIMITS)
+
+
+def test_an_empty_file_is_reported_as_empty(tmp_path):
+    (tmp_path / "empty.wav").write_bytes(b"")
+
+    with pytest.raises(MediaError, match=exactly("empty.wav: the file is empty")):
+        load_audio(tmp_path / "empty.wav", LIMITS)
+
+
+def test_a_missing_file_is_reported_as_not_found(tmp_path):
+    with pytest.raises(MediaError, match=exactly("gone.mp3: file not found")):
+        load_audio(tmp_path / "gone.mp3", LIMITS)
+
+
+def test_an_upload_over_the_size_limit_is_refused(tmp_path):
+    path = write(tmp_path / "tone.wav", sine(SAMPLE_RATE, 1), SAMPLE_RATE)  # about 31 KB
+    limits = MediaLimits(max_upload_bytes=10 << 10, max_image_pixels=100, max_audio_seconds=300.0)
+
+    message = "tone.wav: 31.3 KB is over the upload limit of 10 KB (max_upload_bytes)"
+    with pytest.raises(MediaError, match=exactly(message)):
+        load_audio(path, limits)
+
+
+def test_bytes_without_a_name_are_called_upload_in_errors():
+    with pytest.raises(MediaError, match=r"^upload: not an audio file"):
+        load_audio(b"not sound at all", LIMITS)
