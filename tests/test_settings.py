@@ -1,0 +1,89 @@
+import argparse
+from pathlib import Path
+
+import pytest
+
+from omni_local.errors import SettingsError
+from omni_local.settings import (
+    DEFAULT_SETTINGS_FILE,
+    Settings,
+    add_settings_arguments,
+    load_settings,
+    settings_from_arguments,
+)
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "settings.toml"
+    path.write_text(text)
+    return path
+
+
+def parse(argv: list[str]) -> Settings:
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser)
+    return settings_from_arguments(parser.parse_args(argv))
+
+
+def test_the_shipped_settings_file_holds_the_defaults():
+    assert load_settings(DEFAULT_SETTINGS_FILE) == Settings()
+
+
+def test_the_defaults_run_the_demo_model_on_loopback():
+    settings = Settings()
+    assert settings.model == "demo"
+    assert settings.ui_host == "127.0.0.1"
+
+
+def test_a_file_sets_values_in_their_tables(tmp_path):
+    path = write(tmp_path, '[model]\nmodel = "/ckpt"\n[engine]\nmax_new_tokens = 7\n[limits]\nmax_audio_seconds = 2\n')
+    settings = load_settings(path)
+    assert (settings.model, settings.max_new_tokens, settings.max_audio_seconds) == ("/ckpt", 7, 2)
+
+
+def test_an_unknown_key_is_an_error_naming_it(tmp_path):
+    path = write(tmp_path, "[engine]\nmax_new_tokenz = 7\n")
+    with pytest.raises(SettingsError, match="unknown setting 'engine.max_new_tokenz'"):
+        load_settings(path)
+
+
+def test_a_key_in_the_wrong_table_is_an_error_naming_the_right_one(tmp_path):
+    path = write(tmp_path, "[ui]\nmax_new_tokens = 7\n")
+    with pytest.raises(SettingsError, match=r"'max_new_tokens' belongs in \[engine\]"):
+        load_settings(path)
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('[engine]\nmax_new_tokens = "many"', "'max_new_tokens' must be an integer, got 'many'"),
+        ("[model]\nspeech = 1", "'speech' must be true or false, got 1"),
+        ('[model]\ndtype = "int4"', "'dtype' must be one of 'auto', 'float32', 'bfloat16', 'float16'"),
+        ("[ui]\nui_port = 0", "'ui_port' must be positive"),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_an_error_saying_what_was_expected(tmp_path, line, message):
+    with pytest.raises(SettingsError, match=message):
+        load_settings(write(tmp_path, line + "\n"))
+
+
+def test_invalid_toml_is_an_error_naming_the_file(tmp_path):
+    path = write(tmp_path, "[engine\n")
+    with pytest.raises(SettingsError, match="is not valid TOML"):
+        load_settings(path)
+
+
+def test_every_setting_can_be_overridden_on_the_command_line(tmp_path):
+    path = write(tmp_path, "[engine]\nmax_new_tokens = 7\n")
+    settings = parse(["--settings", str(path), "--max-new-tokens", "9", "--speech", "true", "--ui-port", "8001"])
+    assert (settings.max_new_tokens, settings.speech, settings.ui_port) == (9, True, 8001)
+
+
+def test_a_bad_command_line_value_is_an_error_naming_the_setting():
+    with pytest.raises(SettingsError, match="'kv_slots' must be an integer, got 'two'"):
+        parse(["--kv-slots", "two"])
+
+
+def test_the_demo_model_lives_in_the_cache_folder_unless_placed_elsewhere():
+    assert Settings(cache_dir="/data/omni").demo_path == Path("/data/omni/demo")
+    assert Settings(demo_dir="/elsewhere").demo_path == Path("/elsewhere")
