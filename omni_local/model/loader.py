@@ -1,0 +1,172 @@
+"""Load a Qwen3-Omni checkpoint (or the built-in demo) as transformers' own model and processor."""
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration, Qwen3OmniMoeProcessor
+from transformers.utils import is_flash_attn_2_available
+
+from omni_local.errors import CheckpointError, SettingsError
+from omni_local.model.demo import ensure_demo_checkpoint
+from omni_local.model.workarounds import apply_workarounds, load_processor
+from omni_local.settings import Settings
+
+_END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: Qwen3OmniMoeForConditionalGeneration  # .thinker always; .talker and .code2wav only with speech
+    processor: Qwen3OmniMoeProcessor
+    path: Path  # the checkpoint directory
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def speech(self) -> bool:
+        return bool(self.model.has_talker)
+
+
+def load_model(settings: Settings) -> LoadedModel:
+    path = ensure_demo_checkpoint(settings.demo_path) if settings.model == "demo" else Path(settings.model)
+    path = path.expanduser().resolve()
+    check_checkpoint(path)
+    device = resolve_device(settings.device)
+    dtype = resolve_dtype(settings.dtype, device)
+    _check_attention(settings.attn_implementation)
+
+    config = _read_config(path)
+    if settings.speech and not config.enable_audio_output:
+        raise CheckpointError(f"checkpoint '{path}' has no Talker (enable_audio_output is false): set speech = false")
+    # Without speech the Talker and Code2Wav are never built, so their weights are skipped on load.
+    config.enable_audio_output = settings.speech
+    model = _load_weights(path, config, dtype, settings.attn_implementation).to(device).eval()
+    try:
+        processor = load_processor(path)
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        raise CheckpointError(f"could not load the processor files in '{path}': {error}") from None
+    apply_workarounds(model, _token_ids(processor, _END_OF_TURN_TOKENS), processor.tokenizer.pad_token_id)
+    return LoadedModel(model=model, processor=processor, path=path, device=device, dtype=dtype)
+
+
+def thinker_eos_token_ids(loaded: LoadedModel) -> list[int]:
+    """The ids that end a Thinker reply: end of turn, then end of text."""
+    return _token_ids(loaded.processor, _END_OF_TURN_TOKENS)
+
+
+def check_checkpoint(path: Path) -> None:
+    """Raise `CheckpointError` naming every file `path` lacks to be a loadable Qwen3-Omni checkpoint."""
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory '{path}' does not exist")
+    missing = [
+        *(["config.json"] if not (path / "config.json").is_file() else []),
+        *_missing_weights(path),
+        *_missing_tokenizer(path),
+        *_missing_processor_config(path),
+        *_missing_chat_template(path),
+    ]
+    if missing:
+        raise CheckpointError(f"checkpoint '{path}' is incomplete: missing " + "; ".join(missing))
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cpu":
+        return torch.device("cpu")
+    match = re.fullmatch(r"cuda(?::(\d+))?", name)
+    if match is None:
+        raise SettingsError(f"setting 'device' must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {name!r}")
+    if not torch.cuda.is_available():
+        raise SettingsError(f"setting 'device' is {name!r}, but no CUDA GPU is visible")
+    index = int(match.group(1) or 0)
+    if index >= torch.cuda.device_count():
+        raise SettingsError(f"setting 'device' is {name!r}, but only {torch.cuda.device_count()} GPU(s) are visible")
+    return torch.device("cuda", index)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def _check_attention(name: str) -> None:
+    if name == "flash_attention_2" and not is_flash_attn_2_available():
+        raise SettingsError("setting 'attn_implementation' is 'flash_attention_2', but flash-attn is not installed")
+
+
+def _load_weights(
+    path: Path, config: Qwen3OmniMoeConfig, dtype: torch.dtype, attn_implementation: str
+) -> Qwen3OmniMoeForConditionalGeneration:
+    try:
+        model, info = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
+            path, config=config, dtype=dtype, attn_implementation=attn_implementation, output_loading_info=True
+        )
+    except (OSError, ValueError, RuntimeError, SafetensorError) as error:
+        raise CheckpointError(f"could not load the weights in '{path}': {error}") from None
+    # transformers fills weights absent from the files with random values and only logs it.
+    missing = sorted(info["missing_keys"])
+    if missing:
+        examples = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise CheckpointError(f"checkpoint '{path}' lacks {len(missing)} weight(s): {examples}")
+    return model
+
+
+def _read_config(path: Path) -> Qwen3OmniMoeConfig:
+    config_file = path / "config.json"
+    try:
+        model_type = json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
+        if model_type != Qwen3OmniMoeConfig.model_type:
+            raise CheckpointError(f"'{config_file}' describes a {model_type!r} model, not Qwen3-Omni (qwen3_omni_moe)")
+        return Qwen3OmniMoeConfig.from_pretrained(path)
+    except (OSError, ValueError, TypeError, AttributeError) as error:
+        raise CheckpointError(f"could not read '{config_file}': {error}") from None
+
+
+def _missing_weights(path: Path) -> list[str]:
+    index_file = path / "model.safetensors.index.json"
+    if index_file.is_file():
+        try:
+            shards = sorted(set(json.loads(index_file.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (ValueError, KeyError, AttributeError):
+            return [f"a readable weight_map in {index_file.name}"]
+        absent = [shard for shard in shards if not (path / shard).is_file()]
+        return [f"weight shard {shard} (named in {index_file.name})" for shard in absent]
+    if (path / "model.safetensors").is_file():
+        return []
+    return ["weights (model.safetensors, or model.safetensors.index.json and its shards)"]
+
+
+def _missing_tokenizer(path: Path) -> list[str]:
+    missing = [] if (path / "tokenizer_config.json").is_file() else ["tokenizer_config.json"]
+    has_vocab = (path / "tokenizer.json").is_file() or all((path / f).is_file() for f in ("vocab.json", "merges.txt"))
+    return missing + ([] if has_vocab else ["tokenizer vocabulary (tokenizer.json, or vocab.json and merges.txt)"])
+
+
+def _missing_processor_config(path: Path) -> list[str]:
+    if any((path / f).is_file() for f in ("processor_config.json", "preprocessor_config.json")):
+        return []
+    return ["processor settings (processor_config.json or preprocessor_config.json)"]
+
+
+def _missing_chat_template(path: Path) -> list[str]:
+    if any((path / f).is_file() for f in ("chat_template.jinja", "chat_template.json")):
+        return []
+    for name in ("processor_config.json", "tokenizer_config.json"):
+        try:
+            if "chat_template" in json.loads((path / name).read_text(encoding="utf-8")):
+                return []
+        except (OSError, ValueError):
+            continue
+    return ["chat template (chat_template.jinja or chat_template.json)"]
+
+
+def _token_ids(processor: Qwen3OmniMoeProcessor, tokens: tuple[str, ...]) -> list[int]:
+    vocab = processor.tokenizer.get_vocab()
+    return [vocab[token] for token in tokens if token in vocab]

@@ -1,0 +1,124 @@
+"""Every workaround for a transformers (5.24) Qwen3-Omni bug or gap, each with its reason.
+
+The loader calls `load_processor` for the processor and `apply_workarounds` once on each loaded
+model; the demo builder calls `init_talker_experts` on the random weights it makes. Nothing else in
+omni_local works around transformers.
+"""
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoFeatureExtractor,
+    AutoImageProcessor,
+    AutoTokenizer,
+    Qwen3OmniMoeForConditionalGeneration,
+    Qwen3OmniMoeProcessor,
+)
+from transformers.utils import is_torchvision_available
+from transformers.video_processing_utils import VideoProcessorMixin
+
+from omni_local.errors import MediaError
+
+
+def load_processor(path: Path) -> Qwen3OmniMoeProcessor:
+    # `Qwen3OmniMoeProcessor.from_pretrained` always builds a video processor, and transformers'
+    # video processors need torchvision, which has no build for the CPU torch we run on. Without it
+    # we load a subclass that takes a stand-in for the video processor: text, images and audio work
+    # exactly as with the real one (same components, same files); a video input is refused.
+    if is_torchvision_available():
+        return Qwen3OmniMoeProcessor.from_pretrained(path)
+    return _ProcessorWithoutVideo.from_pretrained(path)
+
+
+def apply_workarounds(model: Qwen3OmniMoeForConditionalGeneration, end_of_turn_ids: list[int], pad_id: int) -> None:
+    _set_thinker_generation_ids(model, end_of_turn_ids, pad_id)
+    if getattr(model, "has_talker", False):
+        _give_talker_the_audio_window(model)
+        _guard_spoken_generate(model)
+
+
+def _set_thinker_generation_ids(
+    model: Qwen3OmniMoeForConditionalGeneration, end_of_turn_ids: list[int], pad_id: int
+) -> None:
+    # `model.thinker` is built from its sub-config, so `thinker.generate` ignores the checkpoint's
+    # generation_config.json: without this it never stops at <|im_end|> and warns about padding.
+    model.thinker.generation_config.eos_token_id = list(end_of_turn_ids)
+    model.thinker.generation_config.pad_token_id = pad_id
+
+
+def _give_talker_the_audio_window(model: Qwen3OmniMoeForConditionalGeneration) -> None:
+    # The Talker's position code (the Thinker's `get_rope_index`, shared) reads
+    # `config.audio_config.n_window` when a prompt holds audio and an image or video, but the
+    # Talker config has no `audio_config`: such a spoken reply fails with AttributeError. The
+    # window belongs to the audio encoder, so the Talker gets the Thinker's audio config.
+    talker_config = model.talker.config
+    if getattr(talker_config, "audio_config", None) is None:
+        talker_config.audio_config = model.config.thinker_config.audio_config
+
+
+def _guard_spoken_generate(model: Qwen3OmniMoeForConditionalGeneration) -> None:
+    # Two crashes of `generate(return_audio=True)` when a part of the reply is empty, turned into a
+    # reply by defaults the caller can still override:
+    # - the Talker's prompt needs the hidden state of the first reply token, which only exists once
+    #   a second token is generated; a Thinker that ends at once fails with a size mismatch in
+    #   `_get_talker_assistant_parts`, so the Thinker must write two tokens;
+    # - the Talker's codes are stacked, and a Talker whose first code is codec EOS fails on an empty
+    #   stack, so it must emit one code (under 80 ms of audio).
+    generate = model.generate
+
+    @functools.wraps(generate)
+    def generate_with_guards(*args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("thinker_min_new_tokens", 2)
+        kwargs.setdefault("talker_min_new_tokens", 1)
+        return generate(*args, **kwargs)
+
+    model.generate = generate_with_guards
+
+
+def init_talker_experts(model: Qwen3OmniMoeForConditionalGeneration, std: float) -> None:
+    # `_init_weights` initialises the Thinker's MoE experts but not the Talker's
+    # (`Qwen3OmniMoeTalkerTextExperts` is `torch.empty`), so a model built from a config, not loaded,
+    # has uninitialised memory there: weights that differ run to run and can be NaN.
+    with torch.no_grad():
+        for layer in model.talker.model.layers:
+            experts = getattr(layer.mlp, "experts", None)
+            if experts is not None:
+                torch.nn.init.normal_(experts.gate_up_proj, std=std)
+                torch.nn.init.normal_(experts.down_proj, std=std)
+
+
+class _NoVideoProcessor(VideoProcessorMixin):
+    """Stands in for the video processor where torchvision is missing: refuses every video."""
+
+    model_input_names = ["pixel_values_videos", "video_grid_thw"]
+
+    def __call__(self, *args: object, **kwargs: object) -> None:
+        raise MediaError("video input needs torchvision, which is not installed here")
+
+
+class _ProcessorWithoutVideo(Qwen3OmniMoeProcessor):
+    """Qwen3-Omni's processor with `_NoVideoProcessor` in the video slot (see `load_processor`)."""
+
+    def check_argument_for_proper_class(self, argument_name: str, argument: object) -> type:
+        # transformers' own check looks the video class up in a registry that is a placeholder
+        # without torchvision, and crashes on it.
+        if argument_name == "video_processor":
+            return type(argument)
+        return super().check_argument_for_proper_class(argument_name, argument)
+
+    @classmethod
+    def _get_arguments_from_pretrained(
+        cls, pretrained_model_name_or_path: str | Path, processor_dict: dict | None = None, **kwargs: Any
+    ) -> list[Any]:
+        # The same components `from_pretrained` loads, in `get_attributes()` order, but the video one.
+        path = pretrained_model_name_or_path
+        kwargs.pop("subfolder", None)
+        return [
+            AutoImageProcessor.from_pretrained(path, **kwargs),
+            _NoVideoProcessor(),
+            AutoFeatureExtractor.from_pretrained(path, **kwargs),
+            AutoTokenizer.from_pretrained(path, **kwargs),
+        ]

@@ -1,0 +1,36 @@
+"""Fixtures shared by the test files: the demo checkpoint, built once per session, and its model."""
+
+from pathlib import Path
+
+import pytest
+
+from omni_local.model import LoadedModel, load_model
+from omni_local.model.demo import ensure_demo_checkpoint
+from omni_local.settings import Settings
+
+
+@pytest.fixture(scope="session")
+def demo_settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
+    """Default settings, with the demo model and every cache in a private temporary folder."""
+    root = tmp_path_factory.mktemp("omni_local")
+    return Settings(model="demo", demo_dir=str(root / "demo"), cache_dir=str(root / "cache"), device="cpu")
+
+
+@pytest.fixture(scope="session")
+def demo_checkpoint(demo_settings: Settings) -> Path:
+    return ensure_demo_checkpoint(demo_settings.demo_path)
+
+
+@pytest.fixture(scope="session")
+def demo_model(demo_settings: Settings, demo_checkpoint: Path) -> LoadedModel:
+    """The demo model as the app loads it: Thinker only (speech off), float32 on the CPU."""
+    return load_model(demo_settings)
+
+
+@pytest.fixture(scope="session")
+def app(demo_settings: Settings, demo_checkpoint: Path):
+    """The whole app on the demo model, its engine running, shared by the tests that only send requests."""
+    from omni_local.api import OmniLocal
+
+    with OmniLocal(demo_settings) as running:
+        yield running
