@@ -1,0 +1,171 @@
+"""The public Python API.
+
+    from omni_local.api import OmniLocal
+
+    with OmniLocal() as app:                       # settings.toml, else the demo model
+        chat = app.session(system_prompt="You are concise.")
+        for event in chat.send("What is in this picture?", images=["cat.jpg"]):
+            if isinstance(event, TextDelta):
+                print(event.text, end="", flush=True)
+        print(chat.history[-1].text)               # the reply, kept for the next turn
+
+A reply is a stream of `TextDelta` events and one final `Finished` (text, token counts,
+timings). Bad input raises `OmniLocalError` with a message meant for the user; the session and
+the engine keep working.
+"""
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+from PIL import Image
+
+from omni_local.engine.engine import Engine
+from omni_local.engine.request import Failed, Finished, Request, TextDelta
+from omni_local.engine.sampling import SamplingParams
+from omni_local.errors import OmniLocalError, RequestError
+from omni_local.media import SAMPLE_RATE, MediaLimits, check_duration, load_audio, load_image
+from omni_local.model.loader import load_model
+from omni_local.prompts import Message, Part
+from omni_local.settings import Settings, load_settings
+
+__all__ = ["OmniLocal", "Session", "Reply", "TextDelta", "Finished", "OmniLocalError"]
+
+ImageInput = str | Path | bytes | Image.Image
+AudioInput = str | Path | bytes | np.ndarray  # an ndarray is 16 kHz mono float32 samples
+
+
+class Reply:
+    """One reply as it streams. Iterate it, or call `result()`; `cancel()` from any thread."""
+
+    def __init__(self, request: Request, on_done: Callable[[Finished], None]) -> None:
+        self._request = request
+        self._on_done = on_done
+        self._final: Finished | None = None
+        self._error: str | None = None
+
+    def __iter__(self) -> Iterator[TextDelta | Finished]:
+        while self._final is None and self._error is None:
+            event = self._request.events.get()
+            if isinstance(event, Failed):
+                self._error = event.message
+            elif isinstance(event, Finished):
+                self._final = event
+                self._on_done(event)
+                yield event
+            else:
+                yield event
+        if self._error is not None:
+            raise RequestError(self._error)
+
+    def result(self) -> Finished:
+        for _ in self:
+            pass
+        if self._error is not None:
+            raise RequestError(self._error)
+        return self._final
+
+    def cancel(self) -> None:
+        self._request.cancelled.set()
+
+    @property
+    def done(self) -> bool:
+        return self._final is not None or self._error is not None
+
+
+class Session:
+    """A conversation: its system prompt and history; each reply is added when it finishes."""
+
+    def __init__(self, app: "OmniLocal", system_prompt: str | None) -> None:
+        self._app = app
+        self.history: list[Message] = [Message("system", [system_prompt])] if system_prompt else []
+        self._pending: Reply | None = None
+
+    def send(
+        self,
+        text: str = "",
+        images: Iterable[ImageInput] = (),
+        audio: Iterable[AudioInput] = (),
+        **sampling: object,
+    ) -> Reply:
+        """Ask the next question. Media are read and checked now: a bad file raises at once.
+
+        A reply still streaming in this session is waited for first (cancel it to cut it short).
+        """
+        limits = self._app.limits
+        parts: list[Part] = [_image(item, limits) for item in images]
+        parts += [_audio(item, limits) for item in audio]
+        if text:
+            parts.append(text)
+        if not parts:
+            raise RequestError("the message is empty: type a question or attach an image or audio file")
+        params = self._app.sampling(**sampling)
+        self.wait()
+        user = Message("user", parts)
+        request = self._app.engine.submit([*self.history, user], params)
+        self._pending = Reply(request, lambda final: self._record(user, final))
+        return self._pending
+
+    def wait(self) -> None:
+        """Let a reply still streaming finish (or fail) before the history changes."""
+        if self._pending is not None and not self._pending.done:
+            try:
+                self._pending.result()
+            except OmniLocalError:
+                pass  # the caller of that reply has seen the error
+        self._pending = None
+
+    def _record(self, user: Message, final: Finished) -> None:
+        self.history += [user, Message("assistant", [final.text])]
+
+
+class OmniLocal:
+    """The model, its engine and settings: one per process."""
+
+    def __init__(self, settings: Settings | None = None) -> None:
+        self.settings = settings or load_settings()
+        self.limits = MediaLimits.from_settings(self.settings)
+        self.loaded = load_model(self.settings)
+        self.engine = Engine(self.loaded, self.settings)
+
+    def session(self, system_prompt: str | None = None) -> Session:
+        return Session(self, system_prompt)
+
+    def sampling(self, **overrides: object) -> SamplingParams:
+        """Sampling parameters: the settings' defaults, with a request's own values on top."""
+        s = self.settings
+        values = dict(
+            max_new_tokens=s.max_new_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            repetition_penalty=s.repetition_penalty,
+        )
+        unknown = sorted(set(overrides) - {*values, "seed"})
+        if unknown:
+            raise RequestError(f"unknown sampling parameter '{unknown[0]}'")
+        values.update(overrides)
+        return SamplingParams(**values)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> "OmniLocal":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _image(item: ImageInput, limits: MediaLimits) -> Image.Image:
+    if isinstance(item, Image.Image):
+        return item.convert("RGB")
+    return load_image(item, limits)
+
+
+def _audio(item: AudioInput, limits: MediaLimits) -> np.ndarray:
+    if isinstance(item, np.ndarray):
+        check_duration("audio", item.size / SAMPLE_RATE, limits)
+        return item.astype(np.float32).reshape(-1)
+    return load_audio(item, limits)

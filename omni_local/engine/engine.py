@@ -1,0 +1,172 @@
+"""The engine: one worker thread owns the model; requests arrive from any thread.
+
+Each turn of the loop is schedule (admit waiting requests into free KV slots), run (one forward
+for one request: its prefill, or one decode step), postprocess (sample, stream, finish). Requests
+take turns step by step, so a long reply does not hold up a new question's first token.
+"""
+
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections import deque
+
+import torch
+
+from omni_local.engine.detokenizer import IncrementalDetokenizer
+from omni_local.engine.request import Failed, Finished, Request, StopReason, TextDelta, TokenCounts
+from omni_local.engine.sampling import Sampler, SamplingParams
+from omni_local.engine.thinker import ThinkerRunner
+from omni_local.errors import OmniLocalError, RequestError
+from omni_local.model.loader import LoadedModel, thinker_eos_token_ids
+from omni_local.prompts import Message, build_prompt
+from omni_local.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, settings: Settings) -> None:
+        self.loaded = loaded
+        self.settings = settings
+        self.runner = ThinkerRunner(loaded.model.thinker, settings.kv_slots, settings.max_context_tokens)
+        self.eos_ids = set(thinker_eos_token_ids(loaded))
+        self._inbox: "queue.Queue[Request | None]" = queue.Queue()
+        self._waiting: deque[Request] = deque()
+        self._running: deque[Request] = deque()
+        self._detokenizers: dict[int, tuple[IncrementalDetokenizer, list[str]]] = {}
+        self._worker = threading.Thread(target=self._loop, name="omni-engine", daemon=True)
+        self._worker.start()
+
+    def submit(self, messages: list[Message], params: SamplingParams) -> Request:
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        request = Request(messages=list(messages), params=params, seed=seed)
+        self._inbox.put(request)
+        return request
+
+    def close(self) -> None:
+        self._inbox.put(None)
+        self._worker.join(timeout=30)
+
+    # The worker thread ------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            if not self._take_inbox(block=not (self._waiting or self._running)):
+                return
+            self._admit()
+            if self._running:
+                request = self._running.popleft()
+                if self._step(request):
+                    self._running.append(request)
+
+    def _take_inbox(self, block: bool) -> bool:
+        """Move new requests to the waiting line; False once the engine is closing."""
+        try:
+            item = self._inbox.get(block=block)
+            while True:
+                if item is None:
+                    return False
+                self._waiting.append(item)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+
+    def _admit(self) -> None:
+        while self._waiting and self.runner.kv.free_slots:
+            request = self._waiting.popleft()
+            if request.cancelled.is_set():
+                self._finish(request, "cancelled")
+                continue
+            request.slot = self.runner.kv.allocate()
+            request.started_at = time.perf_counter()
+            self._running.append(request)
+
+    def _step(self, request: Request) -> bool:
+        """One forward for `request`; False once it has finished."""
+        if request.cancelled.is_set():
+            return self._finish(request, "cancelled")
+        try:
+            token = self._prefill(request) if request.prepared is None else self._decode(request)
+        except OmniLocalError as error:
+            return self._fail(request, str(error))
+        except torch.OutOfMemoryError:
+            if self.runner.device.type == "cuda":
+                torch.cuda.empty_cache()  # give back what the failed forward reserved
+            return self._fail(request, "out of memory: try a shorter conversation, a smaller image or clip")
+        except Exception as error:  # the engine must keep serving the other requests
+            log.exception("request failed")
+            return self._fail(request, f"internal error: {type(error).__name__}: {error}")
+        return self._accept(request, token)
+
+    def _prefill(self, request: Request) -> int:
+        prompt = build_prompt(request.messages, self.loaded.processor)
+        limit = self.settings.max_prompt_tokens
+        if prompt.num_tokens > limit:
+            raise RequestError(f"the prompt is {prompt.num_tokens} tokens, over the limit of {limit} (max_prompt_tokens)")
+        request.prepared = self.runner.prepare(prompt)
+        request.prompt_len = request.computed_len = prompt.num_tokens
+        room = self.settings.max_context_tokens - prompt.num_tokens
+        request.max_new_tokens = min(request.params.max_new_tokens, room)
+        request.seen_ids = prompt.input_ids[0].to(self.runner.device)
+        request.sampler = Sampler(request.params, request.seed, self.runner.device)
+        self._detokenizers[id(request)] = (IncrementalDetokenizer(self.loaded.processor.tokenizer), [])
+        logits = self.runner.prefill(request.slot, request.prepared)
+        return request.sampler.next_token(logits, request.seen_ids)
+
+    def _decode(self, request: Request) -> int:
+        last = request.output_ids[-1]
+        logits = self.runner.decode(request.slot, last, request.num_tokens - 1, request.prepared.rope_delta)
+        return request.sampler.next_token(logits, request.seen_ids)
+
+    def _accept(self, request: Request, token: int) -> bool:
+        if request.cancelled.is_set():
+            return self._finish(request, "cancelled")  # the token of the step the cancel overtook is dropped
+        if not request.output_ids:
+            request.first_token_at = time.perf_counter()
+        request.output_ids.append(token)
+        request.seen_ids = torch.cat([request.seen_ids, request.seen_ids.new_tensor([token])])
+        if token in self.eos_ids:
+            return self._finish(request, "end_of_turn")
+        detokenizer, sent = self._detokenizers[id(request)]
+        delta = detokenizer.push(token)
+        if delta:
+            sent.append(delta)
+            request.events.put(TextDelta(delta))
+        if len(request.output_ids) >= request.max_new_tokens:
+            return self._finish(request, "max_new_tokens" if request.max_new_tokens == request.params.max_new_tokens
+                                else "context_full")
+        return True
+
+    def _finish(self, request: Request, reason: StopReason) -> bool:
+        text = self._flush_text(request)
+        reply_ids = [t for t in request.output_ids if t not in self.eos_ids]
+        counts = TokenCounts(request.prompt_len, request.computed_len, len(reply_ids))
+        request.events.put(Finished(text, reply_ids, reason, counts, request.timings(), request.seed))
+        self._release(request)
+        return False
+
+    def _fail(self, request: Request, message: str) -> bool:
+        request.events.put(Failed(message))
+        self._release(request)
+        return False
+
+    def _release(self, request: Request) -> None:
+        self._detokenizers.pop(id(request), None)
+        if request.slot is not None:
+            self.runner.kv.release(request.slot)
+            request.slot = None
+        request.prepared = request.sampler = request.seen_ids = None
+
+    def _flush_text(self, request: Request) -> str:
+        """The final text; whatever the detokenizer held back goes out as a last delta."""
+        entry = self._detokenizers.get(id(request))
+        if entry is None:
+            return ""
+        detokenizer, sent = entry
+        sent_text, full = "".join(sent), detokenizer.text()
+        if full.startswith(sent_text) and len(full) > len(sent_text):
+            request.events.put(TextDelta(full[len(sent_text):]))
+            return full
+        return sent_text

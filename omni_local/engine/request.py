@@ -1,0 +1,90 @@
+"""A request's state as it passes through the engine, and the events it streams back."""
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from omni_local.engine.sampling import Sampler, SamplingParams
+from omni_local.engine.thinker import PreparedPrompt
+from omni_local.prompts import Message
+
+StopReason = Literal["end_of_turn", "max_new_tokens", "context_full", "cancelled"]
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class TokenCounts:
+    prompt: int  # tokens in the prompt
+    computed: int  # prompt tokens the Thinker had to compute (the rest came from a cache)
+    generated: int  # reply tokens
+
+
+@dataclass(frozen=True)
+class Timings:
+    queue_wait_s: float  # submit until the engine took the request
+    ttft_s: float  # submit until the first reply token
+    decode_tokens_per_s: float  # reply tokens after the first, per second
+
+
+@dataclass(frozen=True)
+class Finished:
+    text: str
+    token_ids: list[int]
+    stop_reason: StopReason
+    tokens: TokenCounts
+    timings: Timings
+    seed: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+
+
+Event = TextDelta | Finished | Failed
+
+
+@dataclass
+class Request:
+    """Created by the caller, then owned by the engine's worker thread until it finishes."""
+
+    messages: list[Message]
+    params: SamplingParams
+    seed: int
+    events: "queue.Queue[Event]" = field(default_factory=queue.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted_at: float = field(default_factory=time.perf_counter)
+    # Filled by the worker:
+    slot: int | None = None
+    prepared: PreparedPrompt | None = None
+    sampler: Sampler | None = None
+    prompt_len: int = 0
+    computed_len: int = 0
+    max_new_tokens: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    seen_ids: torch.Tensor | None = None  # prompt + reply ids, for the repetition penalty
+    started_at: float = 0.0
+    first_token_at: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the slot's KV once the last sampled token is computed."""
+        return self.prompt_len + len(self.output_ids)
+
+    def timings(self) -> Timings:
+        now = time.perf_counter()
+        decode_s = now - self.first_token_at
+        decoded = len(self.output_ids) - 1
+        return Timings(
+            queue_wait_s=self.started_at - self.submitted_at,
+            ttft_s=(self.first_token_at or now) - self.submitted_at,
+            decode_tokens_per_s=decoded / decode_s if decoded > 0 and decode_s > 0 else 0.0,
+        )

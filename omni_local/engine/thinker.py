@@ -1,0 +1,130 @@
+"""The Thinker's forward, run by us over KV we own.
+
+transformers' modules do the maths (embedding, encoders, decoder layers, lm_head); this file
+decides what runs when: encoders once per prompt, a prefill over the prompt's tokens, then one
+decode step per token, each writing its keys and values into the request's slot of the KVStore.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from omni_local.engine.kv_store import KVShape, KVStore
+from omni_local.prompts import Prompt
+
+
+@dataclass
+class PreparedPrompt:
+    """A prompt's embeddings and 3D positions, ready to prefill (tensors on the model's device)."""
+
+    input_ids: torch.Tensor  # [1, L]
+    embeds: torch.Tensor  # [1, L, hidden]
+    positions: torch.Tensor  # [3, 1, L]
+    rope_delta: int  # position of token t after the prompt is t + rope_delta
+    visual_mask: torch.Tensor | None  # [1, L], where deepstack features are added
+    deepstack: list[torch.Tensor] | None  # one [visual tokens, hidden] per deepstack layer
+
+
+class ThinkerRunner:
+    def __init__(self, thinker: torch.nn.Module, slots: int, max_tokens: int) -> None:
+        self.thinker = thinker
+        self.model = thinker.model  # Qwen3OmniMoeThinkerModel: .visual, .audio_tower, .language_model
+        self.text = self.model.language_model
+        config = self.text.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        shape = KVShape(config.num_hidden_layers, config.num_key_value_heads, head_dim, slots, max_tokens)
+        self.device = thinker.lm_head.weight.device
+        self.dtype = thinker.lm_head.weight.dtype
+        self.kv = KVStore(shape, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def prepare(self, prompt: Prompt) -> PreparedPrompt:
+        """Run the encoders and place their outputs into the prompt's embeddings."""
+        ids = prompt.input_ids.to(self.device)
+        embeds = self.model.get_input_embeddings()(ids)
+        if prompt.input_features is not None:
+            embeds = self._scatter_audio(ids, embeds, prompt)
+        visual_mask, deepstack = None, None
+        if prompt.pixel_values is not None:
+            embeds, visual_mask, deepstack = self._scatter_images(ids, embeds, prompt)
+        positions, deltas = self.model.get_rope_index(
+            ids,
+            image_grid_thw=_to(prompt.image_grid_thw, self.device),
+            attention_mask=torch.ones_like(ids),
+            audio_seqlens=_to(prompt.audio_feature_lengths, self.device),
+        )
+        return PreparedPrompt(ids, embeds, positions, int(deltas.reshape(-1)[0]), visual_mask, deepstack)
+
+    def _scatter_audio(self, ids: torch.Tensor, embeds: torch.Tensor, prompt: Prompt) -> torch.Tensor:
+        features = prompt.input_features.to(self.device, self.model.audio_tower.dtype)
+        mask = prompt.feature_attention_mask.to(self.device)
+        audio = self.model.get_audio_features(features, mask).last_hidden_state
+        placeholders = (ids == self.model.config.audio_token_id).unsqueeze(-1)
+        return embeds.masked_scatter(placeholders, audio.to(embeds.dtype))
+
+    def _scatter_images(self, ids: torch.Tensor, embeds: torch.Tensor, prompt: Prompt):
+        pixels = prompt.pixel_values.to(self.device)
+        grid = prompt.image_grid_thw.to(self.device)
+        vision = self.model.get_image_features(pixels, grid)
+        merged = torch.cat(vision.pooler_output).to(embeds.dtype)
+        visual_mask = ids == self.model.config.image_token_id
+        embeds = embeds.masked_scatter(visual_mask.unsqueeze(-1), merged)
+        deepstack = [torch.cat(level).to(embeds.dtype) for level in vision.deepstack_features]
+        return embeds, visual_mask, deepstack
+
+    @torch.inference_mode()
+    def prefill(self, slot: int, prepared: PreparedPrompt) -> torch.Tensor:
+        """Compute the whole prompt into an empty slot; returns the last token's logits [vocab]."""
+        return self._forward(slot, 0, prepared.embeds, prepared.positions, prepared.visual_mask, prepared.deepstack)
+
+    @torch.inference_mode()
+    def decode(self, slot: int, token: int, index: int, rope_delta: int) -> torch.Tensor:
+        """Compute token `token` at sequence index `index` of the slot; returns its logits [vocab]."""
+        ids = torch.tensor([[token]], device=self.device)
+        embeds = self.model.get_input_embeddings()(ids)
+        positions = torch.full((3, 1, 1), index + rope_delta, device=self.device, dtype=torch.long)
+        return self._forward(slot, index, embeds, positions, None, None)
+
+    def _forward(
+        self,
+        slot: int,
+        start: int,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        visual_mask: torch.Tensor | None,
+        deepstack: list[torch.Tensor] | None,
+    ) -> torch.Tensor:
+        cache = self.kv.view(slot, start)
+        hidden = embeds
+        rotary = self.text.rotary_emb(hidden, positions)
+        mask = _causal_mask(self.text.config._attn_implementation, start, hidden.shape[1], hidden)
+        for index, layer in enumerate(self.text.layers):
+            hidden = layer(hidden, attention_mask=mask, cache=cache, position_embeddings=rotary)
+            # DeepStack: the vision encoder's intermediate features join the first decoder layers.
+            if deepstack is not None and index < len(deepstack):
+                hidden = self.text._deepstack_process(hidden, visual_mask, deepstack[index])
+        last = self.text.norm(hidden[:, -1:])
+        return self.thinker.lm_head(last)[0, -1].float()
+
+
+def _causal_mask(implementation: str, start: int, length: int, like: torch.Tensor) -> torch.Tensor | None:
+    """The mask for `length` new tokens after `start` cached ones, in the form each kernel wants.
+
+    SDPA and flash attention apply the causal rule themselves where it is right (an empty prefix,
+    or one new token; flash aligns it bottom-right, so a tail on a prefix too). Passing None there,
+    as transformers does, keeps our logits bit-identical to its own.
+    """
+    if length == 1 or implementation == "flash_attention_2" or (start == 0 and implementation == "sdpa"):
+        return None
+    rows = torch.arange(length, device=like.device)[:, None] + start
+    cols = torch.arange(start + length, device=like.device)[None, :]
+    allowed = (cols <= rows)[None, None]
+    if implementation == "sdpa":
+        return allowed
+    # eager attention adds the mask to the scores
+    blocked = torch.finfo(like.dtype).min
+    return torch.zeros(allowed.shape, dtype=like.dtype, device=like.device).masked_fill(~allowed, blocked)
+
+
+def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if tensor is None else tensor.to(device)

@@ -1,0 +1,136 @@
+"""How the engine serves requests: sampling, streaming, cancellation, failures, several at once."""
+
+import threading
+
+import pytest
+import torch
+
+from omni_local.api import OmniLocal
+from omni_local.engine.request import Finished, TextDelta
+from omni_local.errors import RequestError
+
+QUESTION = "Tell me a story about a lighthouse keeper."
+
+
+@pytest.fixture
+def gated_decode(app: OmniLocal, monkeypatch):
+    """Replace the runner's decode with one that calls `gate(step)` before each decode step."""
+
+    def install(gate):
+        original = app.engine.runner.decode
+        calls = []
+
+        def decode(*args, **kwargs):
+            calls.append(args)
+            gate(len(calls))
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(app.engine.runner, "decode", decode)
+        return calls
+
+    return install
+
+
+def test_sampling_with_a_seed_is_reproducible_and_seeds_differ(app):
+    def sample(seed: int) -> list[int]:
+        reply = app.session().send(QUESTION, temperature=1.0, top_p=0.95, top_k=50, max_new_tokens=16, seed=seed)
+        return reply.result().token_ids
+
+    first, again, other = sample(1), sample(1), sample(2)
+    assert first == again
+    assert first != other
+
+
+def test_the_seed_of_a_sampled_reply_is_reported_and_reproduces_it(app):
+    final = app.session().send(QUESTION, temperature=0.8, max_new_tokens=12).result()
+    again = app.session().send(QUESTION, temperature=0.8, max_new_tokens=12, seed=final.seed).result()
+    assert again.token_ids == final.token_ids
+
+
+def test_text_deltas_arrive_before_the_request_ends(app, gated_decode):
+    first_delta_seen = threading.Event()
+    waited = []
+    # The second decode step waits until the caller holds a delta: a reply that only arrived at
+    # the end would make this wait time out.
+    gated_decode(lambda step: waited.append(first_delta_seen.wait(timeout=20)) if step == 2 else None)
+    deltas = []
+    final = None
+    for event in app.session().send(QUESTION, max_new_tokens=12):
+        if isinstance(event, TextDelta):
+            deltas.append(event.text)
+            first_delta_seen.set()
+        else:
+            final = event
+    assert waited == [True]
+    assert final.tokens.generated == 12
+    assert "".join(deltas) == final.text
+
+
+def test_a_request_cancelled_after_three_tokens_yields_no_more_and_the_next_is_served(app, gated_decode):
+    replies = []
+
+    def cancel_before_the_fourth_token(step: int) -> None:
+        if step == 3:  # the prefill made token 1, decode steps 1 and 2 tokens 2 and 3
+            replies[0].cancel()
+
+    calls = gated_decode(cancel_before_the_fourth_token)
+    replies.append(app.session().send(QUESTION, max_new_tokens=50))
+    events = list(replies[0])
+    final = events[-1]
+    assert isinstance(final, Finished) and final.stop_reason == "cancelled"
+    assert final.tokens.generated == 3
+    assert len(calls) == 3  # the step under way finished; no other forward ran
+    assert "".join(e.text for e in events[:-1]) == final.text
+    assert app.engine.runner.kv.free_slots == app.settings.kv_slots
+    assert app.session().send(QUESTION, max_new_tokens=5).result().tokens.generated == 5
+
+
+def test_a_prompt_over_the_limit_fails_with_a_clear_error_and_the_engine_serves_on(demo_settings):
+    with OmniLocal(demo_settings.replace(max_prompt_tokens=40, kv_slots=1)) as app:
+        with pytest.raises(RequestError, match=r"the prompt is \d+ tokens, over the limit of 40 \(max_prompt_tokens\)"):
+            app.session().send("word " * 100).result()
+        assert app.session().send("Hi", max_new_tokens=3).result().tokens.generated == 3
+
+
+def test_out_of_memory_fails_only_that_request(app, monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    original = app.engine.runner.prefill
+    monkeypatch.setattr(app.engine.runner, "prefill", out_of_memory)
+    with pytest.raises(RequestError, match="out of memory"):
+        app.session().send(QUESTION).result()
+    monkeypatch.setattr(app.engine.runner, "prefill", original)
+    assert app.session().send(QUESTION, max_new_tokens=4).result().tokens.generated == 4
+    assert app.engine.runner.kv.free_slots == app.settings.kv_slots  # the failed request gave its slot back
+
+
+def test_requests_from_several_threads_are_all_served_and_match_their_lone_answers(app):
+    alone = app.session().send(QUESTION, max_new_tokens=10).result().token_ids
+    results = [None] * 6
+
+    def ask(i: int) -> None:
+        results[i] = app.session().send(QUESTION, max_new_tokens=10).result().token_ids
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]  # more requests than KV slots
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert results == [alone] * 6
+
+
+def test_the_final_event_counts_tokens_and_times_the_request(app):
+    final = app.session().send(QUESTION, max_new_tokens=8).result()
+    assert final.tokens.prompt == final.tokens.computed > 0
+    assert final.tokens.generated == len(final.token_ids) == 8
+    assert final.stop_reason == "max_new_tokens"
+    assert 0 <= final.timings.queue_wait_s <= final.timings.ttft_s
+    assert final.timings.decode_tokens_per_s > 0
+
+
+def test_bad_sampling_values_are_refused_before_anything_runs(app):
+    with pytest.raises(RequestError, match="top_p must be in"):
+        app.session().send(QUESTION, top_p=0)
+    with pytest.raises(RequestError, match="unknown sampling parameter 'temprature'"):
+        app.session().send(QUESTION, temprature=1.0)

@@ -1,0 +1,73 @@
+"""The engine's own Thinker loop gives exactly the tokens of transformers' `thinker.generate`."""
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from omni_local.api import OmniLocal
+from omni_local.prompts import Message, build_prompt
+
+NEW_TOKENS = 24
+
+
+def reference_tokens(app: OmniLocal, messages: list[Message]) -> list[int]:
+    """Greedy tokens from transformers' own generate, cut at (and without) the end of turn."""
+    prompt = build_prompt(messages, app.loaded.processor)
+    with torch.inference_mode():
+        output = app.loaded.model.thinker.generate(
+            **prompt.model_inputs(), max_new_tokens=NEW_TOKENS, do_sample=False
+        )
+    tokens = output[0, prompt.num_tokens :].tolist()
+    eos = set(app.engine.eos_ids)
+    for i, token in enumerate(tokens):
+        if token in eos:
+            return tokens[:i]
+    return tokens
+
+
+def picture(seed: int, size: tuple[int, int] = (160, 120)) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def clip(seed: int, seconds: float = 2.0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(int(16_000 * seconds)) * 0.1).astype(np.float32)
+
+
+CASES = {
+    "text": lambda: ["Tell me a story about a lighthouse keeper."],
+    "image": lambda: [picture(1), "What is in this picture?"],
+    "audio": lambda: [clip(2), "What did you hear?"],
+    "image and audio": lambda: [picture(3, (224, 224)), clip(4, 3.0), "Describe both."],
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_single_turn_matches_transformers_generate(app, case):
+    parts = CASES[case]()
+    system = Message("system", ["You are a helpful assistant."])
+    session = app.session(system_prompt="You are a helpful assistant.")
+    final = session.send(
+        text=parts[-1],
+        images=[p for p in parts if isinstance(p, Image.Image)],
+        audio=[p for p in parts if isinstance(p, np.ndarray)],
+        max_new_tokens=NEW_TOKENS,
+    ).result()
+    assert final.token_ids == reference_tokens(app, [system, Message("user", parts)])
+    assert final.token_ids, "the reply must not be empty, or the comparison proves little"
+
+
+def test_a_three_turn_conversation_matches_transformers_generate_at_every_turn(app):
+    session = app.session(system_prompt="You answer in one sentence.")
+    turns = [
+        {"text": "Look at this.", "images": [picture(5)]},
+        {"text": "And listen to this.", "audio": [clip(6, 1.5)]},
+        {"text": "Which did you like more?"},
+    ]
+    for turn in turns:
+        before = list(session.history)
+        user = Message("user", [*turn.get("images", []), *turn.get("audio", []), turn["text"]])
+        final = session.send(**turn, max_new_tokens=NEW_TOKENS).result()
+        assert final.token_ids == reference_tokens(app, [*before, user])
+    assert [m.role for m in session.history] == ["system"] + ["user", "assistant"] * 3
