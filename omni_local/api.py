@@ -26,7 +26,7 @@ from omni_local.engine.request import Failed, Finished, Request, TextDelta
 from omni_local.engine.sampling import SamplingParams
 from omni_local.errors import OmniLocalError, RequestError
 from omni_local.media import SAMPLE_RATE, MediaLimits, check_duration, load_audio, load_image
-from omni_local.model.loader import load_model
+from omni_local.model.loader import LoadedModel, load_model
 from omni_local.prompts import Message, Part
 from omni_local.settings import Settings, load_settings
 
@@ -123,10 +123,12 @@ class Session:
 class OmniLocal:
     """The model, its engine and settings: one per process."""
 
-    def __init__(self, settings: Settings | None = None) -> None:
+    def __init__(self, settings: Settings | None = None, loaded: LoadedModel | None = None) -> None:
+        """`loaded`: a model already in memory (the benchmark's random full-size weights); by
+        default the checkpoint the settings name is loaded."""
         self.settings = settings or load_settings()
         self.limits = MediaLimits.from_settings(self.settings)
-        self.loaded = load_model(self.settings)
+        self.loaded = loaded or load_model(self.settings)
         self.engine = Engine(self.loaded, self.settings)
 
     def session(self, system_prompt: str | None = None) -> Session:

@@ -54,6 +54,14 @@ def load_model(settings: Settings) -> LoadedModel:
     return LoadedModel(model=model, processor=processor, path=path, device=device, dtype=dtype)
 
 
+def quiet_library_logs() -> None:
+    """For the CLI and the UI: transformers' load-time notes and progress bars are not for users."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+
+
 def thinker_eos_token_ids(loaded: LoadedModel) -> list[int]:
     """The ids that end a Thinker reply: end of turn, then end of text."""
     return _token_ids(loaded.processor, _END_OF_TURN_TOKENS)

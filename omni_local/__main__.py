@@ -1,0 +1,5 @@
+import sys
+
+from omni_local.cli import main
+
+sys.exit(main())

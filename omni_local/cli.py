@@ -1,0 +1,111 @@
+"""Command line: `ask` one question, or `chat` in the terminal.
+
+    python -m omni_local ask "What is this?" --image cat.png [--audio q.wav] [--system ...] [--json]
+    python -m omni_local chat [--system ...]
+
+Any setting can be overridden (`--max-new-tokens 64`, `--model /path/to/checkpoint`). A bad file or
+setting ends with one line naming it and exit status 2, never a traceback.
+"""
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from omni_local.api import OmniLocal, Reply, Session
+from omni_local.engine.request import Finished, TextDelta
+from omni_local.errors import OmniLocalError
+from omni_local.model.loader import quiet_library_logs
+from omni_local.settings import add_settings_arguments, settings_from_arguments
+
+EXIT_BAD_INPUT = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m omni_local", description="Qwen3-Omni on your own machine")
+    commands = parser.add_subparsers(dest="command", required=True)
+    ask = commands.add_parser("ask", help="ask one question and stream the reply")
+    ask.add_argument("question", help="the question's text")
+    ask.add_argument("--image", type=Path, action="append", default=[], help="an image file (repeatable)")
+    ask.add_argument("--audio", type=Path, action="append", default=[], help="an audio file (repeatable)")
+    ask.add_argument("--json", action="store_true", help="print only the final event, as one JSON object")
+    chat = commands.add_parser("chat", help="a multi-turn conversation in the terminal")
+    for sub in (ask, chat):
+        sub.add_argument("--system", default=None, help="system prompt")
+        sub.add_argument("--seed", type=int, default=None, help="random seed for sampled replies")
+        add_settings_arguments(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    quiet_library_logs()
+    try:
+        settings = settings_from_arguments(args)
+        with OmniLocal(settings) as app:
+            session = app.session(system_prompt=args.system)
+            if args.command == "ask":
+                return _ask(session, args)
+            return _chat(session, args)
+    except OmniLocalError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+def _ask(session: Session, args: argparse.Namespace) -> int:
+    reply = session.send(args.question, images=args.image, audio=args.audio, seed=args.seed)
+    final = _stream(reply, show_text=not args.json)
+    if args.json:
+        print(json.dumps(dataclasses.asdict(final)))
+    return 0
+
+
+def _chat(session: Session, args: argparse.Namespace) -> int:
+    print("Type a message; '/image PATH' or '/audio PATH' attaches a file to the next one; Ctrl-D quits.")
+    images: list[Path] = []
+    audio: list[Path] = []
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            print()
+            return 0
+        if line.startswith(("/image ", "/audio ")):
+            (images if line.startswith("/image") else audio).append(Path(line.split(" ", 1)[1].strip()))
+            continue
+        if not line and not images and not audio:
+            continue
+        try:
+            reply = session.send(line, images=images, audio=audio, seed=args.seed)
+            _stream(reply, show_text=True)
+        except OmniLocalError as error:
+            print(f"error: {error}", file=sys.stderr)  # the conversation goes on
+        images, audio = [], []
+
+
+def _stream(reply: Reply, show_text: bool) -> Finished:
+    """Print deltas as they come; Ctrl-C cancels the reply instead of killing the program."""
+    final = None
+    try:
+        for event in reply:
+            if isinstance(event, TextDelta) and show_text:
+                print(event.text, end="", flush=True)
+            elif isinstance(event, Finished):
+                final = event
+    except KeyboardInterrupt:
+        reply.cancel()
+        final = reply.result()
+    if show_text:
+        print()
+        print(timings_line(final))
+    return final
+
+
+def timings_line(final: Finished) -> str:
+    t, n = final.timings, final.tokens
+    return (
+        f"[{n.prompt} prompt tokens, {n.computed} computed, {n.generated} generated | "
+        f"queue {t.queue_wait_s * 1000:.1f} ms, TTFT {t.ttft_s * 1000:.1f} ms, "
+        f"{t.decode_tokens_per_s:.1f} tokens/s | {final.stop_reason}]"
+    )

@@ -1,0 +1,39 @@
+"""Bad uploads, made on the spot, with the words their error must contain (API, CLI and UI tests)."""
+
+import io
+from pathlib import Path
+
+import numpy as np
+import soundfile
+from PIL import Image
+
+# Limits low enough that small files break them (the tests launch the app with these).
+MAX_IMAGE_PIXELS = 100_000
+MAX_AUDIO_SECONDS = 2.0
+
+
+def write_bad_files(folder: Path) -> dict[str, tuple[Path, str]]:
+    """name -> (file, a phrase its error message must hold)."""
+    png = io.BytesIO()
+    noise = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(png, format="PNG")  # noise, so the file is long enough to cut
+    files = {
+        "truncated png": ("cut.png", png.getvalue()[:200], "cut.png: the file is truncated or corrupt"),
+        "text named wav": ("notes.wav", b"just some text, not sound\n" * 20, "notes.wav: not an audio file"),
+        "zero-byte file": ("empty.png", b"", "empty.png: the file is empty"),
+    }
+    made = {}
+    for case, (name, data, phrase) in files.items():
+        (folder / name).write_bytes(data)
+        made[case] = (folder / name, phrase)
+    Image.new("RGB", (400, 400), (0, 90, 200)).save(folder / "huge.png")
+    made["image over the pixel limit"] = (folder / "huge.png", "huge.png: 400×400 pixels is over the limit")
+    soundfile.write(folder / "long.wav", np.zeros(16_000 * 3, dtype=np.float32), 16_000)
+    made["clip over the length limit"] = (folder / "long.wav", "long.wav: 3.0 s is over the limit of 2 s")
+    return made
+
+
+def good_image(folder: Path) -> Path:
+    path = folder / "good.png"
+    Image.new("RGB", (96, 64), (20, 160, 90)).save(path)
+    return path

@@ -1,0 +1,48 @@
+"""Bad input through the Python API: a clear error naming the problem, then the engine serves on."""
+
+import pytest
+
+from bad_files import MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS, good_image, write_bad_files
+from omni_local.api import OmniLocal
+from omni_local.errors import MediaError, SettingsError
+from omni_local.settings import load_settings
+
+
+@pytest.fixture(scope="module")
+def strict_app(demo_settings, demo_checkpoint):
+    settings = demo_settings.replace(max_image_pixels=MAX_IMAGE_PIXELS, max_audio_seconds=MAX_AUDIO_SECONDS)
+    with OmniLocal(settings) as app:
+        yield app
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory):
+    return write_bad_files(tmp_path_factory.mktemp("bad"))
+
+
+CASES = ["truncated png", "text named wav", "zero-byte file", "image over the pixel limit", "clip over the length limit"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_bad_upload_is_a_clear_error_and_the_session_serves_on(strict_app, bad_files, tmp_path, case):
+    path, phrase = bad_files[case]
+    session = strict_app.session(system_prompt="Be brief.")
+    kind = "audio" if path.suffix == ".wav" else "images"
+    with pytest.raises(MediaError, match=phrase.replace("(", r"\(")):
+        session.send("What is this?", **{kind: [path]})
+    assert [m.role for m in session.history] == ["system"]  # nothing half-sent was kept
+    final = session.send("What is this?", images=[good_image(tmp_path)], max_new_tokens=4).result()
+    assert final.tokens.generated > 0 or final.stop_reason == "end_of_turn"
+    assert len(session.history) == 3
+
+
+def test_an_unknown_settings_key_is_a_clear_error(tmp_path):
+    path = tmp_path / "settings.toml"
+    path.write_text("[engine]\nturbo = true\n")
+    with pytest.raises(SettingsError, match="unknown setting 'engine.turbo'"):
+        load_settings(path)
+
+
+def test_an_empty_message_is_refused(app):
+    with pytest.raises(Exception, match="the message is empty"):
+        app.session().send("")

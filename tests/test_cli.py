@@ -1,0 +1,81 @@
+"""The command line: `ask` streams and ends with timings; bad input is one line and exit status 2."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bad_files import MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS, good_image, write_bad_files
+from omni_local.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def flags(demo_settings, demo_checkpoint) -> list[str]:
+    """Settings flags that point the CLI at the tests' demo model, with low media limits."""
+    return [
+        "--demo-dir", str(demo_settings.demo_path), "--cache-dir", demo_settings.cache_dir, "--device", "cpu",
+        "--max-image-pixels", str(MAX_IMAGE_PIXELS), "--max-audio-seconds", str(MAX_AUDIO_SECONDS),
+    ]
+
+
+def test_ask_streams_the_reply_then_a_timings_line(flags, tmp_path, capsys):
+    status = main(["ask", "Tell me a story.", "--image", str(good_image(tmp_path)), "--max-new-tokens", "6", *flags])
+    lines = capsys.readouterr().out.rstrip("\n").split("\n")
+    assert status == 0
+    assert lines[-1].startswith("[") and "prompt tokens" in lines[-1] and "TTFT" in lines[-1]
+    assert "6 generated" in lines[-1] or "end_of_turn" in lines[-1]
+
+
+def test_ask_json_prints_the_final_event_as_one_object(flags, capsys):
+    status = main(["ask", "Hello there", "--json", "--max-new-tokens", "5", "--seed", "3", *flags])
+    final = json.loads(capsys.readouterr().out)
+    assert status == 0
+    assert final["seed"] == 3
+    assert final["tokens"]["generated"] == len(final["token_ids"])
+    assert set(final["timings"]) == {"queue_wait_s", "ttft_s", "decode_tokens_per_s"}
+
+
+@pytest.mark.parametrize(
+    "case", ["truncated png", "text named wav", "zero-byte file", "image over the pixel limit", "clip over the length limit"]
+)
+def test_a_bad_file_ends_with_one_line_naming_it_and_status_2(flags, tmp_path, capsys, case):
+    path, phrase = write_bad_files(tmp_path)[case]
+    kind = "--audio" if path.suffix == ".wav" else "--image"
+    status = main(["ask", "What is this?", kind, str(path), *flags])
+    err = capsys.readouterr().err.strip()
+    assert status == 2
+    assert err.startswith("error: ") and phrase in err and "\n" not in err
+
+
+def test_an_unknown_settings_key_ends_with_one_line_and_status_2(flags, tmp_path, capsys):
+    settings_file = tmp_path / "settings.toml"
+    settings_file.write_text("[engine]\nturbo = true\n")
+    status = main(["ask", "Hi", "--settings", str(settings_file), *flags])
+    assert status == 2
+    assert capsys.readouterr().err.strip() == f"error: {settings_file}: unknown setting 'engine.turbo'"
+
+
+def test_a_real_process_prints_no_traceback_for_a_bad_file(flags, tmp_path):
+    path, phrase = write_bad_files(tmp_path)["truncated png"]
+    done = subprocess.run(
+        [sys.executable, "-m", "omni_local", "ask", "What?", "--image", str(path), *flags],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [f"error: {phrase} (not a readable image)"]
+
+
+def test_chat_holds_a_conversation_with_attachments_and_survives_a_bad_file(flags, tmp_path):
+    bad, _ = write_bad_files(tmp_path)["zero-byte file"]
+    script = f"Hello\n/image {bad}\nWhat about this?\n/image {good_image(tmp_path)}\nAnd this?\n"
+    done = subprocess.run(
+        [sys.executable, "-m", "omni_local", "chat", "--max-new-tokens", "4", *flags],
+        cwd=REPO, input=script, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0
+    assert done.stdout.count("prompt tokens") == 2  # the good turns got replies
+    assert "empty.png: the file is empty" in done.stderr
