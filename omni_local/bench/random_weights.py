@@ -1,0 +1,53 @@
+"""Qwen3-Omni at its real dimensions with random weights: how full-size speed is measured here.
+
+No real checkpoint can be downloaded on our machines, and timings do not depend on weight values.
+The token ids of the config are mapped onto the demo model's tokenizer, so the demo's processor
+(same patch, merge and mel settings as the real one) builds the prompts.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
+
+from omni_local.model.demo import ensure_demo_checkpoint
+from omni_local.model.loader import LoadedModel, resolve_device, resolve_dtype
+from omni_local.model.workarounds import apply_workarounds, init_talker_experts, load_processor
+from omni_local.settings import Settings
+
+# config field -> the demo tokenizer's token
+_THINKER_TOKENS = {
+    "image_token_id": "<|image_pad|>",
+    "video_token_id": "<|video_pad|>",
+    "audio_token_id": "<|audio_pad|>",
+    "vision_start_token_id": "<|vision_start|>",
+    "vision_end_token_id": "<|vision_end|>",
+    "audio_start_token_id": "<|audio_start|>",
+    "audio_end_token_id": "<|audio_end|>",
+}
+
+
+def load_random_weights(config_path: Path, settings: Settings) -> LoadedModel:
+    demo = ensure_demo_checkpoint(settings.demo_path)
+    processor = load_processor(demo)
+    device = resolve_device(settings.device)
+    dtype = resolve_dtype(settings.dtype, device)
+    config = Qwen3OmniMoeConfig(**_remapped(json.loads(Path(config_path).read_text()), processor.tokenizer))
+    config.enable_audio_output = settings.speech
+    with torch.device(device):
+        model = Qwen3OmniMoeForConditionalGeneration._from_config(
+            config, dtype=dtype, attn_implementation=settings.attn_implementation
+        )
+    if settings.speech:
+        init_talker_experts(model, config.initializer_range)
+    end_of_turn = [processor.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    apply_workarounds(model, end_of_turn, processor.tokenizer.pad_token_id)
+    return LoadedModel(model=model.eval(), processor=processor, path=Path(config_path), device=device, dtype=dtype)
+
+
+def _remapped(config: dict, tokenizer) -> dict:
+    ids = {field: tokenizer.convert_tokens_to_ids(token) for field, token in _THINKER_TOKENS.items()}
+    thinker = {**config["thinker_config"], **ids}
+    talker = {**config["talker_config"], **{k: v for k, v in ids.items() if k in config["talker_config"]}}
+    return {**config, "thinker_config": thinker, "talker_config": talker}
