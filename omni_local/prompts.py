@@ -7,6 +7,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from omni_local.errors import RequestError
+
 Role = Literal["system", "user", "assistant"]
 Part = str | Image.Image | np.ndarray  # text, an RGB image, or 16 kHz mono float32 samples
 
@@ -78,13 +80,10 @@ def build_prompt(messages: list[Message], processor: Any) -> Prompt:
     text = render_conversation(messages, processor)
     images = [image for m in messages for image in m.images()]
     audios = [clip for m in messages for clip in m.audios()]
-    encoded = processor(
-        text=[text],
-        images=images or None,
-        audio=audios or None,
-        return_tensors="pt",
-        padding=False,
-    )
+    try:
+        encoded = processor(text=[text], images=images or None, audio=audios or None, return_tensors="pt")
+    except ValueError as error:  # e.g. an image too thin to cut into patches
+        raise RequestError(f"this input cannot be prepared for the model: {error}") from None
     return Prompt(
         input_ids=encoded["input_ids"],
         pixel_values=encoded.get("pixel_values"),

@@ -71,3 +71,15 @@ def test_a_three_turn_conversation_matches_transformers_generate_at_every_turn(a
         final = session.send(**turn, max_new_tokens=NEW_TOKENS).result()
         assert final.token_ids == reference_tokens(app, [*before, user])
     assert [m.role for m in session.history] == ["system"] + ["user", "assistant"] * 3
+
+
+def test_greedy_with_a_repetition_penalty_matches_transformers_generate(app):
+    messages = [Message("user", ["Tell me a story about a lighthouse keeper."])]
+    prompt = build_prompt(messages, app.loaded.processor)
+    with torch.inference_mode():
+        output = app.loaded.model.thinker.generate(
+            **prompt.model_inputs(), max_new_tokens=NEW_TOKENS, do_sample=False, repetition_penalty=1.3
+        )
+    expected = [t for t in output[0, prompt.num_tokens :].tolist() if t not in app.engine.eos_ids]
+    final = app.session().send(messages[0].text, max_new_tokens=NEW_TOKENS, repetition_penalty=1.3).result()
+    assert final.token_ids == expected

@@ -35,7 +35,6 @@ class Engine:
         self._inbox: "queue.Queue[Request | None]" = queue.Queue()
         self._waiting: deque[Request] = deque()
         self._running: deque[Request] = deque()
-        self._detokenizers: dict[int, tuple[IncrementalDetokenizer, list[str]]] = {}
         self._worker = threading.Thread(target=self._loop, name="omni-engine", daemon=True)
         self._worker.start()
 
@@ -109,16 +108,15 @@ class Engine:
         request.prompt_len = request.computed_len = prompt.num_tokens
         room = self.settings.max_context_tokens - prompt.num_tokens
         request.max_new_tokens = min(request.params.max_new_tokens, room)
-        request.seen_ids = prompt.input_ids[0].to(self.runner.device)
-        request.sampler = Sampler(request.params, request.seed, self.runner.device)
-        self._detokenizers[id(request)] = (IncrementalDetokenizer(self.loaded.processor.tokenizer), [])
+        request.sampler = Sampler(request.params, request.seed, prompt.input_ids[0].to(self.runner.device))
+        request.detokenizer = IncrementalDetokenizer(self.loaded.processor.tokenizer)
         logits = self.runner.prefill(request.slot, request.prepared)
-        return request.sampler.next_token(logits, request.seen_ids)
+        return request.sampler.next_token(logits)
 
     def _decode(self, request: Request) -> int:
         last = request.output_ids[-1]
         logits = self.runner.decode(request.slot, last, request.num_tokens - 1, request.prepared.rope_delta)
-        return request.sampler.next_token(logits, request.seen_ids)
+        return request.sampler.next_token(logits)
 
     def _accept(self, request: Request, token: int) -> bool:
         if request.cancelled.is_set():
@@ -126,24 +124,27 @@ class Engine:
         if not request.output_ids:
             request.first_token_at = time.perf_counter()
         request.output_ids.append(token)
-        request.seen_ids = torch.cat([request.seen_ids, request.seen_ids.new_tensor([token])])
         if token in self.eos_ids:
             return self._finish(request, "end_of_turn")
-        detokenizer, sent = self._detokenizers[id(request)]
-        delta = detokenizer.push(token)
-        if delta:
-            sent.append(delta)
-            request.events.put(TextDelta(delta))
+        self._stream(request, request.detokenizer.push(token))
         if len(request.output_ids) >= request.max_new_tokens:
             return self._finish(request, "max_new_tokens" if request.max_new_tokens == request.params.max_new_tokens
                                 else "context_full")
         return True
 
+    def _stream(self, request: Request, delta: str) -> None:
+        if delta:
+            request.streamed += delta
+            request.events.put(TextDelta(delta))
+
     def _finish(self, request: Request, reason: StopReason) -> bool:
-        text = self._flush_text(request)
+        if request.detokenizer is not None:  # what it held back (an unfinished character) goes out now
+            full = request.detokenizer.text()
+            if full.startswith(request.streamed):
+                self._stream(request, full[len(request.streamed):])
         reply_ids = [t for t in request.output_ids if t not in self.eos_ids]
         counts = TokenCounts(request.prompt_len, request.computed_len, len(reply_ids))
-        request.events.put(Finished(text, reply_ids, reason, counts, request.timings(), request.seed))
+        request.events.put(Finished(request.streamed, reply_ids, reason, counts, request.timings(), request.seed))
         self._release(request)
         return False
 
@@ -153,20 +154,7 @@ class Engine:
         return False
 
     def _release(self, request: Request) -> None:
-        self._detokenizers.pop(id(request), None)
         if request.slot is not None:
             self.runner.kv.release(request.slot)
             request.slot = None
-        request.prepared = request.sampler = request.seen_ids = None
-
-    def _flush_text(self, request: Request) -> str:
-        """The final text; whatever the detokenizer held back goes out as a last delta."""
-        entry = self._detokenizers.get(id(request))
-        if entry is None:
-            return ""
-        detokenizer, sent = entry
-        sent_text, full = "".join(sent), detokenizer.text()
-        if full.startswith(sent_text) and len(full) > len(sent_text):
-            request.events.put(TextDelta(full[len(sent_text):]))
-            return full
-        return sent_text
+        request.prepared = request.sampler = request.detokenizer = None  # tensors and state go now

@@ -6,8 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-import torch
-
+from omni_local.engine.detokenizer import IncrementalDetokenizer
 from omni_local.engine.sampling import Sampler, SamplingParams
 from omni_local.engine.thinker import PreparedPrompt
 from omni_local.prompts import Message
@@ -70,7 +69,8 @@ class Request:
     computed_len: int = 0
     max_new_tokens: int = 0
     output_ids: list[int] = field(default_factory=list)
-    seen_ids: torch.Tensor | None = None  # prompt + reply ids, for the repetition penalty
+    detokenizer: IncrementalDetokenizer | None = None
+    streamed: str = ""  # the text sent as deltas so far
     started_at: float = 0.0
     first_token_at: float = 0.0
 

@@ -36,16 +36,24 @@ class SamplingParams:
 class Sampler:
     """One request's sampler: its own random stream, so a seed reproduces the reply."""
 
-    def __init__(self, params: SamplingParams, seed: int, device: torch.device) -> None:
+    def __init__(self, params: SamplingParams, seed: int, prompt_ids: torch.Tensor) -> None:
         self.params = params
-        self.generator = torch.Generator(device=device)
+        self.generator = torch.Generator(device=prompt_ids.device)
         self.generator.manual_seed(seed)
+        # The ids the repetition penalty looks at: the prompt's, then each reply token's.
+        self.seen = prompt_ids if params.repetition_penalty != 1.0 else None
 
-    def next_token(self, logits: torch.Tensor, seen: torch.Tensor) -> int:
-        """logits: [vocab] float32; seen: ids of the prompt and the reply so far (for the penalty)."""
+    def next_token(self, logits: torch.Tensor) -> int:
+        """logits: [vocab] float32, on the device of the prompt ids."""
+        token = self._choose(logits)
+        if self.seen is not None:
+            self.seen = torch.cat([self.seen, self.seen.new_tensor([token])])
+        return token
+
+    def _choose(self, logits: torch.Tensor) -> int:
         p = self.params
-        if p.repetition_penalty != 1.0:
-            logits = _penalize_repeats(logits, seen, p.repetition_penalty)
+        if self.seen is not None:
+            logits = _penalize_repeats(logits, self.seen, p.repetition_penalty)
         if p.greedy:
             return int(torch.argmax(logits))
         logits = logits / p.temperature
