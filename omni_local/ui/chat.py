@@ -1,0 +1,139 @@
+"""The first chat UI: a Gradio 6 ChatInterface over the engine.
+
+Gradio keeps the visible history; each turn rebuilds the conversation from it, so retry, undo and
+edit (built into ChatInterface) need nothing from us. Errors appear as a marked message in the
+chat, are left out of what the model sees, and the chat goes on.
+"""
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # offline and private by default
+
+import gradio as gr
+
+from omni_local.api import OmniLocal
+from omni_local.cli import timings_line
+from omni_local.engine.request import Finished, TextDelta
+from omni_local.errors import OmniLocalError, RequestError
+from omni_local.media import load_audio, load_image
+from omni_local.prompts import Message, Part
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif"}
+AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".mp3"}
+ERROR_TITLE = "Error"
+
+
+def build_ui(app: OmniLocal) -> gr.Blocks:
+    def respond(message: dict[str, Any], history: list[dict[str, Any]], system_prompt: str) -> Iterator[Any]:
+        try:
+            session = app.session(system_prompt=system_prompt or None)
+            session.history += to_messages(history, app)
+            reply = session.send(message.get("text") or "", **_media(message.get("files") or []))
+        except OmniLocalError as error:
+            yield _error_message(str(error))
+            return
+        text = ""
+        try:
+            for event in reply:
+                if isinstance(event, TextDelta):
+                    text += event.text
+                    yield text
+                elif isinstance(event, Finished):
+                    yield [gr.ChatMessage(content=event.text), gr.ChatMessage(content=timings_line(event),
+                                                                              metadata={"title": "Metrics"})]
+        except OmniLocalError as error:
+            yield _error_message(str(error))
+        finally:
+            reply.cancel()  # the stop button closes this generator: stop the engine's work too
+
+    textbox = gr.MultimodalTextbox(
+        file_types=sorted(IMAGE_SUFFIXES | AUDIO_SUFFIXES),
+        file_count="multiple",
+        sources=["upload", "microphone"],
+        placeholder="Ask something, or drop an image or audio file here",
+    )
+    return gr.ChatInterface(
+        respond,
+        multimodal=True,
+        textbox=textbox,
+        additional_inputs=[gr.Textbox(label="System prompt", lines=2)],
+        title="omni_local",
+        api_name="chat",
+    )
+
+
+def to_messages(history: list[dict[str, Any]], app: OmniLocal) -> list[Message]:
+    """Gradio's visible history as the model's conversation: only questions that got a reply.
+
+    Gradio 6 keeps one user entry per turn (text and files together). A question answered by an
+    error, or by nothing (stopped early), never reached the model: it is dropped before its files
+    are read, so a bad upload cannot fail every later turn. Error and metrics notes are left out.
+    """
+    messages: list[Message] = []
+    question: dict[str, Any] | None = None  # the last user entry, until its reply comes
+    for entry in history:
+        title = (entry.get("metadata") or {}).get("title")
+        if entry["role"] == "user":
+            question = entry
+        elif title == ERROR_TITLE:
+            question = None
+        elif title:
+            continue
+        elif question is not None:
+            messages += [Message("user", _parts(question["content"], app)),
+                         Message("assistant", _parts(entry["content"], app))]
+            question = None
+        elif messages:
+            messages[-1].parts += _parts(entry["content"], app)  # one reply shown as several messages
+    return messages
+
+
+def _parts(content: Any, app: OmniLocal) -> list[Part]:
+    blocks = content if isinstance(content, list) else [content]
+    parts: list[Part] = []
+    for block in blocks:
+        path = _file_path(block)
+        if path is not None:
+            parts.append(_load(path, app))
+        elif isinstance(block, dict) and block.get("type") == "text":
+            parts.append(block["text"])
+        elif isinstance(block, str):
+            parts.append(block)
+    return parts
+
+
+def _file_path(block: Any) -> str | None:
+    if isinstance(block, dict):
+        if block.get("type") == "file":
+            block = block.get("file", block)
+        return block.get("path")
+    if isinstance(block, tuple) and block:
+        return block[0]
+    return None
+
+
+def _media(files: list[Any]) -> dict[str, list[Path]]:
+    images, audio = [], []
+    for item in files:
+        path = Path(item if isinstance(item, str) else item["path"])
+        suffix = path.suffix.lower()
+        if suffix in IMAGE_SUFFIXES:
+            images.append(path)
+        elif suffix in AUDIO_SUFFIXES:
+            audio.append(path)
+        else:
+            raise RequestError(f"{path.name}: unsupported file type (images or audio files expected)")
+    return {"images": images, "audio": audio}
+
+
+def _load(path: str, app: OmniLocal) -> Part:
+    if Path(path).suffix.lower() in AUDIO_SUFFIXES:
+        return load_audio(path, app.limits)
+    return load_image(path, app.limits)
+
+
+def _error_message(text: str) -> gr.ChatMessage:
+    return gr.ChatMessage(content=text, metadata={"title": ERROR_TITLE})

@@ -1,0 +1,287 @@
+"""The chat UI as a user meets it: `python app.py` on 127.0.0.1, driven through gradio_client.
+
+The app runs once for the file, as a subprocess with every setting on its command line. Each test
+opens its own `Client`: a client is one browser tab, so its turns share one chat history.
+"""
+
+import ipaddress
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from gradio_client import Client, handle_file
+from PIL import Image
+
+from bad_files import MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS, write_bad_files
+from omni_local.errors import MediaError
+from omni_local.media import MediaLimits, load_audio, load_image
+from omni_local.prompts import Message
+from omni_local.ui.chat import ERROR_TITLE, to_messages
+
+REPO = Path(__file__).resolve().parent.parent
+START_TIMEOUT_S = 120
+MAX_NEW_TOKENS = 24
+LIMITS = MediaLimits(max_upload_bytes=50 << 20, max_image_pixels=MAX_IMAGE_PIXELS, max_audio_seconds=MAX_AUDIO_SECONDS)
+METRICS = re.compile(
+    r"\[(?P<prompt>\d+) prompt tokens, \d+ computed, (?P<generated>\d+) generated \| "
+    r"queue [\d.]+ ms, TTFT [\d.]+ ms, [\d.]+ tokens/s \| (end_of_turn|max_new_tokens)\]"
+)
+
+
+@pytest.fixture(scope="module")
+def ui_url(demo_settings, demo_checkpoint, tmp_path_factory) -> Iterator[str]:
+    """`python app.py` on a free port, the demo model from the shared test folder; stopped after the file."""
+    root = tmp_path_factory.mktemp("ui")
+    port = _free_port()
+    command = [
+        sys.executable, "app.py", "--ui-port", str(port), "--demo-dir", demo_settings.demo_dir,
+        "--cache-dir", str(root / "cache"), "--device", "cpu", "--max-image-pixels", str(MAX_IMAGE_PIXELS),
+        "--max-audio-seconds", str(MAX_AUDIO_SECONDS), "--max-new-tokens", str(MAX_NEW_TOKENS),
+    ]
+    log_path = root / "app.log"
+    # A file, not a pipe: nobody reads the output while the app runs, and a full pipe would block it.
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        _wait_for_page(url, process, log_path)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def test_app_py_serves_the_chat_page_on_127_0_0_1(ui_url):
+    with urllib.request.urlopen(ui_url, timeout=10) as response:
+        assert response.status == 200
+        assert "omni_local" in response.read().decode()
+
+
+def test_the_ui_listens_on_the_loopback_address_and_nowhere_else(ui_url):
+    port = int(ui_url.rstrip("/").rsplit(":", 1)[1])
+    if not Path("/proc/net/tcp").exists():
+        pytest.skip("needs Linux's /proc/net/tcp to list listening sockets")
+    assert _listening_addresses(port) == {ipaddress.ip_address("127.0.0.1")}
+    for address in _non_loopback_addresses():
+        with pytest.raises(OSError):
+            socket.create_connection((address, port), timeout=2).close()
+
+
+def test_a_reply_streams_in_growing_parts_and_ends_with_the_reply_and_its_metrics(ui_url):
+    job = Client(ui_url, verbose=False).submit(
+        {"text": "Tell me a story about a lighthouse keeper.", "files": []}, "", api_name="/chat"
+    )
+    outputs = list(job)
+    *partials, final = outputs
+    assert len(partials) >= 3 and all(isinstance(p, str) for p in partials)
+    assert all(later.startswith(earlier) for earlier, later in zip(partials, partials[1:]))
+    assert len(partials[-1]) > len(partials[0])
+    reply, metrics = final
+    assert reply["role"] == "assistant" and not reply["metadata"]
+    assert reply["content"].startswith(partials[-1]) and reply["content"]
+    assert metrics["metadata"]["title"] == "Metrics"
+    assert METRICS.fullmatch(metrics["content"])
+
+
+def test_an_uploaded_image_reaches_the_model_and_gets_a_reply(ui_url, tmp_path):
+    question = "What colour is this picture?"
+    text_only = _ask(Client(ui_url, verbose=False), question)
+    with_image = _ask(Client(ui_url, verbose=False), question, _png(tmp_path / "red.png", (64, 48)))
+    assert with_image.reply
+    # The image's tokens are in the prompt, so it reached the model.
+    assert with_image.prompt_tokens > text_only.prompt_tokens
+
+
+def test_a_follow_up_question_carries_the_earlier_image_turn(ui_url, tmp_path):
+    client = Client(ui_url, verbose=False)
+    first = _ask(client, "What is in this picture?", _png(tmp_path / "green.png", (64, 48), (20, 200, 40)))
+    follow_up = _ask(client, "And what colour is it?")
+    assert follow_up.prompt_tokens > first.prompt_tokens + first.generated_tokens
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory):
+    return write_bad_files(tmp_path_factory.mktemp("bad"))
+
+
+BAD_UPLOADS = ["truncated png", "text named wav", "zero-byte file", "image over the pixel limit",
+               "clip over the length limit"]
+
+
+@pytest.mark.parametrize("case", BAD_UPLOADS)
+def test_a_bad_upload_shows_its_error_in_the_chat_and_the_next_question_is_answered(ui_url, bad_files, case):
+    path, phrase = bad_files[case]
+    client = Client(ui_url, verbose=False)  # one chat: the failed turn stays in its history
+    shown = client.predict({"text": "Look at this.", "files": [handle_file(str(path))]}, "", api_name="/chat")
+    assert shown["metadata"] == {"title": ERROR_TITLE}
+    assert phrase in shown["content"]
+    assert shown["content"] == _media_error(path)  # word for word what omni_local.media says
+    assert _ask(client, "Are you still there?").reply
+
+
+def test_a_second_turn_from_the_browser_gives_the_model_only_the_answered_history(tmp_path):
+    # The history exactly as Gradio 6.31 passed it from the browser (logged from a real request),
+    # after a question with an image, then a question whose upload failed.
+    image, bad = _png(tmp_path / "red.png", (64, 48)), tmp_path / "bad.wav"
+    bad.write_text("not sound")
+    history = [
+        {"role": "user", "metadata": None, "options": None, "content": [
+            {"type": "file", "alt_text": None, "file": _file_data(image, "image/png")},
+            {"type": "text", "text": "What is this?"},
+        ]},
+        {"role": "assistant", "metadata": {}, "options": [], "content": [{"type": "text", "text": "A red square."}]},
+        {"role": "assistant", "metadata": {"title": "Metrics"}, "options": [],
+         "content": [{"type": "text", "text": "[18 prompt tokens, ...]"}]},
+        {"role": "user", "metadata": None, "options": None, "content": [
+            {"type": "file", "alt_text": None, "file": _file_data(bad, "audio/wav")},
+            {"type": "text", "text": "listen"},
+        ]},
+        {"role": "assistant", "metadata": {"title": ERROR_TITLE}, "options": [],
+         "content": [{"type": "text", "text": "bad.wav: not an audio file (WAV, FLAC, OGG or MP3 expected)"}]},
+    ]
+    _assert_one_answered_image_turn(to_messages(history, _app()))
+
+
+def test_a_second_turn_through_the_api_gives_the_model_only_the_answered_history(tmp_path):
+    # The same chat as gradio_client's /chat endpoint keeps it (logged from a real request): files as
+    # {"path": ...}, text as plain strings, the replies as ChatMessage fields.
+    image, bad = _png(tmp_path / "red.png", (64, 48)), tmp_path / "bad.wav"
+    bad.write_text("not sound")
+    history = [
+        {"role": "user", "content": [{"path": str(image)}, "What is this?"]},
+        {"role": "assistant", "metadata": {}, "options": [], "content": "A red square."},
+        {"role": "assistant", "metadata": {"title": "Metrics"}, "options": [], "content": "[18 prompt tokens, ...]"},
+        {"role": "user", "content": [{"path": str(bad)}, "listen"]},
+        {"role": "assistant", "metadata": {"title": ERROR_TITLE}, "options": [],
+         "content": "bad.wav: not an audio file (WAV, FLAC, OGG or MP3 expected)"},
+    ]
+    _assert_one_answered_image_turn(to_messages(history, _app()))
+
+
+def test_a_question_stopped_before_any_reply_is_left_out_of_the_history():
+    history = [
+        {"role": "user", "content": ["First question"]},
+        {"role": "user", "content": ["Second question"]},
+        {"role": "assistant", "metadata": {}, "content": "Second answer"},
+    ]
+    expected = [Message("user", ["Second question"]), Message("assistant", ["Second answer"])]
+    assert to_messages(history, _app()) == expected
+
+
+# Helpers
+
+
+@dataclass(frozen=True)
+class _Answer:
+    reply: str
+    prompt_tokens: int
+    generated_tokens: int
+
+
+def _ask(client: Client, text: str, image: Path | None = None) -> _Answer:
+    """One turn in `client`'s chat; fails unless it got a reply and its metrics (no error)."""
+    files = [handle_file(str(image))] if image else []
+    result = client.predict({"text": text, "files": files}, "", api_name="/chat")
+    assert isinstance(result, list), f"expected a reply and its metrics, got {result!r}"
+    reply, metrics = result
+    assert not reply["metadata"] and metrics["metadata"]["title"] == "Metrics"
+    counts = METRICS.fullmatch(metrics["content"])
+    assert counts, metrics["content"]
+    return _Answer(reply=reply["content"], prompt_tokens=int(counts["prompt"]),
+                   generated_tokens=int(counts["generated"]))
+
+
+def _assert_one_answered_image_turn(messages: list[Message]) -> None:
+    assert [m.role for m in messages] == ["user", "assistant"]
+    picture, text = messages[0].parts
+    assert isinstance(picture, Image.Image) and picture.size == (64, 48)
+    assert text == "What is this?"
+    assert messages[1].parts == ["A red square."]
+
+
+def _app() -> SimpleNamespace:
+    return SimpleNamespace(limits=LIMITS)  # all `to_messages` reads from the app
+
+
+def _file_data(path: Path, mime_type: str) -> dict:
+    return {"path": str(path), "url": f"/gradio_api/file={path}", "size": None, "orig_name": None,
+            "mime_type": mime_type, "is_stream": False, "meta": {"_type": "gradio.FileData"}}
+
+
+def _media_error(path: Path) -> str:
+    """What omni_local.media says about the file, read directly."""
+    loader = load_audio if path.suffix == ".wav" else load_image
+    with pytest.raises(MediaError) as error:
+        loader(path, LIMITS)
+    return str(error.value)
+
+
+def _png(path: Path, size: tuple[int, int], colour: tuple[int, int, int] = (200, 30, 30)) -> Path:
+    Image.new("RGB", size, colour).save(path)
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _wait_for_page(url: str, process: subprocess.Popen, log_path: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"app.py exited with status {process.returncode}:\n{log_path.read_text(errors='replace')}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.25)
+    pytest.fail(f"app.py did not serve {url} within {START_TIMEOUT_S} s:\n{log_path.read_text(errors='replace')}")
+
+
+def _listening_addresses(port: int) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """Local addresses of the sockets listening on `port`, from the kernel's own tables."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if not Path(table).exists():
+            continue
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state != "0A" or int(hex_port, 16) != port:  # 0A: LISTEN
+                continue
+            raw = bytes.fromhex(address)
+            # The kernel prints each 32-bit word in host (little-endian) order.
+            found.add(ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))))
+    return found
+
+
+def _non_loopback_addresses() -> set[str]:
+    """This machine's own IPv4 addresses other than 127.x, where it has any."""
+    addresses = set()
+    try:
+        addresses |= {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)}
+    except OSError:
+        pass
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # UDP: picks the outgoing address, sends nothing
+            addresses.add(probe.getsockname()[0])
+        except OSError:
+            pass
+    return {a for a in addresses if not ipaddress.ip_address(a).is_loopback and a != "0.0.0.0"}
