@@ -14,6 +14,7 @@ timings). Bad input raises `OmniLocalError` with a message meant for the user; t
 the engine keep working.
 """
 
+import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Callable
@@ -77,8 +78,9 @@ class Reply:
 class Session:
     """A conversation: its system prompt and history; each reply is added when it finishes."""
 
-    def __init__(self, app: "OmniLocal", system_prompt: str | None) -> None:
+    def __init__(self, app: "OmniLocal", system_prompt: str | None, session_id: str | None = None) -> None:
         self._app = app
+        self.id = session_id or uuid.uuid4().hex  # the prefix cache keeps one entry per id
         self.history: list[Message] = [Message("system", [system_prompt])] if system_prompt else []
         self._pending: Reply | None = None
 
@@ -103,7 +105,7 @@ class Session:
         params = self._app.sampling(**sampling)
         self.wait()
         user = Message("user", parts)
-        request = self._app.engine.submit([*self.history, user], params)
+        request = self._app.engine.submit(self.id, [*self.history, user], params)
         self._pending = Reply(request, lambda final: self._record(user, final))
         return self._pending
 
@@ -117,7 +119,7 @@ class Session:
         self._pending = None
 
     def _record(self, user: Message, final: Finished) -> None:
-        self.history += [user, Message("assistant", [final.text])]
+        self.history += [user, Message("assistant", [final.text], token_ids=final.token_ids)]
 
 
 class OmniLocal:
@@ -131,8 +133,9 @@ class OmniLocal:
         self.loaded = loaded or load_model(self.settings)
         self.engine = Engine(self.loaded, self.settings)
 
-    def session(self, system_prompt: str | None = None) -> Session:
-        return Session(self, system_prompt)
+    def session(self, system_prompt: str | None = None, session_id: str | None = None) -> Session:
+        """A new chat; `session_id` names it for the prefix cache (a fresh one by default)."""
+        return Session(self, system_prompt, session_id)
 
     def sampling(self, **overrides: object) -> SamplingParams:
         """Sampling parameters: the settings' defaults, with a request's own values on top."""

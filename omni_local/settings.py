@@ -36,9 +36,6 @@ class Settings:
         default="", metadata={"table": "model", "help": "where the demo model is written; '' is <cache_dir>/demo"}
     )
     # [engine]
-    kv_slots: int = field(
-        default=4, metadata={"table": "engine", "help": "requests whose KV is held on the device at once"}
-    )
     max_context_tokens: int = field(
         default=8192, metadata={"table": "engine", "help": "prompt plus reply, per request (KV rows per slot)"}
     )
@@ -50,6 +47,16 @@ class Settings:
     # [cache]
     cache_dir: str = field(
         default="~/.cache/omni_local", metadata={"table": "cache", "help": "private folder for app data"}
+    )
+    prefix_cache: bool = field(
+        default=True, metadata={"table": "cache", "help": "keep each chat's KV so its next turn computes only what is new"}
+    )
+    gpu_cache_bytes: int = field(
+        default=4 << 30,
+        metadata={"table": "cache", "help": "device memory for the Thinker's KV: max_context_tokens rows per chat"},
+    )
+    host_cache_bytes: int = field(
+        default=8 << 30, metadata={"table": "cache", "help": "host memory for KV moved off the device"}
     )
     # [ui]
     ui_host: str = field(default="127.0.0.1", metadata={"table": "ui", "help": "address the UI binds to"})
@@ -71,11 +78,13 @@ class Settings:
     def __post_init__(self) -> None:
         for f in fields(self):
             _check_type(f.name, getattr(self, f.name), f.type)
-        positive = ("kv_slots", "max_context_tokens", "max_new_tokens", "max_upload_bytes", "max_image_pixels",
+        positive = ("gpu_cache_bytes", "max_context_tokens", "max_new_tokens", "max_upload_bytes", "max_image_pixels",
                     "max_prompt_tokens", "ui_port", "max_audio_seconds")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise SettingsError(f"setting '{name}' must be positive, got {getattr(self, name)!r}")
+        if self.host_cache_bytes < 0:
+            raise SettingsError(f"setting 'host_cache_bytes' must be 0 or more, got {self.host_cache_bytes!r}")
         if self.max_prompt_tokens >= self.max_context_tokens:
             raise SettingsError(
                 f"setting 'max_prompt_tokens' ({self.max_prompt_tokens}) must be below "

@@ -13,7 +13,11 @@ from omni_local.settings import Settings
 def demo_settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
     """Default settings, with the demo model and every cache in a private temporary folder."""
     root = tmp_path_factory.mktemp("omni_local")
-    return Settings(model="demo", demo_dir=str(root / "demo"), cache_dir=str(root / "cache"), device="cpu")
+    return Settings(
+        model="demo", demo_dir=str(root / "demo"), cache_dir=str(root / "cache"), device="cpu",
+        gpu_cache_bytes=64 << 20,  # 32 chats of the demo's 2 KiB per token x 1024 tokens
+        max_context_tokens=1024, max_prompt_tokens=960,
+    )
 
 
 @pytest.fixture(scope="session")

@@ -80,8 +80,8 @@ def test_every_setting_can_be_overridden_on_the_command_line(tmp_path):
 
 
 def test_a_bad_command_line_value_is_an_error_naming_the_setting():
-    with pytest.raises(SettingsError, match="'kv_slots' must be an integer, got 'two'"):
-        parse(["--kv-slots", "two"])
+    with pytest.raises(SettingsError, match="'gpu_cache_bytes' must be an integer, got 'lots'"):
+        parse(["--gpu-cache-bytes", "lots"])
 
 
 def test_the_demo_model_lives_in_the_cache_folder_unless_placed_elsewhere():

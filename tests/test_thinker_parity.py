@@ -16,7 +16,7 @@ def reference_tokens(app: OmniLocal, messages: list[Message]) -> list[int]:
     prompt = build_prompt(messages, app.loaded.processor)
     with torch.inference_mode():
         output = app.loaded.model.thinker.generate(
-            **prompt.model_inputs(), max_new_tokens=NEW_TOKENS, do_sample=False
+            **prompt.model_inputs(app.loaded.processor), max_new_tokens=NEW_TOKENS, do_sample=False
         )
     tokens = output[0, prompt.num_tokens :].tolist()
     eos = set(app.engine.eos_ids)
@@ -78,7 +78,7 @@ def test_greedy_with_a_repetition_penalty_matches_transformers_generate(app):
     prompt = build_prompt(messages, app.loaded.processor)
     with torch.inference_mode():
         output = app.loaded.model.thinker.generate(
-            **prompt.model_inputs(), max_new_tokens=NEW_TOKENS, do_sample=False, repetition_penalty=1.3
+            **prompt.model_inputs(app.loaded.processor), max_new_tokens=NEW_TOKENS, do_sample=False, repetition_penalty=1.3
         )
     expected = [t for t in output[0, prompt.num_tokens :].tolist() if t not in app.engine.eos_ids]
     final = app.session().send(messages[0].text, max_new_tokens=NEW_TOKENS, repetition_penalty=1.3).result()

@@ -31,7 +31,8 @@ START_TIMEOUT_S = 120
 MAX_NEW_TOKENS = 24
 LIMITS = MediaLimits(max_upload_bytes=50 << 20, max_image_pixels=MAX_IMAGE_PIXELS, max_audio_seconds=MAX_AUDIO_SECONDS)
 METRICS = re.compile(
-    r"\[(?P<prompt>\d+) prompt tokens, \d+ computed, (?P<generated>\d+) generated \| "
+    r"\[(?P<prompt>\d+) prompt tokens: \d+ computed, \d+ reused from GPU, \d+ from host \| "
+    r"(?P<generated>\d+) generated \| "
     r"queue [\d.]+ ms, TTFT [\d.]+ ms, [\d.]+ tokens/s \| (end_of_turn|max_new_tokens)\]"
 )
 

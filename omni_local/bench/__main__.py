@@ -58,7 +58,7 @@ def engine_run(app: OmniLocal, messages: list[Message], new_tokens: int) -> dict
 def transformers_run(app: OmniLocal, messages: list[Message], new_tokens: int) -> dict[str, float]:
     """`thinker.generate` on the same inputs: the first token alone, then a whole reply."""
     prompt = build_prompt(messages, app.loaded.processor)
-    inputs = {k: v.to(app.loaded.device) for k, v in prompt.model_inputs().items()}
+    inputs = {k: v.to(app.loaded.device) for k, v in prompt.model_inputs(app.loaded.processor).items()}
     thinker = app.loaded.model.thinker
 
     def timed(tokens: int) -> float:

@@ -1,8 +1,9 @@
 """The engine: one worker thread owns the model; requests arrive from any thread.
 
-Each turn of the loop is schedule (admit waiting requests into free KV slots), run (one forward
-for one request: its prefill, or one decode step), postprocess (sample, stream, finish). Requests
-take turns step by step, so a long reply does not hold up a new question's first token.
+Each turn of the loop is schedule (admit waiting requests: build the prompt, match it in the prefix
+cache, claim a KV slot), run (one forward for one request: its prefill of what the cache could not
+supply, or one decode step), postprocess (sample, stream, finish). Requests take turns step by
+step, so a long reply does not hold up a new question's first token.
 """
 
 import logging
@@ -14,13 +15,14 @@ from collections import deque
 
 import torch
 
+from omni_local.cache.prefix_cache import PrefixCache
 from omni_local.engine.detokenizer import IncrementalDetokenizer
-from omni_local.engine.request import Failed, Finished, Request, StopReason, TextDelta, TokenCounts
+from omni_local.engine.request import Failed, Finished, Request, StopReason, TextDelta
 from omni_local.engine.sampling import Sampler, SamplingParams
 from omni_local.engine.thinker import ThinkerRunner
 from omni_local.errors import OmniLocalError, RequestError
 from omni_local.model.loader import LoadedModel, thinker_eos_token_ids
-from omni_local.prompts import Message, build_prompt
+from omni_local.prompts import Message, Prompt, build_prompt
 from omni_local.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -30,7 +32,10 @@ class Engine:
     def __init__(self, loaded: LoadedModel, settings: Settings) -> None:
         self.loaded = loaded
         self.settings = settings
-        self.runner = ThinkerRunner(loaded.model.thinker, settings.kv_slots, settings.max_context_tokens)
+        self.runner = ThinkerRunner(
+            loaded.model.thinker, loaded.processor, settings.gpu_cache_bytes, settings.max_context_tokens
+        )
+        self.cache = PrefixCache(self.runner.kv, settings.host_cache_bytes, enabled=settings.prefix_cache)
         self.eos_ids = set(thinker_eos_token_ids(loaded))
         self._inbox: "queue.Queue[Request | None]" = queue.Queue()
         self._waiting: deque[Request] = deque()
@@ -38,9 +43,10 @@ class Engine:
         self._worker = threading.Thread(target=self._loop, name="omni-engine", daemon=True)
         self._worker.start()
 
-    def submit(self, messages: list[Message], params: SamplingParams) -> Request:
+    def submit(self, session: str, messages: list[Message], params: SamplingParams) -> Request:
+        """Queue a reply to `messages` (ending in a user turn) in chat `session`, whose KV it continues."""
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        request = Request(messages=list(messages), params=params, seed=seed)
+        request = Request(session=session, messages=list(messages), params=params, seed=seed)
         self._inbox.put(request)
         return request
 
@@ -73,14 +79,33 @@ class Engine:
             return True
 
     def _admit(self) -> None:
-        while self._waiting and self.runner.kv.free_slots:
-            request = self._waiting.popleft()
+        """Start waiting requests in order while KV slots can be had; the rest wait their turn."""
+        while self._waiting:
+            request = self._waiting[0]
             if request.cancelled.is_set():
+                self._waiting.popleft()
                 self._finish(request, "cancelled")
                 continue
-            request.slot = self.runner.kv.allocate()
+            try:
+                if request.prompt is None:
+                    request.prompt = self._build_prompt(request.messages)
+            except OmniLocalError as error:
+                self._waiting.popleft()
+                self._fail(request, str(error))
+                continue
+            request.claim = self.cache.claim(request.session, request.prompt, self.cache.match(request.prompt))
+            if request.claim is None:
+                return
+            self._waiting.popleft()
             request.started_at = time.perf_counter()
             self._running.append(request)
+
+    def _build_prompt(self, messages: list[Message]) -> Prompt:
+        prompt = build_prompt(messages, self.loaded.processor)
+        limit = self.settings.max_prompt_tokens
+        if prompt.num_tokens > limit:
+            raise RequestError(f"the prompt is {prompt.num_tokens} tokens, over the limit of {limit} (max_prompt_tokens)")
+        return prompt
 
     def _step(self, request: Request) -> bool:
         """One forward for `request`; False once it has finished."""
@@ -100,22 +125,22 @@ class Engine:
         return self._accept(request, token)
 
     def _prefill(self, request: Request) -> int:
-        prompt = build_prompt(request.messages, self.loaded.processor)
-        limit = self.settings.max_prompt_tokens
-        if prompt.num_tokens > limit:
-            raise RequestError(f"the prompt is {prompt.num_tokens} tokens, over the limit of {limit} (max_prompt_tokens)")
-        request.prepared = self.runner.prepare(prompt)
-        request.prompt_len = request.computed_len = prompt.num_tokens
+        prompt, start = request.prompt, request.claim.start
+        request.prepared = self.runner.prepare(prompt, start)
         room = self.settings.max_context_tokens - prompt.num_tokens
         request.max_new_tokens = min(request.params.max_new_tokens, room)
         request.sampler = Sampler(request.params, request.seed, prompt.input_ids[0].to(self.runner.device))
         request.detokenizer = IncrementalDetokenizer(self.loaded.processor.tokenizer)
         logits = self.runner.prefill(request.slot, request.prepared)
+        request.computed = prompt.num_tokens - start
+        request.written = prompt.num_tokens
+        self.cache.publish(request.claim, prompt, [], request.written)
         return request.sampler.next_token(logits)
 
     def _decode(self, request: Request) -> int:
-        last = request.output_ids[-1]
-        logits = self.runner.decode(request.slot, last, request.num_tokens - 1, request.prepared.rope_delta)
+        token, index = request.output_ids[-1], request.written
+        logits = self.runner.decode(request.slot, token, index, request.prepared.rope_delta)
+        request.written += 1
         return request.sampler.next_token(logits)
 
     def _accept(self, request: Request, token: int) -> bool:
@@ -143,7 +168,7 @@ class Engine:
             if full.startswith(request.streamed):
                 self._stream(request, full[len(request.streamed):])
         reply_ids = [t for t in request.output_ids if t not in self.eos_ids]
-        counts = TokenCounts(request.prompt_len, request.computed_len, len(reply_ids))
+        counts = request.counts(generated=len(reply_ids))
         request.events.put(Finished(request.streamed, reply_ids, reason, counts, request.timings(), request.seed))
         self._release(request)
         return False
@@ -154,7 +179,9 @@ class Engine:
         return False
 
     def _release(self, request: Request) -> None:
-        if request.slot is not None:
-            self.runner.kv.release(request.slot)
-            request.slot = None
+        if request.claim is not None:
+            if request.written:  # what this request computed stays for the session's next turn
+                self.cache.publish(request.claim, request.prompt, request.output_ids, request.written)
+            self.cache.release(request.claim)
+            request.claim = None
         request.prepared = request.sampler = request.detokenizer = None  # tensors and state go now

@@ -1,9 +1,10 @@
 """The Thinker's KV, owned by the engine and allocated once at start-up.
 
 Layout, per decoder layer: keys and values of shape [slots, kv_heads, max_tokens, head_dim].
-A request (later: a chat session) holds one slot; token t of its sequence lives in row t of that
-slot in every layer. Fixed addresses are what a CUDA graph needs, a slot is what a session's next
-turn continues, and several slots decoding together are one batch.
+A chat session's sequence lives in one slot; token t of it in row t of that slot in every layer.
+Fixed addresses are what a CUDA graph needs, a slot is what a session's next turn continues in
+place, and several slots decoding together are one batch. Rows move between slots, and out to
+host memory and back, for the prefix cache.
 """
 
 from dataclasses import dataclass
@@ -16,21 +17,27 @@ class KVShape:
     num_layers: int
     kv_heads: int
     head_dim: int
-    slots: int
-    max_tokens: int
+    max_tokens: int  # rows per slot
 
-    def bytes(self, dtype: torch.dtype) -> int:
-        per_token = 2 * self.num_layers * self.kv_heads * self.head_dim * dtype.itemsize
-        return per_token * self.slots * self.max_tokens
+    def token_bytes(self, dtype: torch.dtype) -> int:
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * dtype.itemsize
+
+    def slot_bytes(self, dtype: torch.dtype) -> int:
+        return self.token_bytes(dtype) * self.max_tokens
 
 
 class KVStore:
-    def __init__(self, shape: KVShape, dtype: torch.dtype, device: torch.device) -> None:
-        self.shape = shape
-        size = (shape.slots, shape.kv_heads, shape.max_tokens, shape.head_dim)
-        self.keys = [torch.zeros(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
-        self.values = [torch.zeros(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
-        self._free = list(range(shape.slots - 1, -1, -1))
+    def __init__(self, shape: KVShape, slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.shape, self.slots, self.dtype, self.device = shape, slots, dtype, device
+        size = (slots, shape.kv_heads, shape.max_tokens, shape.head_dim)
+        # Never read before written (attention reads rows [0, end) only), so left uninitialised.
+        self.keys = [torch.empty(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
+        self.values = [torch.empty(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
+        self._free = list(range(slots - 1, -1, -1))
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
     @property
     def free_slots(self) -> int:
@@ -40,11 +47,30 @@ class KVStore:
         return self._free.pop() if self._free else None
 
     def release(self, slot: int) -> None:
-        assert 0 <= slot < self.shape.slots and slot not in self._free, f"slot {slot} is not held"
+        assert 0 <= slot < self.slots and slot not in self._free, f"slot {slot} is not held"
         self._free.append(slot)
 
     def view(self, slot: int, start: int) -> "SlotWriter":
         return SlotWriter(self, slot, start)
+
+    def copy_rows(self, source: int, target: int, rows: int) -> None:
+        for layer in self.keys + self.values:
+            layer[target, :, :rows].copy_(layer[source, :, :rows])
+
+    def to_host(self, slot: int, rows: int) -> torch.Tensor:
+        """[layers, 2, kv_heads, rows, head_dim] in host memory (pinned beside a GPU, for fast copies back)."""
+        pinned = self.device.type == "cuda"
+        size = (self.shape.num_layers, 2, self.shape.kv_heads, rows, self.shape.head_dim)
+        host = torch.empty(size, dtype=self.dtype, pin_memory=pinned)
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            host[i, 0].copy_(k[slot, :, :rows])
+            host[i, 1].copy_(v[slot, :, :rows])
+        return host
+
+    def from_host(self, host: torch.Tensor, slot: int, rows: int) -> None:
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            k[slot, :, :rows].copy_(host[i, 0, :, :rows], non_blocking=True)
+            v[slot, :, :rows].copy_(host[i, 1, :, :rows], non_blocking=True)
 
 
 class SlotWriter:

@@ -6,10 +6,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
+from omni_local.cache.prefix_cache import Claim
 from omni_local.engine.detokenizer import IncrementalDetokenizer
 from omni_local.engine.sampling import Sampler, SamplingParams
 from omni_local.engine.thinker import PreparedPrompt
-from omni_local.prompts import Message
+from omni_local.prompts import Message, Prompt
 
 StopReason = Literal["end_of_turn", "max_new_tokens", "context_full", "cancelled"]
 
@@ -22,7 +23,9 @@ class TextDelta:
 @dataclass(frozen=True)
 class TokenCounts:
     prompt: int  # tokens in the prompt
-    computed: int  # prompt tokens the Thinker had to compute (the rest came from a cache)
+    computed: int  # prompt tokens the Thinker computed; the rest came from the prefix cache:
+    reused_gpu: int  # ... from KV on the device
+    reused_host: int  # ... from KV brought back from host memory
     generated: int  # reply tokens
 
 
@@ -55,6 +58,7 @@ Event = TextDelta | Finished | Failed
 class Request:
     """Created by the caller, then owned by the engine's worker thread until it finishes."""
 
+    session: str
     messages: list[Message]
     params: SamplingParams
     seed: int
@@ -62,12 +66,13 @@ class Request:
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted_at: float = field(default_factory=time.perf_counter)
     # Filled by the worker:
-    slot: int | None = None
+    prompt: Prompt | None = None
+    claim: Claim | None = None  # the session's cache entry and device slot, while running
     prepared: PreparedPrompt | None = None
     sampler: Sampler | None = None
-    prompt_len: int = 0
-    computed_len: int = 0
     max_new_tokens: int = 0
+    computed: int = 0  # prompt tokens this request computed
+    written: int = 0  # tokens of prompt-then-reply whose KV is in the slot
     output_ids: list[int] = field(default_factory=list)
     detokenizer: IncrementalDetokenizer | None = None
     streamed: str = ""  # the text sent as deltas so far
@@ -75,9 +80,13 @@ class Request:
     first_token_at: float = 0.0
 
     @property
-    def num_tokens(self) -> int:
-        """Tokens in the slot's KV once the last sampled token is computed."""
-        return self.prompt_len + len(self.output_ids)
+    def slot(self) -> int:
+        return self.claim.entry.slot
+
+    def counts(self, generated: int) -> TokenCounts:
+        prompt = self.prompt.num_tokens if self.prompt else 0
+        reused = (self.claim.reused_gpu, self.claim.reused_host) if self.claim else (0, 0)
+        return TokenCounts(prompt, self.computed, *reused, generated)
 
     def timings(self) -> Timings:
         now = time.perf_counter()

@@ -6,65 +6,80 @@ decode step per token, each writing its keys and values into the request's slot 
 """
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from omni_local.engine.kv_store import KVShape, KVStore
-from omni_local.prompts import Prompt
+from omni_local.errors import SettingsError
+from omni_local.prompts import Prompt, preprocess
 
 
 @dataclass
 class PreparedPrompt:
-    """A prompt's embeddings and 3D positions, ready to prefill (tensors on the model's device)."""
+    """What a prefill needs: the embeddings and 3D positions of the prompt's tokens from `start` on
+    (those before are in the KV already), tensors on the model's device."""
 
-    input_ids: torch.Tensor  # [1, L]
-    embeds: torch.Tensor  # [1, L, hidden]
-    positions: torch.Tensor  # [3, 1, L]
+    start: int
+    embeds: torch.Tensor  # [1, L - start, hidden]
+    positions: torch.Tensor  # [3, 1, L - start]
     rope_delta: int  # position of token t after the prompt is t + rope_delta
-    visual_mask: torch.Tensor | None  # [1, L], where deepstack features are added
+    visual_mask: torch.Tensor | None  # [1, L - start], where deepstack features are added
     deepstack: list[torch.Tensor] | None  # one [visual tokens, hidden] per deepstack layer
 
 
 class ThinkerRunner:
-    def __init__(self, thinker: torch.nn.Module, slots: int, max_tokens: int) -> None:
+    def __init__(self, thinker: torch.nn.Module, processor: Any, kv_budget_bytes: int, max_tokens: int) -> None:
         self.thinker = thinker
+        self.processor = processor
         self.model = thinker.model  # Qwen3OmniMoeThinkerModel: .visual, .audio_tower, .language_model
         self.text = self.model.language_model
         config = self.text.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        shape = KVShape(config.num_hidden_layers, config.num_key_value_heads, head_dim, slots, max_tokens)
+        shape = KVShape(config.num_hidden_layers, config.num_key_value_heads, head_dim, max_tokens)
         self.device = thinker.lm_head.weight.device
         self.dtype = thinker.lm_head.weight.dtype
-        self.kv = KVStore(shape, self.dtype, self.device)
+        slots = kv_budget_bytes // shape.slot_bytes(self.dtype)
+        if slots < 1:
+            need = shape.slot_bytes(self.dtype)
+            raise SettingsError(
+                f"setting 'gpu_cache_bytes' ({kv_budget_bytes:,}) is below the {need:,} bytes one conversation of "
+                f"'max_context_tokens' ({max_tokens}) needs: raise the first or lower the second"
+            )
+        self.kv = KVStore(shape, slots, self.dtype, self.device)
 
     @torch.inference_mode()
-    def prepare(self, prompt: Prompt) -> PreparedPrompt:
-        """Run the encoders and place their outputs into the prompt's embeddings."""
+    def prepare(self, prompt: Prompt, start: int) -> PreparedPrompt:
+        """Embed the tokens from `start` on; only media from there on are preprocessed and encoded."""
         ids = prompt.input_ids.to(self.device)
-        embeds = self.model.get_input_embeddings()(ids)
-        if prompt.input_features is not None:
-            embeds = self._scatter_audio(ids, embeds, prompt)
-        visual_mask, deepstack = None, None
-        if prompt.pixel_values is not None:
-            embeds, visual_mask, deepstack = self._scatter_images(ids, embeds, prompt)
+        # Positions of the whole sequence, then the tail's slice: a tail on a cached prefix gets
+        # exactly the positions a cold prefill would give it.
         positions, deltas = self.model.get_rope_index(
             ids,
             image_grid_thw=_to(prompt.image_grid_thw, self.device),
             attention_mask=torch.ones_like(ids),
             audio_seqlens=_to(prompt.audio_feature_lengths, self.device),
         )
-        return PreparedPrompt(ids, embeds, positions, int(deltas.reshape(-1)[0]), visual_mask, deepstack)
+        tail = ids[:, start:]
+        embeds = self.model.get_input_embeddings()(tail)
+        inputs = preprocess([m for m in prompt.media if m.start >= start], self.processor)
+        if "input_features" in inputs:
+            embeds = self._scatter_audio(tail, embeds, inputs)
+        visual_mask, deepstack = None, None
+        if "pixel_values" in inputs:
+            embeds, visual_mask, deepstack = self._scatter_images(tail, embeds, inputs)
+        return PreparedPrompt(start, embeds, positions[:, :, start:], int(deltas.reshape(-1)[0]), visual_mask, deepstack)
 
-    def _scatter_audio(self, ids: torch.Tensor, embeds: torch.Tensor, prompt: Prompt) -> torch.Tensor:
-        features = prompt.input_features.to(self.device, self.model.audio_tower.dtype)
-        mask = prompt.feature_attention_mask.to(self.device)
+    def _scatter_audio(self, ids: torch.Tensor, embeds: torch.Tensor, inputs: dict) -> torch.Tensor:
+        features = inputs["input_features"].to(self.device, self.model.audio_tower.dtype)
+        mask = inputs["feature_attention_mask"].to(self.device)
         audio = self.model.get_audio_features(features, mask).last_hidden_state
         placeholders = (ids == self.model.config.audio_token_id).unsqueeze(-1)
         return embeds.masked_scatter(placeholders, audio.to(embeds.dtype))
 
-    def _scatter_images(self, ids: torch.Tensor, embeds: torch.Tensor, prompt: Prompt):
-        pixels = prompt.pixel_values.to(self.device)
-        grid = prompt.image_grid_thw.to(self.device)
+    def _scatter_images(self, ids: torch.Tensor, embeds: torch.Tensor, inputs: dict):
+        pixels = inputs["pixel_values"].to(self.device)
+        grid = inputs["image_grid_thw"].to(self.device)
         vision = self.model.get_image_features(pixels, grid)
         merged = torch.cat(vision.pooler_output).to(embeds.dtype)
         visual_mask = ids == self.model.config.image_token_id
@@ -74,8 +89,10 @@ class ThinkerRunner:
 
     @torch.inference_mode()
     def prefill(self, slot: int, prepared: PreparedPrompt) -> torch.Tensor:
-        """Compute the whole prompt into an empty slot; returns the last token's logits [vocab]."""
-        return self._forward(slot, 0, prepared.embeds, prepared.positions, prepared.visual_mask, prepared.deepstack)
+        """Compute the prompt's tail into the slot, after the `start` rows it holds; returns the last
+        token's logits [vocab]."""
+        p = prepared
+        return self._forward(slot, p.start, p.embeds, p.positions, p.visual_mask, p.deepstack)
 
     @torch.inference_mode()
     def decode(self, slot: int, token: int, index: int, rope_delta: int) -> torch.Tensor:

@@ -1,0 +1,1 @@
+"""What the engine keeps between requests: content digests and the Thinker's KV by prefix."""
