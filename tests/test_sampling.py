@@ -56,3 +56,12 @@ def test_the_penalty_also_covers_tokens_the_reply_already_produced():
 def test_invalid_sampling_values_are_refused_with_their_name(values, message):
     with pytest.raises(RequestError, match=message):
         SamplingParams(**values)
+
+
+def test_suppressed_tokens_are_never_chosen_even_when_they_score_best():
+    scores = torch.tensor([0.0, 9.0, 1.0, 8.0])
+    suppressed = torch.tensor([1, 3])
+    greedy = Sampler(SamplingParams(), seed=0, prompt_ids=torch.tensor([0]), suppressed=suppressed)
+    assert greedy.next_token(scores) == 2
+    sampled = Sampler(SamplingParams(temperature=5.0), seed=0, prompt_ids=torch.tensor([0]), suppressed=suppressed)
+    assert {sampled.next_token(scores) for _ in range(100)} <= {0, 2}

@@ -12,11 +12,13 @@ NEW_TOKENS = 24
 
 
 def reference_tokens(app: OmniLocal, messages: list[Message]) -> list[int]:
-    """Greedy tokens from transformers' own generate, cut at (and without) the end of turn."""
+    """Greedy tokens from transformers' own generate, cut at (and without) the end of turn. The engine
+    never lets a reply hold a media placeholder token, so neither may the reference."""
     prompt = build_prompt(messages, app.loaded.processor)
     with torch.inference_mode():
         output = app.loaded.model.thinker.generate(
-            **prompt.model_inputs(app.loaded.processor), max_new_tokens=NEW_TOKENS, do_sample=False
+            **prompt.model_inputs(app.loaded.processor), max_new_tokens=NEW_TOKENS, do_sample=False,
+            suppress_tokens=app.engine.suppressed_ids,
         )
     tokens = output[0, prompt.num_tokens :].tolist()
     eos = set(app.engine.eos_ids)
@@ -78,7 +80,8 @@ def test_greedy_with_a_repetition_penalty_matches_transformers_generate(app):
     prompt = build_prompt(messages, app.loaded.processor)
     with torch.inference_mode():
         output = app.loaded.model.thinker.generate(
-            **prompt.model_inputs(app.loaded.processor), max_new_tokens=NEW_TOKENS, do_sample=False, repetition_penalty=1.3
+            **prompt.model_inputs(app.loaded.processor), max_new_tokens=NEW_TOKENS, do_sample=False, repetition_penalty=1.3,
+            suppress_tokens=app.engine.suppressed_ids,
         )
     expected = [t for t in output[0, prompt.num_tokens :].tolist() if t not in app.engine.eos_ids]
     final = app.session().send(messages[0].text, max_new_tokens=NEW_TOKENS, repetition_penalty=1.3).result()

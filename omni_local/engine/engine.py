@@ -21,7 +21,7 @@ from omni_local.engine.request import Failed, Finished, Request, StopReason, Tex
 from omni_local.engine.sampling import Sampler, SamplingParams
 from omni_local.engine.thinker import ThinkerRunner
 from omni_local.errors import OmniLocalError, RequestError
-from omni_local.model.loader import LoadedModel, thinker_eos_token_ids
+from omni_local.model.loader import LoadedModel, media_markup_token_ids, thinker_eos_token_ids
 from omni_local.prompts import Message, Prompt, build_prompt
 from omni_local.settings import Settings
 
@@ -37,6 +37,9 @@ class Engine:
         )
         self.cache = PrefixCache(self.runner.kv, settings.host_cache_bytes, enabled=settings.prefix_cache)
         self.eos_ids = set(thinker_eos_token_ids(loaded))
+        # A reply is text: a media placeholder in it would be taken for a medium in the next prompt.
+        self.suppressed_ids = media_markup_token_ids(loaded)
+        self._suppressed = torch.tensor(self.suppressed_ids, device=self.runner.device)
         self._inbox: "queue.Queue[Request | None]" = queue.Queue()
         self._waiting: deque[Request] = deque()
         self._running: deque[Request] = deque()
@@ -129,7 +132,8 @@ class Engine:
         request.prepared = self.runner.prepare(prompt, start)
         room = self.settings.max_context_tokens - prompt.num_tokens
         request.max_new_tokens = min(request.params.max_new_tokens, room)
-        request.sampler = Sampler(request.params, request.seed, prompt.input_ids[0].to(self.runner.device))
+        prompt_ids = prompt.input_ids[0].to(self.runner.device)
+        request.sampler = Sampler(request.params, request.seed, prompt_ids, self._suppressed)
         request.detokenizer = IncrementalDetokenizer(self.loaded.processor.tokenizer)
         logits = self.runner.prefill(request.slot, request.prepared)
         request.computed = prompt.num_tokens - start

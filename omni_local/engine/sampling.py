@@ -36,10 +36,13 @@ class SamplingParams:
 class Sampler:
     """One request's sampler: its own random stream, so a seed reproduces the reply."""
 
-    def __init__(self, params: SamplingParams, seed: int, prompt_ids: torch.Tensor) -> None:
+    def __init__(
+        self, params: SamplingParams, seed: int, prompt_ids: torch.Tensor, suppressed: torch.Tensor | None = None
+    ) -> None:
         self.params = params
         self.generator = torch.Generator(device=prompt_ids.device)
         self.generator.manual_seed(seed)
+        self.suppressed = suppressed  # ids never chosen
         # The ids the repetition penalty looks at: the prompt's, then each reply token's.
         self.seen = prompt_ids if params.repetition_penalty != 1.0 else None
 
@@ -52,6 +55,8 @@ class Sampler:
 
     def _choose(self, logits: torch.Tensor) -> int:
         p = self.params
+        if self.suppressed is not None:
+            logits = logits.index_fill(0, self.suppressed, float("-inf"))
         if self.seen is not None:
             logits = _penalize_repeats(logits, self.seen, p.repetition_penalty)
         if p.greedy:

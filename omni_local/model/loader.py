@@ -62,6 +62,14 @@ def quiet_library_logs() -> None:
     transformers.logging.disable_progress_bar()
 
 
+def media_markup_token_ids(loaded: LoadedModel) -> list[int]:
+    """Tokens that only the processor may place (media placeholders and their brackets)."""
+    tokenizer = loaded.processor.tokenizer
+    names = ("image_token", "video_token", "audio_token", "vision_bos_token", "vision_eos_token",
+             "audio_bos_token", "audio_eos_token")
+    return sorted({tokenizer.convert_tokens_to_ids(getattr(tokenizer, name)) for name in names})
+
+
 def thinker_eos_token_ids(loaded: LoadedModel) -> list[int]:
     """The ids that end a Thinker reply: end of turn, then end of text."""
     return _token_ids(loaded.processor, _END_OF_TURN_TOKENS)
