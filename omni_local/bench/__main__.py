@@ -4,7 +4,8 @@
     python -m omni_local.bench --random-weights CONFIG.json      # full size, random weights (GPU)
 
 Prompts follow ../shared/BENCHMARK_ANCHORS.md: a system prompt, one 480x640 image, a question.
-Each row is the median of --runs after one warm-up run. The table goes to stdout, JSON to --json.
+Each row is the median of --runs after one warm-up run; each run asks a new question, so the cache
+rows reuse only what a real user's next request would. The table goes to stdout, JSON to --json.
 """
 
 import argparse
@@ -13,6 +14,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +22,7 @@ import torch
 import transformers
 from PIL import Image
 
-from omni_local.api import OmniLocal
+from omni_local.api import Finished, OmniLocal
 from omni_local.bench.random_weights import load_random_weights
 from omni_local.model.loader import quiet_library_logs
 from omni_local.prompts import Message, build_prompt
@@ -33,31 +35,63 @@ SYSTEM = (
 QUESTION = "What is in this picture, and what colour is the house?"
 
 
-def scenarios() -> dict[str, list[Message]]:
-    pixels = np.random.default_rng(0).integers(0, 256, (480, 640, 3), dtype=np.uint8)
-    return {
-        "text": [Message("system", [SYSTEM]), Message("user", [QUESTION])],
-        "image 480x640": [Message("system", [SYSTEM]), Message("user", [Image.fromarray(pixels), QUESTION])],
-    }
+@dataclass(frozen=True)
+class Scenario:
+    """A conversation whose last user turn is timed; `earlier` turns are sent first, untimed, in the
+    same session (so with the cache on, their KV is there), with a fresh question text each run."""
+
+    name: str
+    system: str
+    earlier: list[Message]  # user turns sent before, in the same session
+    last: Message
+    warm_cache: bool = False  # another session sends the same conversation first
 
 
-def median_of(runs: int, measure: Callable[[], dict[str, float]]) -> dict[str, float]:
-    measure()  # warm-up
-    samples = [measure() for _ in range(runs)]
+def scenarios() -> list[Scenario]:
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (480, 640, 3), dtype=np.uint8))
+    ask = Message("user", [QUESTION])
+    return [
+        Scenario("text, first send", SYSTEM, [], ask),
+        Scenario("image 480x640, first send", SYSTEM, [], Message("user", [image, QUESTION])),
+        Scenario("same image 480x640, new question", SYSTEM, [], Message("user", [image, QUESTION]), warm_cache=True),
+        Scenario("text chat turn 2", SYSTEM, [Message("user", ["Hello! Who are you?"])], ask),
+    ]
+
+
+def median_of(runs: int, measure: Callable[[int], dict[str, float]]) -> dict[str, float]:
+    measure(-1)  # warm-up
+    samples = [measure(run) for run in range(runs)]
     return {key: statistics.median(s[key] for s in samples) for key in samples[0]}
 
 
-def engine_run(app: OmniLocal, messages: list[Message], new_tokens: int) -> dict[str, float]:
-    session = app.session()
-    session.history = messages[:-1]
-    final = session.send(**_as_send(messages[-1]), max_new_tokens=new_tokens).result()
+def _question(scenario: Scenario, run: int) -> Message:
+    """The timed turn, its text made new each run so no run is answered from an earlier one's cache."""
+    return Message("user", [p if not isinstance(p, str) else f"Take {run}: {p}" for p in scenario.last.parts])
+
+
+def engine_run(app: OmniLocal, scenario: Scenario, run: int, new_tokens: int) -> dict[str, float]:
+    if scenario.warm_cache:
+        _converse(app, scenario, Message("user", [*scenario.last.parts[:-1], f"First look {run}."]), new_tokens)
+    final = _converse(app, scenario, _question(scenario, run), new_tokens)
     itl = 1 / final.timings.decode_tokens_per_s if final.timings.decode_tokens_per_s else float("nan")
-    return {"ttft_ms": final.timings.ttft_s * 1e3, "itl_ms": itl * 1e3, "generated": final.tokens.generated}
+    n = final.tokens
+    return {"ttft_ms": final.timings.ttft_s * 1e3, "itl_ms": itl * 1e3, "prompt": n.prompt, "computed": n.computed}
 
 
-def transformers_run(app: OmniLocal, messages: list[Message], new_tokens: int) -> dict[str, float]:
-    """`thinker.generate` on the same inputs: the first token alone, then a whole reply."""
-    prompt = build_prompt(messages, app.loaded.processor)
+def _converse(app: OmniLocal, scenario: Scenario, last: Message, new_tokens: int) -> Finished:
+    session = app.session(system_prompt=scenario.system)
+    for turn in scenario.earlier:
+        session.send(**_as_send(turn), max_new_tokens=new_tokens).result()
+    return session.send(**_as_send(last), max_new_tokens=new_tokens).result()
+
+
+def transformers_run(app: OmniLocal, scenario: Scenario, run: int, new_tokens: int) -> dict[str, float]:
+    """`thinker.generate` on the whole conversation (earlier replies included): the first token
+    alone, then a whole reply."""
+    session = app.session(system_prompt=scenario.system)
+    for turn in scenario.earlier:
+        session.send(**_as_send(turn), max_new_tokens=new_tokens).result()
+    prompt = build_prompt([*session.history, _question(scenario, run)], app.loaded.processor)
     inputs = {k: v.to(app.loaded.device) for k, v in prompt.model_inputs(app.loaded.processor).items()}
     thinker = app.loaded.model.thinker
 
@@ -70,7 +104,8 @@ def transformers_run(app: OmniLocal, messages: list[Message], new_tokens: int) -
         return time.perf_counter() - start
 
     first, whole = timed(1), timed(new_tokens)
-    return {"ttft_ms": first * 1e3, "itl_ms": (whole - first) / (new_tokens - 1) * 1e3, "generated": new_tokens}
+    itl = (whole - first) / (new_tokens - 1)
+    return {"ttft_ms": first * 1e3, "itl_ms": itl * 1e3, "prompt": prompt.num_tokens, "computed": prompt.num_tokens}
 
 
 def _as_send(message: Message) -> dict:
@@ -94,13 +129,16 @@ def main() -> None:
     settings = settings_from_arguments(args)
     loaded = load_random_weights(args.random_weights, settings) if args.random_weights else None
     rows = []
-    with OmniLocal(settings, loaded=loaded) as app:
-        for name, messages in scenarios().items():
-            tokens = build_prompt(messages, app.loaded.processor).num_tokens
-            for system, run in (("omni_local", engine_run), ("transformers", transformers_run)):
-                result = median_of(args.runs, lambda: run(app, messages, args.new_tokens))
-                rows.append({"scenario": name, "prompt_tokens": tokens, "system": system, **result})
-        environment = _environment(app, args)
+    with OmniLocal(settings, loaded=loaded) as cached, OmniLocal(settings.replace(prefix_cache=False), loaded) as cold:
+        systems = (("omni_local, cache on", cached, engine_run), ("omni_local, cache off", cold, engine_run),
+                   ("transformers", cold, transformers_run))
+        for scenario in scenarios():
+            for system, app, run in systems:
+                if "first send" in scenario.name and system.endswith("cache on"):
+                    continue  # a first send has nothing to reuse: the cache-off row is the same
+                result = median_of(args.runs, lambda i: run(app, scenario, i, args.new_tokens))
+                rows.append({"scenario": scenario.name, "system": system, **result})
+        environment = _environment(cached, args)
     print(_table(rows, environment))
     if args.json:
         args.json.write_text(json.dumps({"environment": environment, "rows": rows}, indent=2))
@@ -122,9 +160,10 @@ def _environment(app: OmniLocal, args: argparse.Namespace) -> dict[str, str]:
 
 def _table(rows: list[dict], environment: dict[str, str]) -> str:
     lines = [", ".join(f"{k}: {v}" for k, v in environment.items()), ""]
-    lines += ["| scenario | prompt tokens | system | TTFT (ms) | ITL (ms) |", "| --- | --- | --- | --- | --- |"]
+    lines += ["| scenario | prompt tokens | system | computed | TTFT (ms) | ITL (ms) |", "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        lines.append(f"| {r['scenario']} | {r['prompt_tokens']} | {r['system']} | {r['ttft_ms']:.1f} | {r['itl_ms']:.2f} |")
+        lines.append(f"| {r['scenario']} | {r['prompt']:.0f} | {r['system']} | {r['computed']:.0f} | "
+                     f"{r['ttft_ms']:.1f} | {r['itl_ms']:.2f} |")
     return "\n".join(lines)
 
 
