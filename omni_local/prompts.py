@@ -6,6 +6,7 @@ the media the prefix cache could not supply (`preprocess`).
 """
 
 import re
+import secrets
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -21,9 +22,6 @@ from omni_local.errors import RequestError
 Role = Literal["system", "user", "assistant"]
 Part = str | Image.Image | np.ndarray  # text, an RGB image, or 16 kHz mono float32 samples
 
-# Stands for an assistant turn's exact token ids while the template is rendered (private-use
-# characters, which no user text reaches the template with).
-_SENTINEL = re.compile("\ue000(\\d+)\ue001")
 
 
 @dataclass
@@ -120,16 +118,20 @@ def build_prompt(messages: list[Message], processor: Any) -> Prompt:
 
 def _tokenize_around_replies(messages: list[Message], processor: Any) -> list[int]:
     """The rendered template's ids, with each earlier reply's own ids spliced in where it stands."""
+    # Each such reply stands in the rendered text as a marker with a random nonce, which no user
+    # text can forge; the text is cut at the markers and the reply's ids go between the pieces.
+    nonce = secrets.token_hex(8)
     chat, replies = [], []
     for m in messages:
         if m.role == "assistant" and m.token_ids is not None:
-            chat.append({"role": m.role, "content": [{"type": "text", "text": f"\ue000{len(replies)}\ue001"}]})
+            marker = f"<reply {nonce} {len(replies)}>"
+            chat.append({"role": m.role, "content": [{"type": "text", "text": marker}]})
             replies.append(m.token_ids)
         else:
             chat.append({"role": m.role, "content": _template_content(m)})
     text = processor.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     ids: list[int] = []
-    for i, segment in enumerate(_SENTINEL.split(text)):
+    for i, segment in enumerate(re.split(f"<reply {nonce} (\\d+)>", text)):
         if i % 2:
             ids += replies[int(segment)]
         elif segment:
@@ -156,6 +158,8 @@ def _media_item(part: Part, kind: str, start: int, processor: Any) -> MediaItem:
         return MediaItem(part, media_digest(part), start, grid[0] * grid[1] * grid[2] // merge**2, grid=grid)
     if not isinstance(part, np.ndarray):
         raise RequestError("the chat template put audio where the conversation has an image")
+    if len(part) <= processor.feature_extractor.n_fft // 2:  # the mel window's padding needs more
+        raise RequestError(f"an audio clip of {len(part)} samples is too short (under 13 ms)")
     frames = len(part) // processor.feature_extractor.hop_length
     length = int(_get_feat_extract_output_lengths(frames, processor.n_window))
     return MediaItem(part, media_digest(part), start, length, frames=frames)

@@ -146,6 +146,14 @@ class PrefixCache:
 
     # Memory ---------------------------------------------------------------------------------
 
+    def make_room(self) -> None:
+        """Free one device slot ahead of need, so moving an entry to host memory (a copy of all its
+        KV) is not paid inside the next request's time to first token."""
+        if self.kv.free_slots == 0:
+            victim = self._least_recent_on_device(keep=None)
+            if victim is not None:
+                self._move_to_host(victim, keep=None)
+
     def _slot_for(self, own: Entry | None, keep: Entry | None) -> int | None:
         """A free device slot; `keep` (the match's source) is neither moved nor dropped meanwhile."""
         if own is not None and own.slot is not None:

@@ -61,7 +61,10 @@ class Engine:
 
     def _loop(self) -> None:
         while True:
-            if not self._take_inbox(block=not (self._waiting or self._running)):
+            idle = not (self._waiting or self._running)
+            if idle:
+                self.cache.make_room()  # while nobody waits, so the next request need not
+            if not self._take_inbox(block=idle):
                 return
             self._admit()
             if self._running:
@@ -92,11 +95,11 @@ class Engine:
             try:
                 if request.prompt is None:
                     request.prompt = self._build_prompt(request.messages)
-            except OmniLocalError as error:
+                request.claim = self.cache.claim(request.session, request.prompt, self.cache.match(request.prompt))
+            except Exception as error:  # noqa: BLE001 - one request's failure must not stop the worker
                 self._waiting.popleft()
-                self._fail(request, str(error))
+                self._fail(request, self._failure_message(error))
                 continue
-            request.claim = self.cache.claim(request.session, request.prompt, self.cache.match(request.prompt))
             if request.claim is None:
                 return
             self._waiting.popleft()
@@ -116,16 +119,19 @@ class Engine:
             return self._finish(request, "cancelled")
         try:
             token = self._prefill(request) if request.prepared is None else self._decode(request)
-        except OmniLocalError as error:
-            return self._fail(request, str(error))
-        except torch.OutOfMemoryError:
+        except Exception as error:  # noqa: BLE001 - the engine must keep serving the other requests
+            return self._fail(request, self._failure_message(error))
+        return self._accept(request, token)
+
+    def _failure_message(self, error: Exception) -> str:
+        if isinstance(error, OmniLocalError):
+            return str(error)
+        if isinstance(error, torch.OutOfMemoryError):
             if self.runner.device.type == "cuda":
                 torch.cuda.empty_cache()  # give back what the failed forward reserved
-            return self._fail(request, "out of memory: try a shorter conversation, a smaller image or clip")
-        except Exception as error:  # the engine must keep serving the other requests
-            log.exception("request failed")
-            return self._fail(request, f"internal error: {type(error).__name__}: {error}")
-        return self._accept(request, token)
+            return "out of memory: try a shorter conversation, a smaller image or clip"
+        log.exception("request failed")
+        return f"internal error: {type(error).__name__}: {error}"
 
     def _prefill(self, request: Request) -> int:
         prompt, start = request.prompt, request.claim.start
