@@ -58,19 +58,21 @@ class KVStore:
             layer[target, :, :rows].copy_(layer[source, :, :rows])
 
     def to_host(self, slot: int, rows: int) -> torch.Tensor:
-        """[layers, 2, kv_heads, rows, head_dim] in host memory (pinned beside a GPU, for fast copies back)."""
-        pinned = self.device.type == "cuda"
-        size = (self.shape.num_layers, 2, self.shape.kv_heads, rows, self.shape.head_dim)
-        host = torch.empty(size, dtype=self.dtype, pin_memory=pinned)
-        for i, (k, v) in enumerate(zip(self.keys, self.values)):
-            host[i, 0].copy_(k[slot, :, :rows])
-            host[i, 1].copy_(v[slot, :, :rows])
-        return host
+        """[layers, 2, kv_heads, rows, head_dim] in host memory.
+
+        Gathered on the device first, then moved in one transfer: per-layer copies, or a fresh
+        pinned buffer per entry, cost tens of milliseconds on an H200 host."""
+        gathered = torch.stack([torch.stack([k[slot, :, :rows], v[slot, :, :rows]]) for k, v in self._pairs()])
+        return gathered.to("cpu")
 
     def from_host(self, host: torch.Tensor, slot: int, rows: int) -> None:
-        for i, (k, v) in enumerate(zip(self.keys, self.values)):
-            k[slot, :, :rows].copy_(host[i, 0, :, :rows], non_blocking=True)
-            v[slot, :, :rows].copy_(host[i, 1, :, :rows], non_blocking=True)
+        on_device = host[:, :, :, :rows].to(self.device)
+        for i, (k, v) in enumerate(self._pairs()):
+            k[slot, :, :rows].copy_(on_device[i, 0])
+            v[slot, :, :rows].copy_(on_device[i, 1])
+
+    def _pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return list(zip(self.keys, self.values))
 
 
 class SlotWriter:
