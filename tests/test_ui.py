@@ -31,9 +31,9 @@ START_TIMEOUT_S = 120
 MAX_NEW_TOKENS = 24
 LIMITS = MediaLimits(max_upload_bytes=50 << 20, max_image_pixels=MAX_IMAGE_PIXELS, max_audio_seconds=MAX_AUDIO_SECONDS)
 METRICS = re.compile(
-    r"\[(?P<prompt>\d+) prompt tokens: \d+ computed, \d+ reused from GPU, \d+ from host \| "
+    r"\[(?P<prompt>\d+) prompt tokens: (?P<computed>\d+) computed, \d+ reused from GPU, \d+ from host \| "
     r"(?P<generated>\d+) generated \| "
-    r"queue [\d.]+ ms, TTFT [\d.]+ ms, [\d.]+ tokens/s \| (end_of_turn|max_new_tokens)\]"
+    r"queue [\d.]+ ms, TTFT [\d.]+ ms, [\d.]+ tokens/s \| (?P<stop>end_of_turn|max_new_tokens)\]"
 )
 
 
@@ -110,6 +110,16 @@ def test_a_follow_up_question_carries_the_earlier_image_turn(ui_url, tmp_path):
     first = _ask(client, "What is in this picture?", _png(tmp_path / "green.png", (64, 48), (20, 200, 40)))
     follow_up = _ask(client, "And what colour is it?")
     assert follow_up.prompt_tokens > first.prompt_tokens + first.generated_tokens
+
+
+def test_a_follow_up_in_the_same_chat_computes_only_its_new_tokens(ui_url, tmp_path):
+    client = Client(ui_url, verbose=False)
+    first = _ask(client, "Describe this picture.", _png(tmp_path / "blue.png", (96, 64), (20, 40, 220)))
+    follow_up = _ask(client, "Is there anything else?")
+    # The first turn's prompt and reply are in the cache as generated (the last sampled token is
+    # computed only when the reply did not end on its own).
+    cached = first.prompt_tokens + first.generated_tokens - (0 if first.stop_reason == "end_of_turn" else 1)
+    assert follow_up.computed_tokens == follow_up.prompt_tokens - cached
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +199,8 @@ class _Answer:
     reply: str
     prompt_tokens: int
     generated_tokens: int
+    computed_tokens: int
+    stop_reason: str
 
 
 def _ask(client: Client, text: str, image: Path | None = None) -> _Answer:
@@ -201,7 +213,8 @@ def _ask(client: Client, text: str, image: Path | None = None) -> _Answer:
     counts = METRICS.fullmatch(metrics["content"])
     assert counts, metrics["content"]
     return _Answer(reply=reply["content"], prompt_tokens=int(counts["prompt"]),
-                   generated_tokens=int(counts["generated"]))
+                   generated_tokens=int(counts["generated"]), computed_tokens=int(counts["computed"]),
+                   stop_reason=counts["stop"])
 
 
 def _assert_one_answered_image_turn(messages: list[Message]) -> None:

@@ -1,12 +1,16 @@
 """The first chat UI: a Gradio 6 ChatInterface over the engine.
 
 Gradio keeps the visible history; each turn rebuilds the conversation from it, so retry, undo and
-edit (built into ChatInterface) need nothing from us. Errors appear as a marked message in the
-chat, are left out of what the model sees, and the chat goes on.
+edit (built into ChatInterface) need nothing from us. Each browser chat keeps a `ChatMemory`: its
+session id, so every turn continues the same prefix-cache entry, and each reply's token ids, so
+the next prompt holds the reply exactly as generated and its cached KV is reused in full. Errors
+appear as a marked message in the chat, are left out of what the model sees, and the chat goes on.
 """
 
 import os
+import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +30,19 @@ AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".mp3"}
 ERROR_TITLE = "Error"
 
 
+@dataclass
+class ChatMemory:
+    session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    replies: dict[str, list[int]] = field(default_factory=dict)  # reply text -> its token ids
+
+
 def build_ui(app: OmniLocal) -> gr.Blocks:
-    def respond(message: dict[str, Any], history: list[dict[str, Any]], system_prompt: str) -> Iterator[Any]:
+    def respond(
+        message: dict[str, Any], history: list[dict[str, Any]], system_prompt: str, memory: ChatMemory
+    ) -> Iterator[Any]:
         try:
-            session = app.session(system_prompt=system_prompt or None)
-            session.history += to_messages(history, app)
+            session = app.session(system_prompt=system_prompt or None, session_id=memory.session_id)
+            session.history += to_messages(history, app, memory.replies)
             reply = session.send(message.get("text") or "", **_media(message.get("files") or []))
         except OmniLocalError as error:
             yield _error_message(str(error))
@@ -42,6 +54,7 @@ def build_ui(app: OmniLocal) -> gr.Blocks:
                     text += event.text
                     yield text
                 elif isinstance(event, Finished):
+                    memory.replies[event.text] = event.token_ids
                     yield [gr.ChatMessage(content=event.text), gr.ChatMessage(content=timings_line(event),
                                                                               metadata={"title": "Metrics"})]
         except OmniLocalError as error:
@@ -59,13 +72,15 @@ def build_ui(app: OmniLocal) -> gr.Blocks:
         respond,
         multimodal=True,
         textbox=textbox,
-        additional_inputs=[gr.Textbox(label="System prompt", lines=2)],
+        additional_inputs=[gr.Textbox(label="System prompt", lines=2), gr.State(lambda: ChatMemory())],
         title="omni_local",
         api_name="chat",
     )
 
 
-def to_messages(history: list[dict[str, Any]], app: OmniLocal) -> list[Message]:
+def to_messages(
+    history: list[dict[str, Any]], app: OmniLocal, replies: dict[str, list[int]] | None = None
+) -> list[Message]:
     """Gradio's visible history as the model's conversation: only questions that got a reply.
 
     Gradio 6 keeps one user entry per turn (text and files together). A question answered by an
@@ -83,8 +98,9 @@ def to_messages(history: list[dict[str, Any]], app: OmniLocal) -> list[Message]:
         elif title:
             continue
         elif question is not None:
-            messages += [Message("user", _parts(question["content"], app)),
-                         Message("assistant", _parts(entry["content"], app))]
+            answer = _parts(entry["content"], app)
+            ids = (replies or {}).get("".join(p for p in answer if isinstance(p, str)))
+            messages += [Message("user", _parts(question["content"], app)), Message("assistant", answer, token_ids=ids)]
             question = None
         elif messages:
             messages[-1].parts += _parts(entry["content"], app)  # one reply shown as several messages
