@@ -58,6 +58,18 @@ class Settings:
     host_cache_bytes: int = field(
         default=8 << 30, metadata={"table": "cache", "help": "host memory for KV moved off the device"}
     )
+    encoder_cache: bool = field(
+        default=True, metadata={"table": "cache", "help": "keep encoder outputs by image or clip content"}
+    )
+    encoder_cache_bytes: int = field(
+        default=1 << 30, metadata={"table": "cache", "help": "device memory for encoder outputs"}
+    )
+    disk_cache: bool = field(
+        default=True, metadata={"table": "cache", "help": "also keep encoder outputs on disk, across restarts"}
+    )
+    disk_cache_bytes: int = field(
+        default=8 << 30, metadata={"table": "cache", "help": "disk space for encoder outputs (<cache_dir>/encoders)"}
+    )
     # [ui]
     ui_host: str = field(default="127.0.0.1", metadata={"table": "ui", "help": "address the UI binds to"})
     ui_port: int = field(default=7860, metadata={"table": "ui", "help": "port the UI listens on"})
@@ -78,7 +90,7 @@ class Settings:
     def __post_init__(self) -> None:
         for f in fields(self):
             _check_type(f.name, getattr(self, f.name), f.type)
-        positive = ("gpu_cache_bytes", "max_context_tokens", "max_new_tokens", "max_upload_bytes", "max_image_pixels",
+        positive = ("gpu_cache_bytes", "encoder_cache_bytes", "disk_cache_bytes", "max_context_tokens", "max_new_tokens", "max_upload_bytes", "max_image_pixels",
                     "max_prompt_tokens", "ui_port", "max_audio_seconds")
         for name in positive:
             if getattr(self, name) <= 0:

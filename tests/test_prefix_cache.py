@@ -26,8 +26,9 @@ def clip(seed: int, seconds: float = 1.5) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def apps(demo_settings, demo_checkpoint):
-    """The same model twice: with the prefix cache, and with it off."""
-    with OmniLocal(demo_settings) as cached, OmniLocal(demo_settings.replace(prefix_cache=False)) as uncached:
+    """The same model twice: with every cache, and with every cache off."""
+    off = demo_settings.replace(prefix_cache=False, encoder_cache=False)
+    with OmniLocal(demo_settings) as cached, OmniLocal(off) as uncached:
         yield cached, uncached
 
 
@@ -158,7 +159,7 @@ def small_apps(demo_settings, demo_checkpoint):
     with (
         OmniLocal(two_slots.replace(host_cache_bytes=1 << 20)) as with_host,
         OmniLocal(two_slots.replace(host_cache_bytes=0)) as without_host,
-        OmniLocal(two_slots.replace(prefix_cache=False)) as uncached,
+        OmniLocal(two_slots.replace(prefix_cache=False, encoder_cache=False)) as uncached,
     ):
         yield with_host, without_host, uncached
 

@@ -15,8 +15,10 @@ from collections import deque
 
 import torch
 
+from omni_local.cache.encoder_cache import EncoderCache, encoder_namespace
 from omni_local.cache.prefix_cache import PrefixCache
 from omni_local.engine.detokenizer import IncrementalDetokenizer
+from omni_local.engine.media_encoder import MediaEncoder
 from omni_local.engine.request import Failed, Finished, Request, StopReason, TextDelta
 from omni_local.engine.sampling import Sampler, SamplingParams
 from omni_local.engine.thinker import ThinkerRunner
@@ -32,9 +34,10 @@ class Engine:
     def __init__(self, loaded: LoadedModel, settings: Settings) -> None:
         self.loaded = loaded
         self.settings = settings
-        self.runner = ThinkerRunner(
-            loaded.model.thinker, loaded.processor, settings.gpu_cache_bytes, settings.max_context_tokens
-        )
+        thinker = loaded.model.thinker
+        self.encoder_cache = _encoder_cache(thinker.model, loaded.processor, settings)
+        encoder = MediaEncoder(thinker.model, loaded.processor, self.encoder_cache)
+        self.runner = ThinkerRunner(thinker, encoder, settings.gpu_cache_bytes, settings.max_context_tokens)
         self.cache = PrefixCache(self.runner.kv, settings.host_cache_bytes, enabled=settings.prefix_cache)
         self.eos_ids = set(thinker_eos_token_ids(loaded))
         # A reply is text: a media placeholder in it would be taken for a medium in the next prompt.
@@ -56,6 +59,8 @@ class Engine:
     def close(self) -> None:
         self._inbox.put(None)
         self._worker.join(timeout=30)
+        if self.encoder_cache is not None:
+            self.encoder_cache.close()  # the connection opened here, at start-up
 
     # The worker thread ------------------------------------------------------------------------
 
@@ -65,6 +70,8 @@ class Engine:
             if idle:
                 self.cache.make_room()  # while nobody waits, so the next request need not
             if not self._take_inbox(block=idle):
+                if self.encoder_cache is not None:
+                    self.encoder_cache.close()  # the worker's own database connection
                 return
             self._admit()
             if self._running:
@@ -195,3 +202,12 @@ class Engine:
             self.cache.release(request.claim)
             request.claim = None
         request.prepared = request.sampler = request.detokenizer = None  # tensors and state go now
+
+
+def _encoder_cache(thinker_model: torch.nn.Module, processor: object, settings: Settings) -> EncoderCache | None:
+    if not settings.encoder_cache:
+        return None
+    disk = settings.cache_path / "encoders" if settings.disk_cache else None
+    device = next(thinker_model.parameters()).device
+    namespace = encoder_namespace(thinker_model, processor)
+    return EncoderCache(namespace, settings.encoder_cache_bytes, device, disk, settings.disk_cache_bytes)

@@ -6,13 +6,13 @@ decode step per token, each writing its keys and values into the request's slot 
 """
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from omni_local.engine.kv_store import KVShape, KVStore
 from omni_local.errors import SettingsError
-from omni_local.prompts import Prompt, preprocess
+from omni_local.engine.media_encoder import MediaEncoder, deepstack_levels
+from omni_local.prompts import Prompt
 
 
 @dataclass
@@ -29,9 +29,9 @@ class PreparedPrompt:
 
 
 class ThinkerRunner:
-    def __init__(self, thinker: torch.nn.Module, processor: Any, kv_budget_bytes: int, max_tokens: int) -> None:
+    def __init__(self, thinker: torch.nn.Module, encoder: MediaEncoder, kv_budget_bytes: int, max_tokens: int) -> None:
         self.thinker = thinker
-        self.processor = processor
+        self.encoder = encoder
         self.model = thinker.model  # Qwen3OmniMoeThinkerModel: .visual, .audio_tower, .language_model
         self.text = self.model.language_model
         config = self.text.config
@@ -50,7 +50,8 @@ class ThinkerRunner:
 
     @torch.inference_mode()
     def prepare(self, prompt: Prompt, start: int) -> PreparedPrompt:
-        """Embed the tokens from `start` on; only media from there on are preprocessed and encoded."""
+        """Embed the tokens from `start` on; only media from there on are encoded (or taken from the
+        encoder cache)."""
         ids = prompt.input_ids.to(self.device)
         # Positions of the whole sequence, then the tail's slice: a tail on a cached prefix gets
         # exactly the positions a cold prefill would give it.
@@ -62,30 +63,19 @@ class ThinkerRunner:
         )
         tail = ids[:, start:]
         embeds = self.model.get_input_embeddings()(tail)
-        inputs = preprocess([m for m in prompt.media if m.start >= start], self.processor)
-        if "input_features" in inputs:
-            embeds = self._scatter_audio(tail, embeds, inputs)
+        media = [m for m in prompt.media if m.start >= start]
+        outputs = self.encoder.encode(media)
+        config = self.model.config
+        clips = [o["embeds"] for m, o in zip(media, outputs) if not m.is_image]
+        if clips:
+            embeds = _scatter(embeds, tail == config.audio_token_id, torch.cat(clips))
+        images = [o for m, o in zip(media, outputs) if m.is_image]
         visual_mask, deepstack = None, None
-        if "pixel_values" in inputs:
-            embeds, visual_mask, deepstack = self._scatter_images(tail, embeds, inputs)
+        if images:
+            visual_mask = tail == config.image_token_id
+            embeds = _scatter(embeds, visual_mask, torch.cat([o["embeds"] for o in images]))
+            deepstack = [level.to(embeds.dtype) for level in deepstack_levels(images)]
         return PreparedPrompt(start, embeds, positions[:, :, start:], int(deltas.reshape(-1)[0]), visual_mask, deepstack)
-
-    def _scatter_audio(self, ids: torch.Tensor, embeds: torch.Tensor, inputs: dict) -> torch.Tensor:
-        features = inputs["input_features"].to(self.device, self.model.audio_tower.dtype)
-        mask = inputs["feature_attention_mask"].to(self.device)
-        audio = self.model.get_audio_features(features, mask).last_hidden_state
-        placeholders = (ids == self.model.config.audio_token_id).unsqueeze(-1)
-        return embeds.masked_scatter(placeholders, audio.to(embeds.dtype))
-
-    def _scatter_images(self, ids: torch.Tensor, embeds: torch.Tensor, inputs: dict):
-        pixels = inputs["pixel_values"].to(self.device)
-        grid = inputs["image_grid_thw"].to(self.device)
-        vision = self.model.get_image_features(pixels, grid)
-        merged = torch.cat(vision.pooler_output).to(embeds.dtype)
-        visual_mask = ids == self.model.config.image_token_id
-        embeds = embeds.masked_scatter(visual_mask.unsqueeze(-1), merged)
-        deepstack = [torch.cat(level).to(embeds.dtype) for level in vision.deepstack_features]
-        return embeds, visual_mask, deepstack
 
     @torch.inference_mode()
     def prefill(self, slot: int, prepared: PreparedPrompt) -> torch.Tensor:
@@ -141,6 +131,11 @@ def _causal_mask(implementation: str, start: int, length: int, like: torch.Tenso
     # eager attention adds the mask to the scores
     blocked = torch.finfo(like.dtype).min
     return torch.zeros(allowed.shape, dtype=like.dtype, device=like.device).masked_fill(~allowed, blocked)
+
+
+def _scatter(embeds: torch.Tensor, placeholders: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Put encoder rows, in order, where the placeholder tokens are ([1, n] mask)."""
+    return embeds.masked_scatter(placeholders.unsqueeze(-1), rows.to(embeds.dtype))
 
 
 def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

@@ -1,0 +1,176 @@
+"""Encoder outputs by media digest: a memory tier, and an optional disk tier that survives restarts.
+
+A known image or clip then skips preprocessing and its encoder, in any chat and after a restart.
+The key is the medium's content digest within a namespace that covers the encoder weights, dtype
+and preprocessing settings (`encoder_namespace`), so a changed model never reads stale outputs.
+
+The disk tier is a diskcache folder that holds only bytes: each entry is a safetensors blob
+(tensors, no code), and the storage class refuses any pickled value, so nothing on disk is ever
+unpickled. A damaged entry is dropped and recomputed; a disk that cannot be used (read-only,
+full, a corrupt database) turns the disk tier off with one warning, and serving goes on.
+"""
+
+import logging
+import os
+import sqlite3
+from collections import OrderedDict
+from pathlib import Path
+
+import blake3
+import diskcache
+import torch
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+
+log = logging.getLogger(__name__)
+
+EncoderOutput = dict[str, torch.Tensor]  # image: "embeds", "deepstack.0", ...; audio: "embeds"
+
+
+class BytesOnlyDisk(diskcache.Disk):
+    """diskcache storage that keeps raw bytes and never unpickles what it reads."""
+
+    def store(self, value, read, key=diskcache.core.UNKNOWN):
+        if type(value) is not bytes:
+            raise TypeError("the encoder cache stores bytes only")
+        return super().store(value, read, key)
+
+    def fetch(self, mode, filename, value, read):
+        if mode not in (diskcache.core.MODE_RAW, diskcache.core.MODE_BINARY):
+            raise ValueError(f"refusing a disk cache value of mode {mode} (only bytes are stored)")
+        return super().fetch(mode, filename, value, read)
+
+
+class EncoderCache:
+    def __init__(
+        self, namespace: bytes, memory_bytes: int, device: torch.device, disk_dir: Path | None, disk_bytes: int
+    ) -> None:
+        self.namespace = namespace
+        self.memory_budget = memory_bytes
+        self.device = device
+        self._memory: OrderedDict[bytes, EncoderOutput] = OrderedDict()
+        self._memory_bytes = 0
+        self.disk_bytes = disk_bytes
+        self._disk = _open_disk(disk_dir, disk_bytes) if disk_dir is not None else None
+        self._warned_too_small = False
+
+    @property
+    def memory_bytes(self) -> int:
+        return self._memory_bytes
+
+    @property
+    def disk_enabled(self) -> bool:
+        return self._disk is not None
+
+    def get(self, digest: bytes) -> EncoderOutput | None:
+        key = self._key(digest)
+        output = self._memory.get(key)
+        if output is not None:
+            self._memory.move_to_end(key)
+            return output
+        output = self._read_disk(key)
+        if output is not None:
+            self._remember(key, output)
+        return output
+
+    def put(self, digest: bytes, output: EncoderOutput) -> None:
+        key = self._key(digest)
+        self._remember(key, output)
+        self._write_disk(key, output)
+
+    def close(self) -> None:
+        """Close the calling thread's connection to the disk tier (diskcache keeps one per thread)."""
+        if self._disk is not None:
+            self._disk.close()
+
+    def _key(self, digest: bytes) -> bytes:
+        return blake3.blake3(self.namespace + digest).digest()
+
+    def _remember(self, key: bytes, output: EncoderOutput) -> None:
+        size = sum(t.numel() * t.element_size() for t in output.values())
+        if size > self.memory_budget or key in self._memory:
+            return
+        while self._memory_bytes + size > self.memory_budget:
+            _, evicted = self._memory.popitem(last=False)
+            self._memory_bytes -= sum(t.numel() * t.element_size() for t in evicted.values())
+        self._memory[key] = output
+        self._memory_bytes += size
+
+    def _read_disk(self, key: bytes) -> EncoderOutput | None:
+        if self._disk is None:
+            return None
+        name = key.hex()
+        try:
+            blob = self._disk.get(name)
+        except (OSError, sqlite3.Error) as error:
+            self._disable_disk(f"reading it failed ({error})")
+            return None
+        except ValueError as error:  # a value this cache never writes: treat it as damage
+            return self._drop_damaged(name, error)
+        if blob is None:
+            return None
+        try:
+            tensors = load_tensors(blob)
+        except Exception as error:  # noqa: BLE001 - safetensors reports damage as several error types
+            return self._drop_damaged(name, error)
+        return {k: v.to(self.device) for k, v in tensors.items()}
+
+    def _write_disk(self, key: bytes, output: EncoderOutput) -> None:
+        if self._disk is None:
+            return
+        blob = save_tensors({k: v.detach().to("cpu").contiguous() for k, v in output.items()})
+        if len(blob) > self.disk_bytes:
+            if not self._warned_too_small:
+                log.warning(
+                    "encoder disk cache: an entry of %d bytes is over disk_cache_bytes (%d); such entries are not kept",
+                    len(blob), self.disk_bytes,
+                )
+                self._warned_too_small = True
+            return
+        try:
+            self._disk.set(key.hex(), blob)
+        except (OSError, sqlite3.Error) as error:
+            self._disable_disk(f"writing to it failed ({error})")
+
+    def _drop_damaged(self, name: str, error: Exception) -> None:
+        log.warning("encoder disk cache: dropped a damaged entry (%s); it is computed again", error)
+        try:
+            self._disk.delete(name)
+        except (OSError, sqlite3.Error) as delete_error:
+            self._disable_disk(f"removing a damaged entry failed ({delete_error})")
+        return None
+
+    def _disable_disk(self, why: str) -> None:
+        log.warning("encoder disk cache turned off: %s; encoder outputs are kept in memory only", why)
+        try:
+            self._disk.close()
+        except (OSError, sqlite3.Error):
+            pass
+        self._disk = None
+
+
+def _open_disk(folder: Path, size_limit: int) -> diskcache.Cache | None:
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(folder, 0o700)  # the user's alone, also when it existed before
+        return diskcache.Cache(
+            str(folder), disk=BytesOnlyDisk, size_limit=size_limit, eviction_policy="least-recently-used"
+        )
+    except (OSError, sqlite3.Error) as error:
+        log.warning("encoder disk cache turned off: cannot open %s (%s); encoder outputs are kept in memory only",
+                    folder, error)
+        return None
+
+
+def encoder_namespace(thinker_model: torch.nn.Module, processor: object) -> bytes:
+    """A digest of what an encoder output depends on besides the medium: the vision and audio
+    encoders' weights (every parameter's bytes, not a file name), their dtype, and the processor's
+    preprocessing settings."""
+    hasher = blake3.blake3(b"omni_local encoder cache v1\0", max_threads=blake3.blake3.AUTO)
+    for prefix, module in (("visual", thinker_model.visual), ("audio", thinker_model.audio_tower)):
+        for name, tensor in sorted(module.state_dict().items()):
+            hasher.update(f"{prefix}.{name}:{tensor.dtype}:{tuple(tensor.shape)}\0".encode())
+            hasher.update(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    for part in (processor.image_processor, processor.feature_extractor):
+        hasher.update(part.to_json_string().encode())
+    return hasher.digest()

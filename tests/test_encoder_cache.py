@@ -1,0 +1,270 @@
+"""Encoder outputs are kept by content: a hit skips preprocessing and the encoder, in memory and on
+disk across processes, never changes an answer, and a damaged or unusable disk only costs speed."""
+
+import json
+import logging
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import diskcache
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import omni_local.engine.media_encoder as media_encoder
+from omni_local.api import OmniLocal
+from omni_local.cache.encoder_cache import BytesOnlyDisk
+from omni_local.prompts import Message, build_prompt
+
+REPO = Path(__file__).resolve().parent.parent
+NEW_TOKENS = 8
+
+
+def picture(seed: int, size: tuple[int, int] = (160, 120)) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def clip(seed: int, seconds: float = 1.5) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(int(16_000 * seconds)) * 0.1).astype(np.float32)
+
+
+PROMPTS = {
+    "image": lambda: {"images": [picture(1)]},
+    "audio": lambda: {"audio": [clip(2)]},
+    "image and audio": lambda: {"images": [picture(3)], "audio": [clip(4)]},
+}
+
+
+def ask(app: OmniLocal, question: str, **media) -> list[int]:
+    # A new session each time: nothing comes from the prefix cache (it is off in these apps anyway).
+    return app.session("You look and listen.").send(question, max_new_tokens=NEW_TOKENS, **media).result().token_ids
+
+
+@pytest.fixture
+def settings(demo_settings, tmp_path):
+    """Only the encoder cache on (the prefix cache would skip the encoders for its own reasons)."""
+    return demo_settings.replace(prefix_cache=False, cache_dir=str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts of preprocessing calls and encoder forwards."""
+    counts = {"preprocess": 0, "vision": 0, "audio": 0}
+    original = media_encoder.preprocess
+
+    def preprocess(*args, **kwargs):
+        counts["preprocess"] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(media_encoder, "preprocess", preprocess)
+
+    def count(app: OmniLocal) -> dict[str, int]:
+        model = app.loaded.model.thinker.model
+        for name, method in (("vision", "get_image_features"), ("audio", "get_audio_features")):
+            forward = getattr(model, method)
+
+            def wrapped(*args, _forward=forward, _name=name, **kwargs):
+                counts[_name] += 1
+                return _forward(*args, **kwargs)
+
+            monkeypatch.setattr(model, method, wrapped)
+        return counts
+
+    return count
+
+
+@pytest.mark.parametrize("case", PROMPTS)
+def test_answers_with_the_encoder_cache_equal_answers_without_it_in_memory_and_from_disk(settings, case):
+    media = PROMPTS[case]()
+    with OmniLocal(settings.replace(encoder_cache=False)) as off:
+        expected = [ask(off, "What is this?", **media), ask(off, "And now?", **media)]
+    with OmniLocal(settings) as on:
+        assert [ask(on, "What is this?", **media), ask(on, "And now?", **media)] == expected  # miss, then memory
+    with OmniLocal(settings) as restarted:
+        assert ask(restarted, "And now?", **media) == expected[1]  # from disk
+
+
+def test_a_hit_runs_no_preprocessing_and_no_encoder(settings, counted):
+    with OmniLocal(settings) as app:
+        counts = counted(app)
+        media = {"images": [picture(5)], "audio": [clip(6)]}
+        ask(app, "First?", **media)
+        assert counts == {"preprocess": 1, "vision": 1, "audio": 1}
+        ask(app, "Second?", **media)
+        assert counts == {"preprocess": 1, "vision": 1, "audio": 1}
+        ask(app, "Third?", images=[picture(7)], **{"audio": media["audio"]})  # only the new image is encoded
+        assert counts == {"preprocess": 2, "vision": 2, "audio": 1}
+
+
+def test_cached_outputs_are_bit_identical_to_a_fresh_encode(settings):
+    with OmniLocal(settings) as app:
+        prompt = build_prompt([Message("user", [picture(8), clip(9), "What?"])], app.loaded.processor)
+        encoder = app.engine.runner.encoder
+        fresh = encoder._encode(prompt.media)
+        ask(app, "What?", images=[picture(8)], audio=[clip(9)])
+        for item, expected in zip(prompt.media, fresh):
+            cached = app.engine.encoder_cache.get(item.digest)
+            assert cached.keys() == expected.keys()
+            assert all(torch.equal(cached[k], expected[k]) for k in expected)
+
+
+RESTART_SCRIPT = """
+import json, sys
+import numpy as np
+from PIL import Image
+from omni_local.api import OmniLocal
+from omni_local.settings import Settings
+
+settings = Settings(**json.loads(sys.argv[1]))
+with OmniLocal(settings) as app:
+    model = app.loaded.model.thinker.model
+    def refuse(*args, **kwargs):
+        raise AssertionError("the vision encoder ran")
+    model.get_image_features = refuse
+    pixels = np.random.default_rng(10).integers(0, 256, (120, 160, 3), dtype=np.uint8)
+    final = app.session("You look and listen.").send("Again?", images=[Image.fromarray(pixels)], max_new_tokens=8)
+    print(json.dumps(final.result().token_ids))
+"""
+
+
+def test_a_second_process_answers_about_a_known_image_without_its_encoder(settings):
+    with OmniLocal(settings) as first:
+        ask(first, "What is it?", images=[picture(10)])
+        expected = ask(first, "Again?", images=[picture(10)])
+    fields = {k: getattr(settings, k) for k in ("model", "demo_dir", "cache_dir", "device", "prefix_cache",
+                                                "gpu_cache_bytes", "max_context_tokens", "max_prompt_tokens")}
+    done = subprocess.run([sys.executable, "-c", RESTART_SCRIPT, json.dumps(fields)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == expected
+
+
+def test_the_disk_folder_is_private_to_the_user(settings):
+    with OmniLocal(settings):
+        folder = Path(settings.cache_dir).expanduser() / "encoders"
+        assert folder.stat().st_mode & 0o777 == 0o700
+
+
+# Faults -----------------------------------------------------------------------------------------
+
+
+def warnings_from(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "encoder" in r.name]
+
+
+def only_entry(folder: Path) -> str:
+    with diskcache.Cache(str(folder), disk=BytesOnlyDisk) as cache:
+        (key,) = list(cache.iterkeys())
+        return key
+
+
+def test_a_truncated_entry_is_dropped_with_one_warning_and_computed_again(settings, caplog, counted):
+    image = picture(11)
+    with OmniLocal(settings.replace(encoder_cache=False)) as off:
+        expected = ask(off, "What?", images=[image])
+    with OmniLocal(settings) as app:
+        ask(app, "What?", images=[image])
+    folder = Path(settings.cache_dir) / "encoders"
+    key = only_entry(folder)
+    with diskcache.Cache(str(folder), disk=BytesOnlyDisk) as cache:
+        cache.set(key, cache.get(key)[:100])
+    with OmniLocal(settings) as app:
+        counts = counted(app)
+        assert ask(app, "What?", images=[image]) == expected
+        assert counts["vision"] == 1  # recomputed
+        assert ask(app, "What?", images=[image]) == expected
+    assert len([w for w in warnings_from(caplog) if "damaged entry" in w]) == 1
+
+
+class _Marker:
+    unpickled = False
+
+    def __reduce__(self):
+        return (_mark_unpickled, ())
+
+
+def _mark_unpickled() -> "_Marker":
+    _Marker.unpickled = True
+    return _Marker()
+
+
+def test_a_pickled_value_on_disk_is_never_unpickled(settings, caplog):
+    image = picture(12)
+    with OmniLocal(settings) as app:
+        expected = ask(app, "What?", images=[image])
+    folder = Path(settings.cache_dir) / "encoders"
+    key = only_entry(folder)
+    with diskcache.Cache(str(folder)) as cache:  # a plain diskcache pickles what is not bytes
+        cache.set(key, _Marker())
+    assert pickle.loads(pickle.dumps(_Marker())) and _Marker.unpickled  # the payload does mark when unpickled
+    _Marker.unpickled = False
+    with OmniLocal(settings) as app:
+        assert ask(app, "What?", images=[image]) == expected
+    assert not _Marker.unpickled
+    assert any("damaged entry" in w for w in warnings_from(caplog))
+
+
+def test_a_size_limit_smaller_than_one_entry_warns_once_and_answers_stay_right(settings, caplog):
+    with OmniLocal(settings.replace(encoder_cache=False)) as off:
+        expected = [ask(off, "What?", images=[picture(s)]) for s in (13, 14)]
+    with OmniLocal(settings.replace(disk_cache_bytes=1000)) as app:
+        assert [ask(app, "What?", images=[picture(s)]) for s in (13, 14)] == expected
+    assert len([w for w in warnings_from(caplog) if "over disk_cache_bytes" in w]) == 1
+
+
+def test_a_corrupt_database_file_turns_the_disk_tier_off_with_one_warning(settings, caplog):
+    folder = Path(settings.cache_dir) / "encoders"
+    folder.mkdir(parents=True)
+    (folder / "cache.db").write_bytes(b"this is not an SQLite database" * 100)
+    with OmniLocal(settings.replace(encoder_cache=False)) as off:
+        expected = ask(off, "What?", images=[picture(15)])
+    with OmniLocal(settings) as app:
+        assert not app.engine.encoder_cache.disk_enabled
+        assert ask(app, "What?", images=[picture(15)]) == expected
+        assert ask(app, "What?", images=[picture(15)]) == expected
+    assert len([w for w in warnings_from(caplog) if "turned off" in w]) == 1
+
+
+@pytest.fixture
+def mountable(tmp_path):
+    """A small tmpfs folder, to fill up or make read-only (needs root's mount, as on CI)."""
+    folder = tmp_path / "mnt"
+    folder.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(folder)]
+    if os.geteuid() != 0 or subprocess.run(mount, capture_output=True).returncode != 0:
+        pytest.skip("a full or read-only folder is made with mount, which needs root")
+    yield folder
+    subprocess.run(["umount", "--lazy", str(folder)], check=False)
+
+
+def test_a_disk_that_fills_up_turns_the_disk_tier_off_with_one_warning(settings, mountable, caplog):
+    with OmniLocal(settings.replace(encoder_cache=False)) as off:
+        expected = [ask(off, "What?", images=[picture(s)]) for s in (16, 17, 18)]
+    with OmniLocal(settings.replace(cache_dir=str(mountable))) as app:
+        assert ask(app, "What?", images=[picture(16)]) == expected[0]
+        with open(mountable / "filler", "wb") as filler:  # take every byte left
+            try:
+                while True:
+                    filler.write(b"\0" * 65536)
+                    filler.flush()
+            except OSError:
+                pass
+        assert ask(app, "What?", images=[picture(17)]) == expected[1]
+        assert ask(app, "What?", images=[picture(18)]) == expected[2]
+        assert not app.engine.encoder_cache.disk_enabled
+    assert len([w for w in warnings_from(caplog) if "turned off" in w]) == 1
+
+
+def test_a_read_only_folder_at_start_turns_the_disk_tier_off_with_one_warning(settings, mountable, caplog):
+    subprocess.run(["mount", "-o", "remount,ro", str(mountable)], check=True)
+    with OmniLocal(settings.replace(encoder_cache=False)) as off:
+        expected = ask(off, "What?", images=[picture(19)])
+    with OmniLocal(settings.replace(cache_dir=str(mountable))) as app:
+        assert not app.engine.encoder_cache.disk_enabled
+        assert ask(app, "What?", images=[picture(19)]) == expected
+    assert len([w for w in warnings_from(caplog) if "turned off" in w]) == 1
