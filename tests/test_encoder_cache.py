@@ -10,27 +10,17 @@ import sys
 from pathlib import Path
 
 import diskcache
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 import omni_local.engine.media_encoder as media_encoder
+from samples import clip, picture
 from omni_local.api import OmniLocal
 from omni_local.cache.encoder_cache import BytesOnlyDisk
 from omni_local.prompts import Message, build_prompt
 
 REPO = Path(__file__).resolve().parent.parent
 NEW_TOKENS = 8
-
-
-def picture(seed: int, size: tuple[int, int] = (160, 120)) -> Image.Image:
-    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
-
-
-def clip(seed: int, seconds: float = 1.5) -> np.ndarray:
-    return (np.random.default_rng(seed).standard_normal(int(16_000 * seconds)) * 0.1).astype(np.float32)
 
 
 PROMPTS = {

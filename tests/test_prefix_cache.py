@@ -4,24 +4,14 @@ run with the cache off, token for token, and computes exactly the tokens no entr
 import io
 import random
 
-import numpy as np
 import pytest
-from PIL import Image
 
+from samples import clip, picture
 from omni_local.api import Finished, OmniLocal, Session
 from omni_local.prompts import Message, build_prompt
 
 NEW_TOKENS = 6
 TOKEN_BYTES = 2048  # the demo's KV per token: 4 layers x K and V x 2 heads x 32 x float32
-
-
-def picture(seed: int, size: tuple[int, int] = (128, 96)) -> Image.Image:
-    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
-
-
-def clip(seed: int, seconds: float = 1.5) -> np.ndarray:
-    return (np.random.default_rng(seed).standard_normal(int(16_000 * seconds)) * 0.1).astype(np.float32)
 
 
 @pytest.fixture(scope="module")

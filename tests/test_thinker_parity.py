@@ -5,6 +5,7 @@ import pytest
 import torch
 from PIL import Image
 
+from samples import clip, picture
 from omni_local.api import OmniLocal
 from omni_local.prompts import Message, build_prompt
 
@@ -26,15 +27,6 @@ def reference_tokens(app: OmniLocal, messages: list[Message]) -> list[int]:
         if token in eos:
             return tokens[:i]
     return tokens
-
-
-def picture(seed: int, size: tuple[int, int] = (160, 120)) -> Image.Image:
-    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
-
-
-def clip(seed: int, seconds: float = 2.0) -> np.ndarray:
-    return (np.random.default_rng(seed).standard_normal(int(16_000 * seconds)) * 0.1).astype(np.float32)
 
 
 CASES = {

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
 from transformers import (
     GenerationConfig,
     Qwen2Tokenizer,
