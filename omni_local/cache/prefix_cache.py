@@ -139,11 +139,6 @@ class PrefixCache:
         if not self.enabled and entry.pins == 0:
             self._drop(entry)
 
-    def forget(self, session: str) -> None:
-        entry = self.entries.get(session)
-        if entry is not None and entry.pins == 0:
-            self._drop(entry)
-
     # Memory ---------------------------------------------------------------------------------
 
     def make_room(self) -> None:

@@ -1,8 +1,9 @@
 """The Thinker's forward, run by us over KV we own.
 
 transformers' modules do the maths (embedding, encoders, decoder layers, lm_head); this file
-decides what runs when: encoders once per prompt, a prefill over the prompt's tokens, then one
-decode step per token, each writing its keys and values into the request's slot of the KVStore.
+decides what runs when: the encoders for the media of the uncached tail (MediaEncoder), a prefill
+of that tail after the cached rows, then one decode step per token, each writing its keys and
+values into the request's slot of the KVStore.
 """
 
 from dataclasses import dataclass
@@ -10,8 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from omni_local.engine.kv_store import KVShape, KVStore
-from omni_local.errors import SettingsError
 from omni_local.engine.media_encoder import MediaEncoder, deepstack_levels
+from omni_local.errors import SettingsError
 from omni_local.prompts import Prompt
 
 
