@@ -39,6 +39,10 @@ class Settings:
     max_context_tokens: int = field(
         default=8192, metadata={"table": "engine", "help": "prompt plus reply, per request (KV rows per slot)"}
     )
+    compile: bool = field(
+        default=False,
+        metadata={"table": "engine", "help": "compile the vision and audio encoders at start-up (one graph for every size)"},
+    )
     max_new_tokens: int = field(default=512, metadata={"table": "engine", "help": "default reply length limit"})
     temperature: float = field(default=0.0, metadata={"table": "engine", "help": "default; 0 is greedy"})
     top_p: float = field(default=1.0, metadata={"table": "engine", "help": "default nucleus sampling mass"})

@@ -54,15 +54,15 @@ def counted(monkeypatch):
     monkeypatch.setattr(media_encoder, "preprocess", preprocess)
 
     def count(app: OmniLocal) -> dict[str, int]:
-        model = app.loaded.model.thinker.model
-        for name, method in (("vision", "get_image_features"), ("audio", "get_audio_features")):
-            forward = getattr(model, method)
+        encoders = app.engine.runner.encoder.encoders
+        for name, method in (("vision", "images"), ("audio", "audio")):
+            forward = getattr(encoders, method)
 
             def wrapped(*args, _forward=forward, _name=name, **kwargs):
                 counts[_name] += 1
                 return _forward(*args, **kwargs)
 
-            monkeypatch.setattr(model, method, wrapped)
+            monkeypatch.setattr(encoders, method, wrapped)
         return counts
 
     return count
@@ -112,10 +112,9 @@ from omni_local.settings import Settings
 
 settings = Settings(**json.loads(sys.argv[1]))
 with OmniLocal(settings) as app:
-    model = app.loaded.model.thinker.model
     def refuse(*args, **kwargs):
         raise AssertionError("the vision encoder ran")
-    model.get_image_features = refuse
+    app.engine.runner.encoder.encoders.images = refuse
     pixels = np.random.default_rng(10).integers(0, 256, (120, 160, 3), dtype=np.uint8)
     final = app.session("You look and listen.").send("Again?", images=[Image.fromarray(pixels)], max_new_tokens=8)
     print(json.dumps(final.result().token_ids))

@@ -18,6 +18,7 @@ import torch
 from omni_local.cache.encoder_cache import EncoderCache, encoder_namespace
 from omni_local.cache.prefix_cache import PrefixCache
 from omni_local.engine.detokenizer import IncrementalDetokenizer
+from omni_local.engine.encoders import Encoders
 from omni_local.engine.media_encoder import MediaEncoder
 from omni_local.engine.request import Failed, Finished, Request, StopReason, TextDelta
 from omni_local.engine.sampling import Sampler, SamplingParams
@@ -36,7 +37,10 @@ class Engine:
         self.settings = settings
         thinker = loaded.model.thinker
         self.encoder_cache = _encoder_cache(thinker.model, loaded.processor, settings)
-        encoder = MediaEncoder(thinker.model, loaded.processor, self.encoder_cache)
+        encoders = Encoders(thinker.model, compile=settings.compile)
+        if settings.compile:
+            encoders.warm_up(loaded.processor)  # compiled now, so the first real image does not wait
+        encoder = MediaEncoder(encoders, loaded.processor, self.encoder_cache)
         self.runner = ThinkerRunner(thinker, encoder, settings.gpu_cache_bytes, settings.max_context_tokens)
         self.cache = PrefixCache(self.runner.kv, settings.host_cache_bytes, enabled=settings.prefix_cache)
         self.eos_ids = set(thinker_eos_token_ids(loaded))

@@ -11,15 +11,17 @@ from typing import Any
 import torch
 
 from omni_local.cache.encoder_cache import EncoderCache, EncoderOutput
+from omni_local.engine.encoders import Encoders
 from omni_local.prompts import MediaItem, preprocess
 
 
 class MediaEncoder:
-    def __init__(self, thinker_model: torch.nn.Module, processor: Any, cache: EncoderCache | None) -> None:
-        self.model = thinker_model  # Qwen3OmniMoeThinkerModel: .visual, .audio_tower
+    def __init__(self, encoders: Encoders, processor: Any, cache: EncoderCache | None) -> None:
+        self.encoders = encoders
         self.processor = processor
         self.cache = cache
-        self.device = next(thinker_model.parameters()).device
+        self.device = encoders.visual.device
+        self.dtype = encoders.audio_tower.dtype
 
     def encode(self, media: list[MediaItem]) -> list[EncoderOutput]:
         """One output per item, in order."""
@@ -35,22 +37,22 @@ class MediaEncoder:
 
     def _encode(self, media: list[MediaItem]) -> list[EncoderOutput]:
         inputs = preprocess(media, self.processor)
-        images = iter(self._images(inputs) if "pixel_values" in inputs else [])
+        images = iter(self._images(inputs, [m.length for m in media if m.is_image]) if "pixel_values" in inputs
+                      else [])
         clips = iter(self._clips(inputs, [m.length for m in media if not m.is_image]) if "input_features" in inputs
                      else [])
         return [next(images) if m.is_image else next(clips) for m in media]
 
-    def _images(self, inputs: dict[str, torch.Tensor]) -> list[EncoderOutput]:
-        pixels = inputs["pixel_values"].to(self.device)
-        vision = self.model.get_image_features(pixels, inputs["image_grid_thw"].to(self.device))
-        per_image = zip(vision.pooler_output, *vision.deepstack_features)
-        return [{"embeds": merged, **{f"deepstack.{i}": level for i, level in enumerate(levels)}}
-                for merged, *levels in per_image]
+    def _images(self, inputs: dict[str, torch.Tensor], lengths: list[int]) -> list[EncoderOutput]:
+        pixels, grid = inputs["pixel_values"].to(self.device), inputs["image_grid_thw"].to(self.device)
+        merged, deepstack = self.encoders.images(pixels, grid)
+        per_image = zip(torch.split(merged, lengths), *(torch.split(level, lengths) for level in deepstack))
+        return [{"embeds": tokens, **{f"deepstack.{i}": level for i, level in enumerate(levels)}}
+                for tokens, *levels in per_image]
 
     def _clips(self, inputs: dict[str, torch.Tensor], lengths: list[int]) -> list[EncoderOutput]:
-        features = inputs["input_features"].to(self.device, self.model.audio_tower.dtype)
-        mask = inputs["feature_attention_mask"].to(self.device)
-        tokens = self.model.get_audio_features(features, mask).last_hidden_state
+        features = inputs["input_features"].to(self.device, self.dtype)
+        tokens = self.encoders.audio(features, inputs["feature_attention_mask"].to(self.device))
         return [{"embeds": clip} for clip in torch.split(tokens, lengths)]
 
 

@@ -1,0 +1,105 @@
+"""Encoder time per image size and clip length, eager and compiled; and the first image after start-up.
+
+    python -m omni_local.bench.encoders                                # demo model, CPU smoke run
+    python -m omni_local.bench.encoders --random-weights CONFIG.json   # full size, random weights
+
+Each cell is the median of --runs after the compiled graphs were warmed up; start-up is the time
+`OmniLocal` takes to come up (model already in memory), warm-up included, and the first image is
+that app's time to first token for a 480x640 question.
+"""
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from omni_local.api import OmniLocal
+from omni_local.bench.random_weights import load_random_weights
+from omni_local.engine.encoders import Encoders
+from omni_local.model.loader import LoadedModel, load_model, quiet_library_logs
+from omni_local.settings import add_settings_arguments, settings_from_arguments
+
+IMAGE_SIZES = [(224, 224), (333, 517), (480, 640), (640, 480), (1024, 768), (1216, 1600)]  # (height, width)
+CLIP_SECONDS = [1.0, 3.0, 7.5, 10.0, 30.0]
+
+
+def timed_ms(call, runs: int) -> float:
+    samples = []
+    for _ in range(runs):
+        _sync()
+        start = time.perf_counter()
+        call()
+        _sync()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def encoder_rows(loaded: LoadedModel, runs: int) -> list[dict]:
+    processor, device = loaded.processor, loaded.device
+    rng = np.random.default_rng(0)
+    inputs = {}
+    for height, width in IMAGE_SIZES:
+        image = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+        encoded = processor.image_processor(images=[image], return_tensors="pt")
+        inputs[f"image {height}x{width}"] = ("images", encoded["pixel_values"].to(device),
+                                             encoded["image_grid_thw"].to(device))
+    for seconds in CLIP_SECONDS:
+        samples = (rng.standard_normal(int(16_000 * seconds)) * 0.1).astype(np.float32)
+        encoded = processor.feature_extractor([samples], sampling_rate=16_000, padding=True, truncation=False,
+                                              return_attention_mask=True, return_tensors="pt")
+        features = encoded["input_features"].to(device, loaded.dtype)
+        inputs[f"clip {seconds:g} s"] = ("audio", features, encoded["attention_mask"].to(device))
+    rows = {name: {"input": name} for name in inputs}
+    for compiled in (False, True):
+        encoders = Encoders(loaded.model.thinker.model, compile=compiled)
+        encoders.warm_up(processor)
+        label = "compiled" if compiled else "eager"
+        for name, (kind, *tensors) in inputs.items():
+            call = getattr(encoders, kind)
+            with torch.inference_mode():
+                call(*tensors)  # a first call per size: a recompile would show here, not in the median
+                rows[name][f"{label}_ms"] = timed_ms(lambda: call(*tensors), runs)
+    return list(rows.values())
+
+
+def first_image_after_start_up(loaded: LoadedModel, settings) -> dict[str, float]:
+    start = time.perf_counter()
+    with OmniLocal(settings.replace(encoder_cache=False, prefix_cache=False), loaded=loaded) as app:
+        up_s = time.perf_counter() - start
+        image = Image.fromarray(np.random.default_rng(1).integers(0, 256, (480, 640, 3), dtype=np.uint8))
+        final = app.session().send("What is in this picture?", images=[image], max_new_tokens=1).result()
+    return {"start_up_s": up_s, "first_image_ttft_ms": final.timings.ttft_s * 1e3}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m omni_local.bench.encoders")
+    parser.add_argument("--random-weights", type=Path, help="a full-size config.json, built with random weights")
+    parser.add_argument("--runs", type=int, default=5)
+    add_settings_arguments(parser)
+    args = parser.parse_args()
+    quiet_library_logs()
+    settings = settings_from_arguments(args)
+    loaded = load_random_weights(args.random_weights, settings) if args.random_weights else load_model(settings)
+    first = first_image_after_start_up(loaded, settings.replace(compile=True))
+    rows = encoder_rows(loaded, args.runs)
+    device = torch.cuda.get_device_name(loaded.device) if loaded.device.type == "cuda" else "cpu"
+    print(f"model: {args.random_weights or 'demo'}, device: {device}, dtype: {loaded.dtype}, "
+          f"torch {torch.__version__}, runs: {args.runs}")
+    print(f"start-up with warm-up: {first['start_up_s']:.1f} s; first 480x640 image after it: "
+          f"TTFT {first['first_image_ttft_ms']:.1f} ms\n")
+    print("| input | eager (ms) | compiled (ms) |\n| --- | --- | --- |")
+    for row in rows:
+        print(f"| {row['input']} | {row['eager_ms']:.1f} | {row['compiled_ms']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
