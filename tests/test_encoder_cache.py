@@ -54,6 +54,7 @@ def counted(monkeypatch):
     monkeypatch.setattr(media_encoder, "preprocess", preprocess)
 
     def count(app: OmniLocal) -> dict[str, int]:
+        counts.update(dict.fromkeys(counts, 0))  # from here on: the start-up warm-up is not a request
         encoders = app.engine.runner.encoder.encoders
         for name, method in (("vision", "images"), ("audio", "audio")):
             forward = getattr(encoders, method)
@@ -257,3 +258,10 @@ def test_a_read_only_folder_at_start_turns_the_disk_tier_off_with_one_warning(se
         assert not app.engine.encoder_cache.disk_enabled
         assert ask(app, "What?", images=[picture(19)]) == expected
     assert len([w for w in warnings_from(caplog) if "turned off" in w]) == 1
+
+
+def test_the_start_up_warm_up_leaves_nothing_in_any_cache(settings):
+    with OmniLocal(settings.replace(prefix_cache=True)) as app:
+        assert app.engine.encoder_cache.memory_bytes == 0
+        assert app.engine.cache.entries == {}
+        assert app.engine.runner.kv.free_slots == app.engine.runner.kv.slots

@@ -84,13 +84,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m omni_local.bench.encoders")
     parser.add_argument("--random-weights", type=Path, help="a full-size config.json, built with random weights")
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--start-up-only", action="store_true", help="only the first image after start-up")
     add_settings_arguments(parser)
     args = parser.parse_args()
     quiet_library_logs()
     settings = settings_from_arguments(args)
     loaded = load_random_weights(args.random_weights, settings) if args.random_weights else load_model(settings)
     first = first_image_after_start_up(loaded, settings.replace(compile=True))
-    rows = encoder_rows(loaded, args.runs)
+    rows = [] if args.start_up_only else encoder_rows(loaded, args.runs)
     device = torch.cuda.get_device_name(loaded.device) if loaded.device.type == "cuda" else "cpu"
     print(f"model: {args.random_weights or 'demo'}, device: {device}, dtype: {loaded.dtype}, "
           f"torch {torch.__version__}, runs: {args.runs}")

@@ -42,6 +42,7 @@ class Engine:
             encoders.warm_up(loaded.processor)  # compiled now, so the first real image does not wait
         encoder = MediaEncoder(encoders, loaded.processor, self.encoder_cache)
         self.runner = ThinkerRunner(thinker, encoder, settings.gpu_cache_bytes, settings.max_context_tokens)
+        self.runner.warm_up()
         self.cache = PrefixCache(self.runner.kv, settings.host_cache_bytes, enabled=settings.prefix_cache)
         self.eos_ids = set(thinker_eos_token_ids(loaded))
         # A reply is text: a media placeholder in it would be taken for a medium in the next prompt.

@@ -23,16 +23,17 @@ class MediaEncoder:
         self.device = encoders.visual.device
         self.dtype = encoders.audio_tower.dtype
 
-    def encode(self, media: list[MediaItem]) -> list[EncoderOutput]:
-        """One output per item, in order."""
-        outputs: list[EncoderOutput | None] = [self.cache.get(m.digest) if self.cache else None for m in media]
+    def encode(self, media: list[MediaItem], remember: bool = True) -> list[EncoderOutput]:
+        """One output per item, in order; `remember=False` neither reads nor fills the cache."""
+        cache = self.cache if remember else None
+        outputs: list[EncoderOutput | None] = [cache.get(m.digest) if cache else None for m in media]
         missing = [i for i, output in enumerate(outputs) if output is None]
         if missing:
             fresh = self._encode([media[i] for i in missing])
             for i, output in zip(missing, fresh):
                 outputs[i] = output
-                if self.cache is not None:
-                    self.cache.put(media[i].digest, output)
+                if cache is not None:
+                    cache.put(media[i].digest, output)
         return outputs
 
     def _encode(self, media: list[MediaItem]) -> list[EncoderOutput]:
