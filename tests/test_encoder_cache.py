@@ -106,29 +106,37 @@ def test_cached_outputs_are_bit_identical_to_a_fresh_encode(settings):
 
 RESTART_SCRIPT = """
 import json, sys
-import numpy as np
-from PIL import Image
+sys.path.insert(0, "tests")
+from samples import clip, picture
 from omni_local.api import OmniLocal
 from omni_local.settings import Settings
 
-settings = Settings(**json.loads(sys.argv[1]))
+settings, media = Settings(**json.loads(sys.argv[1])), json.loads(sys.argv[2])
 with OmniLocal(settings) as app:
     def refuse(*args, **kwargs):
-        raise AssertionError("the vision encoder ran")
-    app.engine.runner.encoder.encoders.images = refuse
-    pixels = np.random.default_rng(10).integers(0, 256, (120, 160, 3), dtype=np.uint8)
-    final = app.session("You look and listen.").send("Again?", images=[Image.fromarray(pixels)], max_new_tokens=8)
-    print(json.dumps(final.result().token_ids))
+        raise AssertionError("an encoder ran")
+    app.engine.runner.encoder.encoders.images = app.engine.runner.encoder.encoders.audio = refuse
+    reply = app.session("You look and listen.").send(
+        "Again?", images=[picture(s) for s in media["images"]], audio=[clip(s) for s in media["audio"]],
+        max_new_tokens=8,
+    )
+    print(json.dumps(reply.result().token_ids))
 """
+SEEDS = {"image": {"images": [10], "audio": []}, "audio": {"images": [], "audio": [11]},
+         "image and audio": {"images": [12], "audio": [13]}}
 
 
-def test_a_second_process_answers_about_a_known_image_without_its_encoder(settings):
+@pytest.mark.parametrize("case", SEEDS)
+def test_a_second_process_answers_about_known_media_from_disk_without_any_encoder(settings, case):
+    seeds = SEEDS[case]
+    media = {"images": [picture(s) for s in seeds["images"]], "audio": [clip(s) for s in seeds["audio"]]}
+    with OmniLocal(settings.replace(encoder_cache=False)) as off:
+        expected = ask(off, "Again?", **media)
     with OmniLocal(settings) as first:
-        ask(first, "What is it?", images=[picture(10)])
-        expected = ask(first, "Again?", images=[picture(10)])
+        ask(first, "What is it?", **media)
     fields = {k: getattr(settings, k) for k in ("model", "demo_dir", "cache_dir", "device", "prefix_cache",
                                                 "gpu_cache_bytes", "max_context_tokens", "max_prompt_tokens")}
-    done = subprocess.run([sys.executable, "-c", RESTART_SCRIPT, json.dumps(fields)], cwd=REPO,
+    done = subprocess.run([sys.executable, "-c", RESTART_SCRIPT, json.dumps(fields), json.dumps(seeds)], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1]) == expected
