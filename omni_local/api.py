@@ -61,10 +61,9 @@ class Reply:
             raise RequestError(self._error)
 
     def result(self) -> Finished:
+        """The final event, once the reply is done; raises `RequestError` if it failed."""
         for _ in self:
             pass
-        if self._error is not None:
-            raise RequestError(self._error)
         return self._final
 
     def cancel(self) -> None:

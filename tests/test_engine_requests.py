@@ -142,3 +142,35 @@ def test_bad_sampling_values_are_refused_before_anything_runs(app):
         app.session().send(QUESTION, top_p=0)
     with pytest.raises(RequestError, match="unknown sampling parameter 'temprature'"):
         app.session().send(QUESTION, temprature=1.0)
+
+
+def test_closing_the_engine_ends_a_reply_still_streaming_with_a_clear_error(demo_settings):
+    app = OmniLocal(demo_settings)
+    started = threading.Event()
+    release = threading.Event()
+    original = app.engine.runner.decode
+
+    def slow_decode(*args, **kwargs):
+        started.set()
+        release.wait(timeout=20)
+        return original(*args, **kwargs)
+
+    app.engine.runner.decode = slow_decode
+    reply = app.session().send(QUESTION, max_new_tokens=50)
+    assert started.wait(timeout=20)
+    closer = threading.Thread(target=app.close)
+    closer.start()
+    release.set()
+    outcome = []
+
+    def wait_for_the_reply() -> None:
+        try:
+            reply.result()
+        except RequestError as error:
+            outcome.append(str(error))
+
+    waiter = threading.Thread(target=wait_for_the_reply, daemon=True)
+    waiter.start()
+    waiter.join(timeout=30)  # without an answer from the engine this would wait forever
+    closer.join(timeout=30)
+    assert outcome == ["the engine was closed"]

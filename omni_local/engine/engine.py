@@ -37,10 +37,8 @@ class Engine:
         self.settings = settings
         thinker = loaded.model.thinker
         self.encoder_cache = _encoder_cache(thinker.model, loaded.processor, settings)
-        encoders = Encoders(thinker.model, compile=settings.compile)
-        if settings.compile:
-            encoders.warm_up(loaded.processor)  # compiled now, so the first real image does not wait
-        encoder = MediaEncoder(encoders, loaded.processor, self.encoder_cache)
+        encoder = MediaEncoder(_encoders(thinker.model, loaded.processor, settings), loaded.processor,
+                               self.encoder_cache)
         self.runner = ThinkerRunner(thinker, encoder, settings.gpu_cache_bytes, settings.max_context_tokens)
         self.runner.warm_up()
         self.cache = PrefixCache(self.runner.kv, settings.host_cache_bytes, enabled=settings.prefix_cache)
@@ -75,14 +73,19 @@ class Engine:
             if idle:
                 self.cache.make_room()  # while nobody waits, so the next request need not
             if not self._take_inbox(block=idle):
-                if self.encoder_cache is not None:
-                    self.encoder_cache.close()  # the worker's own database connection
+                self._shut_down()
                 return
             self._admit()
             if self._running:
                 request = self._running.popleft()
                 if self._step(request):
                     self._running.append(request)
+
+    def _shut_down(self) -> None:
+        for request in [*self._running, *self._waiting]:
+            self._fail(request, "the engine was closed")
+        if self.encoder_cache is not None:
+            self.encoder_cache.close()  # the worker's own database connection
 
     def _take_inbox(self, block: bool) -> bool:
         """Move new requests to the waiting line; False once the engine is closing."""
@@ -207,6 +210,13 @@ class Engine:
             self.cache.release(request.claim)
             request.claim = None
         request.prepared = request.sampler = request.detokenizer = None  # tensors and state go now
+
+
+def _encoders(thinker_model: torch.nn.Module, processor: object, settings: Settings) -> Encoders:
+    encoders = Encoders(thinker_model, compile=settings.compile)
+    if settings.compile:
+        encoders.warm_up(processor)  # compiled now, so the first real image does not wait
+    return encoders
 
 
 def _encoder_cache(thinker_model: torch.nn.Module, processor: object, settings: Settings) -> EncoderCache | None:

@@ -93,7 +93,7 @@ class Request:
         decode_s = now - self.first_token_at
         decoded = len(self.output_ids) - 1
         return Timings(
-            queue_wait_s=self.started_at - self.submitted_at,
+            queue_wait_s=(self.started_at or now) - self.submitted_at,
             ttft_s=(self.first_token_at or now) - self.submitted_at,
             decode_tokens_per_s=decoded / decode_s if decoded > 0 and decode_s > 0 else 0.0,
         )
