@@ -79,3 +79,12 @@ def test_chat_holds_a_conversation_with_attachments_and_survives_a_bad_file(flag
     assert done.returncode == 0
     assert done.stdout.count("prompt tokens") == 2  # the good turns got replies
     assert "empty.png: the file is empty" in done.stderr
+
+
+def test_app_py_refuses_an_unknown_settings_key_with_one_line_and_status_2(tmp_path):
+    settings_file = tmp_path / "settings.toml"
+    settings_file.write_text("[ui]\nui_colour = 'blue'\n")
+    done = subprocess.run([sys.executable, "app.py", "--settings", str(settings_file)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.strip() == f"error: {settings_file}: unknown setting 'ui.ui_colour'"
