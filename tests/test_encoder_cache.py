@@ -273,3 +273,16 @@ def test_the_start_up_warm_up_leaves_nothing_in_any_cache(settings):
         assert app.engine.encoder_cache.memory_bytes == 0
         assert app.engine.cache.entries == {}
         assert app.engine.runner.kv.free_slots == app.engine.runner.kv.slots
+
+
+def test_a_cached_output_of_the_wrong_shape_is_not_used(settings, counted):
+    image = picture(20)
+    with OmniLocal(settings.replace(encoder_cache=False)) as off:
+        expected = ask(off, "What?", images=[image])
+    with OmniLocal(settings) as app:
+        counts = counted(app)
+        digest = build_prompt([Message("user", [image, "What?"])], app.loaded.processor).media[0].digest
+        hidden = app.loaded.model.thinker.config.text_config.hidden_size
+        app.engine.encoder_cache.put(digest, {"embeds": torch.zeros(3, hidden), "grid": torch.tensor([1, 2, 6])})
+        assert ask(app, "What?", images=[image]) == expected
+        assert counts["vision"] == 1
