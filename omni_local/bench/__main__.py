@@ -5,7 +5,8 @@
 
 Prompts follow ../shared/BENCHMARK_ANCHORS.md: a system prompt, one 480x640 image, a question.
 Each row is the median of --runs after one warm-up run; each run asks a new question, so the cache
-rows reuse only what a real user's next request would. The table goes to stdout, JSON to --json.
+rows reuse only what a real user's next request would. "cache off" means every cache off (prefix
+and encoder), so a first send really runs its encoder. The table goes to stdout, JSON to --json.
 """
 
 import argparse
@@ -129,7 +130,8 @@ def main() -> None:
     settings = settings_from_arguments(args)
     loaded = load_random_weights(args.random_weights, settings) if args.random_weights else None
     rows = []
-    with OmniLocal(settings, loaded=loaded) as cached, OmniLocal(settings.replace(prefix_cache=False), loaded) as cold:
+    every_cache_off = settings.replace(prefix_cache=False, encoder_cache=False)
+    with OmniLocal(settings, loaded=loaded) as cached, OmniLocal(every_cache_off, loaded) as cold:
         systems = (("omni_local, cache on", cached, engine_run), ("omni_local, cache off", cold, engine_run),
                    ("transformers", cold, transformers_run))
         for scenario in scenarios():
