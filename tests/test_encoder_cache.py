@@ -142,10 +142,11 @@ def test_a_second_process_answers_about_known_media_from_disk_without_any_encode
     assert json.loads(done.stdout.strip().splitlines()[-1]) == expected
 
 
-def test_the_disk_folder_is_private_to_the_user(settings):
+def test_the_cache_folders_are_private_to_the_user(settings):
     with OmniLocal(settings):
-        folder = Path(settings.cache_dir).expanduser() / "encoders"
-        assert folder.stat().st_mode & 0o777 == 0o700
+        root = Path(settings.cache_dir).expanduser()
+        for folder in (root, root / "encoders"):
+            assert folder.stat().st_mode & 0o777 == 0o700
 
 
 # Faults -----------------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ full, a corrupt database) turns the disk tier off with one warning, and serving 
 """
 
 import logging
-import os
 import sqlite3
 from collections import OrderedDict
 from pathlib import Path
@@ -21,6 +20,8 @@ import diskcache
 import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
+
+from omni_local.cache.folders import private_folder
 
 log = logging.getLogger(__name__)
 
@@ -151,8 +152,7 @@ class EncoderCache:
 
 def _open_disk(folder: Path, size_limit: int) -> diskcache.Cache | None:
     try:
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(folder, 0o700)  # the user's alone, also when it existed before
+        private_folder(folder)
         return diskcache.Cache(
             str(folder), disk=BytesOnlyDisk, size_limit=size_limit, eviction_policy="least-recently-used"
         )

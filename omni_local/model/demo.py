@@ -23,6 +23,7 @@ from transformers import (
 )
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
+from omni_local.cache.folders import private_folder
 from omni_local.model.chat_template import CHAT_TEMPLATE
 from omni_local.model.workarounds import init_talker_experts
 
@@ -108,7 +109,7 @@ def ensure_demo_checkpoint(path: Path) -> Path:
     path = Path(path)
     if _is_current(path):
         return path
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # the app's data is the user's alone
+    private_folder(path.parent)
     # Built beside the target and renamed into place, so a crash never leaves half a checkpoint.
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
     try:
