@@ -287,3 +287,12 @@ def test_a_cached_output_of_the_wrong_shape_is_not_used(settings, counted):
         app.engine.encoder_cache.put(digest, {"embeds": torch.zeros(3, hidden), "grid": torch.tensor([1, 2, 6])})
         assert ask(app, "What?", images=[image]) == expected
         assert counts["vision"] == 1
+
+
+def test_with_compiled_encoders_the_app_answers_as_with_eager_ones(settings):
+    media = {"images": [picture(21)], "audio": [clip(22)]}
+    with OmniLocal(settings.replace(encoder_cache=False)) as eager:
+        expected = ask(eager, "What is this?", **media)
+    with OmniLocal(settings.replace(encoder_cache=False, compile=True)) as compiled:
+        assert compiled.engine.runner.encoder.encoders.compiled
+        assert ask(compiled, "What is this?", **media) == expected
