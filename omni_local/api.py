@@ -26,7 +26,7 @@ from omni_local.engine.engine import Engine
 from omni_local.engine.request import Failed, Finished, Request, TextDelta
 from omni_local.engine.sampling import SamplingParams
 from omni_local.errors import OmniLocalError, RequestError
-from omni_local.media import SAMPLE_RATE, MediaLimits, check_duration, load_audio, load_image
+from omni_local.media import SAMPLE_RATE, MediaLimits, check_duration, load_audio, load_image, prepare_image
 from omni_local.model.loader import LoadedModel, load_model
 from omni_local.prompts import Message, Part
 from omni_local.settings import Settings, load_settings
@@ -164,7 +164,7 @@ class OmniLocal:
 
 def _image(item: ImageInput, limits: MediaLimits) -> Image.Image:
     if isinstance(item, Image.Image):
-        return item.convert("RGB")
+        return prepare_image(item, limits)
     return load_image(item, limits)
 
 

@@ -98,15 +98,6 @@ def _stream(reply: Reply, show_text: bool) -> Finished:
         final = reply.result()
     if show_text:
         print()
-        print(timings_line(final))
+        print(final.metrics_line())
     return final
 
-
-def timings_line(final: Finished) -> str:
-    t, n = final.timings, final.tokens
-    return (
-        f"[{n.prompt} prompt tokens: {n.computed} computed, {n.reused_gpu} reused from GPU, "
-        f"{n.reused_host} from host | {n.generated} generated | "
-        f"queue {t.queue_wait_s * 1000:.1f} ms, TTFT {t.ttft_s * 1000:.1f} ms, "
-        f"{t.decode_tokens_per_s:.1f} tokens/s | {final.stop_reason}]"
-    )

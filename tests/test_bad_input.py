@@ -1,6 +1,7 @@
 """Bad input through the Python API: a clear error naming the problem, then the engine serves on."""
 
 import pytest
+from PIL import Image
 
 from bad_files import MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS, good_image, write_bad_files
 from omni_local.api import OmniLocal
@@ -46,3 +47,8 @@ def test_an_unknown_settings_key_is_a_clear_error(tmp_path):
 def test_an_empty_message_is_refused(app):
     with pytest.raises(Exception, match="the message is empty"):
         app.session().send("")
+
+
+def test_an_image_passed_in_memory_is_held_to_the_same_pixel_limit(strict_app):
+    with pytest.raises(MediaError, match="image: 400×400 pixels is over the limit"):
+        strict_app.session().send("What is this?", images=[Image.new("RGB", (400, 400))])

@@ -45,6 +45,16 @@ class Finished:
     timings: Timings
     seed: int
 
+    def metrics_line(self) -> str:
+        """One line for people: what the cache supplied, and how fast (the CLI and the UI show it)."""
+        t, n = self.timings, self.tokens
+        return (
+            f"[{n.prompt} prompt tokens: {n.computed} computed, {n.reused_gpu} reused from GPU, "
+            f"{n.reused_host} from host | {n.generated} generated | "
+            f"queue {t.queue_wait_s * 1000:.1f} ms, TTFT {t.ttft_s * 1000:.1f} ms, "
+            f"{t.decode_tokens_per_s:.1f} tokens/s | {self.stop_reason}]"
+        )
+
 
 @dataclass(frozen=True)
 class Failed:

@@ -36,6 +36,21 @@ def load_image(source: str | Path | bytes, limits: MediaLimits, name: str | None
             raise MediaError(f"{upload.name}: the file is truncated or corrupt (not a readable image)") from None
 
 
+def prepare_image(image: Image.Image, limits: MediaLimits, name: str = "image") -> Image.Image:
+    """An image already in memory (the Python API takes PIL images), held to the same limit and
+    turned into RGB the same way as a loaded file."""
+    check_size(name, *image.size, limits)
+    return _to_rgb(image)
+
+
+def check_size(name: str, width: int, height: int, limits: MediaLimits) -> None:
+    if width * height > limits.max_image_pixels:
+        raise MediaError(
+            f"{name}: {width}×{height} pixels is over the limit of {limits.max_image_pixels:,} pixels "
+            "(max_image_pixels)"
+        )
+
+
 def _open(name: str, data: bytes, limits: MediaLimits) -> Image.Image:
     """The image with its header read and its size checked, before any pixel is decoded."""
     try:
@@ -53,13 +68,11 @@ def _open(name: str, data: bytes, limits: MediaLimits) -> Image.Image:
         raise MediaError(f"{name}: not a supported image ({_EXPECTED})") from None
     except Exception:
         raise MediaError(f"{name}: the file is truncated or corrupt (not a readable image)") from None
-    width, height = image.size
-    if width * height > limits.max_image_pixels:
+    try:
+        check_size(name, *image.size, limits)
+    except MediaError:
         image.close()
-        raise MediaError(
-            f"{name}: {width}×{height} pixels is over the limit of {limits.max_image_pixels:,} pixels "
-            "(max_image_pixels)"
-        )
+        raise
     return image
 
 

@@ -19,7 +19,6 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # offline and privat
 import gradio as gr
 
 from omni_local.api import OmniLocal
-from omni_local.cli import timings_line
 from omni_local.engine.request import Finished, TextDelta
 from omni_local.errors import OmniLocalError, RequestError
 from omni_local.media import load_audio, load_image
@@ -55,7 +54,7 @@ def build_ui(app: OmniLocal) -> gr.Blocks:
                     yield text
                 elif isinstance(event, Finished):
                     memory.replies[event.text] = event.token_ids
-                    yield [gr.ChatMessage(content=event.text), gr.ChatMessage(content=timings_line(event),
+                    yield [gr.ChatMessage(content=event.text), gr.ChatMessage(content=event.metrics_line(),
                                                                               metadata={"title": "Metrics"})]
         except OmniLocalError as error:
             yield _error_message(str(error))
@@ -132,23 +131,25 @@ def _file_path(block: Any) -> str | None:
 
 
 def _media(files: list[Any]) -> dict[str, list[Path]]:
-    images, audio = [], []
+    media: dict[str, list[Path]] = {"images": [], "audio": []}
     for item in files:
         path = Path(item if isinstance(item, str) else item["path"])
-        suffix = path.suffix.lower()
-        if suffix in IMAGE_SUFFIXES:
-            images.append(path)
-        elif suffix in AUDIO_SUFFIXES:
-            audio.append(path)
-        else:
-            raise RequestError(f"{path.name}: unsupported file type (images or audio files expected)")
-    return {"images": images, "audio": audio}
+        media[_kind(path)].append(path)
+    return media
 
 
 def _load(path: str, app: OmniLocal) -> Part:
-    if Path(path).suffix.lower() in AUDIO_SUFFIXES:
-        return load_audio(path, app.limits)
-    return load_image(path, app.limits)
+    loader = load_image if _kind(Path(path)) == "images" else load_audio
+    return loader(path, app.limits)
+
+
+def _kind(path: Path) -> str:
+    suffix = path.suffix.lower()
+    if suffix in IMAGE_SUFFIXES:
+        return "images"
+    if suffix in AUDIO_SUFFIXES:
+        return "audio"
+    raise RequestError(f"{path.name}: unsupported file type (images or audio files expected)")
 
 
 def _error_message(text: str) -> gr.ChatMessage:
