@@ -180,15 +180,21 @@ def image_grid(image: Image.Image, image_processor: Any) -> tuple[int, int, int]
 
 def preprocess(media: list[MediaItem], processor: Any) -> dict[str, torch.Tensor]:
     """Pixels for the images and mel features for the clips among `media`, in order."""
-    inputs: dict[str, torch.Tensor] = {}
     images = [m.part for m in media if m.is_image]
     clips = [m.part for m in media if not m.is_image]
-    if images:
-        encoded = processor.image_processor(images=images, return_tensors="pt")
-        inputs.update(pixel_values=encoded["pixel_values"], image_grid_thw=encoded["image_grid_thw"])
-    if clips:
-        encoded = processor.feature_extractor(
-            clips, sampling_rate=16_000, padding=True, truncation=False, return_attention_mask=True, return_tensors="pt"
-        )
-        inputs.update(input_features=encoded["input_features"], feature_attention_mask=encoded["attention_mask"])
-    return inputs
+    return {**(image_inputs(images, processor) if images else {}), **(audio_inputs(clips, processor) if clips else {})}
+
+
+def image_inputs(images: list[Image.Image], processor: Any) -> dict[str, torch.Tensor]:
+    """`pixel_values` [patches, C*T*P*P] and `image_grid_thw` [images, 3], as the processor makes them."""
+    encoded = processor.image_processor(images=images, return_tensors="pt")
+    return {"pixel_values": encoded["pixel_values"], "image_grid_thw": encoded["image_grid_thw"]}
+
+
+def audio_inputs(clips: list[np.ndarray], processor: Any) -> dict[str, torch.Tensor]:
+    """`input_features` [clips, mel, frames] and `feature_attention_mask` [clips, frames], with the
+    processor's own audio settings (padded to the longest clip, never truncated)."""
+    encoded = processor.feature_extractor(
+        clips, sampling_rate=16_000, padding=True, truncation=False, return_attention_mask=True, return_tensors="pt"
+    )
+    return {"input_features": encoded["input_features"], "feature_attention_mask": encoded["attention_mask"]}

@@ -13,7 +13,6 @@ import argparse
 import json
 import platform
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,10 +23,8 @@ import transformers
 from PIL import Image
 
 from omni_local.api import Finished, OmniLocal
-from omni_local.bench.random_weights import load_random_weights
-from omni_local.model.loader import quiet_library_logs
+from omni_local.bench.common import bench_parser, elapsed_s, settings_and_model
 from omni_local.prompts import Message, build_prompt
-from omni_local.settings import add_settings_arguments, settings_from_arguments
 
 SYSTEM = (
     "You are a helpful assistant who looks carefully at pictures and listens to sounds, then answers "
@@ -97,12 +94,9 @@ def transformers_run(app: OmniLocal, scenario: Scenario, run: int, new_tokens: i
     thinker = app.loaded.model.thinker
 
     def timed(tokens: int) -> float:
-        _sync()
-        start = time.perf_counter()
         with torch.inference_mode():
-            thinker.generate(**inputs, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
-        _sync()
-        return time.perf_counter() - start
+            return elapsed_s(lambda: thinker.generate(**inputs, max_new_tokens=tokens, min_new_tokens=tokens,
+                                                      do_sample=False))
 
     first, whole = timed(1), timed(new_tokens)
     itl = (whole - first) / (new_tokens - 1)
@@ -113,22 +107,12 @@ def _as_send(message: Message) -> dict:
     return {"text": message.text, "images": message.images(), "audio": message.audios()}
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m omni_local.bench")
-    parser.add_argument("--random-weights", type=Path, help="a full-size config.json, built with random weights")
-    parser.add_argument("--runs", type=int, default=5)
+    parser = bench_parser("python -m omni_local.bench")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--json", type=Path, help="write the results here")
-    add_settings_arguments(parser)
     args = parser.parse_args()
-    quiet_library_logs()
-    settings = settings_from_arguments(args)
-    loaded = load_random_weights(args.random_weights, settings) if args.random_weights else None
+    settings, loaded = settings_and_model(args)
     rows = []
     every_cache_off = settings.replace(prefix_cache=False, encoder_cache=False)
     with OmniLocal(settings, loaded=loaded) as cached, OmniLocal(every_cache_off, loaded) as cold:

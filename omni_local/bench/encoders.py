@@ -8,34 +8,25 @@ Each cell is the median of --runs after the compiled graphs were warmed up; star
 that app's time to first token for a 480x640 question.
 """
 
-import argparse
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
 
 from omni_local.api import OmniLocal
-from omni_local.bench.random_weights import load_random_weights
+from omni_local.bench.common import bench_parser, elapsed_s, settings_and_model
 from omni_local.engine.encoders import Encoders
-from omni_local.model.loader import LoadedModel, load_model, quiet_library_logs
-from omni_local.settings import add_settings_arguments, settings_from_arguments
+from omni_local.model.loader import LoadedModel
+from omni_local.prompts import audio_inputs, image_inputs
 
 IMAGE_SIZES = [(224, 224), (333, 517), (480, 640), (640, 480), (1024, 768), (1216, 1600)]  # (height, width)
 CLIP_SECONDS = [1.0, 3.0, 7.5, 10.0, 30.0]
 
 
 def timed_ms(call, runs: int) -> float:
-    samples = []
-    for _ in range(runs):
-        _sync()
-        start = time.perf_counter()
-        call()
-        _sync()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+    return statistics.median(elapsed_s(call) * 1e3 for _ in range(runs))
 
 
 def encoder_rows(loaded: LoadedModel, runs: int) -> list[dict]:
@@ -44,15 +35,14 @@ def encoder_rows(loaded: LoadedModel, runs: int) -> list[dict]:
     inputs = {}
     for height, width in IMAGE_SIZES:
         image = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-        encoded = processor.image_processor(images=[image], return_tensors="pt")
-        inputs[f"image {height}x{width}"] = ("images", encoded["pixel_values"].to(device),
-                                             encoded["image_grid_thw"].to(device))
+        pixels = image_inputs([image], processor)
+        inputs[f"image {height}x{width}"] = ("images", pixels["pixel_values"].to(device),
+                                             pixels["image_grid_thw"].to(device))
     for seconds in CLIP_SECONDS:
         samples = (rng.standard_normal(int(16_000 * seconds)) * 0.1).astype(np.float32)
-        encoded = processor.feature_extractor([samples], sampling_rate=16_000, padding=True, truncation=False,
-                                              return_attention_mask=True, return_tensors="pt")
-        features = encoded["input_features"].to(device, loaded.dtype)
-        inputs[f"clip {seconds:g} s"] = ("audio", features, encoded["attention_mask"].to(device))
+        features = audio_inputs([samples], processor)
+        inputs[f"clip {seconds:g} s"] = ("audio", features["input_features"].to(device, loaded.dtype),
+                                         features["feature_attention_mask"].to(device))
     rows = {name: {"input": name} for name in inputs}
     for compiled in (False, True):
         encoders = Encoders(loaded.model.thinker.model, compile=compiled)
@@ -75,21 +65,11 @@ def first_image_after_start_up(loaded: LoadedModel, settings) -> dict[str, float
     return {"start_up_s": up_s, "first_image_ttft_ms": final.timings.ttft_s * 1e3}
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m omni_local.bench.encoders")
-    parser.add_argument("--random-weights", type=Path, help="a full-size config.json, built with random weights")
-    parser.add_argument("--runs", type=int, default=5)
+    parser = bench_parser("python -m omni_local.bench.encoders")
     parser.add_argument("--start-up-only", action="store_true", help="only the first image after start-up")
-    add_settings_arguments(parser)
     args = parser.parse_args()
-    quiet_library_logs()
-    settings = settings_from_arguments(args)
-    loaded = load_random_weights(args.random_weights, settings) if args.random_weights else load_model(settings)
+    settings, loaded = settings_and_model(args)
     first = first_image_after_start_up(loaded, settings.replace(compile=True))
     rows = [] if args.start_up_only else encoder_rows(loaded, args.runs)
     device = torch.cuda.get_device_name(loaded.device) if loaded.device.type == "cuda" else "cpu"

@@ -38,6 +38,8 @@ from transformers.vision_utils import (
     get_vision_position_ids,
 )
 
+from omni_local.prompts import audio_inputs, image_inputs
+
 # What warm_up encodes: a batch of each kind, so the first trace sees several segments. The graphs
 # serve every size, so these need not resemble what requests send.
 _WARM_UP_IMAGES = [(517, 333), (224, 224)]  # (width, height)
@@ -215,14 +217,12 @@ class Encoders:
         start = time.perf_counter()
         device = self.visual.device
         images = [Image.new("RGB", size, (90, 140, 200)) for size in _WARM_UP_IMAGES]
-        encoded = processor.image_processor(images=images, return_tensors="pt")
-        self.images(encoded["pixel_values"].to(device), encoded["image_grid_thw"].to(device))
-        clips = [np.zeros(int(seconds * 16_000), dtype=np.float32) for seconds in _WARM_UP_CLIPS]
-        encoded = processor.feature_extractor(
-            clips, sampling_rate=16_000, padding=True, truncation=False, return_attention_mask=True, return_tensors="pt"
-        )
-        features = encoded["input_features"].to(device, self.audio_tower.dtype)
-        self.audio(features, encoded["attention_mask"].to(device))
+        pixels = image_inputs(images, processor)
+        self.images(pixels["pixel_values"].to(device), pixels["image_grid_thw"].to(device))
+        features = audio_inputs([np.zeros(int(seconds * 16_000), dtype=np.float32) for seconds in _WARM_UP_CLIPS],
+                                processor)
+        self.audio(features["input_features"].to(device, self.audio_tower.dtype),
+                   features["feature_attention_mask"].to(device))
         return time.perf_counter() - start
 
 

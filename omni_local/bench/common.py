@@ -1,0 +1,43 @@
+"""What both benchmarks share: their command line, the model they time, and a synchronised clock."""
+
+import argparse
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from omni_local.bench.random_weights import load_random_weights
+from omni_local.model.loader import LoadedModel, load_model, quiet_library_logs
+from omni_local.settings import Settings, add_settings_arguments, settings_from_arguments
+
+
+def bench_parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog)
+    parser.add_argument("--random-weights", type=Path, help="a full-size config.json, built with random weights")
+    parser.add_argument("--runs", type=int, default=5, help="timed runs per row, after one warm-up run")
+    add_settings_arguments(parser)
+    return parser
+
+
+def settings_and_model(args: argparse.Namespace) -> tuple[Settings, LoadedModel]:
+    """The settings, and the model loaded once: random full-size weights, or the configured checkpoint."""
+    quiet_library_logs()
+    settings = settings_from_arguments(args)
+    if args.random_weights:
+        return settings, load_random_weights(args.random_weights, settings)
+    return settings, load_model(settings)
+
+
+def elapsed_s(call: Callable[[], object]) -> float:
+    """Wall time of `call`, the GPU's queued work included."""
+    _sync()
+    start = time.perf_counter()
+    call()
+    _sync()
+    return time.perf_counter() - start
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
