@@ -122,6 +122,34 @@ def test_a_follow_up_in_the_same_chat_computes_only_its_new_tokens(ui_url, tmp_p
     assert follow_up.computed_tokens == follow_up.prompt_tokens - cached
 
 
+def test_stopping_a_reply_stops_the_engine_not_only_the_page(demo_settings, demo_checkpoint):
+    from omni_local.api import OmniLocal
+    from omni_local.ui.chat import build_ui
+
+    with OmniLocal(demo_settings.replace(max_new_tokens=900)) as app:
+        stops = []
+        finish, decode = app.engine._finish, app.engine.runner.decode
+        app.engine._finish = lambda request, reason: stops.append(reason) or finish(request, reason)
+        app.engine.runner.decode = lambda *a, **k: time.sleep(0.01) or decode(*a, **k)  # a reply of seconds
+        app.engine.eos_ids = set()  # and one that does not end on its own
+        ui = build_ui(app)
+        port = _free_port()
+        ui.launch(server_port=port, prevent_thread_lock=True)
+        try:
+            job = Client(f"http://127.0.0.1:{port}/", verbose=False).submit(
+                {"text": "Tell me a long story.", "files": []}, "", api_name="/chat"
+            )
+            while not job.outputs():  # the reply is streaming
+                time.sleep(0.05)
+            job.cancel()  # what the stop button does
+            deadline = time.monotonic() + 10
+            while not stops and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            ui.close()
+    assert stops == ["cancelled"]
+
+
 @pytest.fixture(scope="module")
 def bad_files(tmp_path_factory):
     return write_bad_files(tmp_path_factory.mktemp("bad"))

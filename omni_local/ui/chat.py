@@ -73,6 +73,7 @@ def build_ui(app: OmniLocal) -> gr.Blocks:
         textbox=textbox,
         additional_inputs=[gr.Textbox(label="System prompt", lines=2), gr.State(lambda: ChatMemory())],
         title="omni_local",
+        editable=True,
         api_name="chat",
     )
 
