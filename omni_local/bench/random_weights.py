@@ -11,22 +11,10 @@ from pathlib import Path
 import torch
 from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 
-from omni_local.model.demo import ensure_demo_checkpoint
-from omni_local.model.loader import LoadedModel, resolve_device, resolve_dtype
+from omni_local.model.demo import VISION_END, ensure_demo_checkpoint, media_token_ids
+from omni_local.model.loader import LoadedModel, end_of_turn_ids, resolve_device, resolve_dtype
 from omni_local.model.workarounds import apply_workarounds, init_talker_experts, load_processor
 from omni_local.settings import Settings
-
-# config field -> the demo tokenizer's token
-_THINKER_TOKENS = {
-    "image_token_id": "<|image_pad|>",
-    "video_token_id": "<|video_pad|>",
-    "audio_token_id": "<|audio_pad|>",
-    "vision_start_token_id": "<|vision_start|>",
-    "vision_end_token_id": "<|vision_end|>",
-    "audio_start_token_id": "<|audio_start|>",
-    "audio_end_token_id": "<|audio_end|>",
-}
-
 
 def load_random_weights(config_path: Path, settings: Settings) -> LoadedModel:
     demo = ensure_demo_checkpoint(settings.demo_path)
@@ -41,13 +29,12 @@ def load_random_weights(config_path: Path, settings: Settings) -> LoadedModel:
         )
     if settings.speech:
         init_talker_experts(model, config.initializer_range)
-    end_of_turn = [processor.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
-    apply_workarounds(model, end_of_turn, processor.tokenizer.pad_token_id)
+    apply_workarounds(model, end_of_turn_ids(processor), processor.tokenizer.pad_token_id)
     return LoadedModel(model=model.eval(), processor=processor, path=Path(config_path), device=device, dtype=dtype)
 
 
 def _remapped(config: dict, tokenizer) -> dict:
-    ids = {field: tokenizer.convert_tokens_to_ids(token) for field, token in _THINKER_TOKENS.items()}
+    ids = {**media_token_ids(tokenizer), "vision_end_token_id": tokenizer.convert_tokens_to_ids(VISION_END)}
     thinker = {**config["thinker_config"], **ids}
     talker = {**config["talker_config"], **{k: v for k, v in ids.items() if k in config["talker_config"]}}
     return {**config, "thinker_config": thinker, "talker_config": talker}

@@ -182,6 +182,23 @@ def build_tokenizer() -> Qwen2Tokenizer:
 
 
 
+# The Thinker's and Talker's config fields that name media tokens (the Thinker also has VISION_END).
+MEDIA_TOKEN_FIELDS = {
+    "audio_token_id": "<|audio_pad|>",
+    "image_token_id": "<|image_pad|>",
+    "video_token_id": "<|video_pad|>",
+    "vision_start_token_id": "<|vision_start|>",
+    "audio_start_token_id": "<|audio_start|>",
+    "audio_end_token_id": "<|audio_end|>",
+}
+VISION_END = "<|vision_end|>"
+
+
+def media_token_ids(tokenizer: Qwen2Tokenizer) -> dict[str, int]:
+    """MEDIA_TOKEN_FIELDS with the tokenizer's ids: what a config needs to match this tokenizer."""
+    return {field: tokenizer.convert_tokens_to_ids(token) for field, token in MEDIA_TOKEN_FIELDS.items()}
+
+
 def build_config(tokenizer: Qwen2Tokenizer) -> Qwen3OmniMoeConfig:
     """Qwen3-Omni's full configuration at toy size, every token id taken from `tokenizer`."""
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in _SPECIAL_TOKENS}
@@ -190,12 +207,7 @@ def build_config(tokenizer: Qwen2Tokenizer) -> Qwen3OmniMoeConfig:
     vocab_size = len(tokenizer)
     thinker_hidden, accept_layer = 64, 2
     media_ids = {
-        "audio_token_id": ids["<|audio_pad|>"],
-        "image_token_id": ids["<|image_pad|>"],
-        "video_token_id": ids["<|video_pad|>"],
-        "vision_start_token_id": ids["<|vision_start|>"],
-        "audio_start_token_id": ids["<|audio_start|>"],
-        "audio_end_token_id": ids["<|audio_end|>"],
+        **media_token_ids(tokenizer),
         "position_id_per_seconds": 13,
         "seconds_per_chunk": 2,
     }
@@ -203,7 +215,7 @@ def build_config(tokenizer: Qwen2Tokenizer) -> Qwen3OmniMoeConfig:
     rope = {"rope_type": "default", "rope_theta": 1000000, "mrope_section": [6, 5, 5], "interleaved": True}
     thinker = {
         **media_ids,
-        "vision_end_token_id": ids["<|vision_end|>"],
+        "vision_end_token_id": tokenizer.convert_tokens_to_ids(VISION_END),
         "user_token_id": role["user"],
         "initializer_range": _INIT_STD,
         "text_config": {

@@ -50,7 +50,7 @@ def load_model(settings: Settings) -> LoadedModel:
         processor = load_processor(path)
     except (OSError, ValueError, TypeError, KeyError) as error:
         raise CheckpointError(f"could not load the processor files in '{path}': {error}") from None
-    apply_workarounds(model, _token_ids(processor, _END_OF_TURN_TOKENS), processor.tokenizer.pad_token_id)
+    apply_workarounds(model, end_of_turn_ids(processor), processor.tokenizer.pad_token_id)
     return LoadedModel(model=model, processor=processor, path=path, device=device, dtype=dtype)
 
 
@@ -71,8 +71,12 @@ def media_markup_token_ids(loaded: LoadedModel) -> list[int]:
 
 
 def thinker_eos_token_ids(loaded: LoadedModel) -> list[int]:
+    return end_of_turn_ids(loaded.processor)
+
+
+def end_of_turn_ids(processor: Qwen3OmniMoeProcessor) -> list[int]:
     """The ids that end a Thinker reply: end of turn, then end of text."""
-    return _token_ids(loaded.processor, _END_OF_TURN_TOKENS)
+    return _token_ids(processor, _END_OF_TURN_TOKENS)
 
 
 def check_checkpoint(path: Path) -> None:
