@@ -101,3 +101,20 @@ def test_with_the_cache_off_nothing_is_kept_and_nothing_matches():
     run(cache, "a", prompt([1, 2, 3]))
     assert cache.entries == {} and kv.free_slots == kv.slots
     assert cache.match(prompt([1, 2, 3])).length == 0
+
+
+def test_when_the_match_holds_the_only_slot_it_moves_to_host_and_is_read_back_from_there():
+    kv = store(slots=1)
+    cache = PrefixCache(kv, host_budget_bytes=1 << 20, enabled=True)
+    run(cache, "a", prompt([1, 2, 3, 4]))
+    claim = cache.claim("b", prompt([1, 2, 3, 9]), cache.match(prompt([1, 2, 3, 9])))
+    assert claim is not None and claim.reused_host == 3
+    assert cache.entries["a"].host is not None
+
+
+def test_when_the_match_holds_the_only_slot_and_host_memory_is_off_it_is_dropped_and_nothing_is_reused():
+    cache = PrefixCache(store(slots=1), host_budget_bytes=0, enabled=True)
+    run(cache, "a", prompt([1, 2, 3, 4]))
+    claim = cache.claim("b", prompt([1, 2, 3, 9]), cache.match(prompt([1, 2, 3, 9])))
+    assert claim is not None and claim.start == 0
+    assert "a" not in cache.entries

@@ -101,6 +101,12 @@ class PrefixCache:
         running request (the request then waits). The session's entry is pinned until `release`."""
         own = self.entries.get(session)
         slot = self._slot_for(own, keep=match.entry)
+        if slot is None and match.entry is not None:
+            # Only the match's own source can make room (one slot, say): let it move, then match
+            # again, now against wherever it went (host memory, or nowhere).
+            slot = self._slot_for(own, keep=None)
+            if slot is not None:
+                match = self.match(prompt)
         if slot is None:
             return None
         reused_gpu = reused_host = 0
