@@ -174,3 +174,17 @@ def test_closing_the_engine_ends_a_reply_still_streaming_with_a_clear_error(demo
     waiter.join(timeout=30)  # without an answer from the engine this would wait forever
     closer.join(timeout=30)
     assert outcome == ["the engine was closed"]
+
+
+def test_a_request_waiting_for_a_slot_is_not_matched_again_at_every_decode_step(demo_settings):
+    one_slot = demo_settings.replace(gpu_cache_bytes=demo_settings.max_context_tokens * 2048)
+    with OmniLocal(one_slot) as app:
+        matched = []
+        match = app.engine.cache.match
+        app.engine.cache.match = lambda prompt: matched.append(prompt.num_tokens) or match(prompt)
+        first = app.session().send(QUESTION, max_new_tokens=30)
+        second = app.session().send("Another question entirely?", max_new_tokens=3)
+        assert first.result().tokens.generated == 30 and second.result().tokens.generated == 3
+    # The first request once; the second once while blocked, then once when a slot came free and
+    # once more after its match (the first's entry, in that one slot) moved to host to make room.
+    assert len(matched) <= 4

@@ -49,6 +49,7 @@ class Engine:
         self._inbox: "queue.Queue[Request | None]" = queue.Queue()
         self._waiting: deque[Request] = deque()
         self._running: deque[Request] = deque()
+        self._slots_blocked = False  # the first waiting request found no slot; a release clears it
         self._worker = threading.Thread(target=self._loop, name="omni-engine", daemon=True)
         self._worker.start()
 
@@ -101,12 +102,11 @@ class Engine:
 
     def _admit(self) -> None:
         """Start waiting requests in order while KV slots can be had; the rest wait their turn."""
-        while self._waiting:
+        for request in [r for r in self._waiting if r.cancelled.is_set()]:
+            self._waiting.remove(request)
+            self._finish(request, "cancelled")
+        while self._waiting and not self._slots_blocked:
             request = self._waiting[0]
-            if request.cancelled.is_set():
-                self._waiting.popleft()
-                self._finish(request, "cancelled")
-                continue
             try:
                 if request.prompt is None:
                     request.prompt = self._build_prompt(request.messages)
@@ -116,6 +116,9 @@ class Engine:
                 self._fail(request, self._failure_message(error))
                 continue
             if request.claim is None:
+                # Every slot is held by a running request: matching again before one lets go would
+                # only repeat the same work at every decode step.
+                self._slots_blocked = True
                 return
             self._waiting.popleft()
             request.started_at = time.perf_counter()
@@ -209,6 +212,7 @@ class Engine:
                 self.cache.publish(request.claim, request.prompt, request.output_ids, request.written)
             self.cache.release(request.claim)
             request.claim = None
+            self._slots_blocked = False
         request.prepared = request.sampler = request.detokenizer = None  # tensors and state go now
 
 
