@@ -209,6 +209,22 @@ def test_a_second_turn_through_the_api_gives_the_model_only_the_answered_history
     _assert_one_answered_image_turn(to_messages(history, _app()))
 
 
+def test_a_chat_decodes_each_upload_once_however_many_turns_follow(tmp_path, monkeypatch):
+    import omni_local.ui.chat as chat
+
+    reads = []
+    monkeypatch.setattr(chat, "load_image", lambda path, limits: reads.append(path) or load_image(path, limits))
+    image = _png(tmp_path / "red.png", (64, 48))
+    history = [
+        {"role": "user", "content": [{"path": str(image)}, "What is this?"]},
+        {"role": "assistant", "metadata": {}, "options": [], "content": "A red square."},
+    ]
+    memory = chat.ChatMemory()
+    first, second = to_messages(history, _app(), memory), to_messages(history, _app(), memory)
+    assert reads == [str(image)]
+    assert second[0].parts[0] is first[0].parts[0]
+
+
 def test_a_question_stopped_before_any_reply_is_left_out_of_the_history():
     history = [
         {"role": "user", "content": ["First question"]},

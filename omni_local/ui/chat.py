@@ -9,7 +9,7 @@ appear as a marked message in the chat, are left out of what the model sees, and
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ ERROR_TITLE = "Error"
 class ChatMemory:
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     replies: dict[str, list[int]] = field(default_factory=dict)  # reply text -> its token ids
+    media: dict[str, Part] = field(default_factory=dict)  # upload path -> decoded, so each is read once
 
 
 def build_ui(app: OmniLocal) -> gr.Blocks:
@@ -41,7 +42,7 @@ def build_ui(app: OmniLocal) -> gr.Blocks:
     ) -> Iterator[Any]:
         try:
             session = app.session(system_prompt=system_prompt or None, session_id=memory.session_id)
-            session.history += to_messages(history, app, memory.replies)
+            session.history += to_messages(history, app, memory)
             reply = session.send(message.get("text") or "", **_media(message.get("files") or []))
         except OmniLocalError as error:
             yield _error_message(str(error))
@@ -78,15 +79,18 @@ def build_ui(app: OmniLocal) -> gr.Blocks:
     )
 
 
-def to_messages(
-    history: list[dict[str, Any]], app: OmniLocal, replies: dict[str, list[int]] | None = None
-) -> list[Message]:
+def to_messages(history: list[dict[str, Any]], app: OmniLocal, memory: ChatMemory | None = None) -> list[Message]:
     """Gradio's visible history as the model's conversation: only questions that got a reply.
 
     Gradio 6 keeps one user entry per turn (text and files together). A question answered by an
     error, or by nothing (stopped early), never reached the model: it is dropped before its files
     are read, so a bad upload cannot fail every later turn. Error and metrics notes are left out.
     """
+    memory = memory or ChatMemory()
+
+    def parts(content: Any) -> list[Part]:
+        return _parts(content, lambda path: _remembered(path, app, memory))
+
     messages: list[Message] = []
     question: dict[str, Any] | None = None  # the last user entry, until its reply comes
     for entry in history:
@@ -98,22 +102,22 @@ def to_messages(
         elif title:
             continue
         elif question is not None:
-            answer = _parts(entry["content"], app)
-            ids = (replies or {}).get("".join(p for p in answer if isinstance(p, str)))
-            messages += [Message("user", _parts(question["content"], app)), Message("assistant", answer, token_ids=ids)]
+            answer = parts(entry["content"])
+            ids = memory.replies.get("".join(p for p in answer if isinstance(p, str)))
+            messages += [Message("user", parts(question["content"])), Message("assistant", answer, token_ids=ids)]
             question = None
         elif messages:
-            messages[-1].parts += _parts(entry["content"], app)  # one reply shown as several messages
+            messages[-1].parts += parts(entry["content"])  # one reply shown as several messages
     return messages
 
 
-def _parts(content: Any, app: OmniLocal) -> list[Part]:
+def _parts(content: Any, load: Callable[[str], Part]) -> list[Part]:
     blocks = content if isinstance(content, list) else [content]
     parts: list[Part] = []
     for block in blocks:
         path = _file_path(block)
         if path is not None:
-            parts.append(_load(path, app))
+            parts.append(load(path))
         elif isinstance(block, dict) and block.get("type") == "text":
             parts.append(block["text"])
         elif isinstance(block, str):
@@ -137,6 +141,13 @@ def _media(files: list[Any]) -> dict[str, list[Path]]:
         path = Path(item if isinstance(item, str) else item["path"])
         media[_kind(path)].append(path)
     return media
+
+
+def _remembered(path: str, app: OmniLocal, memory: ChatMemory) -> Part:
+    """An upload decoded once per chat: Gradio keeps each upload at its own path, unchanged."""
+    if path not in memory.media:
+        memory.media[path] = _load(path, app)
+    return memory.media[path]
 
 
 def _load(path: str, app: OmniLocal) -> Part:
