@@ -60,16 +60,17 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def test_same_image_new_question_computes_only_the_new_question(apps):
-    image = picture(1)
-    Chat(apps, "You describe pictures.").send("What is in this picture?", images=[image])
-    second = Chat(apps, "You describe pictures.")
-    ids = ids_of(apps[0], second.cached, "Which colours stand out?", images=[image])
-    before = ids_of(apps[0], apps[0].session("You describe pictures."), "What is in this picture?", images=[image])
-    final = second.send("Which colours stand out?", images=[image])
+@pytest.mark.parametrize("kind", ["images", "audio"])
+def test_the_same_medium_with_a_new_question_computes_only_the_new_question(apps, kind):
+    media = {kind: [picture(1) if kind == "images" else clip(3)]}
+    Chat(apps, "You look and listen.").send("What is this?", **media)
+    second = Chat(apps, "You look and listen.")
+    ids = ids_of(apps[0], second.cached, "What stands out?", **media)
+    before = ids_of(apps[0], apps[0].session("You look and listen."), "What is this?", **media)
+    final = second.send("What stands out?", **media)
     assert final.tokens.computed == len(ids) - common_prefix(ids, before)
-    image_end = build_prompt(second.cached.history[:2], apps[0].loaded.processor).media[0].end
-    assert final.tokens.reused_gpu > image_end  # the image's tokens came from the cache
+    medium_end = build_prompt(second.cached.history[:2], apps[0].loaded.processor).media[0].end
+    assert final.tokens.reused_gpu > medium_end  # the medium's tokens came from the cache
 
 
 def test_image_chat_turn_2_computes_only_turn_2(apps):
@@ -87,16 +88,6 @@ def test_text_chat_turns_2_to_5_each_compute_only_their_new_tokens(apps):
         final = chat.send(question)
         assert final.tokens.computed == final.tokens.prompt - written(previous)
         previous = final
-
-
-def test_audio_in_new_question_reuses_the_clip(apps):
-    sound = clip(3)
-    Chat(apps, "You listen.").send("What do you hear?", audio=[sound])
-    second = Chat(apps, "You listen.")
-    ids = ids_of(apps[0], second.cached, "Is it loud?", audio=[sound])
-    before = ids_of(apps[0], apps[0].session("You listen."), "What do you hear?", audio=[sound])
-    final = second.send("Is it loud?", audio=[sound])
-    assert final.tokens.computed == len(ids) - common_prefix(ids, before)
 
 
 def test_a_resend_whose_cached_prefix_ends_just_before_an_image_starts_the_tail_at_the_image(apps):
