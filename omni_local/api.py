@@ -9,9 +9,9 @@
                 print(event.text, end="", flush=True)
         print(chat.history[-1].text)               # the reply, kept for the next turn
 
-A reply is a stream of `TextDelta` events and one final `Finished` (text, token counts,
-timings). Bad input raises `OmniLocalError` with a message meant for the user; the session and
-the engine keep working.
+A reply is a stream of `TextDelta` events (and `AudioChunk`s, for `send(..., speak=True)`) and
+one final `Finished` (text, token counts, timings, speech figures). Bad input raises
+`OmniLocalError` with a message meant for the user; the session and the engine keep working.
 """
 
 import uuid
@@ -23,15 +23,16 @@ import numpy as np
 from PIL import Image
 
 from omni_local.engine.engine import Engine
-from omni_local.engine.request import Failed, Finished, Request, TextDelta
+from omni_local.engine.request import AudioChunk, Failed, Finished, Request, TextDelta
 from omni_local.engine.sampling import SamplingParams
+from omni_local.engine.speech import SpeechParams
 from omni_local.errors import OmniLocalError, RequestError
 from omni_local.media import SAMPLE_RATE, MediaLimits, check_duration, load_audio, load_image, prepare_image
 from omni_local.model.loader import LoadedModel, load_model
 from omni_local.prompts import Message, Part
 from omni_local.settings import Settings, load_settings
 
-__all__ = ["OmniLocal", "Session", "Reply", "TextDelta", "Finished", "OmniLocalError"]
+__all__ = ["OmniLocal", "Session", "Reply", "TextDelta", "AudioChunk", "Finished", "OmniLocalError"]
 
 ImageInput = str | Path | bytes | Image.Image
 AudioInput = str | Path | bytes | np.ndarray  # an ndarray is 16 kHz mono float32 samples
@@ -45,8 +46,9 @@ class Reply:
         self._on_done = on_done
         self._final: Finished | None = None
         self._error: str | None = None
+        self._audio: list[np.ndarray] = []
 
-    def __iter__(self) -> Iterator[TextDelta | Finished]:
+    def __iter__(self) -> Iterator[TextDelta | AudioChunk | Finished]:
         while self._final is None and self._error is None:
             event = self._request.events.get()
             if isinstance(event, Failed):
@@ -56,6 +58,8 @@ class Reply:
                 self._on_done(event)
                 yield event
             else:
+                if isinstance(event, AudioChunk):
+                    self._audio.append(event.samples)
                 yield event
         if self._error is not None:
             raise RequestError(self._error)
@@ -68,6 +72,11 @@ class Reply:
 
     def cancel(self) -> None:
         self._request.cancelled.set()
+
+    @property
+    def audio(self) -> np.ndarray:
+        """The spoken reply's samples so far (float32 mono at 24 kHz, as each `AudioChunk`); empty if none."""
+        return np.concatenate(self._audio) if self._audio else np.zeros(0, np.float32)
 
     @property
     def done(self) -> bool:
@@ -88,9 +97,14 @@ class Session:
         text: str = "",
         images: Iterable[ImageInput] = (),
         audio: Iterable[AudioInput] = (),
+        speak: bool = False,
+        voice: str | None = None,
+        talker_temperature: float = SpeechParams.temperature,
         **sampling: object,
     ) -> Reply:
         """Ask the next question. Media are read and checked now: a bad file raises at once.
+        `speak` asks for a spoken reply too, in `voice` (the settings' by default); the Talker
+        samples at `talker_temperature` (0 is greedy).
 
         A reply still streaming in this session is waited for first (cancel it to cut it short).
         """
@@ -102,9 +116,10 @@ class Session:
         if not parts:
             raise RequestError("the message is empty: type a question or attach an image or audio file")
         params = self._app.sampling(**sampling)
+        speech = SpeechParams(voice or self._app.settings.voice, talker_temperature) if speak else None
         self.wait()
         user = Message("user", parts)
-        request = self._app.engine.submit(self.id, [*self.history, user], params)
+        request = self._app.engine.submit(self.id, [*self.history, user], params, speech)
         self._pending = Reply(request, lambda final: self._record(user, final))
         return self._pending
 

@@ -1,6 +1,7 @@
 """Command line: `ask` one question, or `chat` in the terminal.
 
     python -m omni_local ask "What is this?" --image cat.png [--audio q.wav] [--system ...] [--json]
+    python -m omni_local ask "Say hello." --speak [--voice Chelsie] [--wav reply.wav]
     python -m omni_local chat [--system ...]
 
 Any setting can be overridden (`--max-new-tokens 64`, `--model /path/to/checkpoint`). A bad file or
@@ -13,8 +14,11 @@ import json
 import sys
 from pathlib import Path
 
+import soundfile
+
 from omni_local.api import OmniLocal, Reply, Session
 from omni_local.engine.request import Finished, TextDelta
+from omni_local.engine.vocoder import SAMPLE_RATE
 from omni_local.errors import OmniLocalError
 from omni_local.model.loader import quiet_library_logs
 from omni_local.settings import add_settings_arguments, settings_from_arguments
@@ -30,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--image", type=Path, action="append", default=[], help="an image file (repeatable)")
     ask.add_argument("--audio", type=Path, action="append", default=[], help="an audio file (repeatable)")
     ask.add_argument("--json", action="store_true", help="print only the final event, as one JSON object")
+    ask.add_argument("--speak", action="store_true", help="a spoken reply too (loads the Talker: --speech true)")
+    ask.add_argument("--wav", type=Path, default=None, help="write the spoken reply to this WAV file (implies --speak)")
     chat = commands.add_parser("chat", help="a multi-turn conversation in the terminal")
     for sub in (ask, chat):
         sub.add_argument("--system", default=None, help="system prompt")
@@ -43,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     quiet_library_logs()
     try:
         settings = settings_from_arguments(args)
+        if getattr(args, "wav", None) is not None:
+            args.speak = True
+        if getattr(args, "speak", False):
+            settings = settings.replace(speech=True)
         with OmniLocal(settings) as app:
             session = app.session(system_prompt=args.system)
             if args.command == "ask":
@@ -54,11 +64,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _ask(session: Session, args: argparse.Namespace) -> int:
-    reply = session.send(args.question, images=args.image, audio=args.audio, seed=args.seed)
+    # The voice is the `voice` setting, so `--voice NAME` picks it like any other setting.
+    reply = session.send(args.question, images=args.image, audio=args.audio, seed=args.seed, speak=args.speak)
     final = _stream(reply, show_text=not args.json)
+    if args.wav is not None:
+        _write_wav(args.wav, reply)
     if args.json:
         print(json.dumps(dataclasses.asdict(final)))
     return 0
+
+
+def _write_wav(path: Path, reply: Reply) -> None:
+    try:
+        soundfile.write(path, reply.audio, SAMPLE_RATE, subtype="PCM_16", format="WAV")
+    except (OSError, RuntimeError) as error:  # soundfile reports an unwritable path as RuntimeError
+        raise OmniLocalError(f"cannot write '{path}': {error}") from None
 
 
 def _chat(session: Session, args: argparse.Namespace) -> int:

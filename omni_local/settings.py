@@ -1,8 +1,8 @@
 """One typed, read-only settings object: `settings.toml`, then command-line overrides.
 
-The TOML file groups keys in tables for the reader ([model], [engine], [cache], [ui], [limits]);
-every key name is unique across tables, so the command line can override any of them by name
-(`--max-new-tokens 64`). Validation happens once, here: an unknown key or a value of the wrong
+The TOML file groups keys in tables for the reader ([model], [engine], [speech], [cache], [ui],
+[limits]); every key name is unique across tables, so the command line can override any of them by
+name (`--max-new-tokens 64`). Validation happens once, here: an unknown key or a value of the wrong
 type is a `SettingsError` naming the key and what was expected.
 """
 
@@ -48,6 +48,20 @@ class Settings:
     top_p: float = field(default=1.0, metadata={"table": "engine", "help": "default nucleus sampling mass"})
     top_k: int = field(default=0, metadata={"table": "engine", "help": "default; 0 keeps every token"})
     repetition_penalty: float = field(default=1.0, metadata={"table": "engine", "help": "default; 1 is off"})
+    # [speech]
+    voice: str = field(default="Ethan", metadata={"table": "speech", "help": "default voice of spoken replies"})
+    first_audio_frames: int = field(
+        default=2, metadata={"table": "speech", "help": "codec frames (80 ms each) in the first audio chunk: latency"}
+    )
+    audio_chunk_frames: int = field(
+        default=10, metadata={"table": "speech", "help": "codec frames in each later audio chunk: efficiency"}
+    )
+    audio_left_context_frames: int = field(
+        default=25, metadata={"table": "speech", "help": "earlier frames Code2Wav sees before each chunk"}
+    )
+    max_speech_seconds: float = field(
+        default=120.0, metadata={"table": "speech", "help": "longest spoken reply"}
+    )
     # [cache]
     cache_dir: str = field(
         default="~/.cache/omni_local", metadata={"table": "cache", "help": "private folder for app data"}
@@ -95,7 +109,8 @@ class Settings:
         for f in fields(self):
             _check_type(f.name, getattr(self, f.name), f.type)
         positive = ("gpu_cache_bytes", "encoder_cache_bytes", "disk_cache_bytes", "max_context_tokens", "max_new_tokens", "max_upload_bytes", "max_image_pixels",
-                    "max_prompt_tokens", "ui_port", "max_audio_seconds")
+                    "max_prompt_tokens", "ui_port", "max_audio_seconds", "first_audio_frames", "audio_chunk_frames",
+                    "audio_left_context_frames", "max_speech_seconds")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise SettingsError(f"setting '{name}' must be positive, got {getattr(self, name)!r}")

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import soundfile
 
 from bad_files import MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS, good_image, write_bad_files
 from omni_local.cli import main
@@ -37,6 +38,23 @@ def test_ask_json_prints_the_final_event_as_one_object(flags, capsys):
     assert final["seed"] == 3
     assert final["tokens"]["generated"] == len(final["token_ids"])
     assert set(final["timings"]) == {"queue_wait_s", "ttft_s", "decode_tokens_per_s"}
+
+
+def test_ask_speak_writes_the_spoken_reply_to_a_wav_file(flags, tmp_path, capsys):
+    wav = tmp_path / "reply.wav"
+    status = main(["ask", "Say hello.", "--voice", "Chelsie", "--wav", str(wav), "--max-new-tokens", "6",
+                   "--max-speech-seconds", "1", *flags])
+    last = capsys.readouterr().out.rstrip("\n").split("\n")[-1]
+    samples, rate = soundfile.read(wav, dtype="float32")
+    assert status == 0
+    assert rate == 24_000 and samples.ndim == 1 and samples.size > 0
+    assert f"{samples.size / rate:.2f} s of speech (Chelsie)" in last
+
+
+def test_ask_with_an_unknown_voice_ends_with_one_line_listing_the_voices(flags, capsys):
+    status = main(["ask", "Hi", "--speak", "--voice", "Nobody", *flags])
+    assert status == 2
+    assert capsys.readouterr().err.strip() == "error: unknown voice 'Nobody': this model speaks as Aiden, Chelsie, Ethan"
 
 
 @pytest.mark.parametrize(

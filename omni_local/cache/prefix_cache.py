@@ -18,9 +18,8 @@ import itertools
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from omni_local.engine.kv_store import KVStore
+from omni_local.engine.kv_store import HostCopy, KVStore
 from omni_local.prompts import Prompt
 
 
@@ -30,7 +29,7 @@ class Entry:
     keys: np.ndarray  # [n] keys of the tokens whose KV is written, in order
     media: dict[int, bytes]  # start -> full digest, for every medium in `keys`
     slot: int | None = None  # where the KV is: a device slot ...
-    host: torch.Tensor | None = None  # ... or [layers, 2, kv_heads, n, head_dim] in host memory
+    host: HostCopy | None = None  # ... or host memory
     pins: int = 0  # running requests that read or write it
     last_used: int = 0
 
@@ -79,7 +78,7 @@ class PrefixCache:
 
     @property
     def host_bytes(self) -> int:
-        return sum(e.host.numel() * e.host.element_size() for e in self.entries.values() if e.host is not None)
+        return sum(e.host.nbytes for e in self.entries.values() if e.host is not None)
 
     # The request's life: match, claim, publish, release ---------------------------------------
 

@@ -2,8 +2,10 @@
 
 Each turn of the loop is schedule (admit waiting requests: build the prompt, match it in the prefix
 cache, claim a KV slot), run (one forward for one request: its prefill of what the cache could not
-supply, or one decode step), postprocess (sample, stream, finish). Requests take turns step by
-step, so a long reply does not hold up a new question's first token.
+supply, or one decode step; for a spoken reply also one frame of speech), postprocess (sample,
+stream, finish). Requests take turns step by step, so a long reply does not hold up a new
+question's first token. A spoken reply gives its Thinker slot back when its text ends and stays
+in the turns until its speech ends.
 """
 
 import logging
@@ -20,8 +22,10 @@ from omni_local.cache.prefix_cache import PrefixCache
 from omni_local.engine.detokenizer import IncrementalDetokenizer
 from omni_local.engine.encoders import Encoders
 from omni_local.engine.media_encoder import MediaEncoder
-from omni_local.engine.request import Failed, Finished, Request, StopReason, TextDelta
+from omni_local.engine.request import AudioChunk, Failed, Finished, Request, StopReason, TextDelta
 from omni_local.engine.sampling import Sampler, SamplingParams
+from omni_local.engine.speech import Speaker, SpeechParams
+from omni_local.engine.talker import TalkerRows
 from omni_local.engine.thinker import ThinkerRunner
 from omni_local.errors import OmniLocalError, RequestError
 from omni_local.model.loader import LoadedModel, media_markup_token_ids, thinker_eos_token_ids
@@ -39,8 +43,11 @@ class Engine:
         self.encoder_cache = _encoder_cache(thinker.model, loaded.processor, settings)
         encoder = MediaEncoder(_encoders(thinker.model, loaded.processor, settings), loaded.processor,
                                self.encoder_cache)
-        self.runner = ThinkerRunner(thinker, encoder, settings.gpu_cache_bytes, settings.max_context_tokens)
+        talker_rows = TalkerRows(loaded.model) if loaded.speech else None
+        self.runner = ThinkerRunner(thinker, encoder, settings.gpu_cache_bytes, settings.max_context_tokens, talker_rows)
         self.runner.warm_up()
+        # One Talker slot per Thinker slot: each cached chat can keep its spoken turns' Talker KV.
+        self.speaker = Speaker(loaded.model, settings, self.runner.kv.slots) if loaded.speech else None
         self.cache = PrefixCache(self.runner.kv, settings.host_cache_bytes, enabled=settings.prefix_cache)
         self.eos_ids = set(thinker_eos_token_ids(loaded))
         # A reply is text: a media placeholder in it would be taken for a medium in the next prompt.
@@ -53,10 +60,18 @@ class Engine:
         self._worker = threading.Thread(target=self._loop, name="omni-engine", daemon=True)
         self._worker.start()
 
-    def submit(self, session: str, messages: list[Message], params: SamplingParams) -> Request:
-        """Queue a reply to `messages` (ending in a user turn) in chat `session`, whose KV it continues."""
+    def submit(
+        self, session: str, messages: list[Message], params: SamplingParams, speech: SpeechParams | None = None
+    ) -> Request:
+        """Queue a reply to `messages` (ending in a user turn) in chat `session`, whose KV it continues;
+        spoken too if `speech` is given. A request for speech this engine cannot make raises here."""
+        if speech is not None:
+            if self.speaker is None:
+                raise RequestError("spoken replies need the Talker: start with speech = true (--speech true) "
+                                   "on a checkpoint that has one")
+            self.speaker.check(speech)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        request = Request(session=session, messages=list(messages), params=params, seed=seed)
+        request = Request(session=session, messages=list(messages), params=params, seed=seed, speech=speech)
         self._inbox.put(request)
         return request
 
@@ -121,6 +136,7 @@ class Engine:
                 self._slots_blocked = True
                 return
             self._waiting.popleft()
+            request.reused = (request.claim.reused_gpu, request.claim.reused_host)
             request.started_at = time.perf_counter()
             self._running.append(request)
 
@@ -132,14 +148,22 @@ class Engine:
         return prompt
 
     def _step(self, request: Request) -> bool:
-        """One forward for `request`; False once it has finished."""
+        """One forward for `request` (and one frame of its speech); False once it has finished."""
         if request.cancelled.is_set():
             return self._finish(request, "cancelled")
         try:
-            token = self._prefill(request) if request.prepared is None else self._decode(request)
+            if not request.text_done:
+                token = self._prefill(request) if request.prepared is None else self._decode(request)
+                if request.cancelled.is_set():
+                    return self._finish(request, "cancelled")  # the token of the step the cancel overtook is dropped
+                self._accept(request, token)
+            if request.spoken is not None and not request.spoken.done:
+                self._speak(request)
         except Exception as error:  # noqa: BLE001 - the engine must keep serving the other requests
             return self._fail(request, self._failure_message(error))
-        return self._accept(request, token)
+        if request.text_done and (request.spoken is None or request.spoken.done):
+            return self._finish(request, request.stop_reason)
+        return True
 
     def _failure_message(self, error: Exception) -> str:
         if isinstance(error, OmniLocalError):
@@ -171,42 +195,39 @@ class Engine:
         request.written += 1
         return request.sampler.next_token(logits)
 
-    def _accept(self, request: Request, token: int) -> bool:
-        if request.cancelled.is_set():
-            return self._finish(request, "cancelled")  # the token of the step the cancel overtook is dropped
+    def _accept(self, request: Request, token: int) -> None:
         if not request.output_ids:
             request.first_token_at = time.perf_counter()
+            if request.speech is not None and token not in self.eos_ids:
+                # Now, while the Thinker's slot (and the Talker rows in it) is surely still held.
+                request.spoken = self.speaker.begin(request.speech, request.session, request.seed, request.prompt,
+                                                    token, self.runner.kv, request.slot)
         request.output_ids.append(token)
         if token in self.eos_ids:
-            return self._finish(request, "end_of_turn")
+            return self._end_text(request, "end_of_turn")
         self._stream(request, request.detokenizer.push(token))
         if len(request.output_ids) >= request.max_new_tokens:
-            return self._finish(request, "max_new_tokens" if request.max_new_tokens == request.params.max_new_tokens
-                                else "context_full")
-        return True
+            full = request.max_new_tokens == request.params.max_new_tokens
+            self._end_text(request, "max_new_tokens" if full else "context_full")
+
+    def _speak(self, request: Request) -> None:
+        chunk = self.speaker.step(request.spoken, request.output_ids, request.text_done)
+        if chunk is not None:
+            request.events.put(AudioChunk(*chunk))
 
     def _stream(self, request: Request, delta: str) -> None:
         if delta:
             request.streamed += delta
             request.events.put(TextDelta(delta))
 
-    def _finish(self, request: Request, reason: StopReason) -> bool:
+    def _end_text(self, request: Request, reason: StopReason) -> None:
+        """The Thinker is done with `request`: the rest of its text goes out and its slot is given
+        back (its KV kept for the session's next turn); speech may go on."""
+        request.text_done, request.text_done_at, request.stop_reason = True, time.perf_counter(), reason
         if request.detokenizer is not None:  # what it held back (an unfinished character) goes out now
             full = request.detokenizer.text()
             if full.startswith(request.streamed):
                 self._stream(request, full[len(request.streamed):])
-        reply_ids = [t for t in request.output_ids if t not in self.eos_ids]
-        counts = request.counts(generated=len(reply_ids))
-        request.events.put(Finished(request.streamed, reply_ids, reason, counts, request.timings(), request.seed))
-        self._release(request)
-        return False
-
-    def _fail(self, request: Request, message: str) -> bool:
-        request.events.put(Failed(message))
-        self._release(request)
-        return False
-
-    def _release(self, request: Request) -> None:
         if request.claim is not None:
             if request.written:  # what this request computed stays for the session's next turn
                 self.cache.publish(request.claim, request.prompt, request.output_ids, request.written)
@@ -214,6 +235,29 @@ class Engine:
             request.claim = None
             self._slots_blocked = False
         request.prepared = request.sampler = request.detokenizer = None  # tensors and state go now
+
+    def _finish(self, request: Request, reason: StopReason) -> bool:
+        if not request.text_done:
+            self._end_text(request, reason)
+        reply_ids = [t for t in request.output_ids if t not in self.eos_ids]
+        counts = request.counts(generated=len(reply_ids))
+        speech = request.spoken.report(request.submitted_at) if request.spoken is not None else None
+        self._end_speech(request)
+        request.events.put(Finished(request.streamed, reply_ids, reason, counts, request.timings(), request.seed,
+                                    speech))
+        return False
+
+    def _fail(self, request: Request, message: str) -> bool:
+        if not request.text_done:
+            self._end_text(request, "cancelled")
+        self._end_speech(request)
+        request.events.put(Failed(message))
+        return False
+
+    def _end_speech(self, request: Request) -> None:
+        if request.spoken is not None:
+            self.speaker.end(request.spoken)
+            request.spoken.done = True
 
 
 def _encoders(thinker_model: torch.nn.Module, processor: object, settings: Settings) -> Encoders:

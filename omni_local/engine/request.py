@@ -6,10 +6,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
+
 from omni_local.cache.prefix_cache import Claim
 from omni_local.engine.detokenizer import IncrementalDetokenizer
 from omni_local.engine.sampling import Sampler, SamplingParams
+from omni_local.engine.speech import SpeechParams, SpeechReport, SpokenReply
 from omni_local.engine.thinker import PreparedPrompt
+from omni_local.engine.vocoder import SAMPLE_RATE
 from omni_local.prompts import Message, Prompt
 
 StopReason = Literal["end_of_turn", "max_new_tokens", "context_full", "cancelled"]
@@ -18,6 +22,16 @@ StopReason = Literal["end_of_turn", "max_new_tokens", "context_full", "cancelled
 @dataclass(frozen=True)
 class TextDelta:
     text: str
+
+
+@dataclass(frozen=True)
+class AudioChunk:
+    """The next piece of a spoken reply: mono float32 samples in [-1, 1], and the codec frames
+    (`num_code_groups` codes each, 80 ms of audio) this chunk completed."""
+
+    samples: np.ndarray
+    frames: list[list[int]]
+    sample_rate: int = SAMPLE_RATE
 
 
 @dataclass(frozen=True)
@@ -44,15 +58,20 @@ class Finished:
     tokens: TokenCounts
     timings: Timings
     seed: int
+    speech: SpeechReport | None = None  # for a spoken reply
 
     def metrics_line(self) -> str:
         """One line for people: what the cache supplied, and how fast (the CLI and the UI show it)."""
-        t, n = self.timings, self.tokens
+        t, n, s = self.timings, self.tokens, self.speech
+        spoken = "" if s is None else (
+            f" | {s.audio_s:.2f} s of speech ({s.voice}): first audio {s.first_audio_s * 1000:.1f} ms, "
+            f"real-time factor {s.real_time_factor:.2f}, Talker prompt {s.talker_prompt} rows, {s.talker_reused} reused"
+        )
         return (
             f"[{n.prompt} prompt tokens: {n.computed} computed, {n.reused_gpu} reused from GPU, "
             f"{n.reused_host} from host | {n.generated} generated | "
             f"queue {t.queue_wait_s * 1000:.1f} ms, TTFT {t.ttft_s * 1000:.1f} ms, "
-            f"{t.decode_tokens_per_s:.1f} tokens/s | {self.stop_reason}]"
+            f"{t.decode_tokens_per_s:.1f} tokens/s{spoken} | {self.stop_reason}]"
         )
 
 
@@ -61,7 +80,7 @@ class Failed:
     message: str
 
 
-Event = TextDelta | Finished | Failed
+Event = TextDelta | AudioChunk | Finished | Failed
 
 
 @dataclass
@@ -72,6 +91,7 @@ class Request:
     messages: list[Message]
     params: SamplingParams
     seed: int
+    speech: SpeechParams | None = None  # a spoken reply was asked for
     events: "queue.Queue[Event]" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted_at: float = field(default_factory=time.perf_counter)
@@ -82,12 +102,17 @@ class Request:
     sampler: Sampler | None = None
     max_new_tokens: int = 0
     computed: int = 0  # prompt tokens this request computed
+    reused: tuple[int, int] = (0, 0)  # prompt tokens whose KV came from the device, from host memory
     written: int = 0  # tokens of prompt-then-reply whose KV is in the slot
     output_ids: list[int] = field(default_factory=list)
     detokenizer: IncrementalDetokenizer | None = None
     streamed: str = ""  # the text sent as deltas so far
     started_at: float = 0.0
     first_token_at: float = 0.0
+    text_done: bool = False  # the Thinker has finished; its slot is given back
+    text_done_at: float = 0.0
+    stop_reason: StopReason = "end_of_turn"
+    spoken: SpokenReply | None = None  # the speech, once the first token is known
 
     @property
     def slot(self) -> int:
@@ -95,11 +120,10 @@ class Request:
 
     def counts(self, generated: int) -> TokenCounts:
         prompt = self.prompt.num_tokens if self.prompt else 0
-        reused = (self.claim.reused_gpu, self.claim.reused_host) if self.claim else (0, 0)
-        return TokenCounts(prompt, self.computed, *reused, generated)
+        return TokenCounts(prompt, self.computed, *self.reused, generated)
 
     def timings(self) -> Timings:
-        now = time.perf_counter()
+        now = self.text_done_at or time.perf_counter()
         decode_s = now - self.first_token_at
         decoded = len(self.output_ids) - 1
         return Timings(

@@ -7,15 +7,20 @@ values into the request's slot of the KVStore.
 """
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from PIL import Image
 
+from omni_local.engine.decoder_stack import mrope_positions, run_layers
 from omni_local.engine.kv_store import KVShape, KVStore
 from omni_local.engine.media_encoder import MediaEncoder, deepstack_levels
 from omni_local.errors import SettingsError
 from omni_local.prompts import Message, Prompt, build_prompt
+
+if TYPE_CHECKING:
+    from omni_local.engine.talker import TalkerRows
 
 
 @dataclass
@@ -29,17 +34,27 @@ class PreparedPrompt:
     rope_delta: int  # position of token t after the prompt is t + rope_delta
     visual_mask: torch.Tensor | None  # [1, L - start], where deepstack features are added
     deepstack: list[torch.Tensor] | None  # one [visual tokens, hidden] per deepstack layer
+    ids: torch.Tensor  # [1, L - start] the tail's token ids
 
 
 class ThinkerRunner:
-    def __init__(self, thinker: torch.nn.Module, encoder: MediaEncoder, kv_budget_bytes: int, max_tokens: int) -> None:
+    def __init__(
+        self,
+        thinker: torch.nn.Module,
+        encoder: MediaEncoder,
+        kv_budget_bytes: int,
+        max_tokens: int,
+        talker_rows: "TalkerRows | None" = None,
+    ) -> None:
         self.thinker = thinker
+        self.talker_rows = talker_rows
         self.encoder = encoder
         self.model = thinker.model  # Qwen3OmniMoeThinkerModel: .visual, .audio_tower, .language_model
         self.text = self.model.language_model
         config = self.text.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        shape = KVShape(config.num_hidden_layers, config.num_key_value_heads, head_dim, max_tokens)
+        talker_dim = talker_rows.width if talker_rows else 0
+        shape = KVShape(config.num_hidden_layers, config.num_key_value_heads, head_dim, max_tokens, talker_dim)
         self.device = thinker.lm_head.weight.device
         self.dtype = thinker.lm_head.weight.dtype
         slots = kv_budget_bytes // shape.slot_bytes(self.dtype)
@@ -70,16 +85,10 @@ class ThinkerRunner:
     def prepare(self, prompt: Prompt, start: int, remember: bool = True) -> PreparedPrompt:
         """Embed the tokens from `start` on; only media from there on are encoded (or taken from the
         encoder cache)."""
-        ids = prompt.input_ids.to(self.device)
         # Positions of the whole sequence, then the tail's slice: a tail on a cached prefix gets
         # exactly the positions a cold prefill would give it.
-        positions, deltas = self.model.get_rope_index(
-            ids,
-            image_grid_thw=_to(prompt.image_grid_thw, self.device),
-            attention_mask=torch.ones_like(ids),
-            audio_seqlens=_to(prompt.audio_feature_lengths, self.device),
-        )
-        tail = ids[:, start:]
+        positions, rope_delta = mrope_positions(self.model, prompt, self.device)
+        tail = prompt.input_ids[:, start:].to(self.device)
         embeds = self.model.get_input_embeddings()(tail)
         media = [m for m in prompt.media if m.start >= start]
         outputs = self.encoder.encode(media, remember)
@@ -93,14 +102,14 @@ class ThinkerRunner:
             visual_mask = tail == config.image_token_id
             embeds = _scatter(embeds, visual_mask, torch.cat([o["embeds"] for o in images]))
             deepstack = [level.to(embeds.dtype) for level in deepstack_levels(images)]
-        return PreparedPrompt(start, embeds, positions[:, :, start:], int(deltas.reshape(-1)[0]), visual_mask, deepstack)
+        return PreparedPrompt(start, embeds, positions[:, :, start:], rope_delta, visual_mask, deepstack, tail)
 
     @torch.inference_mode()
     def prefill(self, slot: int, prepared: PreparedPrompt) -> torch.Tensor:
         """Compute the prompt's tail into the slot, after the `start` rows it holds; returns the last
         token's logits [vocab]."""
         p = prepared
-        return self._forward(slot, p.start, p.embeds, p.positions, p.visual_mask, p.deepstack)
+        return self._forward(slot, p.start, p.embeds, p.positions, p.visual_mask, p.deepstack, p.ids)
 
     @torch.inference_mode()
     def decode(self, slot: int, token: int, index: int, rope_delta: int) -> torch.Tensor:
@@ -118,43 +127,19 @@ class ThinkerRunner:
         positions: torch.Tensor,
         visual_mask: torch.Tensor | None,
         deepstack: list[torch.Tensor] | None,
+        ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Logits [vocab] of the last of the new tokens. With `ids` (a prefill) and a Talker, each new
+        token's Talker row is written too."""
+        rows = self.talker_rows if ids is not None else None
         cache = self.kv.view(slot, start)
-        hidden = embeds
-        rotary = self.text.rotary_emb(hidden, positions)
-        mask = _causal_mask(self.text.config._attn_implementation, start, hidden.shape[1], hidden)
-        for index, layer in enumerate(self.text.layers):
-            hidden = layer(hidden, attention_mask=mask, cache=cache, position_embeddings=rotary)
-            # DeepStack: the vision encoder's intermediate features join the first decoder layers.
-            if deepstack is not None and index < len(deepstack):
-                hidden = self.text._deepstack_process(hidden, visual_mask, deepstack[index])
-        last = self.text.norm(hidden[:, -1:])
+        last, kept = run_layers(self.text, cache, embeds, positions, visual_mask, deepstack,
+                                keep_layer=rows.accept_layer if rows else None)
+        if rows is not None:
+            self.kv.talker_rows[slot, start : start + embeds.shape[1]] = rows.project(ids, embeds, kept)[0]
         return self.thinker.lm_head(last)[0, -1].float()
-
-
-def _causal_mask(implementation: str, start: int, length: int, like: torch.Tensor) -> torch.Tensor | None:
-    """The mask for `length` new tokens after `start` cached ones, in the form each kernel wants.
-
-    SDPA and flash attention apply the causal rule themselves where it is right (an empty prefix,
-    or one new token; flash aligns it bottom-right, so a tail on a prefix too). Passing None there,
-    as transformers does, keeps our logits bit-identical to its own.
-    """
-    if length == 1 or implementation == "flash_attention_2" or (start == 0 and implementation == "sdpa"):
-        return None
-    rows = torch.arange(length, device=like.device)[:, None] + start
-    cols = torch.arange(start + length, device=like.device)[None, :]
-    allowed = (cols <= rows)[None, None]
-    if implementation == "sdpa":
-        return allowed
-    # eager attention adds the mask to the scores
-    blocked = torch.finfo(like.dtype).min
-    return torch.zeros(allowed.shape, dtype=like.dtype, device=like.device).masked_fill(~allowed, blocked)
 
 
 def _scatter(embeds: torch.Tensor, placeholders: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Put encoder rows, in order, where the placeholder tokens are ([1, n] mask)."""
     return embeds.masked_scatter(placeholders.unsqueeze(-1), rows.to(embeds.dtype))
-
-
-def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    return None if tensor is None else tensor.to(device)

@@ -1,0 +1,77 @@
+"""One forward of a transformers decoder stack (the Thinker's or the Talker's) over a KVStore slot.
+
+The layers, rotary embedding and norm are transformers' own modules; we pass the cache (a
+SlotWriter), the mask and the 3D positions ourselves, which is all that differs from their forward.
+"""
+
+import torch
+
+from omni_local.engine.kv_store import SlotWriter
+from omni_local.prompts import Prompt
+
+
+def run_layers(
+    stack: torch.nn.Module,
+    cache: SlotWriter,
+    embeds: torch.Tensor,
+    positions: torch.Tensor,
+    visual_mask: torch.Tensor | None = None,
+    deepstack: list[torch.Tensor] | None = None,
+    keep_layer: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run `embeds` [1, n, hidden] at `positions` [3, 1, n] after the slot's first `cache.start` rows.
+
+    Returns the last token's normed hidden state [1, 1, hidden] and, if `keep_layer` is given, the
+    hidden states [1, n, hidden] transformers reports as `hidden_states[keep_layer]`: the input
+    embeddings for 0, the output of layer `keep_layer - 1` (before DeepStack adds to it) up to the
+    last layer, whose output is reported normed.
+    """
+    hidden = embeds
+    kept = hidden if keep_layer == 0 else None
+    rotary = stack.rotary_emb(hidden, positions)
+    mask = causal_mask(stack.config._attn_implementation, cache.start, hidden.shape[1], hidden)
+    last = len(stack.layers)
+    for index, layer in enumerate(stack.layers):
+        hidden = layer(hidden, attention_mask=mask, cache=cache, position_embeddings=rotary)
+        if keep_layer == index + 1 and keep_layer < last:
+            kept = hidden
+        # DeepStack: the vision encoder's intermediate features join the first decoder layers.
+        if deepstack is not None and index < len(deepstack):
+            hidden = stack._deepstack_process(hidden, visual_mask, deepstack[index])
+    if keep_layer == last:
+        kept = stack.norm(hidden)
+        return kept[:, -1:], kept
+    return stack.norm(hidden[:, -1:]), kept
+
+
+def mrope_positions(owner: torch.nn.Module, prompt: Prompt, device: torch.device) -> tuple[torch.Tensor, int]:
+    """3D positions [3, 1, L] of the prompt's tokens by `owner.get_rope_index` (the Thinker's or the
+    Talker's), and the delta that places later tokens: token t after the prompt is at t + delta."""
+    ids = prompt.input_ids.to(device)
+    grids, audio = prompt.image_grid_thw, prompt.audio_feature_lengths
+    positions, deltas = owner.get_rope_index(
+        ids,
+        image_grid_thw=grids.to(device) if grids is not None else None,
+        attention_mask=torch.ones_like(ids),
+        audio_seqlens=audio.to(device) if audio is not None else None,
+    )
+    return positions, int(deltas.reshape(-1)[0])
+
+
+def causal_mask(implementation: str, start: int, length: int, like: torch.Tensor) -> torch.Tensor | None:
+    """The mask for `length` new tokens after `start` cached ones, in the form each kernel wants.
+
+    SDPA and flash attention apply the causal rule themselves where it is right (an empty prefix,
+    or one new token; flash aligns it bottom-right, so a tail on a prefix too). Passing None there,
+    as transformers does, keeps our logits bit-identical to its own.
+    """
+    if length == 1 or implementation == "flash_attention_2" or (start == 0 and implementation == "sdpa"):
+        return None
+    rows = torch.arange(length, device=like.device)[:, None] + start
+    cols = torch.arange(start + length, device=like.device)[None, :]
+    allowed = (cols <= rows)[None, None]
+    if implementation == "sdpa":
+        return allowed
+    # eager attention adds the mask to the scores
+    blocked = torch.finfo(like.dtype).min
+    return torch.zeros(allowed.shape, dtype=like.dtype, device=like.device).masked_fill(~allowed, blocked)

@@ -1,0 +1,181 @@
+"""Spoken replies: the Talker and Code2Wav, stepped by the engine between the Thinker's steps.
+
+A reply's speech starts once the Thinker has its first token: the Talker's prompt is built from the
+rows the Thinker kept for every user token (`TalkerRows`), so a cached prompt needs no Thinker
+recompute. Each engine turn then makes at most one frame: the code predictor completes the
+frame, the Talker steps on it plus the next reply token's row (waiting while the Thinker has not
+written that token yet), and Code2Wav turns whole chunks of frames into audio. The Talker's own KV
+of the user turns is kept per session (a second prefix cache), so a later spoken turn computes
+only the new user turn and the assistant opening.
+"""
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from omni_local.cache.prefix_cache import Claim, PrefixCache
+from omni_local.engine.kv_store import KVStore
+from omni_local.engine.sampling import Sampler, SamplingParams
+from omni_local.engine.talker import TalkerPrompt, TalkerRunner, user_positions
+from omni_local.engine.vocoder import SAMPLE_RATE, AudioStream, Vocoder
+from omni_local.prompts import Prompt
+from omni_local.settings import Settings
+
+
+@dataclass(frozen=True)
+class SpeechParams:
+    """A request for a spoken reply. The Talker samples as Qwen's defaults do; temperature 0 makes
+    the Talker and its code predictor greedy."""
+
+    voice: str
+    temperature: float = 0.9
+    top_k: int = 50
+    top_p: float = 1.0
+    repetition_penalty: float = 1.05
+
+    def __post_init__(self) -> None:
+        self.talker_sampling()  # a bad value is a RequestError now, not in the engine
+
+    def talker_sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                              repetition_penalty=self.repetition_penalty)
+
+    def predictor_sampling(self) -> SamplingParams:
+        # What transformers' Talker passes its code predictor when sampling.
+        return SamplingParams() if self.temperature == 0 else SamplingParams(temperature=1.0, top_k=50, top_p=0.8)
+
+
+@dataclass(frozen=True)
+class SpeechReport:
+    voice: str
+    frames: int  # codec frames, 80 ms of audio each
+    audio_s: float
+    first_audio_s: float  # submit until the first audio chunk
+    real_time_factor: float  # submit until the last chunk, over the audio's duration
+    talker_prompt: int  # rows of the Talker's prompt
+    talker_reused: int  # ... whose KV came from the session's earlier spoken turn
+
+
+@dataclass
+class SpokenReply:
+    """One reply's speech, owned by the engine's worker."""
+
+    params: SpeechParams
+    session: str
+    prompt: TalkerPrompt
+    sampler: Sampler
+    predictor_sampler: Sampler
+    claim: Claim | None = None  # the Talker KV slot, once had
+    hidden: torch.Tensor | None = None  # the Talker's last hidden state ...
+    first_code: int = 0  # ... and the first code of the frame it began
+    written: int = 0  # Talker KV rows in the slot
+    rope_delta: int = 0
+    stream: AudioStream = field(default_factory=AudioStream)
+    done: bool = False
+    first_audio_at: float = 0.0
+    last_audio_at: float = 0.0
+
+    def report(self, submitted_at: float) -> SpeechReport:
+        audio_s = self.stream.sent / SAMPLE_RATE
+        rtf = (self.last_audio_at - submitted_at) / audio_s if audio_s else 0.0
+        first = self.first_audio_at - submitted_at if self.first_audio_at else 0.0
+        reused = self.claim.start if self.claim else 0
+        return SpeechReport(self.params.voice, len(self.stream.frames), audio_s, first, rtf,
+                            self.prompt.num_tokens, reused)
+
+
+class Speaker:
+    """The engine's speech part: the Talker runner, its KV cache, and Code2Wav."""
+
+    def __init__(self, model: torch.nn.Module, settings: Settings, slots: int) -> None:
+        self.vocoder = Vocoder(model.code2wav, settings.first_audio_frames, settings.audio_chunk_frames,
+                               settings.audio_left_context_frames)
+        self.max_frames = max(1, round(settings.max_speech_seconds * SAMPLE_RATE / self.vocoder.samples_per_frame))
+        # Room for every user token of a full context, the assistant opening and the frames.
+        self.runner = TalkerRunner(model, settings.max_context_tokens + 16 + self.max_frames, slots)
+        # Talker KV of user turns is small; an entry pushed off the device is dropped, not moved.
+        self.cache = PrefixCache(self.runner.kv, 0, enabled=settings.prefix_cache)
+        self.im_start, self.user = model.config.im_start_token_id, model.config.user_token_id
+
+    def check(self, params: SpeechParams) -> None:
+        self.runner.voice_id(params.voice)
+
+    @torch.inference_mode()
+    def begin(
+        self, params: SpeechParams, session: str, seed: int, prompt: Prompt, first_token: int, kv: KVStore, slot: int
+    ) -> SpokenReply:
+        """Speech for a reply to `prompt` that begins with `first_token`; the Thinker's Talker rows
+        are read now from its `slot`, which it may give up before the Talker starts."""
+        positions = user_positions(prompt.input_ids[0], self.im_start, self.user)
+        rows = kv.talker_rows[slot, torch.from_numpy(positions).to(kv.device)]
+        talker_prompt = self.runner.build_prompt(prompt, rows, positions, first_token, self.runner.voice_id(params.voice))
+        device = self.runner.device
+        empty = torch.empty(0, dtype=torch.long, device=device)
+        return SpokenReply(params, session, talker_prompt,
+                           Sampler(params.talker_sampling(), seed + 1, empty, self.runner.suppressed),
+                           Sampler(params.predictor_sampling(), seed + 2, empty))
+
+    @torch.inference_mode()
+    def step(
+        self, reply: SpokenReply, reply_ids: list[int], text_done: bool
+    ) -> tuple[np.ndarray, list[list[int]]] | None:
+        """At most one frame of `reply`; returns the audio chunk it completes, if one, with the
+        frames' codes."""
+        if reply.claim is None:
+            if not self._start(reply):
+                return None  # every Talker slot is busy: try again next turn
+        else:
+            text_row = self._text_row(len(reply.stream.frames) + 1, reply_ids, text_done)
+            if text_row is None:
+                return None  # the Thinker has not written the token this step reads
+            self._next_frame(reply, text_row)
+        if not self.vocoder.due(reply.stream, final=reply.done):
+            return None
+        start = reply.stream.decoded
+        samples = self.vocoder.decode(reply.stream)
+        now = time.perf_counter()
+        reply.first_audio_at = reply.first_audio_at or now
+        reply.last_audio_at = now
+        return samples, reply.stream.frames[start:]
+
+    def end(self, reply: SpokenReply) -> None:
+        """Give the Talker slot back; the user turns' KV stays for the session's next spoken turn."""
+        if reply.claim is not None:
+            self.cache.release(reply.claim)
+
+    def _start(self, reply: SpokenReply) -> bool:
+        prompt = reply.prompt.prompt
+        reply.claim = self.cache.claim(reply.session, prompt, self.cache.match(prompt))
+        if reply.claim is None:
+            return False
+        hidden, logits, reply.rope_delta = self.runner.prefill(reply.claim.entry.slot, reply.prompt, reply.claim.start)
+        reply.written = prompt.num_tokens
+        self.cache.publish(reply.claim, prompt, [], len(reply.prompt.user_rows))
+        # Every spoken reply has at least one frame (transformers' `talker_min_new_tokens=1`).
+        logits[self.runner.codec_eos] = float("-inf")
+        self._take(reply, hidden, logits)
+        return True
+
+    def _next_frame(self, reply: SpokenReply, text_row: torch.Tensor) -> None:
+        codes, codec_sum = self.runner.complete_frame(reply.hidden, reply.first_code, reply.predictor_sampler)
+        reply.stream.frames.append(codes)
+        if len(reply.stream.frames) >= self.max_frames:
+            reply.done = True
+            return
+        hidden, logits = self.runner.step(reply.claim.entry.slot, reply.written, codec_sum + text_row, reply.rope_delta)
+        reply.written += 1
+        self._take(reply, hidden, logits)
+
+    def _take(self, reply: SpokenReply, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+        reply.hidden, reply.first_code = hidden, reply.sampler.next_token(logits)
+        reply.done = reply.first_code == self.runner.codec_eos
+
+    def _text_row(self, index: int, reply_ids: list[int], text_done: bool) -> torch.Tensor | None:
+        """What the Talker reads with frame `index`: reply token `index`, text-EOS in place of the
+        last token (transformers never embeds the last one), then padding; None while unwritten."""
+        if index < len(reply_ids):
+            last = text_done and index == len(reply_ids) - 1
+            return self.runner.tts_eos if last else self.runner.project_text([reply_ids[index]])
+        return self.runner.tts_pad if text_done else None

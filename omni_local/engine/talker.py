@@ -1,0 +1,177 @@
+"""The Talker's forward and its code predictor, run by us over KV we own.
+
+What the Talker reads, as transformers' `Qwen3OmniMoeForConditionalGeneration.generate` builds it:
+- a prompt of one row per token of every user turn of the conversation (a text token's Thinker
+  embedding through `text_projection`, a media token's Thinker hidden state at
+  `accept_hidden_layer` through `hidden_projection`), then nine rows that open the assistant turn
+  (its three template tokens, padding, text-BOS and the first reply token, summed with codec
+  specials that name the voice);
+- then, at each step, the sum of the codec embeddings of the frame it just made plus the next reply
+  token's projected embedding (text-EOS after the last one, then padding).
+Each step makes the first code of a frame; the code predictor then makes the frame's other codes.
+`TalkerRows` makes the per-token rows while the Thinker prefills, so they are kept with its KV.
+"""
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from omni_local.engine.decoder_stack import mrope_positions, run_layers
+from omni_local.engine.kv_store import KVShape, KVStore
+from omni_local.engine.sampling import Sampler
+from omni_local.errors import RequestError
+from omni_local.prompts import Prompt
+
+ASSISTANT_OPENING = 3  # <|im_start|> assistant \n
+
+
+class TalkerRows:
+    """The row the Talker reads for a Thinker token, made during the Thinker's prefill."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        config = model.config
+        self.accept_layer = config.talker_config.accept_hidden_layer
+        self.width = config.talker_config.text_config.hidden_size
+        self.text_projection = model.talker.text_projection
+        self.hidden_projection = model.talker.hidden_projection
+        thinker = config.thinker_config
+        self._media_ids = torch.tensor([thinker.audio_token_id, thinker.image_token_id, thinker.video_token_id])
+
+    def project(self, ids: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Rows [1, n, width] for tokens `ids` [1, n], from their Thinker input embeddings and hidden
+        states at `accept_layer` ([1, n, thinker hidden])."""
+        media = torch.isin(ids, self._media_ids.to(ids.device))
+        rows = self.text_projection(embeds)
+        if media.any():
+            rows = torch.where(media.unsqueeze(-1), self.hidden_projection(hidden), rows)
+        return rows
+
+
+@dataclass
+class TalkerPrompt:
+    """The Talker's prompt for one reply; `prompt` carries its ids, media and cache keys."""
+
+    prompt: Prompt
+    user_rows: torch.Tensor  # [users, width], one per user token
+    opening: torch.Tensor  # [ASSISTANT_OPENING + 6, width], the assistant rows
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt.num_tokens
+
+
+class TalkerRunner:
+    def __init__(self, model: torch.nn.Module, max_tokens: int, slots: int) -> None:
+        self.config = model.config
+        self.talker = model.talker
+        self.stack = self.talker.model
+        self.predictor = self.talker.code_predictor
+        self.thinker_embeddings = model.thinker.get_input_embeddings()
+        talker_config = self.config.talker_config
+        text = talker_config.text_config
+        self.device = self.talker.codec_head.weight.device
+        self.dtype = self.talker.codec_head.weight.dtype
+        shape = KVShape(text.num_hidden_layers, text.num_key_value_heads, text.head_dim, max_tokens)
+        self.kv = KVStore(shape, slots, self.dtype, self.device)
+        self.voices = {name.lower(): int(i) for name, i in talker_config.speaker_id.items()}
+        self.codec_eos = talker_config.codec_eos_token_id
+        self.num_code_groups = talker_config.num_code_groups
+        vocab = text.vocab_size
+        # As transformers' generate: the codec block's specials are never chosen, except EOS.
+        self.suppressed = torch.tensor(
+            [i for i in range(vocab - 1024, vocab) if i != self.codec_eos], device=self.device
+        )
+        with torch.inference_mode():
+            special = [self.config.tts_bos_token_id, self.config.tts_eos_token_id, self.config.tts_pad_token_id]
+            self.tts_bos, self.tts_eos, self.tts_pad = self.project_text(special).split(1)
+            codec = [talker_config.codec_nothink_id, talker_config.codec_think_bos_id, talker_config.codec_think_eos_id]
+            self._codec_opening = self.stack.codec_embedding(torch.tensor(codec, device=self.device))
+            self._codec_tail = self.stack.codec_embedding(
+                torch.tensor([talker_config.codec_pad_id, talker_config.codec_bos_id], device=self.device)
+            )
+
+    def voice_id(self, voice: str) -> int:
+        """The codec id of `voice` (any case); a `RequestError` listing the voices otherwise."""
+        found = self.voices.get(voice.lower())
+        if found is None:
+            names = ", ".join(sorted(name.capitalize() for name in self.voices))
+            raise RequestError(f"unknown voice '{voice}': this model speaks as {names}")
+        return found
+
+    @torch.inference_mode()
+    def project_text(self, ids: list[int]) -> torch.Tensor:
+        """[len(ids), width]: text tokens as the Talker reads them."""
+        embeds = self.thinker_embeddings(torch.tensor(ids, device=self.device))
+        return self.talker.text_projection(embeds)
+
+    def build_prompt(
+        self, thinker: Prompt, user_rows: torch.Tensor, user_positions: np.ndarray, first_token: int, voice: int
+    ) -> TalkerPrompt:
+        """The Talker's prompt for a reply to `thinker` that begins with `first_token`."""
+        ids = thinker.input_ids[0]
+        opening_ids = ids[-ASSISTANT_OPENING:].tolist()
+        text = torch.cat([self.project_text(opening_ids), self.tts_pad.expand(4, -1), self.tts_bos,
+                          self.project_text([first_token])])
+        zeros = self._codec_opening.new_zeros(ASSISTANT_OPENING, self._codec_opening.shape[1])
+        voice_row = self.stack.codec_embedding(torch.tensor([voice], device=self.device))
+        codec = torch.cat([zeros, self._codec_opening, voice_row, self._codec_tail])
+        # The ids only place the media for the 3D positions; the assistant rows' ids are padding.
+        talker_ids = torch.cat([ids[user_positions], ids.new_full((len(text),), self.config.tts_pad_token_id)])
+        keys = np.concatenate([thinker.keys[user_positions], talker_ids[len(user_positions):].numpy()])
+        in_user_turns = set(user_positions.tolist())
+        media = [replace(m, start=int(np.searchsorted(user_positions, m.start)))
+                 for m in thinker.media if m.start in in_user_turns]
+        prompt = Prompt(talker_ids[None], media, keys)
+        return TalkerPrompt(prompt, user_rows, text + codec)
+
+    @torch.inference_mode()
+    def prefill(self, slot: int, talker: TalkerPrompt, start: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Compute the prompt from `start` on (the rows before are in the slot). Returns the last
+        hidden state [1, 1, width], its codec logits [vocab] and the rope delta of later steps."""
+        positions, rope_delta = mrope_positions(self.talker, talker.prompt, self.device)
+        rows = torch.cat([talker.user_rows, talker.opening])[start:]
+        hidden, logits = self._forward(slot, start, rows[None], positions[:, :, start:])
+        return hidden, logits, rope_delta
+
+    @torch.inference_mode()
+    def step(self, slot: int, index: int, embed: torch.Tensor, rope_delta: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step at row `index` from `embed` [1, 1, width]: its hidden state and codec logits."""
+        positions = torch.full((3, 1, 1), index + rope_delta, device=self.device, dtype=torch.long)
+        return self._forward(slot, index, embed, positions)
+
+    @torch.inference_mode()
+    def complete_frame(
+        self, hidden: torch.Tensor, first_code: int, sampler: Sampler
+    ) -> tuple[list[int], torch.Tensor]:
+        """The code predictor's codes for the rest of a frame, after the Talker's `first_code` from
+        `hidden`; returns the frame's codes and the sum of their embeddings [1, 1, width] (the next
+        step's input, before the text row is added)."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.predictor.model.config)
+        first = self.stack.codec_embedding(torch.tensor([[first_code]], device=self.device))
+        embeds, codes, step_input = [first], [first_code], torch.cat([hidden, first], dim=1)
+        for group in range(self.num_code_groups - 1):
+            out = self.predictor.model(inputs_embeds=step_input, cache=cache, use_cache=True)
+            logits = self.predictor.lm_head[group](out.last_hidden_state[:, -1])
+            code = sampler.next_token(logits[0].float())
+            codes.append(code)
+            step_input = self.predictor.model.codec_embedding[group](torch.tensor([[code]], device=self.device))
+            embeds.append(step_input)
+        # One sum over the stacked rows, as transformers does it (the order of float additions matters).
+        return codes, torch.cat(embeds, dim=1).sum(1, keepdim=True)
+
+    def _forward(self, slot: int, start: int, embeds: torch.Tensor, positions: torch.Tensor):
+        hidden, _ = run_layers(self.stack, self.kv.view(slot, start), embeds, positions)
+        return hidden, self.talker.codec_head(hidden)[0, -1].float()
+
+
+def user_positions(ids: torch.Tensor, im_start: int, user: int) -> np.ndarray:
+    """Indices of the tokens of user turns (from a turn's <|im_start|> up to the next one), the rule
+    transformers uses to pick the Talker's prompt rows."""
+    ids = ids.numpy()
+    index = np.arange(len(ids))
+    turn_start = np.maximum.accumulate(np.where(ids == im_start, index, -1)).clip(min=0)
+    role = ids[np.minimum(turn_start + 1, len(ids) - 1)]
+    return np.flatnonzero(role == user)

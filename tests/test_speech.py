@@ -1,0 +1,222 @@
+"""Spoken replies: the Talker's codes are transformers' own, the audio streams while the text does,
+the prefix cache never changes what is said, and a bad request for speech is a clear error."""
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from samples import clip, picture
+from omni_local.api import AudioChunk, Finished, OmniLocal, TextDelta
+from omni_local.engine.vocoder import AudioStream, Vocoder
+from omni_local.errors import RequestError
+from omni_local.prompts import Message, build_prompt
+
+NEW_TOKENS = 24
+SPEECH_SECONDS = 2.0  # 25 frames: every reply here is cut there (the demo's random Talker rarely ends)
+GREEDY = {"speak": True, "talker_temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def apps(demo_settings, demo_checkpoint):
+    """The demo model with speech, twice: with every cache, and with every cache off."""
+    on = demo_settings.replace(speech=True, max_speech_seconds=SPEECH_SECONDS)
+    off = on.replace(prefix_cache=False, encoder_cache=False)
+    with OmniLocal(on) as cached, OmniLocal(off) as uncached:
+        yield cached, uncached
+
+
+def send(app: OmniLocal, session, text: str, **options) -> tuple[Finished, list[list[int]], np.ndarray, list]:
+    """A reply's final event, codec frames, audio and event order ('T' text, 'A' audio)."""
+    reply = session.send(text, **{"max_new_tokens": NEW_TOKENS, **GREEDY, **options})
+    frames, order = [], []
+    for event in reply:
+        if isinstance(event, AudioChunk):
+            frames += event.frames
+            order.append("A")
+        elif isinstance(event, TextDelta):
+            order.append("T")
+    return reply.result(), frames, reply.audio, order
+
+
+def transformers_speech(app: OmniLocal, messages: list[Message], voice: str) -> tuple[list[int], torch.Tensor]:
+    """Greedy text and codes [groups, frames] from transformers' `generate(return_audio=True)`."""
+    model, engine = app.loaded.model, app.engine
+    prompt = build_prompt(messages, app.loaded.processor)
+    decoded = []
+    original = model.code2wav.chunked_decode
+
+    def keep_codes(codes: torch.Tensor, **kwargs) -> torch.Tensor:
+        decoded.append(codes[0].clone())
+        return original(codes, **kwargs)
+
+    model.code2wav.chunked_decode = keep_codes
+    try:
+        with torch.inference_mode():
+            sequences, _ = model.generate(
+                **prompt.model_inputs(app.loaded.processor), speaker=voice,
+                thinker_max_new_tokens=NEW_TOKENS, thinker_do_sample=False,
+                thinker_eos_token_id=sorted(engine.eos_ids), thinker_suppress_tokens=engine.suppressed_ids,
+                talker_do_sample=False, talker_max_new_tokens=engine.speaker.max_frames + 1,
+            )
+    finally:
+        model.code2wav.chunked_decode = original
+    text = [t for t in sequences[0, prompt.num_tokens :].tolist() if t not in engine.eos_ids]
+    return text, decoded[0]
+
+
+CASES = {
+    "text": lambda: ["Tell me a story about a lighthouse keeper."],
+    "image": lambda: [picture(1), "What is in this picture?"],
+    "audio": lambda: [clip(2), "What did you hear?"],
+}
+
+
+def media(parts: list) -> dict:
+    return {"images": [p for p in parts if isinstance(p, Image.Image)],
+            "audio": [p for p in parts if isinstance(p, np.ndarray)]}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_spoken_replies_have_the_codes_and_audio_of_transformers_generate(apps, case):
+    app = apps[1]
+    parts = CASES[case]()
+    final, frames, audio, _ = send(app, app.session(), parts[-1], voice="Chelsie", **media(parts))
+    text, codes = transformers_speech(app, [Message("user", parts)], "Chelsie")
+    assert final.token_ids == text and len(text) > 1
+    assert frames == codes.T.tolist() and len(frames) == final.speech.frames
+    # Every chunk here had its whole reply as left context (25 frames, the default), so the stream
+    # equals one decode of all the codes to float rounding; the chunking's own error is measured below.
+    with torch.inference_mode():
+        whole = app.loaded.model.code2wav(codes[None])[0, 0].numpy()
+    assert audio.shape == whole.shape
+    np.testing.assert_allclose(audio, whole, atol=1e-6)
+
+
+def test_chunks_with_less_left_context_than_the_reply_stay_close_to_one_decode(apps):
+    code2wav = apps[0].loaded.model.code2wav
+    frames = torch.randint(0, 64, (120, 4), generator=torch.Generator().manual_seed(0)).tolist()
+    vocoder, stream = Vocoder(code2wav, first_chunk=2, chunk=10, left_context=25), AudioStream()
+    chunks = []
+    for frame in frames:
+        stream.frames.append(frame)
+        if vocoder.due(stream, final=False):
+            chunks.append(vocoder.decode(stream))
+    if vocoder.due(stream, final=True):
+        chunks.append(vocoder.decode(stream))
+    with torch.inference_mode():
+        whole = code2wav(torch.tensor(frames).T[None])[0, 0].numpy()
+    streamed = np.concatenate(chunks)
+    assert streamed.shape == whole.shape  # no gap and no overlap at the 12 chunk boundaries
+    # Past 25 frames of context a chunk no longer sees what Code2Wav's sliding-window attention
+    # (72 frames) and its convolutions would reach: the demo's waveform then differs by under 2% of
+    # its peak (measured 1.2%); with 200 frames of context the difference was 6e-8.
+    assert np.abs(streamed - whole).max() < 0.02 * np.abs(whole).max()
+
+
+def test_the_first_audio_arrives_while_the_text_is_still_streaming(apps):
+    app = apps[0]
+    final, _, audio, order = send(app, app.session(), "Tell me a story about a lighthouse keeper.", max_new_tokens=40)
+    assert final.tokens.generated == 40, "the comparison needs a 40-token reply"
+    last_text = len(order) - 1 - order[::-1].index("T")
+    assert order.index("A") < last_text
+    assert final.speech.first_audio_s > 0 and final.speech.audio_s == pytest.approx(audio.size / 24_000)
+    assert final.speech.real_time_factor > 0 and "real-time factor" in final.metrics_line()
+
+
+class Chat:
+    """One spoken conversation held the same way in both apps, each reply checked for equality."""
+
+    def __init__(self, apps, system: str) -> None:
+        self.apps = apps
+        self.sessions = [app.session(system_prompt=system) for app in apps]
+
+    def send(self, text: str, **options) -> Finished:
+        (on, on_frames, _, _), (off, off_frames, _, _) = (
+            send(app, session, text, **options) for app, session in zip(self.apps, self.sessions)
+        )
+        assert on.token_ids == off.token_ids, "the cache changed the text"
+        assert on_frames == off_frames, "the cache changed the speech"
+        assert off.tokens.computed == off.tokens.prompt and off.speech.talker_reused == 0
+        return on
+
+
+def written(final: Finished) -> int:
+    """Tokens of prompt-then-reply whose KV the request left: the last sampled token is never fed."""
+    return final.tokens.prompt + final.tokens.generated - (0 if final.stop_reason == "end_of_turn" else 1)
+
+
+def test_a_voice_chat_turn_2_computes_only_its_new_tokens_and_says_the_same(apps):
+    chat = Chat(apps, "You speak.")
+    first = chat.send("Hello, who are you?")
+    second = chat.send("And what do you like?")
+    assert second.tokens.computed == second.tokens.prompt - written(first)
+    # The Talker's prompt holds the user turns only: turn 1's rows (all but its 9 assistant rows) are reused.
+    assert second.speech.talker_reused == first.speech.talker_prompt - 9
+
+
+@pytest.mark.parametrize("kind", ["images", "audio"])
+def test_a_spoken_answer_to_a_known_medium_reuses_it_and_says_the_same(apps, kind):
+    medium = {kind: [picture(7) if kind == "images" else clip(8)]}
+    Chat(apps, "You look and listen.").send("What is this?", **medium)
+    final = Chat(apps, "You look and listen.").send("Tell me more.", **medium)
+    prompt = build_prompt([Message("system", ["You look and listen."]),
+                           Message("user", [*medium[kind], "Tell me more."])], apps[0].loaded.processor)
+    assert final.tokens.reused_gpu >= prompt.media[0].end  # the medium came from the cache, Talker rows too
+
+
+def test_a_text_turn_then_a_spoken_turn_reads_the_rows_the_text_turn_cached(apps):
+    chat = Chat(apps, "You answer.")
+    first, _ = (session.send("Look at this.", images=[picture(9)], max_new_tokens=NEW_TOKENS).result()
+                for session in chat.sessions)
+    second = chat.send("What did you see?")
+    assert second.tokens.computed == second.tokens.prompt - written(first)
+
+
+def test_cancel_stops_text_and_speech_at_once_and_sends_only_whole_chunks(apps, monkeypatch):
+    app = apps[0]
+    speaker, held = app.engine.speaker, {}
+    step = speaker.step
+
+    def step_then_cancel(*args):
+        chunk = step(*args)
+        if chunk is not None:  # cancel in the worker right after the first chunk: a known point
+            while "reply" not in held:
+                time.sleep(0.001)
+            held["reply"].cancel()
+        return chunk
+
+    monkeypatch.setattr(speaker, "step", step_then_cancel)
+    held["reply"] = reply = app.session().send("Tell me a story about a lighthouse keeper.", max_new_tokens=NEW_TOKENS, **GREEDY)
+    chunks = [event for event in reply if isinstance(event, AudioChunk)]
+    final = reply.result()
+    assert final.stop_reason == "cancelled" and final.tokens.generated < NEW_TOKENS
+    assert len(chunks) == 1 and final.speech.frames == len(chunks[0].frames)  # no frame after the cancel
+    # The chunk is the audio of whole frames: exactly what those frames decode to, nothing cut.
+    with torch.inference_mode():
+        whole = app.loaded.model.code2wav(torch.tensor(chunks[0].frames).T[None])[0, 0].numpy()
+    assert reply.audio.shape == whole.shape
+    monkeypatch.undo()
+    again, frames, _, _ = send(app, app.session(), "Are you there?")
+    assert again.stop_reason != "cancelled" and frames
+
+
+def test_an_unknown_voice_is_an_error_listing_the_voices_and_the_next_request_is_served(apps):
+    app = apps[0]
+    with pytest.raises(RequestError, match="unknown voice 'Nobody'.*Aiden, Chelsie, Ethan"):
+        app.session().send("Hi", speak=True, voice="Nobody")
+    assert send(app, app.session(), "Hi", voice="aiden")[1]
+
+
+def test_speech_from_an_app_without_the_talker_is_an_error_and_the_next_request_is_served(app):
+    with pytest.raises(RequestError, match="speech = true"):
+        app.session().send("Hi", speak=True)
+    assert app.session().send("Hi", max_new_tokens=4).result().token_ids
+
+
+def test_a_reply_without_speech_has_no_audio(apps):
+    reply = apps[0].session().send("Hi", max_new_tokens=4)
+    final = reply.result()
+    assert final.speech is None and reply.audio.size == 0
