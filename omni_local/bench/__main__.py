@@ -7,6 +7,10 @@ Prompts follow ../shared/BENCHMARK_ANCHORS.md: a system prompt, one 480x640 imag
 Each row is the median of --runs after one warm-up run; each run asks a new question, so the cache
 rows reuse only what a real user's next request would. "cache off" means every cache off (prefix
 and encoder), so a first send really runs its encoder. The table goes to stdout, JSON to --json.
+
+With `--speech true` the spoken rows run too (the Talker samples, as by default; the reply's
+length is capped by --max-speech-seconds): time to first audio and real-time factor, against
+transformers' `generate(return_audio=True)`, which plays nothing until it is done.
 """
 
 import argparse
@@ -24,6 +28,7 @@ from PIL import Image
 
 from omni_local.api import Finished, OmniLocal
 from omni_local.bench.common import bench_parser, elapsed_s, settings_and_model
+from omni_local.engine.vocoder import SAMPLE_RATE
 from omni_local.prompts import Message, build_prompt
 
 SYSTEM = (
@@ -31,6 +36,8 @@ SYSTEM = (
     "the question in a few clear words without guessing."
 )
 QUESTION = "What is in this picture, and what colour is the house?"
+# Spoken rows ask something else, so they never reuse a text row's conversation.
+SPOKEN_QUESTION = "Tell me in two sentences what you can do for me today."
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,7 @@ class Scenario:
     earlier: list[Message]  # user turns sent before, in the same session
     last: Message
     warm_cache: bool = False  # another session sends the same conversation first
+    speak: bool = False  # every turn is a spoken reply
 
 
 def scenarios() -> list[Scenario]:
@@ -53,6 +61,14 @@ def scenarios() -> list[Scenario]:
         Scenario("image 480x640, first send", SYSTEM, [], Message("user", [image, QUESTION])),
         Scenario("same image 480x640, new question", SYSTEM, [], Message("user", [image, QUESTION]), warm_cache=True),
         Scenario("text chat turn 2", SYSTEM, [Message("user", ["Hello! Who are you?"])], ask),
+    ]
+
+
+def spoken_scenarios() -> list[Scenario]:
+    ask = Message("user", [SPOKEN_QUESTION])
+    return [
+        Scenario("spoken reply, first send", SYSTEM, [], ask, speak=True),
+        Scenario("voice chat turn 2", SYSTEM, [Message("user", ["Hello! Who are you?"])], ask, speak=True),
     ]
 
 
@@ -73,14 +89,19 @@ def engine_run(app: OmniLocal, scenario: Scenario, run: int, new_tokens: int) ->
     final = _converse(app, scenario, _question(scenario, run), new_tokens)
     itl = 1 / final.timings.decode_tokens_per_s if final.timings.decode_tokens_per_s else float("nan")
     n = final.tokens
-    return {"ttft_ms": final.timings.ttft_s * 1e3, "itl_ms": itl * 1e3, "prompt": n.prompt, "computed": n.computed}
+    result = {"ttft_ms": final.timings.ttft_s * 1e3, "itl_ms": itl * 1e3, "prompt": n.prompt, "computed": n.computed}
+    if final.speech is not None:
+        speech = final.speech
+        result |= {"first_audio_ms": speech.first_audio_s * 1e3, "rtf": speech.real_time_factor,
+                   "audio_s": speech.audio_s}
+    return result
 
 
 def _converse(app: OmniLocal, scenario: Scenario, last: Message, new_tokens: int) -> Finished:
     session = app.session(system_prompt=scenario.system)
     for turn in scenario.earlier:
-        session.send(**_as_send(turn), max_new_tokens=new_tokens).result()
-    return session.send(**_as_send(last), max_new_tokens=new_tokens).result()
+        session.send(**_as_send(turn), max_new_tokens=new_tokens, speak=scenario.speak).result()
+    return session.send(**_as_send(last), max_new_tokens=new_tokens, speak=scenario.speak).result()
 
 
 def transformers_run(app: OmniLocal, scenario: Scenario, run: int, new_tokens: int) -> dict[str, float]:
@@ -91,6 +112,8 @@ def transformers_run(app: OmniLocal, scenario: Scenario, run: int, new_tokens: i
         session.send(**_as_send(turn), max_new_tokens=new_tokens).result()
     prompt = build_prompt([*session.history, _question(scenario, run)], app.loaded.processor)
     inputs = {k: v.to(app.loaded.device) for k, v in prompt.model_inputs(app.loaded.processor).items()}
+    if scenario.speak:
+        return _transformers_speech(app, inputs, prompt.num_tokens, new_tokens)
     thinker = app.loaded.model.thinker
 
     def timed(tokens: int) -> float:
@@ -103,6 +126,25 @@ def transformers_run(app: OmniLocal, scenario: Scenario, run: int, new_tokens: i
     return {"ttft_ms": first * 1e3, "itl_ms": itl * 1e3, "prompt": prompt.num_tokens, "computed": prompt.num_tokens}
 
 
+def _transformers_speech(app: OmniLocal, inputs: dict, prompt_tokens: int, new_tokens: int) -> dict[str, float]:
+    """`generate(return_audio=True)` with as many text tokens and codec frames as our replies may have:
+    its first audio is its whole run, since nothing streams."""
+    frames = app.engine.speaker.max_frames
+    audio = []
+
+    def generate() -> None:
+        with torch.inference_mode():
+            _, wav = app.loaded.model.generate(
+                **inputs, thinker_max_new_tokens=new_tokens, thinker_min_new_tokens=new_tokens,
+                thinker_do_sample=False, talker_max_new_tokens=frames + 1, talker_min_new_tokens=frames + 1,
+            )
+        audio.append(wav.shape[-1] / SAMPLE_RATE)
+
+    whole = elapsed_s(generate)
+    return {"ttft_ms": float("nan"), "itl_ms": float("nan"), "prompt": prompt_tokens, "computed": prompt_tokens,
+            "first_audio_ms": whole * 1e3, "rtf": whole / audio[0], "audio_s": audio[0]}
+
+
 def _as_send(message: Message) -> dict:
     return {"text": message.text, "images": message.images(), "audio": message.audios()}
 
@@ -111,6 +153,8 @@ def main() -> None:
     parser = bench_parser("python -m omni_local.bench")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--only", action="append", default=[], metavar="TEXT",
+                        help="run only the scenarios whose name holds TEXT (repeatable)")
     args = parser.parse_args()
     settings, loaded = settings_and_model(args)
     rows = []
@@ -118,7 +162,8 @@ def main() -> None:
     with OmniLocal(settings, loaded=loaded) as cached, OmniLocal(every_cache_off, loaded) as cold:
         systems = (("omni_local, cache on", cached, engine_run), ("omni_local, cache off", cold, engine_run),
                    ("transformers", cold, transformers_run))
-        for scenario in scenarios():
+        chosen = scenarios() + (spoken_scenarios() if cached.engine.speaker else [])
+        for scenario in [s for s in chosen if not args.only or any(text in s.name for text in args.only)]:
             for system, app, run in systems:
                 if "first send" in scenario.name and system.endswith("cache on"):
                     continue  # a first send has nothing to reuse: the cache-off row is the same
@@ -146,10 +191,12 @@ def _environment(app: OmniLocal, args: argparse.Namespace) -> dict[str, str]:
 
 def _table(rows: list[dict], environment: dict[str, str]) -> str:
     lines = [", ".join(f"{k}: {v}" for k, v in environment.items()), ""]
-    lines += ["| scenario | prompt tokens | system | computed | TTFT (ms) | ITL (ms) |", "| --- | --- | --- | --- | --- | --- |"]
+    lines += ["| scenario | prompt tokens | system | computed | TTFT (ms) | ITL (ms) | first audio (ms) | RTF |"
+              " audio (s) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
+        speech = (f"{r['first_audio_ms']:.1f} | {r['rtf']:.2f} | {r['audio_s']:.2f}" if "rtf" in r else "– | – | –")
         lines.append(f"| {r['scenario']} | {r['prompt']:.0f} | {r['system']} | {r['computed']:.0f} | "
-                     f"{r['ttft_ms']:.1f} | {r['itl_ms']:.2f} |")
+                     f"{r['ttft_ms']:.1f} | {r['itl_ms']:.2f} | {speech} |")
     return "\n".join(lines)
 
 

@@ -37,4 +37,13 @@ def _remapped(config: dict, tokenizer) -> dict:
     ids = {**media_token_ids(tokenizer), "vision_end_token_id": tokenizer.convert_tokens_to_ids(VISION_END)}
     thinker = {**config["thinker_config"], **ids}
     talker = {**config["talker_config"], **{k: v for k, v in ids.items() if k in config["talker_config"]}}
-    return {**config, "thinker_config": thinker, "talker_config": talker}
+    # The tokens the Talker's prompt is cut and built by (turn starts, roles, its text specials).
+    top = {field: tokenizer.convert_tokens_to_ids(token) for field, token in _TOP_LEVEL_TOKENS.items()}
+    return {**config, **top, "thinker_config": thinker, "talker_config": talker}
+
+
+_TOP_LEVEL_TOKENS = {
+    "im_start_token_id": "<|im_start|>", "im_end_token_id": "<|im_end|>", "system_token_id": "system",
+    "user_token_id": "user", "assistant_token_id": "assistant", "tts_pad_token_id": "<tts_pad>",
+    "tts_bos_token_id": "<tts_text_bos>", "tts_eos_token_id": "<tts_text_eod>",
+}

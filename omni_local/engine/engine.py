@@ -48,6 +48,8 @@ class Engine:
         self.runner.warm_up()
         # One Talker slot per Thinker slot: each cached chat can keep its spoken turns' Talker KV.
         self.speaker = Speaker(loaded.model, settings, self.runner.kv.slots) if loaded.speech else None
+        if self.speaker is not None:
+            self.speaker.warm_up()
         self.cache = PrefixCache(self.runner.kv, settings.host_cache_bytes, enabled=settings.prefix_cache)
         self.eos_ids = set(thinker_eos_token_ids(loaded))
         # A reply is text: a media placeholder in it would be taken for a medium in the next prompt.

@@ -99,6 +99,11 @@ class Speaker:
         self.cache = PrefixCache(self.runner.kv, 0, enabled=settings.prefix_cache)
         self.im_start, self.user = model.config.im_start_token_id, model.config.user_token_id
 
+    def warm_up(self) -> None:
+        """The Talker, its code predictor and Code2Wav once each, caching nothing."""
+        codes = self.runner.warm_up()
+        self.vocoder.decode(AudioStream(frames=[codes] * self.vocoder.first_chunk))
+
     def check(self, params: SpeechParams) -> None:
         self.runner.voice_id(params.voice)
 

@@ -19,7 +19,7 @@ import torch
 
 from omni_local.engine.decoder_stack import mrope_positions, run_layers
 from omni_local.engine.kv_store import KVShape, KVStore
-from omni_local.engine.sampling import Sampler
+from omni_local.engine.sampling import Sampler, SamplingParams
 from omni_local.errors import RequestError
 from omni_local.prompts import Prompt
 
@@ -90,6 +90,22 @@ class TalkerRunner:
             self._codec_tail = self.stack.codec_embedding(
                 torch.tensor([talker_config.codec_pad_id, talker_config.codec_bos_id], device=self.device)
             )
+
+    @torch.inference_mode()
+    def warm_up(self) -> list[int]:
+        """A short prompt, one frame and one step in a slot nobody reads, so the first spoken reply
+        does not pay first-use costs; returns the frame's codes."""
+        slot = self.kv.allocate()
+        try:
+            prompt = self.tts_pad.expand(4, -1)[None]
+            positions = torch.arange(4, device=self.device).expand(3, 1, -1)
+            hidden, _ = self._forward(slot, 0, prompt, positions)
+            empty = torch.empty(0, dtype=torch.long, device=self.device)
+            codes, codec_sum = self.complete_frame(hidden, 0, Sampler(SamplingParams(), 0, empty))
+            self.step(slot, 4, codec_sum + self.tts_pad, 0)
+            return codes
+        finally:
+            self.kv.release(slot)
 
     def voice_id(self, voice: str) -> int:
         """The codec id of `voice` (any case); a `RequestError` listing the voices otherwise."""
