@@ -68,8 +68,7 @@ class SpokenReply:
     sampler: Sampler
     predictor_sampler: Sampler
     claim: Claim | None = None  # the Talker KV slot, once had
-    hidden: torch.Tensor | None = None  # the Talker's last hidden state ...
-    first_code: int = 0  # ... and the first code of the frame it began
+    codec_sum: torch.Tensor | None = None  # the last frame's summed code embeddings: the next input
     written: int = 0  # Talker KV rows in the slot
     rope_delta: int = 0
     stream: AudioStream = field(default_factory=AudioStream)
@@ -126,16 +125,30 @@ class Speaker:
     def step(
         self, reply: SpokenReply, reply_ids: list[int], text_done: bool
     ) -> tuple[np.ndarray, list[list[int]]] | None:
-        """At most one frame of `reply`; returns the audio chunk it completes, if one, with the
-        frames' codes."""
+        """At most one Talker forward of `reply` and the frame it begins; returns the audio chunk
+        that completes, if one, with its frames' codes. A frame is completed in the same turn as
+        its first code, so the first chunk goes out as soon as its frames exist."""
         if reply.claim is None:
-            if not self._start(reply):
+            hidden, logits = self._start(reply)
+            if hidden is None:
                 return None  # every Talker slot is busy: try again next turn
+            # Every spoken reply has at least one frame (transformers' `talker_min_new_tokens=1`).
+            logits = logits.index_fill(0, torch.tensor([self.runner.codec_eos], device=logits.device), float("-inf"))
         else:
-            text_row = self._text_row(len(reply.stream.frames) + 1, reply_ids, text_done)
+            # The frame this forward begins reads the reply token of the same index.
+            text_row = self._text_row(len(reply.stream.frames), reply_ids, text_done)
             if text_row is None:
-                return None  # the Thinker has not written the token this step reads
-            self._next_frame(reply, text_row)
+                return None  # the Thinker has not written that token yet
+            slot = reply.claim.entry.slot
+            hidden, logits = self.runner.step(slot, reply.written, reply.codec_sum + text_row, reply.rope_delta)
+            reply.written += 1
+        first_code = reply.sampler.next_token(logits)
+        if first_code == self.runner.codec_eos:
+            reply.done = True
+        else:
+            codes, reply.codec_sum = self.runner.complete_frame(hidden, first_code, reply.predictor_sampler)
+            reply.stream.frames.append(codes)
+            reply.done = len(reply.stream.frames) >= self.max_frames
         if not self.vocoder.due(reply.stream, final=reply.done):
             return None
         start = reply.stream.decoded
@@ -150,32 +163,17 @@ class Speaker:
         if reply.claim is not None:
             self.cache.release(reply.claim)
 
-    def _start(self, reply: SpokenReply) -> bool:
+    def _start(self, reply: SpokenReply) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The Talker's prefill, after what its cache holds: the last hidden state and logits, or
+        Nones while no slot is free."""
         prompt = reply.prompt.prompt
         reply.claim = self.cache.claim(reply.session, prompt, self.cache.match(prompt))
         if reply.claim is None:
-            return False
+            return None, None
         hidden, logits, reply.rope_delta = self.runner.prefill(reply.claim.entry.slot, reply.prompt, reply.claim.start)
         reply.written = prompt.num_tokens
         self.cache.publish(reply.claim, prompt, [], len(reply.prompt.user_rows))
-        # Every spoken reply has at least one frame (transformers' `talker_min_new_tokens=1`).
-        logits[self.runner.codec_eos] = float("-inf")
-        self._take(reply, hidden, logits)
-        return True
-
-    def _next_frame(self, reply: SpokenReply, text_row: torch.Tensor) -> None:
-        codes, codec_sum = self.runner.complete_frame(reply.hidden, reply.first_code, reply.predictor_sampler)
-        reply.stream.frames.append(codes)
-        if len(reply.stream.frames) >= self.max_frames:
-            reply.done = True
-            return
-        hidden, logits = self.runner.step(reply.claim.entry.slot, reply.written, codec_sum + text_row, reply.rope_delta)
-        reply.written += 1
-        self._take(reply, hidden, logits)
-
-    def _take(self, reply: SpokenReply, hidden: torch.Tensor, logits: torch.Tensor) -> None:
-        reply.hidden, reply.first_code = hidden, reply.sampler.next_token(logits)
-        reply.done = reply.first_code == self.runner.codec_eos
+        return hidden, logits
 
     def _text_row(self, index: int, reply_ids: list[int], text_done: bool) -> torch.Tensor | None:
         """What the Talker reads with frame `index`: reply token `index`, text-EOS in place of the

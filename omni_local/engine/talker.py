@@ -70,13 +70,19 @@ class TalkerRunner:
         self.thinker_embeddings = model.thinker.get_input_embeddings()
         talker_config = self.config.talker_config
         text = talker_config.text_config
+        self.num_code_groups = talker_config.num_code_groups
         self.device = self.talker.codec_head.weight.device
         self.dtype = self.talker.codec_head.weight.dtype
         shape = KVShape(text.num_hidden_layers, text.num_key_value_heads, text.head_dim, max_tokens)
         self.kv = KVStore(shape, slots, self.dtype, self.device)
+        # The code predictor's KV: one frame's rows (the Talker's state, then each code), one
+        # frame at a time.
+        predictor = self.predictor.config
+        rows = KVShape(predictor.num_hidden_layers, predictor.num_key_value_heads, predictor.head_dim,
+                       self.num_code_groups + 1)
+        self.predictor_kv = KVStore(rows, 1, self.dtype, self.device)
         self.voices = {name.lower(): int(i) for name, i in talker_config.speaker_id.items()}
         self.codec_eos = talker_config.codec_eos_token_id
-        self.num_code_groups = talker_config.num_code_groups
         vocab = text.vocab_size
         # As transformers' generate: the codec block's specials are never chosen, except EOS.
         self.suppressed = torch.tensor(
@@ -163,17 +169,17 @@ class TalkerRunner:
         """The code predictor's codes for the rest of a frame, after the Talker's `first_code` from
         `hidden`; returns the frame's codes and the sum of their embeddings [1, 1, width] (the next
         step's input, before the text row is added)."""
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=self.predictor.model.config)
+        model = self.predictor.model
         first = self.stack.codec_embedding(torch.tensor([[first_code]], device=self.device))
         embeds, codes, step_input = [first], [first_code], torch.cat([hidden, first], dim=1)
+        row = 0
         for group in range(self.num_code_groups - 1):
-            out = self.predictor.model(inputs_embeds=step_input, cache=cache, use_cache=True)
-            logits = self.predictor.lm_head[group](out.last_hidden_state[:, -1])
-            code = sampler.next_token(logits[0].float())
+            positions = torch.arange(row, row + step_input.shape[1], device=self.device)[None]
+            last, _ = run_layers(model, self.predictor_kv.view(0, row), step_input, positions)
+            row += step_input.shape[1]
+            code = sampler.next_token(self.predictor.lm_head[group](last)[0, -1].float())
             codes.append(code)
-            step_input = self.predictor.model.codec_embedding[group](torch.tensor([[code]], device=self.device))
+            step_input = model.codec_embedding[group](torch.tensor([[code]], device=self.device))
             embeds.append(step_input)
         # One sum over the stacked rows, as transformers does it (the order of float additions matters).
         return codes, torch.cat(embeds, dim=1).sum(1, keepdim=True)
