@@ -118,3 +118,19 @@ def test_when_the_match_holds_the_only_slot_and_host_memory_is_off_it_is_dropped
     claim = cache.claim("b", prompt([1, 2, 3, 9]), cache.match(prompt([1, 2, 3, 9])))
     assert claim is not None and claim.start == 0
     assert "a" not in cache.entries
+
+
+def test_talker_rows_travel_with_their_kv_between_slots_and_to_host_and_back():
+    kv = KVStore(KVShape(num_layers=2, kv_heads=1, head_dim=2, max_tokens=8, talker_dim=3), 2, torch.float32,
+                 torch.device("cpu"))
+    for layer in kv.keys + kv.values:
+        layer[0].copy_(torch.randn(layer[0].shape))
+    kv.talker_rows[0].copy_(torch.randn(8, 3))
+    kv.copy_rows(0, 1, rows=5)
+    assert torch.equal(kv.talker_rows[1, :5], kv.talker_rows[0, :5])
+    host = kv.to_host(0, rows=5)
+    assert host.nbytes == 5 * kv.shape.token_bytes(torch.float32)
+    kv.talker_rows[1].zero_()
+    kv.from_host(host, 1, rows=5)
+    assert torch.equal(kv.talker_rows[1, :5], kv.talker_rows[0, :5])
+    assert all(torch.equal(layer[1, :, :5], layer[0, :, :5]) for layer in kv.keys + kv.values)

@@ -93,7 +93,8 @@ def engine_run(app: OmniLocal, scenario: Scenario, run: int, new_tokens: int) ->
     if final.speech is not None:
         speech = final.speech
         result |= {"first_audio_ms": speech.first_audio_s * 1e3, "rtf": speech.real_time_factor,
-                   "audio_s": speech.audio_s}
+                   "audio_s": speech.audio_s, "talker_prompt": speech.talker_prompt,
+                   "talker_reused": speech.talker_reused}
     return result
 
 
