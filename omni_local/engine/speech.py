@@ -2,9 +2,10 @@
 
 A reply's speech starts once the Thinker has its first token: the Talker's prompt is built from the
 rows the Thinker kept for every user token (`TalkerRows`), so a cached prompt needs no Thinker
-recompute. Each engine turn then makes at most one frame: the code predictor completes the
-frame, the Talker steps on it plus the next reply token's row (waiting while the Thinker has not
-written that token yet), and Code2Wav turns whole chunks of frames into audio. The Talker's own KV
+recompute. Each engine turn then makes at most one frame: a Talker step on the last frame's codes
+plus the next reply token's row (waiting while the Thinker has not written that token yet) gives
+the frame's first code, the code predictor its other codes, and Code2Wav turns whole chunks of
+frames into audio. The Talker's own KV
 of the user turns is kept per session (a second prefix cache), so a later spoken turn computes
 only the new user turn and the assistant opening.
 """
