@@ -15,6 +15,7 @@ one final `Finished` (text, token counts, timings, speech figures). Bad input ra
 """
 
 import uuid
+from dataclasses import replace
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Callable
@@ -26,9 +27,11 @@ from omni_local.engine.engine import Engine
 from omni_local.engine.request import AudioChunk, Failed, Finished, Request, TextDelta
 from omni_local.engine.sampling import SamplingParams
 from omni_local.engine.speech import SpeechParams
-from omni_local.errors import OmniLocalError, RequestError
+from omni_local.errors import MediaError, OmniLocalError, RequestError
 from omni_local.media import SAMPLE_RATE, MediaLimits, check_duration, load_audio, load_image, prepare_image
+from omni_local.media.video import Video, load_video
 from omni_local.model.loader import LoadedModel, load_model
+from omni_local.model.workarounds import video_supported
 from omni_local.prompts import Message, Part
 from omni_local.settings import Settings, load_settings
 
@@ -36,6 +39,7 @@ __all__ = ["OmniLocal", "Session", "Reply", "TextDelta", "AudioChunk", "Finished
 
 ImageInput = str | Path | bytes | Image.Image
 AudioInput = str | Path | bytes | np.ndarray  # an ndarray is 16 kHz mono float32 samples
+VideoInput = str | Path | bytes | Video
 
 
 class Reply:
@@ -97,6 +101,7 @@ class Session:
         text: str = "",
         images: Iterable[ImageInput] = (),
         audio: Iterable[AudioInput] = (),
+        videos: Iterable[VideoInput] = (),
         speak: bool = False,
         voice: str | None = None,
         talker_temperature: float = SpeechParams.temperature,
@@ -111,10 +116,11 @@ class Session:
         limits = self._app.limits
         parts: list[Part] = [_image(item, limits) for item in images]
         parts += [_audio(item, limits) for item in audio]
+        parts += [self._app.read_video(item) for item in videos]
         if text:
             parts.append(text)
         if not parts:
-            raise RequestError("the message is empty: type a question or attach an image or audio file")
+            raise RequestError("the message is empty: type a question or attach an image, audio or video file")
         params = self._app.sampling(**sampling)
         speech = SpeechParams(voice or self._app.settings.voice, talker_temperature) if speak else None
         self.wait()
@@ -166,6 +172,23 @@ class OmniLocal:
             raise RequestError(f"unknown sampling parameter '{unknown[0]}'")
         values.update(overrides)
         return SamplingParams(**values)
+
+    def read_video(self, item: VideoInput) -> Video:
+        """A video as the model takes it: frames at the checkpoint's rate (else `video_fps`), and its
+        sound track if `use_audio_in_video` (a silent clip then gets silence, so every video of a
+        prompt is laid out alike)."""
+        if not video_supported(self.loaded.processor):
+            raise MediaError("video input needs torchvision, which is not installed here")
+        video = item
+        if not isinstance(video, Video):
+            processor = self.loaded.processor.video_processor
+            fps = getattr(processor, "fps", None) or self.settings.video_fps
+            video = load_video(video, self.limits, fps, processor.min_frames, processor.max_frames)
+        if not self.settings.use_audio_in_video:
+            return replace(video, audio=None)
+        if video.audio is None:
+            return replace(video, audio=np.zeros(round(video.seconds * SAMPLE_RATE), np.float32))
+        return video
 
     def close(self) -> None:
         self.engine.close()

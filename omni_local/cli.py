@@ -1,6 +1,6 @@
 """Command line: `ask` one question, or `chat` in the terminal.
 
-    python -m omni_local ask "What is this?" --image cat.png [--audio q.wav] [--system ...] [--json]
+    python -m omni_local ask "What is this?" --image cat.png [--audio q.wav] [--video clip.mp4] [--system ...] [--json]
     python -m omni_local ask "Say hello." --speak [--voice Chelsie] [--wav reply.wav]
     python -m omni_local chat [--system ...]
 
@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("question", help="the question's text")
     ask.add_argument("--image", type=Path, action="append", default=[], help="an image file (repeatable)")
     ask.add_argument("--audio", type=Path, action="append", default=[], help="an audio file (repeatable)")
+    ask.add_argument("--video", type=Path, action="append", default=[], help="a video file, MP4, WebM or MOV (repeatable)")
     ask.add_argument("--json", action="store_true", help="print only the final event, as one JSON object")
     ask.add_argument("--speak", action="store_true", help="a spoken reply too (loads the Talker: --speech true)")
     ask.add_argument("--wav", type=Path, default=None, help="write the spoken reply to this WAV file (implies --speak)")
@@ -65,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _ask(session: Session, args: argparse.Namespace) -> int:
     # The voice is the `voice` setting, so `--voice NAME` picks it like any other setting.
-    reply = session.send(args.question, images=args.image, audio=args.audio, seed=args.seed, speak=args.speak)
+    reply = session.send(args.question, images=args.image, audio=args.audio, videos=args.video, seed=args.seed,
+                         speak=args.speak)
     final = _stream(reply, show_text=not args.json)
     if args.wav is not None:
         _write_wav(args.wav, reply)
@@ -82,26 +84,28 @@ def _write_wav(path: Path, reply: Reply) -> None:
 
 
 def _chat(session: Session, args: argparse.Namespace) -> int:
-    print("Type a message; '/image PATH' or '/audio PATH' attaches a file to the next one; Ctrl-D quits.")
-    images: list[Path] = []
-    audio: list[Path] = []
+    print("Type a message; '/image PATH', '/audio PATH' or '/video PATH' attaches a file to the next one; "
+          "Ctrl-D quits.")
+    attached: dict[str, list[Path]] = {"images": [], "audio": [], "videos": []}
+    commands = {"/image ": "images", "/audio ": "audio", "/video ": "videos"}
     while True:
         try:
             line = input("> ").strip()
         except EOFError:
             print()
             return 0
-        if line.startswith(("/image ", "/audio ")):
-            (images if line.startswith("/image") else audio).append(Path(line.split(" ", 1)[1].strip()))
+        command = next((c for c in commands if line.startswith(c)), None)
+        if command is not None:
+            attached[commands[command]].append(Path(line[len(command):].strip()))
             continue
-        if not line and not images and not audio:
+        if not line and not any(attached.values()):
             continue
         try:
-            reply = session.send(line, images=images, audio=audio, seed=args.seed)
+            reply = session.send(line, **attached, seed=args.seed)
             _stream(reply, show_text=True)
         except OmniLocalError as error:
             print(f"error: {error}", file=sys.stderr)  # the conversation goes on
-        images, audio = [], []
+        attached = {kind: [] for kind in attached}
 
 
 def _stream(reply: Reply, show_text: bool) -> Finished:

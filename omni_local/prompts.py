@@ -18,9 +18,10 @@ from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import _get_fe
 
 from omni_local.cache.digests import media_digest, token_keys
 from omni_local.errors import RequestError
+from omni_local.media.video import Video
 
 Role = Literal["system", "user", "assistant"]
-Part = str | Image.Image | np.ndarray  # text, an RGB image, or 16 kHz mono float32 samples
+Part = str | Image.Image | np.ndarray | Video  # text, an RGB image, 16 kHz mono float32 samples, a video
 
 
 
@@ -42,21 +43,35 @@ class Message:
     def audios(self) -> list[np.ndarray]:
         return [p for p in self.parts if isinstance(p, np.ndarray)]
 
+    def videos(self) -> list[Video]:
+        return [p for p in self.parts if isinstance(p, Video)]
+
 
 @dataclass(frozen=True)
 class MediaItem:
-    """One image or clip of a prompt and the run of placeholder tokens that stands for it."""
+    """One image, clip or video of a prompt and the run of placeholder tokens that stands for it (a
+    video's frame and sound tokens interleaved by time, one run)."""
 
-    part: Image.Image | np.ndarray
+    part: Image.Image | np.ndarray | Video
     digest: bytes  # of the decoded content: the cache's key for it
     start: int  # index of its first placeholder token
     length: int  # placeholder tokens
-    grid: tuple[int, int, int] | None = None  # images: (t, h, w) in patches
-    frames: int | None = None  # audio: mel frames
+    grid: tuple[int, int, int] | None = None  # images and videos: (t, h, w) in patches
+    frames: int | None = None  # audio, and a video's sound track: mel frames
+    seconds_per_grid: float | None = None  # videos: seconds per temporal patch
+    track_tokens: int = 0  # videos: the sound track's tokens among `length`
 
     @property
     def is_image(self) -> bool:
-        return self.grid is not None
+        return self.grid is not None and not self.is_video
+
+    @property
+    def is_video(self) -> bool:
+        return self.seconds_per_grid is not None
+
+    @property
+    def has_audio(self) -> bool:
+        return self.frames is not None
 
     @property
     def end(self) -> int:
@@ -81,13 +96,30 @@ class Prompt:
         return torch.tensor(grids, dtype=torch.long) if grids else None
 
     @property
+    def video_grid_thw(self) -> torch.Tensor | None:
+        grids = [m.grid for m in self.media if m.is_video]
+        return torch.tensor(grids, dtype=torch.long) if grids else None
+
+    @property
+    def video_second_per_grid(self) -> torch.Tensor | None:
+        seconds = [m.seconds_per_grid for m in self.media if m.is_video]
+        return torch.tensor(seconds) if seconds else None
+
+    @property
     def audio_feature_lengths(self) -> torch.Tensor | None:
-        frames = [m.frames for m in self.media if not m.is_image]
+        """Mel frames of every sound, clips and videos' tracks, in prompt order."""
+        frames = [m.frames for m in self.media if m.has_audio]
         return torch.tensor(frames, dtype=torch.long) if frames else None
+
+    @property
+    def use_audio_in_video(self) -> bool:
+        return any(m.is_video and m.has_audio for m in self.media)
 
     def model_inputs(self, processor: Any) -> dict[str, torch.Tensor]:
         """Every input transformers' own Thinker takes, all media preprocessed (the parity reference)."""
         inputs = {"input_ids": self.input_ids, "attention_mask": torch.ones_like(self.input_ids)}
+        if self.video_grid_thw is not None:
+            inputs |= {"video_second_per_grid": self.video_second_per_grid, "use_audio_in_video": self.use_audio_in_video}
         return {**inputs, **preprocess(self.media, processor)}
 
 
@@ -97,7 +129,8 @@ def build_prompt(messages: list[Message], processor: Any) -> Prompt:
     parts = [p for m in messages for p in m.parts if not isinstance(p, str)]
     tokenizer = processor.tokenizer
     pad_ids = {tokenizer.convert_tokens_to_ids(processor.image_token): "image",
-               tokenizer.convert_tokens_to_ids(processor.audio_token): "audio"}
+               tokenizer.convert_tokens_to_ids(processor.audio_token): "audio",
+               tokenizer.convert_tokens_to_ids(processor.video_token): "video"}
     ids: list[int] = []
     media: list[MediaItem] = []
     for token in pieces:
@@ -106,12 +139,13 @@ def build_prompt(messages: list[Message], processor: Any) -> Prompt:
             ids.append(token)
             continue
         if len(media) == len(parts):
-            raise RequestError("the conversation's text holds a media placeholder with no image or audio behind it")
-        item = _media_item(parts[len(media)], kind, len(ids), processor)
+            raise RequestError("the conversation's text holds a media placeholder with no image, audio or video "
+                               "behind it")
+        before, item, placeholders, after = _media_item(parts[len(media)], kind, len(ids), processor)
         media.append(item)
-        ids += [token] * item.length
+        ids += before + placeholders + after
     if len(media) != len(parts):
-        raise RequestError("the chat template left out an image or audio part of the conversation")
+        raise RequestError("the chat template left out an image, audio or video part of the conversation")
     input_ids = torch.tensor([ids], dtype=torch.long)
     return Prompt(input_ids, media, token_keys(input_ids[0].numpy(), [(m.start, m.length, m.digest) for m in media]))
 
@@ -145,24 +179,85 @@ def _template_content(message: Message) -> list[dict[str, Any]]:
         if isinstance(part, str):
             blocks.append({"type": "text", "text": part})
         else:
-            blocks.append({"type": "image" if isinstance(part, Image.Image) else "audio"})
+            blocks.append({"type": _kind(part)})
     return blocks
 
 
-def _media_item(part: Part, kind: str, start: int, processor: Any) -> MediaItem:
+def _kind(part: Part) -> str:
+    return "image" if isinstance(part, Image.Image) else "video" if isinstance(part, Video) else "audio"
+
+
+def _media_item(part: Part, kind: str, start: int, processor: Any) -> tuple[list[int], MediaItem, list[int], list[int]]:
+    """The item for the placeholder at `start`, and the tokens that replace it: markup before, the
+    placeholders (the item's run), markup after."""
+    if _kind(part) != kind:
+        named = {"image": "an image", "audio": "audio", "video": "a video"}
+        raise RequestError(f"the chat template put {named[kind]} where the conversation has {named[_kind(part)]}")
+    tokenizer = processor.tokenizer
+    pad = tokenizer.convert_tokens_to_ids(getattr(processor, f"{kind}_token"))
     if kind == "image":
-        if not isinstance(part, Image.Image):
-            raise RequestError("the chat template put an image where the conversation has audio")
         grid = image_grid(part, processor.image_processor)
         merge = processor.image_processor.merge_size
-        return MediaItem(part, media_digest(part), start, grid[0] * grid[1] * grid[2] // merge**2, grid=grid)
-    if not isinstance(part, np.ndarray):
-        raise RequestError("the chat template put audio where the conversation has an image")
-    if len(part) <= processor.feature_extractor.n_fft // 2:  # the mel window's padding needs more
-        raise RequestError(f"an audio clip of {len(part)} samples is too short (under 13 ms)")
-    frames = len(part) // processor.feature_extractor.hop_length
-    length = int(_get_feat_extract_output_lengths(frames, processor.n_window))
-    return MediaItem(part, media_digest(part), start, length, frames=frames)
+        item = MediaItem(part, media_digest(part), start, grid[0] * grid[1] * grid[2] // merge**2, grid=grid)
+        return [], item, [pad] * item.length, []
+    if kind == "audio":
+        frames = _mel_frames(part, processor)
+        length = int(_get_feat_extract_output_lengths(frames, processor.n_window))
+        item = MediaItem(part, media_digest(part), start, length, frames=frames)
+        return [], item, [pad] * length, []
+    return _video_item(part, start, processor)
+
+
+def _mel_frames(samples: np.ndarray, processor: Any) -> int:
+    if len(samples) <= processor.feature_extractor.n_fft // 2:  # the mel window's padding needs more
+        raise RequestError(f"an audio clip of {len(samples)} samples is too short (under 13 ms)")
+    return len(samples) // processor.feature_extractor.hop_length
+
+
+def _video_item(video: Video, start: int, processor: Any) -> tuple[list[int], MediaItem, list[int], list[int]]:
+    """A video's frame tokens and, with its sound track, the track's tokens interleaved by time
+    between <|audio_start|> and <|audio_end|>, as Qwen3-Omni's processor lays them out."""
+    tokenizer = processor.tokenizer
+    video_pad = tokenizer.convert_tokens_to_ids(processor.video_token)
+    grid = video_grid(video, processor.video_processor)
+    merge = processor.video_processor.merge_size
+    per_frame = grid[1] * grid[2] // merge**2
+    seconds_per_grid = processor.video_processor.temporal_patch_size / video.fps
+    if video.audio is None:
+        item = MediaItem(video, media_digest(video), start, grid[0] * per_frame, grid=grid,
+                         seconds_per_grid=seconds_per_grid)
+        return [], item, [video_pad] * item.length, []
+    audio_pad = tokenizer.convert_tokens_to_ids(processor.audio_token)
+    frames = _mel_frames(video.audio, processor)
+    sounds = int(_get_feat_extract_output_lengths(frames, processor.n_window))
+    # Both kinds are placed by time in position ids (a frame group at its start, a sound token at its
+    # index), a frame token first where they tie.
+    times = np.concatenate([np.repeat(np.arange(grid[0]) * seconds_per_grid * processor.position_id_per_seconds,
+                                      per_frame), np.arange(sounds)])
+    is_sound = np.concatenate([np.zeros(grid[0] * per_frame), np.ones(sounds)])
+    placeholders = np.where(is_sound[np.lexsort((is_sound, times))] == 1, audio_pad, video_pad).tolist()
+    item = MediaItem(video, media_digest(video), start + 1, len(placeholders), grid=grid, frames=frames,
+                     seconds_per_grid=seconds_per_grid, track_tokens=sounds)
+    opening = tokenizer.convert_tokens_to_ids(processor.audio_bos_token)
+    closing = tokenizer.convert_tokens_to_ids(processor.audio_eos_token)
+    return [opening], item, placeholders, [closing]
+
+
+def video_grid(video: Video, video_processor: Any) -> tuple[int, int, int]:
+    """(t, h, w) in patches after the video processor's resize, computed from the frames' shape
+    alone (its `resize`, with the per-frame pixel cap where the processor applies it)."""
+    vp = video_processor
+    factor = vp.patch_size * vp.merge_size
+    count, height, width = video.frames.shape[:3]
+    max_pixels = vp.size.longest_edge
+    if getattr(vp, "cap_pixels_per_frame", False):
+        total = int(vp.max_video_tokens * factor * factor * 0.9)
+        max_pixels = max(min(max_pixels, total * vp.temporal_patch_size // count), int(vp.size.shortest_edge * 1.05))
+    try:
+        height, width = smart_resize(height, width, factor, min_pixels=vp.size.shortest_edge, max_pixels=max_pixels)
+    except ValueError as error:
+        raise RequestError(f"this video cannot be prepared for the model: {error}") from None
+    return (count // vp.temporal_patch_size, height // vp.patch_size, width // vp.patch_size)
 
 
 def image_grid(image: Image.Image, image_processor: Any) -> tuple[int, int, int]:
@@ -179,10 +274,19 @@ def image_grid(image: Image.Image, image_processor: Any) -> tuple[int, int, int]
 
 
 def preprocess(media: list[MediaItem], processor: Any) -> dict[str, torch.Tensor]:
-    """Pixels for the images and mel features for the clips among `media`, in order."""
+    """Pixels for the images and videos and mel features for the sounds (clips and videos' tracks)
+    among `media`, each kind in order."""
     images = [m.part for m in media if m.is_image]
-    clips = [m.part for m in media if not m.is_image]
-    return {**(image_inputs(images, processor) if images else {}), **(audio_inputs(clips, processor) if clips else {})}
+    videos = [m.part for m in media if m.is_video]
+    sounds = [m.part.audio if m.is_video else m.part for m in media if m.has_audio]
+    return {**(image_inputs(images, processor) if images else {}), **(video_inputs(videos, processor) if videos else {}),
+            **(audio_inputs(sounds, processor) if sounds else {})}
+
+
+def video_inputs(videos: list[Video], processor: Any) -> dict[str, torch.Tensor]:
+    """`pixel_values_videos` and `video_grid_thw` as the video processor makes them from the frames."""
+    encoded = processor.video_processor(videos=[v.frames for v in videos], do_sample_frames=False, return_tensors="pt")
+    return {"pixel_values_videos": encoded["pixel_values_videos"], "video_grid_thw": encoded["video_grid_thw"]}
 
 
 def image_inputs(images: list[Image.Image], processor: Any) -> dict[str, torch.Tensor]:

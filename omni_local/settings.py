@@ -43,6 +43,13 @@ class Settings:
         default=False,
         metadata={"table": "engine", "help": "compile the vision and audio encoders at start-up (one graph for every size)"},
     )
+    video_fps: float = field(
+        default=2.0,
+        metadata={"table": "engine", "help": "video frames read per second (Qwen's default; the checkpoint's own if it sets one)"},
+    )
+    use_audio_in_video: bool = field(
+        default=True, metadata={"table": "engine", "help": "the model also hears a video's sound track"}
+    )
     max_new_tokens: int = field(default=512, metadata={"table": "engine", "help": "default reply length limit"})
     temperature: float = field(default=0.0, metadata={"table": "engine", "help": "default; 0 is greedy"})
     top_p: float = field(default=1.0, metadata={"table": "engine", "help": "default nucleus sampling mass"})
@@ -101,6 +108,9 @@ class Settings:
     max_audio_seconds: float = field(
         default=300.0, metadata={"table": "limits", "help": "longest audio clip accepted"}
     )
+    max_video_seconds: float = field(
+        default=120.0, metadata={"table": "limits", "help": "longest video clip accepted"}
+    )
     max_prompt_tokens: int = field(
         default=6144, metadata={"table": "limits", "help": "longest prompt, media tokens included"}
     )
@@ -110,7 +120,7 @@ class Settings:
             _check_type(f.name, getattr(self, f.name), f.type)
         positive = ("gpu_cache_bytes", "encoder_cache_bytes", "disk_cache_bytes", "max_context_tokens", "max_new_tokens", "max_upload_bytes", "max_image_pixels",
                     "max_prompt_tokens", "ui_port", "max_audio_seconds", "first_audio_frames", "audio_chunk_frames",
-                    "audio_left_context_frames", "max_speech_seconds")
+                    "audio_left_context_frames", "max_speech_seconds", "video_fps", "max_video_seconds")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise SettingsError(f"setting '{name}' must be positive, got {getattr(self, name)!r}")

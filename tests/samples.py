@@ -1,5 +1,8 @@
-"""Deterministic media for the tests: noise pictures and noise clips, one per seed."""
+"""Deterministic media for the tests: noise pictures, clips and videos, one per seed."""
 
+import io
+
+import av
 import numpy as np
 from PIL import Image
 
@@ -12,3 +15,27 @@ def picture(seed: int, size: tuple[int, int] = (160, 120)) -> Image.Image:
 def clip(seed: int, seconds: float = 1.5) -> np.ndarray:
     """`seconds` of 16 kHz mono noise, float32."""
     return (np.random.default_rng(seed).standard_normal(int(16_000 * seconds)) * 0.1).astype(np.float32)
+
+
+def video_file(seed: int, seconds: float = 2.0, size: tuple[int, int] = (96, 64), sound: bool = True,
+               container: str = "mp4") -> bytes:
+    """A clip of noise frames at 10 fps (and a noise sound track), encoded in `container` (mp4,
+    mov or webm) with codecs PyAV's own FFmpeg has."""
+    codecs = {"mp4": ("mpeg4", "aac"), "mov": ("mpeg4", "aac"), "webm": ("libvpx", "libopus")}[container]
+    rng = np.random.default_rng(seed)
+    out = io.BytesIO()
+    with av.open(out, "w", format=container) as file:
+        video = file.add_stream(codecs[0], rate=10)
+        video.width, video.height, video.pix_fmt = size[0], size[1], "yuv420p"
+        audio = file.add_stream(codecs[1], rate=48_000) if sound else None
+        for _ in range(round(seconds * 10)):
+            frame = av.VideoFrame.from_ndarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8), format="rgb24")
+            file.mux(video.encode(frame))
+        file.mux(video.encode())
+        if audio is not None:
+            samples = (rng.standard_normal((1, round(seconds * 48_000))) * 0.1).astype(np.float32)
+            frame = av.AudioFrame.from_ndarray(samples, format="flt", layout="mono")
+            frame.sample_rate = 48_000
+            file.mux(audio.encode(frame))
+            file.mux(audio.encode())
+    return out.getvalue()

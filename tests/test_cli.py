@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import soundfile
 
+from samples import video_file
 from bad_files import MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS, good_image, write_bad_files
 from omni_local.cli import main
 
@@ -106,3 +107,11 @@ def test_app_py_refuses_an_unknown_settings_key_with_one_line_and_status_2(tmp_p
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
     assert done.stderr.strip() == f"error: {settings_file}: unknown setting 'ui.ui_colour'"
+
+
+def test_ask_answers_about_a_video(flags, tmp_path, capsys):
+    path = tmp_path / "clip.webm"
+    path.write_bytes(video_file(1, container="webm"))
+    status = main(["ask", "What happens here?", "--video", str(path), "--max-new-tokens", "4", *flags])
+    assert status == 0
+    assert "prompt tokens" in capsys.readouterr().out

@@ -92,13 +92,16 @@ def test_eager_audio_is_bit_identical_to_transformers(eager, thinker_model, proc
 def test_compiled_images_match_eager_and_no_size_recompiles(compiled, eager, processor):
     before = compiled_graphs()
     for sizes in IMAGE_BATCHES:
-        pixels, grid = image_inputs(processor, *sizes)
-        merged, deepstack = compiled.images(pixels, grid)
-        expected_merged, expected_deepstack = eager.images(pixels, grid)
-        torch.testing.assert_close(merged, expected_merged, **TOLERANCE)
-        for ours, expected in zip(deepstack, expected_deepstack, strict=True):
-            torch.testing.assert_close(ours, expected, **TOLERANCE)
+        assert_vision_matches(compiled, eager, *image_inputs(processor, *sizes))
     assert compiled_graphs() == before
+
+
+def assert_vision_matches(compiled: Encoders, eager: Encoders, pixels: torch.Tensor, grid: torch.Tensor) -> None:
+    merged, deepstack = compiled.images(pixels, grid)
+    expected_merged, expected_deepstack = eager.images(pixels, grid)
+    torch.testing.assert_close(merged, expected_merged, **TOLERANCE)
+    for ours, expected in zip(deepstack, expected_deepstack, strict=True):
+        torch.testing.assert_close(ours, expected, **TOLERANCE)
 
 
 def test_compiled_audio_matches_eager_and_no_length_recompiles(compiled, eager, processor):
@@ -119,3 +122,29 @@ def test_the_graph_count_sees_each_recompile_of_a_stack_without_dynamic_sizes(co
         for seconds in (1.0, 3.0, 3.0):
             audio_forward(thinker_model.audio_tower, *audio_inputs(processor, seconds), stack=static)
     assert compiled_graphs() - before == 2
+
+
+def video_inputs(processor, *seconds: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Frames at 2 a second (at least 4), as videos are read, through the video processor."""
+    rng = np.random.default_rng(len(seconds))
+    clips = [rng.integers(0, 256, (max(4, round(2 * s)), 96, 128, 3), dtype=np.uint8) for s in seconds]
+    encoded = processor.video_processor(videos=clips, do_sample_frames=False, return_tensors="pt")
+    return encoded["pixel_values_videos"], encoded["video_grid_thw"]
+
+
+def test_eager_videos_are_bit_identical_to_transformers(eager, thinker_model, processor):
+    pixels, grid = video_inputs(processor, 2.0)
+    merged, deepstack = eager.images(pixels, grid)
+    with torch.inference_mode():
+        expected = thinker_model.get_video_features(pixels, grid, return_dict=True)
+    assert torch.equal(merged, torch.cat(expected.pooler_output))
+    for ours, theirs in zip(deepstack, expected.deepstack_features, strict=True):
+        assert torch.equal(ours, torch.cat(theirs))  # each level: one tensor per video
+
+
+def test_compiled_videos_match_eager_and_no_frame_count_recompiles(compiled, eager, processor):
+    # Attention runs per frame (a segment each), so more frames are only more segments and tokens.
+    before = compiled_graphs()
+    for seconds in ([1.0], [2.0], [4.0], [1.0, 4.0]):
+        assert_vision_matches(compiled, eager, *video_inputs(processor, *seconds))
+    assert compiled_graphs() == before

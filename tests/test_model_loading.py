@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
+from omni_local.model.workarounds import ProcessorWithoutVideo, video_supported
 from omni_local.errors import CheckpointError, MediaError, SettingsError
 from omni_local.model import LoadedModel, load_model, thinker_eos_token_ids
 from omni_local.model import demo
@@ -171,14 +172,17 @@ def test_processor_turns_a_1024x768_image_into_at_most_768_tokens(demo_model: Lo
     assert int(inputs["image_grid_thw"].prod()) // 4 == int((inputs["input_ids"] == image_id).sum())
 
 
-def test_processor_without_torchvision_refuses_video(demo_model: LoadedModel) -> None:
-    from transformers.utils import is_torchvision_available
-
-    if is_torchvision_available():
-        pytest.skip("torchvision is installed: the real video processor is loaded")
+def test_the_processor_for_a_machine_without_torchvision_refuses_video_and_reads_the_rest(
+    demo_checkpoint: Path,
+) -> None:
+    # What `load_processor` loads where torchvision is missing (the GPU machine's image, say).
+    processor = ProcessorWithoutVideo.from_pretrained(demo_checkpoint)
+    assert not video_supported(processor)
     video = np.zeros((2, 32, 32, 3), dtype=np.uint8)
     with pytest.raises(MediaError, match="torchvision"):
-        demo_model.processor(text="<|vision_start|><|video_pad|><|vision_end|>", videos=[video])
+        processor(text="<|vision_start|><|video_pad|><|vision_end|>", videos=[video])
+    inputs = processor(text="<|vision_start|><|image_pad|><|vision_end|>", images=[_image()], return_tensors="pt")
+    assert inputs["image_grid_thw"].shape == (1, 3)
 
 
 # Loading

@@ -229,7 +229,7 @@ def test_the_same_image_gives_the_same_keys_in_two_prompts(processor):
 
 
 def test_a_placeholder_typed_in_the_text_with_no_image_is_a_request_error(processor):
-    with pytest.raises(RequestError, match="media placeholder with no image or audio"):
+    with pytest.raises(RequestError, match="media placeholder with no image, audio or video"):
         build_prompt([Message("user", ["What is <|image_pad|> here?"])], processor)
 
 

@@ -21,6 +21,7 @@ from gradio_client import Client, handle_file
 from PIL import Image
 
 from bad_files import MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS, write_bad_files
+from samples import video_file
 from omni_local.errors import MediaError
 from omni_local.media import MediaLimits, load_audio, load_image
 from omni_local.prompts import Message
@@ -103,6 +104,17 @@ def test_an_uploaded_image_reaches_the_model_and_gets_a_reply(ui_url, tmp_path):
     assert with_image.reply
     # The image's tokens are in the prompt, so it reached the model.
     assert with_image.prompt_tokens > text_only.prompt_tokens
+
+
+def test_an_uploaded_video_reaches_the_model_and_a_follow_up_computes_only_its_new_tokens(ui_url, tmp_path):
+    clip = tmp_path / "clip.mp4"
+    clip.write_bytes(video_file(3))
+    client = Client(ui_url, verbose=False)
+    first = _ask(client, "What happens in this video?", clip)
+    assert first.reply and first.prompt_tokens > 200  # frames and sound track
+    follow_up = _ask(client, "And then?")
+    cached = first.prompt_tokens + first.generated_tokens - (0 if first.stop_reason == "end_of_turn" else 1)
+    assert follow_up.computed_tokens == follow_up.prompt_tokens - cached
 
 
 def test_a_follow_up_question_carries_the_earlier_image_turn(ui_url, tmp_path):
@@ -247,9 +259,9 @@ class _Answer:
     stop_reason: str
 
 
-def _ask(client: Client, text: str, image: Path | None = None) -> _Answer:
+def _ask(client: Client, text: str, upload: Path | None = None) -> _Answer:
     """One turn in `client`'s chat; fails unless it got a reply and its metrics (no error)."""
-    files = [handle_file(str(image))] if image else []
+    files = [handle_file(str(upload))] if upload else []
     result = client.predict({"text": text, "files": files}, "", api_name="/chat")
     assert isinstance(result, list), f"expected a reply and its metrics, got {result!r}"
     reply, metrics = result

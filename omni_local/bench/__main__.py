@@ -29,6 +29,8 @@ from PIL import Image
 from omni_local.api import Finished, OmniLocal
 from omni_local.bench.common import bench_parser, elapsed_s, settings_and_model
 from omni_local.engine.vocoder import SAMPLE_RATE
+from omni_local.media.video import Video
+from omni_local.model.workarounds import video_supported
 from omni_local.prompts import Message, build_prompt
 
 SYSTEM = (
@@ -36,6 +38,7 @@ SYSTEM = (
     "the question in a few clear words without guessing."
 )
 QUESTION = "What is in this picture, and what colour is the house?"
+VIDEO_QUESTION = "What happens in this video, and what do you hear?"
 # Spoken rows ask something else, so they never reuse a text row's conversation.
 SPOKEN_QUESTION = "Tell me in two sentences what you can do for me today."
 
@@ -61,6 +64,18 @@ def scenarios() -> list[Scenario]:
         Scenario("image 480x640, first send", SYSTEM, [], Message("user", [image, QUESTION])),
         Scenario("same image 480x640, new question", SYSTEM, [], Message("user", [image, QUESTION]), warm_cache=True),
         Scenario("text chat turn 2", SYSTEM, [Message("user", ["Hello! Who are you?"])], ask),
+    ]
+
+
+def video_scenarios() -> list[Scenario]:
+    """A 10 s clip as it is read (2 frames a second, 360x640) with its sound track."""
+    rng = np.random.default_rng(1)
+    video = Video(rng.integers(0, 256, (20, 360, 640, 3), dtype=np.uint8), 2.0,
+                  (rng.standard_normal(160_000) * 0.1).astype(np.float32))
+    ask = Message("user", [video, VIDEO_QUESTION])
+    return [
+        Scenario("video 10 s, first send", SYSTEM, [], ask),
+        Scenario("same video 10 s, new question", SYSTEM, [], ask, warm_cache=True),
     ]
 
 
@@ -112,7 +127,8 @@ def transformers_run(app: OmniLocal, scenario: Scenario, run: int, new_tokens: i
     for turn in scenario.earlier:
         session.send(**_as_send(turn), max_new_tokens=new_tokens).result()
     prompt = build_prompt([*session.history, _question(scenario, run)], app.loaded.processor)
-    inputs = {k: v.to(app.loaded.device) for k, v in prompt.model_inputs(app.loaded.processor).items()}
+    inputs = {k: v.to(app.loaded.device) if isinstance(v, torch.Tensor) else v
+              for k, v in prompt.model_inputs(app.loaded.processor).items()}
     if scenario.speak:
         return _transformers_speech(app, inputs, prompt.num_tokens, new_tokens)
     thinker = app.loaded.model.thinker
@@ -147,7 +163,7 @@ def _transformers_speech(app: OmniLocal, inputs: dict, prompt_tokens: int, new_t
 
 
 def _as_send(message: Message) -> dict:
-    return {"text": message.text, "images": message.images(), "audio": message.audios()}
+    return {"text": message.text, "images": message.images(), "audio": message.audios(), "videos": message.videos()}
 
 
 def main() -> None:
@@ -163,7 +179,8 @@ def main() -> None:
     with OmniLocal(settings, loaded=loaded) as cached, OmniLocal(every_cache_off, loaded) as cold:
         systems = (("omni_local, cache on", cached, engine_run), ("omni_local, cache off", cold, engine_run),
                    ("transformers", cold, transformers_run))
-        chosen = scenarios() + (spoken_scenarios() if cached.engine.speaker else [])
+        chosen = (scenarios() + (video_scenarios() if video_supported(cached.loaded.processor) else [])
+                  + (spoken_scenarios() if cached.engine.speaker else []))
         for scenario in [s for s in chosen if not args.only or any(text in s.name for text in args.only)]:
             for system, app, run in systems:
                 if "first send" in scenario.name and system.endswith("cache on"):
@@ -192,8 +209,8 @@ def _environment(app: OmniLocal, args: argparse.Namespace) -> dict[str, str]:
 
 def _table(rows: list[dict], environment: dict[str, str]) -> str:
     lines = [", ".join(f"{k}: {v}" for k, v in environment.items()), ""]
-    lines += ["| scenario | prompt tokens | system | computed | TTFT (ms) | ITL (ms) | first audio (ms) | RTF |"
-              " audio (s) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [("| scenario | prompt tokens | system | computed | TTFT (ms) | ITL (ms) | first audio (ms) | RTF |"
+               " audio (s) |"), "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         speech = (f"{r['first_audio_ms']:.1f} | {r['rtf']:.2f} | {r['audio_s']:.2f}" if "rtf" in r else "– | – | –")
         lines.append(f"| {r['scenario']} | {r['prompt']:.0f} | {r['system']} | {r['computed']:.0f} | "

@@ -48,12 +48,15 @@ def mrope_positions(owner: torch.nn.Module, prompt: Prompt, device: torch.device
     """3D positions [3, 1, L] of the prompt's tokens by `owner.get_rope_index` (the Thinker's or the
     Talker's), and the delta that places later tokens: token t after the prompt is at t + delta."""
     ids = prompt.input_ids.to(device)
-    grids, audio = prompt.image_grid_thw, prompt.audio_feature_lengths
+    images, videos, audio = prompt.image_grid_thw, prompt.video_grid_thw, prompt.audio_feature_lengths
     positions, deltas = owner.get_rope_index(
         ids,
-        image_grid_thw=grids.to(device) if grids is not None else None,
+        image_grid_thw=images.to(device) if images is not None else None,
+        video_grid_thw=videos.to(device) if videos is not None else None,
         attention_mask=torch.ones_like(ids),
+        use_audio_in_video=prompt.use_audio_in_video,
         audio_seqlens=audio.to(device) if audio is not None else None,
+        second_per_grids=prompt.video_second_per_grid,
     )
     return positions, int(deltas.reshape(-1)[0])
 

@@ -2,7 +2,8 @@
 encoded (all misses in one batch per kind), then remembered.
 
 An image's output is its merged tokens ("embeds", [tokens, hidden]), one tensor per DeepStack level
-("deepstack.0", ...) and its patch grid ("grid", [3]); a clip's is its tokens ("embeds"). Only misses
+("deepstack.0", ...) and its patch grid ("grid", [3]); a clip's is its tokens ("embeds"); a video's
+is an image's for all its frames plus its sound track's tokens ("audio"). Only misses
 are preprocessed: a hit resizes nothing, extracts no features and moves no pixels to the device. A
 hit is checked against what the prompt expects (the grid, the token count) before it is used.
 """
@@ -39,35 +40,61 @@ class MediaEncoder:
 
     def _encode(self, media: list[MediaItem]) -> list[EncoderOutput]:
         inputs = preprocess(media, self.processor)
-        images = iter(self._images(inputs, [m.length for m in media if m.is_image]) if "pixel_values" in inputs
-                      else [])
-        clips = iter(self._clips(inputs, [m.length for m in media if not m.is_image]) if "input_features" in inputs
-                     else [])
-        return [next(images) if m.is_image else next(clips) for m in media]
+        images = iter(self._frames(inputs["pixel_values"], inputs["image_grid_thw"], [m for m in media if m.is_image])
+                      if "pixel_values" in inputs else [])
+        videos = iter(self._frames(inputs["pixel_values_videos"], inputs["video_grid_thw"],
+                                   [m for m in media if m.is_video]) if "pixel_values_videos" in inputs else [])
+        sounds = iter(self._sounds(inputs, [sound_tokens(m) for m in media if m.has_audio])
+                      if "input_features" in inputs else [])
+        outputs = []
+        for m in media:
+            if m.is_image:
+                outputs.append(next(images))
+            elif m.is_video:
+                outputs.append({**next(videos), **({"audio": next(sounds)} if m.has_audio else {})})
+            else:
+                outputs.append({"embeds": next(sounds)})
+        return outputs
 
-    def _images(self, inputs: dict[str, torch.Tensor], lengths: list[int]) -> list[EncoderOutput]:
-        grids = inputs["image_grid_thw"]
-        merged, deepstack = self.encoders.images(inputs["pixel_values"].to(self.device), grids.to(self.device))
-        per_image = zip(grids, torch.split(merged, lengths), *(torch.split(level, lengths) for level in deepstack))
+    def _frames(self, pixels: torch.Tensor, grids: torch.Tensor, media: list[MediaItem]) -> list[EncoderOutput]:
+        """Images' or videos' merged tokens and DeepStack levels (the same vision encoder, which
+        attends within each frame)."""
+        lengths = [visual_tokens(m) for m in media]
+        merged, deepstack = self.encoders.images(pixels.to(self.device), grids.to(self.device))
+        per_item = zip(grids, torch.split(merged, lengths), *(torch.split(level, lengths) for level in deepstack))
         return [{"embeds": tokens, "grid": grid, **{f"deepstack.{i}": level for i, level in enumerate(levels)}}
-                for grid, tokens, *levels in per_image]
+                for grid, tokens, *levels in per_item]
 
-    def _clips(self, inputs: dict[str, torch.Tensor], lengths: list[int]) -> list[EncoderOutput]:
+    def _sounds(self, inputs: dict[str, torch.Tensor], lengths: list[int]) -> list[torch.Tensor]:
         features = inputs["input_features"].to(self.device, self.dtype)
         tokens = self.encoders.audio(features, inputs["feature_attention_mask"].to(self.device))
-        return [{"embeds": clip} for clip in torch.split(tokens, lengths)]
+        return list(torch.split(tokens, lengths))
+
+
+def visual_tokens(item: MediaItem) -> int:
+    """Frame tokens of an image or video (a video's run also holds its sound track's)."""
+    return item.length - item.track_tokens
+
+
+def sound_tokens(item: MediaItem) -> int:
+    return item.track_tokens if item.is_video else item.length
 
 
 def _fitting(output: EncoderOutput | None, item: MediaItem) -> EncoderOutput | None:
     """`output` if it has the shape the prompt expects of `item`, else None (then it is encoded again)."""
-    if output is None or output["embeds"].shape[0] != item.length:
+    if output is None:
         return None
-    if item.is_image and ("grid" not in output or tuple(output["grid"].tolist()) != item.grid):
+    if item.is_image or item.is_video:
+        if output["embeds"].shape[0] != visual_tokens(item) or tuple(output.get("grid", torch.zeros(0)).tolist()) != item.grid:
+            return None
+    elif output["embeds"].shape[0] != item.length:
+        return None
+    if item.is_video and item.has_audio and ("audio" not in output or output["audio"].shape[0] != sound_tokens(item)):
         return None
     return output
 
 
 def deepstack_levels(outputs: list[EncoderOutput]) -> list[torch.Tensor]:
-    """The images' DeepStack features, concatenated per level in image order."""
+    """The images' and videos' DeepStack features, concatenated per level in prompt order."""
     levels = sorted((k for k in outputs[0] if k.startswith("deepstack.")), key=lambda k: int(k.split(".")[1]))
     return [torch.cat([output[level] for output in outputs]) for level in levels]

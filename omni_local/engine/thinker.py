@@ -93,15 +93,18 @@ class ThinkerRunner:
         media = [m for m in prompt.media if m.start >= start]
         outputs = self.encoder.encode(media, remember)
         config = self.model.config
-        clips = [o["embeds"] for m, o in zip(media, outputs) if not m.is_image]
-        if clips:
-            embeds = _scatter(embeds, tail == config.audio_token_id, torch.cat(clips))
-        images = [o for m, o in zip(media, outputs) if m.is_image]
+        # Each kind's rows go to its placeholders in prompt order: a video's sound track among the
+        # clips, its frames among the images (one visual mask, as transformers' DeepStack takes it).
+        sounds = [o["audio"] if m.is_video else o["embeds"] for m, o in zip(media, outputs) if m.has_audio]
+        if sounds:
+            embeds = _scatter(embeds, tail == config.audio_token_id, torch.cat(sounds))
+        visuals = [o for m, o in zip(media, outputs) if m.is_image or m.is_video]
         visual_mask, deepstack = None, None
-        if images:
-            visual_mask = tail == config.image_token_id
-            embeds = _scatter(embeds, visual_mask, torch.cat([o["embeds"] for o in images]))
-            deepstack = [level.to(embeds.dtype) for level in deepstack_levels(images)]
+        if visuals:
+            visual_ids = torch.tensor([config.image_token_id, config.video_token_id], device=tail.device)
+            visual_mask = torch.isin(tail, visual_ids)
+            embeds = _scatter(embeds, visual_mask, torch.cat([o["embeds"] for o in visuals]))
+            deepstack = [level.to(embeds.dtype) for level in deepstack_levels(visuals)]
         return PreparedPrompt(start, embeds, positions[:, :, start:], rope_delta, visual_mask, deepstack, tail)
 
     @torch.inference_mode()

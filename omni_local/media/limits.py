@@ -11,6 +11,7 @@ class MediaLimits:
     max_upload_bytes: int
     max_image_pixels: int
     max_audio_seconds: float
+    max_video_seconds: float = 120.0
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "MediaLimits":
@@ -18,6 +19,7 @@ class MediaLimits:
             max_upload_bytes=settings.max_upload_bytes,
             max_image_pixels=settings.max_image_pixels,
             max_audio_seconds=settings.max_audio_seconds,
+            max_video_seconds=settings.max_video_seconds,
         )
 
 

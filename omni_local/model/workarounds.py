@@ -30,7 +30,12 @@ def load_processor(path: Path) -> Qwen3OmniMoeProcessor:
     # exactly as with the real one (same components, same files); a video input is refused.
     if is_torchvision_available():
         return Qwen3OmniMoeProcessor.from_pretrained(path)
-    return _ProcessorWithoutVideo.from_pretrained(path)
+    return ProcessorWithoutVideo.from_pretrained(path)
+
+
+def video_supported(processor: Qwen3OmniMoeProcessor) -> bool:
+    """Whether `processor` has a real video processor (torchvision is installed)."""
+    return not isinstance(processor.video_processor, _NoVideoProcessor)
 
 
 def apply_workarounds(model: Qwen3OmniMoeForConditionalGeneration, end_of_turn_ids: list[int], pad_id: int) -> None:
@@ -99,7 +104,7 @@ class _NoVideoProcessor(VideoProcessorMixin):
         raise MediaError("video input needs torchvision, which is not installed here")
 
 
-class _ProcessorWithoutVideo(Qwen3OmniMoeProcessor):
+class ProcessorWithoutVideo(Qwen3OmniMoeProcessor):
     """Qwen3-Omni's processor with `_NoVideoProcessor` in the video slot (see `load_processor`)."""
 
     def check_argument_for_proper_class(self, argument_name: str, argument: object) -> type:

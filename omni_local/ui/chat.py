@@ -26,6 +26,7 @@ from omni_local.prompts import Message, Part
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif"}
 AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".mp3"}
+VIDEO_SUFFIXES = {".mp4", ".webm", ".mov"}
 ERROR_TITLE = "Error"
 
 
@@ -63,10 +64,10 @@ def build_ui(app: OmniLocal) -> gr.Blocks:
             reply.cancel()  # the stop button closes this generator: stop the engine's work too
 
     textbox = gr.MultimodalTextbox(
-        file_types=sorted(IMAGE_SUFFIXES | AUDIO_SUFFIXES),
+        file_types=sorted(IMAGE_SUFFIXES | AUDIO_SUFFIXES | VIDEO_SUFFIXES),
         file_count="multiple",
         sources=["upload", "microphone"],
-        placeholder="Ask something, or drop an image or audio file here",
+        placeholder="Ask something, or drop an image, audio or video file here",
     )
     return gr.ChatInterface(
         respond,
@@ -136,7 +137,7 @@ def _file_path(block: Any) -> str | None:
 
 
 def _media(files: list[Any]) -> dict[str, list[Path]]:
-    media: dict[str, list[Path]] = {"images": [], "audio": []}
+    media: dict[str, list[Path]] = {"images": [], "audio": [], "videos": []}
     for item in files:
         path = Path(item if isinstance(item, str) else item["path"])
         media[_kind(path)].append(path)
@@ -151,8 +152,10 @@ def _remembered(path: str, app: OmniLocal, memory: ChatMemory) -> Part:
 
 
 def _load(path: str, app: OmniLocal) -> Part:
-    loader = load_image if _kind(Path(path)) == "images" else load_audio
-    return loader(path, app.limits)
+    kind = _kind(Path(path))
+    if kind == "videos":
+        return app.read_video(path)
+    return (load_image if kind == "images" else load_audio)(path, app.limits)
 
 
 def _kind(path: Path) -> str:
@@ -161,7 +164,9 @@ def _kind(path: Path) -> str:
         return "images"
     if suffix in AUDIO_SUFFIXES:
         return "audio"
-    raise RequestError(f"{path.name}: unsupported file type (images or audio files expected)")
+    if suffix in VIDEO_SUFFIXES:
+        return "videos"
+    raise RequestError(f"{path.name}: unsupported file type (image, audio or video files expected)")
 
 
 def _error_message(text: str) -> gr.ChatMessage:

@@ -1,0 +1,126 @@
+"""Decoding an uploaded video (MP4, WebM, MOV) into sampled RGB frames and its 16 kHz mono audio track.
+
+PyAV (FFmpeg's libraries, bundled in its wheel) decodes the container. Frames are sampled
+uniformly at `fps` frames per second, as transformers' Qwen2-VL video processor samples them:
+at least `min_frames`, at most `max_frames`, an even count (two frames make one temporal patch).
+Resizing to the model's pixel budget is the video processor's work, later.
+"""
+
+import io
+from dataclasses import dataclass
+from pathlib import Path
+
+import av
+import numpy as np
+
+from omni_local.errors import MediaError
+from omni_local.media.audio import SAMPLE_RATE
+from omni_local.media.limits import MediaLimits, tenths
+from omni_local.media.upload import read_upload
+
+ACCEPTED_FORMATS = ("mp4", "mov", "matroska", "webm")  # FFmpeg's demuxer names (MP4 and MOV share one)
+_EXPECTED = "MP4, WebM or MOV expected"
+TEMPORAL_PATCH = 2  # frames per temporal patch of Qwen3-Omni's vision encoder
+
+
+@dataclass(frozen=True)
+class Video:
+    frames: np.ndarray  # [T, H, W, 3] uint8 RGB, T even
+    fps: float  # frames per second of `frames`
+    audio: np.ndarray | None  # the sound track: 16 kHz mono float32, or None for a silent clip
+
+    @property
+    def seconds(self) -> float:
+        return len(self.frames) / self.fps
+
+
+def load_video(
+    source: str | Path | bytes, limits: MediaLimits, fps: float, min_frames: int = 4, max_frames: int = 768,
+    name: str | None = None,
+) -> Video:
+    """The clip's frames sampled at `fps` and its audio track; `MediaError` for anything unreadable,
+    a file with no video stream, or a clip over the limits."""
+    upload = read_upload(source, limits, name)
+    try:
+        container = av.open(io.BytesIO(upload.data))
+    except av.FFmpegError:
+        raise MediaError(f"{upload.name}: not a readable video file ({_EXPECTED}; or truncated)") from None
+    with container:
+        if not set(container.format.name.split(",")) & set(ACCEPTED_FORMATS):
+            raise MediaError(f"{upload.name}: {container.format.long_name} is not supported ({_EXPECTED})")
+        if not container.streams.video:
+            raise MediaError(f"{upload.name}: the file has no video stream")
+        stream = container.streams.video[0]
+        _check_limits(upload.name, container, stream, limits)
+        native_fps = float(stream.average_rate or stream.guessed_rate or fps)
+        total = stream.frames or round((container.duration or 0) / av.time_base * native_fps)
+        picked = _sample(max(total, 1), native_fps, fps, min_frames, max_frames)
+        try:
+            frames = _decode_frames(container, stream, picked)
+            container.seek(0)
+            audio = _audio_track(container)
+        except av.FFmpegError:
+            raise MediaError(f"{upload.name}: the file is truncated or corrupt (not a readable video)") from None
+    if not frames:
+        raise MediaError(f"{upload.name}: the video stream has no frames")
+    # The sampled frames span the clip, so their count over its length is what places them in time.
+    sampled_fps = len(picked) * native_fps / max(total, 1)
+    return Video(np.stack(frames), sampled_fps, audio)
+
+
+def _decode_frames(container: av.container.InputContainer, stream: av.VideoStream, picked: np.ndarray) -> list:
+    """The frames at the `picked` indices, decoding once and keeping only those (a long clip's every
+    frame would not fit in memory); if the stream holds fewer frames than its header says, its last
+    frame stands in for the missing ones."""
+    slots: dict[int, list[int]] = {}
+    for n, index in enumerate(picked):
+        slots.setdefault(int(index), []).append(n)
+    kept: list[np.ndarray | None] = [None] * len(picked)
+    last = None
+    for index, frame in enumerate(container.decode(stream)):
+        last = frame
+        for n in slots.get(index, []):
+            kept[n] = frame.to_ndarray(format="rgb24")
+        if index >= picked[-1]:
+            break
+    if last is None:
+        return []
+    fill = last.to_ndarray(format="rgb24")
+    return [k if k is not None else fill for k in kept]
+
+
+def _check_limits(name: str, container: av.container.InputContainer, stream: av.VideoStream,
+                  limits: MediaLimits) -> None:
+    seconds = container.duration / av.time_base if container.duration else 0.0
+    if seconds > limits.max_video_seconds:
+        raise MediaError(
+            f"{name}: {tenths(seconds, up=True)} s is over the limit of "
+            f"{tenths(limits.max_video_seconds, up=False)} s (max_video_seconds)"
+        )
+    pixels = stream.codec_context.width * stream.codec_context.height
+    if pixels > limits.max_image_pixels:
+        raise MediaError(
+            f"{name}: frames of {stream.codec_context.width}x{stream.codec_context.height} are over the limit "
+            f"of {limits.max_image_pixels:,} pixels (max_image_pixels)"
+        )
+
+
+def _sample(total: int, native_fps: float, fps: float, min_frames: int, max_frames: int) -> np.ndarray:
+    """Uniform frame indices: `fps` per second within [min_frames, max_frames], an even count; a
+    clip shorter than that repeats its last frame."""
+    wanted = total / native_fps * fps
+    count = max(min(max(wanted, min_frames), max_frames), TEMPORAL_PATCH)
+    count = int(count // TEMPORAL_PATCH * TEMPORAL_PATCH)
+    return np.linspace(0, total - 1, count).round().astype(int)
+
+
+def _audio_track(container: av.container.InputContainer) -> np.ndarray | None:
+    if not container.streams.audio:
+        return None
+    resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
+    pieces = []
+    for frame in container.decode(container.streams.audio[0]):
+        pieces += [out.to_ndarray().reshape(-1) for out in resampler.resample(frame)]
+    pieces += [out.to_ndarray().reshape(-1) for out in resampler.resample(None)]
+    samples = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
+    return samples.astype(np.float32) if samples.size else None

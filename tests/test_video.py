@@ -1,0 +1,189 @@
+"""Video questions: a clip's frames and sound track are read as transformers' own processor and
+`generate` read them, a resent video is answered from the cache with the same tokens, and a bad
+file is a clear error."""
+
+import io
+import re
+
+import av
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from samples import clip, picture, video_file
+from omni_local.api import OmniLocal
+from omni_local.errors import MediaError
+from omni_local.media.limits import MediaLimits
+from omni_local.media.video import Video, load_video
+from omni_local.prompts import Message, build_prompt, video_grid
+
+NEW_TOKENS = 12
+QUESTION = "What happens in this video?"
+
+
+@pytest.fixture(scope="module")
+def apps(demo_settings, demo_checkpoint):
+    """The same model twice: with every cache, and with every cache off."""
+    off = demo_settings.replace(prefix_cache=False, encoder_cache=False)
+    with OmniLocal(demo_settings) as cached, OmniLocal(off) as uncached:
+        yield cached, uncached
+
+
+def transformers_reply(app: OmniLocal, messages: list[Message], text_parts: list[dict]) -> tuple[torch.Tensor, list[int]]:
+    """The prompt ids and greedy reply of transformers' own processor and `generate` (the video's
+    sound track loaded as its audio, `use_audio_in_video`)."""
+    processor = app.loaded.processor
+    text = processor.apply_chat_template([{"role": "user", "content": text_parts}], tokenize=False,
+                                         add_generation_prompt=True)
+    videos = [p for m in messages for p in m.videos()]
+    # Every sound in prompt order, each video's track marked as that video's.
+    with_sound = [p for m in messages for p in m.parts if isinstance(p, Video | np.ndarray)]
+    sounds = [p.audio if isinstance(p, Video) else p for p in with_sound]
+    sources = [videos.index(p) if isinstance(p, Video) else None for p in with_sound]
+    inputs = processor(text=text, videos=[v.frames for v in videos], audio=sounds, audio_from_video_indices=sources,
+                       load_audio_from_video=True, images=[p for m in messages for p in m.images()] or None,
+                       videos_kwargs={"fps": videos[0].fps, "do_sample_frames": False}, return_tensors="pt")
+    inputs.pop("num_audio_tokens", None)
+    with torch.inference_mode():
+        output = app.loaded.model.thinker.generate(**inputs, use_audio_in_video=True, max_new_tokens=NEW_TOKENS,
+                                                   do_sample=False, suppress_tokens=app.engine.suppressed_ids)
+    reply = [t for t in output[0, inputs["input_ids"].shape[1]:].tolist() if t not in app.engine.eos_ids]
+    return inputs["input_ids"], reply
+
+
+CASES = {
+    "a clip with sound": lambda app: ([app.read_video(video_file(1))], [{"type": "video"}]),
+    # In the order `send` puts a message's parts: images, sounds, videos.
+    "an image, a sound and a clip": lambda app: (
+        [picture(2), clip(4), app.read_video(video_file(3, seconds=1.0))],
+        [{"type": "image"}, {"type": "audio"}, {"type": "video"}],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_video_question_has_the_prompt_and_reply_of_transformers(apps, case):
+    app = apps[1]
+    parts, blocks = CASES[case](app)
+    messages = [Message("user", [*parts, QUESTION])]
+    ids, expected = transformers_reply(app, messages, [*blocks, {"type": "text", "text": QUESTION}])
+    assert torch.equal(build_prompt(messages, app.loaded.processor).input_ids, ids)
+    videos = [p for p in parts if isinstance(p, Video)]
+    images = [p for p in parts if isinstance(p, Image.Image)]
+    audio = [p for p in parts if isinstance(p, np.ndarray)]
+    final = app.session().send(QUESTION, images=images, audio=audio, videos=videos, max_new_tokens=NEW_TOKENS).result()
+    assert final.token_ids == expected and final.token_ids
+
+
+def test_a_two_second_clip_is_read_at_two_frames_a_second_with_its_sound_at_16_khz():
+    video = load_video(video_file(5, seconds=2.0), MediaLimits(50 << 20, 4096 * 4096, 300, 120), fps=2.0)
+    assert video.frames.shape == (4, 64, 96, 3) and video.fps == pytest.approx(2.0)
+    assert video.audio is not None and abs(video.audio.size - 32_000) < 2_000  # AAC adds a little padding
+
+
+@pytest.mark.parametrize("container", ["mov", "webm"])
+def test_mov_and_webm_are_read_too(container):
+    video = load_video(video_file(6, container=container), MediaLimits(50 << 20, 4096 * 4096, 300, 120), fps=2.0)
+    assert video.frames.shape[0] == 4 and video.audio is not None
+
+
+def test_a_silent_clip_gets_a_silent_track_so_every_video_is_laid_out_alike(apps):
+    video = apps[0].read_video(video_file(7, sound=False))
+    assert video.audio is not None and not video.audio.any()
+    assert video.audio.size == round(video.seconds * 16_000)
+
+
+class Chat:
+    """One conversation held the same way in both apps, each reply checked for equality."""
+
+    def __init__(self, apps) -> None:
+        self.apps = apps
+        self.sessions = [app.session(system_prompt="You watch videos.") for app in apps]
+
+    def send(self, text: str, **media):
+        on, off = (s.send(text, max_new_tokens=NEW_TOKENS, **media).result() for s in self.sessions)
+        assert on.token_ids == off.token_ids, "the cache changed an answer"
+        assert off.tokens.computed == off.tokens.prompt
+        return on
+
+
+def test_the_same_video_with_a_new_question_computes_only_the_new_question(apps):
+    video = apps[0].read_video(video_file(8))
+    Chat(apps).send(QUESTION, videos=[video])
+    chat = Chat(apps)
+    before = build_prompt([Message("system", ["You watch videos."]), Message("user", [video, QUESTION])],
+                          apps[0].loaded.processor)
+    ids = build_prompt([Message("system", ["You watch videos."]), Message("user", [video, "Who is in it?"])],
+                       apps[0].loaded.processor)
+    final = chat.send("Who is in it?", videos=[video])
+    shared = int(np.flatnonzero(before.input_ids[0, :ids.num_tokens] != ids.input_ids[0, :before.num_tokens])[0])
+    assert final.tokens.computed == ids.num_tokens - shared
+    assert shared > ids.media[0].end  # the whole video, frames and sound, came from the cache
+
+
+def test_a_video_chat_turn_2_computes_only_turn_2(apps):
+    chat = Chat(apps)
+    first = chat.send(QUESTION, videos=[apps[0].read_video(video_file(9))])
+    second = chat.send("And then?")
+    written = first.tokens.prompt + first.tokens.generated - (0 if first.stop_reason == "end_of_turn" else 1)
+    assert second.tokens.computed == second.tokens.prompt - written
+
+
+def test_a_known_video_skips_its_encoders(apps, monkeypatch):
+    app = apps[0]
+    video = app.read_video(video_file(10))
+    app.session().send(QUESTION, videos=[video], max_new_tokens=2).result()
+    encoders = app.engine.runner.encoder.encoders
+    calls = []
+    monkeypatch.setattr(encoders, "images", lambda *a: calls.append("frames"))
+    monkeypatch.setattr(encoders, "audio", lambda *a: calls.append("sound"))
+    app.session(session_id="another").send("Describe it.", videos=[video], max_new_tokens=2).result()
+    assert calls == []
+
+
+LIMITS = MediaLimits(max_upload_bytes=50 << 20, max_image_pixels=96 * 64, max_audio_seconds=300, max_video_seconds=3.0)
+
+
+@pytest.mark.parametrize(
+    ("data", "phrase"),
+    [
+        (lambda: video_file(11)[:2000], "not a readable video file (MP4, WebM or MOV expected; or truncated)"),
+        (lambda: b"not a video at all" * 100, "not a readable video file"),
+        (lambda: _sound_only_file(), "has no video stream"),
+        (lambda: video_file(12, seconds=4.0), "4.1 s is over the limit of 3 s (max_video_seconds)"),
+        (lambda: video_file(13, size=(128, 64)), "over the limit of 6,144 pixels (max_image_pixels)"),
+    ],
+    ids=["truncated", "not a video", "sound only", "too long", "too large"],
+)
+def test_a_bad_video_is_a_clear_error_and_the_next_question_is_served(apps, data, phrase):
+    with pytest.raises(MediaError, match=re.escape(phrase)):
+        load_video(data(), LIMITS, fps=2.0, name="clip.mp4")
+    assert apps[0].session().send("Hello", max_new_tokens=2).result().token_ids
+
+
+def test_a_bad_video_through_the_api_is_a_request_error_naming_the_file(apps, tmp_path):
+    path = tmp_path / "broken.mp4"
+    path.write_bytes(video_file(14)[:1500])
+    with pytest.raises(MediaError, match="broken.mp4: not a readable video file"):
+        apps[0].session().send(QUESTION, videos=[path])
+
+
+def _sound_only_file() -> bytes:
+    out = io.BytesIO()
+    with av.open(out, "w", format="mp4") as file:
+        stream = file.add_stream("aac", rate=48_000)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 48_000), np.float32), format="flt", layout="mono")
+        frame.sample_rate = 48_000
+        file.mux(stream.encode(frame))
+        file.mux(stream.encode())
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("shape", [(4, 64, 96), (20, 360, 640), (8, 1080, 1920), (6, 40, 500), (200, 64, 64)], ids=str)
+def test_the_grid_a_prompt_is_built_with_is_the_video_processors(demo_model, shape):
+    # The prompt is built from the frames' shape alone; the pixels come later, from the processor.
+    frames = np.zeros((*shape, 3), np.uint8)
+    processor = demo_model.processor.video_processor
+    expected = processor(videos=[frames], do_sample_frames=False, return_tensors="pt")["video_grid_thw"][0]
+    assert video_grid(Video(frames, 2.0, None), processor) == tuple(expected.tolist())
