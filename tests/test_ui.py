@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
+import soundfile
 from gradio_client import Client, handle_file
 from PIL import Image
 
@@ -235,6 +237,19 @@ def test_a_chat_decodes_each_upload_once_however_many_turns_follow(tmp_path, mon
     first, second = to_messages(history, _app(), memory), to_messages(history, _app(), memory)
     assert reads == [str(image)]
     assert second[0].parts[0] is first[0].parts[0]
+
+
+def test_a_turn_rebuilt_from_the_page_has_its_parts_in_the_order_it_was_sent(tmp_path):
+    # Gradio keeps uploads in upload order; `send` gives images, sounds, then text: the rebuilt
+    # turn must be the prompt that was sent, or its cached KV would not match.
+    sound, image = tmp_path / "hum.wav", _png(tmp_path / "red.png", (64, 48))
+    soundfile.write(sound, np.zeros(16_000, np.float32), 16_000)
+    history = [
+        {"role": "user", "content": [{"path": str(sound)}, {"path": str(image)}, "What are these?"]},
+        {"role": "assistant", "metadata": {}, "options": [], "content": "A hum and a square."},
+    ]
+    parts = to_messages(history, _app())[0].parts
+    assert [type(p) for p in parts] == [Image.Image, np.ndarray, str]
 
 
 def test_a_question_stopped_before_any_reply_is_left_out_of_the_history():

@@ -17,11 +17,14 @@ from typing import Any
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # offline and private by default
 
 import gradio as gr
+import numpy as np
+from PIL import Image
 
 from omni_local.api import OmniLocal
 from omni_local.engine.request import Finished, TextDelta
 from omni_local.errors import OmniLocalError, RequestError
 from omni_local.media import load_audio, load_image
+from omni_local.media.video import Video
 from omni_local.prompts import Message, Part
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif"}
@@ -105,11 +108,18 @@ def to_messages(history: list[dict[str, Any]], app: OmniLocal, memory: ChatMemor
         elif question is not None:
             answer = parts(entry["content"])
             ids = memory.replies.get("".join(p for p in answer if isinstance(p, str)))
-            messages += [Message("user", parts(question["content"])), Message("assistant", answer, token_ids=ids)]
+            question_parts = sorted(parts(question["content"]), key=_send_order)
+            messages += [Message("user", question_parts), Message("assistant", answer, token_ids=ids)]
             question = None
         elif messages:
             messages[-1].parts += parts(entry["content"])  # one reply shown as several messages
     return messages
+
+
+def _send_order(part: Part) -> int:
+    """A question's parts in the order `Session.send` gives them (images, sounds, videos, text), so
+    a turn rebuilt from the page is the prompt that turn was sent as, and its cached KV matches."""
+    return 0 if isinstance(part, Image.Image) else 1 if isinstance(part, np.ndarray) else 2 if isinstance(part, Video) else 3
 
 
 def _parts(content: Any, load: Callable[[str], Part]) -> list[Part]:
