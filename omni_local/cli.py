@@ -1,8 +1,9 @@
-"""Command line: `ask` one question, or `chat` in the terminal.
+"""Command line: `ask` one question, `chat` in the terminal, or talk with `voice`.
 
     python -m omni_local ask "What is this?" --image cat.png [--audio q.wav] [--video clip.mp4] [--system ...] [--json]
     python -m omni_local ask "Say hello." --speak [--voice Chelsie] [--wav reply.wav]
     python -m omni_local chat [--system ...]
+    python -m omni_local voice [--system ...] [--voice Chelsie]   # microphone and speakers
 
 Any setting can be overridden (`--max-new-tokens 64`, `--model /path/to/checkpoint`). A bad file or
 setting ends with one line naming it and exit status 2, never a traceback.
@@ -12,16 +13,20 @@ import argparse
 import dataclasses
 import json
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 import soundfile
 
 from omni_local.api import OmniLocal, Reply, Session
+from omni_local.audio_devices import Microphone, Speakers, load_sounddevice
 from omni_local.engine.request import Finished, TextDelta
 from omni_local.engine.vocoder import SAMPLE_RATE
 from omni_local.errors import OmniLocalError
 from omni_local.model.loader import quiet_library_logs
 from omni_local.settings import add_settings_arguments, settings_from_arguments
+from omni_local.voice import VoiceConversation
 
 EXIT_BAD_INPUT = 2
 
@@ -38,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--speak", action="store_true", help="a spoken reply too (loads the Talker: --speech true)")
     ask.add_argument("--wav", type=Path, default=None, help="write the spoken reply to this WAV file (implies --speak)")
     chat = commands.add_parser("chat", help="a multi-turn conversation in the terminal")
-    for sub in (ask, chat):
+    voice = commands.add_parser("voice", help="a spoken conversation through the microphone and speakers")
+    for sub in (ask, chat, voice):
         sub.add_argument("--system", default=None, help="system prompt")
         sub.add_argument("--seed", type=int, default=None, help="random seed for sampled replies")
         add_settings_arguments(sub)
@@ -52,12 +58,15 @@ def main(argv: list[str] | None = None) -> int:
         settings = settings_from_arguments(args)
         if getattr(args, "wav", None) is not None:
             args.speak = True
-        if getattr(args, "speak", False):
+        if getattr(args, "speak", False) or args.command == "voice":
             settings = settings.replace(speech=True)
+        sounddevice = load_sounddevice() if args.command == "voice" else None  # before the model loads
         with OmniLocal(settings) as app:
             session = app.session(system_prompt=args.system)
             if args.command == "ask":
                 return _ask(session, args)
+            if args.command == "voice":
+                return _voice(session, sounddevice, args)
             return _chat(session, args)
     except OmniLocalError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -106,6 +115,31 @@ def _chat(session: Session, args: argparse.Namespace) -> int:
         except OmniLocalError as error:
             print(f"error: {error}", file=sys.stderr)  # the conversation goes on
         attached = {kind: [] for kind in attached}
+
+
+def _voice(session: Session, sounddevice: Any, args: argparse.Namespace) -> int:
+    """Listen, answer aloud, listen again; speaking over a reply stops it. Use headphones: the
+    microphone would otherwise hear the reply and take it for the person speaking."""
+    with Speakers(sounddevice) as speakers:
+        conversation = VoiceConversation(session, lambda chunk: speakers.play(chunk.samples), speakers.stop,
+                                         show=_show_voice_event, seed=args.seed)
+        with Microphone(sounddevice, conversation.hear):
+            print("Listening: speak, then pause; Ctrl-C ends the conversation.")
+            try:
+                threading.Event().wait()
+            except KeyboardInterrupt:
+                conversation.interrupt()
+                print()
+    return 0
+
+
+def _show_voice_event(event: TextDelta | Finished | str) -> None:
+    if isinstance(event, TextDelta):
+        print(event.text, end="", flush=True)
+    elif isinstance(event, Finished):
+        print("\n" + event.metrics_line())
+    else:
+        print(event, file=sys.stderr)
 
 
 def _stream(reply: Reply, show_text: bool) -> Finished:
