@@ -1,6 +1,7 @@
 """Start the chat UI: `python app.py` (demo model unless settings.toml names a checkpoint).
 
 Binds 127.0.0.1 by default; every setting can be overridden, e.g. `python app.py --ui-port 8000`.
+Serving beyond this machine needs `--ui-host ADDRESS --ui-credentials-file FILE` (see ui/access.py).
 """
 
 import argparse
@@ -9,6 +10,7 @@ import sys
 from omni_local.errors import OmniLocalError
 from omni_local.model.loader import quiet_library_logs
 from omni_local.settings import add_settings_arguments, settings_from_arguments
+from omni_local.ui.access import keep_uploads_private, launch_options
 
 
 def main() -> int:
@@ -17,6 +19,8 @@ def main() -> int:
     quiet_library_logs()
     try:
         settings = settings_from_arguments(parser.parse_args())
+        options = launch_options(settings)  # refused before the model loads
+        keep_uploads_private(settings)
         from omni_local.api import OmniLocal
         from omni_local.ui.chat import build_ui
 
@@ -24,8 +28,7 @@ def main() -> int:
     except OmniLocalError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    ui = build_ui(app)
-    ui.launch(server_name=settings.ui_host, server_port=settings.ui_port, max_file_size=settings.max_upload_bytes)
+    build_ui(app).launch(**options)
     return 0
 
 

@@ -98,6 +98,10 @@ class Settings:
     # [ui]
     ui_host: str = field(default="127.0.0.1", metadata={"table": "ui", "help": "address the UI binds to"})
     ui_port: int = field(default=7860, metadata={"table": "ui", "help": "port the UI listens on"})
+    ui_credentials_file: str = field(
+        default="",
+        metadata={"table": "ui", "help": "private file of 'user:password' lines; needed to serve beyond 127.0.0.1"},
+    )
     # [limits]
     max_upload_bytes: int = field(
         default=50 << 20, metadata={"table": "limits", "help": "largest image or audio file accepted"}

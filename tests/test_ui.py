@@ -4,6 +4,7 @@ The app runs once for the file, as a subprocess with every setting on its comman
 opens its own `Client`: a client is one browser tab, so its turns share one chat history.
 """
 
+import contextlib
 import ipaddress
 import re
 import socket
@@ -34,7 +35,8 @@ START_TIMEOUT_S = 120
 MAX_NEW_TOKENS = 24
 LIMITS = MediaLimits(max_upload_bytes=50 << 20, max_image_pixels=MAX_IMAGE_PIXELS, max_audio_seconds=MAX_AUDIO_SECONDS)
 METRICS = re.compile(
-    r"\[(?P<prompt>\d+) prompt tokens: (?P<computed>\d+) computed, \d+ reused from GPU, \d+ from host \| "
+    r"\[(?P<prompt>\d+) prompt tokens: (?P<computed>\d+) computed, \d+ reused from GPU, \d+ from host "
+    r"(\| media: (?P<encoded>\d+) encoded, (?P<from_cache>\d+) from the encoder cache, \d+ in reused KV )?\| "
     r"(?P<generated>\d+) generated \| "
     r"queue [\d.]+ ms, TTFT [\d.]+ ms, [\d.]+ tokens/s \| (?P<stop>end_of_turn|max_new_tokens)\]"
 )
@@ -43,12 +45,18 @@ METRICS = re.compile(
 @pytest.fixture(scope="module")
 def ui_url(demo_settings, demo_checkpoint, tmp_path_factory) -> Iterator[str]:
     """`python app.py` on a free port, the demo model from the shared test folder; stopped after the file."""
-    root = tmp_path_factory.mktemp("ui")
+    with running_app(demo_settings, tmp_path_factory.mktemp("ui")) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def running_app(demo_settings, root: Path, *extra: str) -> Iterator[str]:
+    """`python app.py` with the tests' settings (and `extra` flags), its cache in `root`; its URL."""
     port = _free_port()
     command = [
         sys.executable, "app.py", "--ui-port", str(port), "--demo-dir", demo_settings.demo_dir,
         "--cache-dir", str(root / "cache"), "--device", "cpu", "--max-image-pixels", str(MAX_IMAGE_PIXELS),
-        "--max-audio-seconds", str(MAX_AUDIO_SECONDS), "--max-new-tokens", str(MAX_NEW_TOKENS),
+        "--max-audio-seconds", str(MAX_AUDIO_SECONDS), "--max-new-tokens", str(MAX_NEW_TOKENS), *extra,
     ]
     log_path = root / "app.log"
     # A file, not a pipe: nobody reads the output while the app runs, and a full pipe would block it.
@@ -64,13 +72,30 @@ def ui_url(demo_settings, demo_checkpoint, tmp_path_factory) -> Iterator[str]:
             process.wait(timeout=10)
         except subprocess.TimeoutExpired:
             process.kill()
-            process.wait()
 
 
 def test_app_py_serves_the_chat_page_on_127_0_0_1(ui_url):
     with urllib.request.urlopen(ui_url, timeout=10) as response:
         assert response.status == 200
         assert "omni_local" in response.read().decode()
+
+
+def test_uploads_are_kept_in_the_apps_private_folder(demo_settings, demo_checkpoint, tmp_path):
+    with running_app(demo_settings, tmp_path) as url:
+        _ask(Client(url, verbose=False), "What is this?", _png(tmp_path / "red.png", (64, 48)))
+        uploads = tmp_path / "cache" / "uploads"
+        assert any(p.name == "red.png" for p in uploads.rglob("*"))
+        assert uploads.stat().st_mode & 0o777 == 0o700
+
+
+def test_with_credentials_the_ui_asks_for_them(demo_settings, demo_checkpoint, tmp_path):
+    credentials = tmp_path / "users"
+    credentials.write_text("ada:lovelace\n")
+    credentials.chmod(0o600)
+    with running_app(demo_settings, tmp_path, "--ui-credentials-file", str(credentials)) as url:
+        with pytest.raises(Exception):
+            Client(url, verbose=False)
+        assert _ask(Client(url, auth=("ada", "lovelace"), verbose=False), "Hello").reply
 
 
 def test_the_ui_listens_on_the_loopback_address_and_nowhere_else(ui_url):
@@ -97,6 +122,13 @@ def test_a_reply_streams_in_growing_parts_and_ends_with_the_reply_and_its_metric
     assert reply["content"].startswith(partials[-1]) and reply["content"]
     assert metrics["metadata"]["title"] == "Metrics"
     assert METRICS.fullmatch(metrics["content"])
+
+
+def test_the_reply_length_and_sampling_settings_reach_the_engine(ui_url):
+    client = Client(ui_url, verbose=False)
+    reply, metrics = client.predict({"text": "Tell me a story.", "files": []}, "", 3, 0.0, 1.0, api_name="/chat")
+    counts = METRICS.fullmatch(metrics["content"])
+    assert counts["generated"] == "3" and counts["stop"] == "max_new_tokens"
 
 
 def test_an_uploaded_image_reaches_the_model_and_gets_a_reply(ui_url, tmp_path):
@@ -153,7 +185,9 @@ def test_stopping_a_reply_stops_the_engine_not_only_the_page(demo_settings, demo
             job = Client(f"http://127.0.0.1:{port}/", verbose=False).submit(
                 {"text": "Tell me a long story.", "files": []}, "", api_name="/chat"
             )
+            deadline = time.monotonic() + 60
             while not job.outputs():  # the reply is streaming
+                assert time.monotonic() < deadline and not job.done(), "the reply never started"
                 time.sleep(0.05)
             job.cancel()  # what the stop button does
             deadline = time.monotonic() + 10

@@ -138,8 +138,11 @@ def test_a_known_video_skips_its_encoders(apps, monkeypatch):
     calls = []
     monkeypatch.setattr(encoders, "images", lambda *a: calls.append("frames"))
     monkeypatch.setattr(encoders, "audio", lambda *a: calls.append("sound"))
-    app.session(session_id="another").send("Describe it.", videos=[video], max_new_tokens=2).result()
+    # Another system prompt first, so the video is not in any cached KV prefix: only the encoder
+    # cache can spare its encoders.
+    final = app.session("Another chat.").send("Describe it.", videos=[video], max_new_tokens=2).result()
     assert calls == []
+    assert (final.media.encoded, final.media.from_cache) == (0, 1) and "1 from the encoder cache" in final.metrics_line()
 
 
 LIMITS = MediaLimits(max_upload_bytes=50 << 20, max_image_pixels=96 * 64, max_audio_seconds=300, max_video_seconds=3.0)

@@ -180,6 +180,7 @@ class Engine:
     def _prefill(self, request: Request) -> int:
         prompt, start = request.prompt, request.claim.start
         request.prepared = self.runner.prepare(prompt, start)
+        request.media = request.prepared.media
         room = self.settings.max_context_tokens - prompt.num_tokens
         request.max_new_tokens = min(request.params.max_new_tokens, room)
         prompt_ids = prompt.input_ids[0].to(self.runner.device)
@@ -246,7 +247,7 @@ class Engine:
         speech = request.spoken.report(request.submitted_at) if request.spoken is not None else None
         self._end_speech(request)
         request.events.put(Finished(request.streamed, reply_ids, reason, counts, request.timings(), request.seed,
-                                    speech))
+                                    speech, request.media))
         return False
 
     def _fail(self, request: Request, message: str) -> bool:

@@ -25,8 +25,9 @@ class MediaEncoder:
         self.device = encoders.visual.device
         self.dtype = encoders.audio_tower.dtype
 
-    def encode(self, media: list[MediaItem], remember: bool = True) -> list[EncoderOutput]:
-        """One output per item, in order; `remember=False` neither reads nor fills the cache."""
+    def encode(self, media: list[MediaItem], remember: bool = True) -> tuple[list[EncoderOutput], int]:
+        """One output per item, in order, and how many of them ran the encoders (the rest came from
+        the cache); `remember=False` neither reads nor fills the cache."""
         cache = self.cache if remember else None
         outputs: list[EncoderOutput | None] = [_fitting(cache.get(m.digest), m) if cache else None for m in media]
         missing = [i for i, output in enumerate(outputs) if output is None]
@@ -36,7 +37,7 @@ class MediaEncoder:
                 outputs[i] = output
                 if cache is not None:
                     cache.put(media[i].digest, output)
-        return outputs
+        return outputs, len(missing)
 
     def _encode(self, media: list[MediaItem]) -> list[EncoderOutput]:
         inputs = preprocess(media, self.processor)

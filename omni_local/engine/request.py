@@ -12,7 +12,7 @@ from omni_local.cache.prefix_cache import Claim
 from omni_local.engine.detokenizer import IncrementalDetokenizer
 from omni_local.engine.sampling import Sampler, SamplingParams
 from omni_local.engine.speech import SpeechParams, SpeechReport, SpokenReply
-from omni_local.engine.thinker import PreparedPrompt
+from omni_local.engine.thinker import MediaCounts, PreparedPrompt
 from omni_local.engine.vocoder import SAMPLE_RATE
 from omni_local.prompts import Message, Prompt
 
@@ -59,6 +59,7 @@ class Finished:
     timings: Timings
     seed: int
     speech: SpeechReport | None = None  # for a spoken reply
+    media: MediaCounts = MediaCounts()
 
     def metrics_line(self) -> str:
         """One line for people: what the cache supplied, and how fast (the CLI and the UI show it)."""
@@ -67,9 +68,13 @@ class Finished:
             f" | {s.audio_s:.2f} s of speech ({s.voice}): first audio {s.first_audio_s * 1000:.1f} ms, "
             f"real-time factor {s.real_time_factor:.2f}, Talker prompt {s.talker_prompt} rows, {s.talker_reused} reused"
         )
+        m = self.media
+        media = "" if not (m.in_kv or m.from_cache or m.encoded) else (
+            f" | media: {m.encoded} encoded, {m.from_cache} from the encoder cache, {m.in_kv} in reused KV"
+        )
         return (
             f"[{n.prompt} prompt tokens: {n.computed} computed, {n.reused_gpu} reused from GPU, "
-            f"{n.reused_host} from host | {n.generated} generated | "
+            f"{n.reused_host} from host{media} | {n.generated} generated | "
             f"queue {t.queue_wait_s * 1000:.1f} ms, TTFT {t.ttft_s * 1000:.1f} ms, "
             f"{t.decode_tokens_per_s:.1f} tokens/s{spoken} | {self.stop_reason}]"
         )
@@ -103,6 +108,7 @@ class Request:
     max_new_tokens: int = 0
     computed: int = 0  # prompt tokens this request computed
     reused: tuple[int, int] = (0, 0)  # prompt tokens whose KV came from the device, from host memory
+    media: MediaCounts = field(default_factory=MediaCounts)
     written: int = 0  # tokens of prompt-then-reply whose KV is in the slot
     output_ids: list[int] = field(default_factory=list)
     detokenizer: IncrementalDetokenizer | None = None

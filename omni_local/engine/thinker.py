@@ -23,6 +23,15 @@ if TYPE_CHECKING:
     from omni_local.engine.talker import TalkerRows
 
 
+@dataclass(frozen=True)
+class MediaCounts:
+    """Where a prompt's images, clips and videos came from."""
+
+    in_kv: int = 0  # inside the prefix the KV cache supplied: nothing to encode
+    from_cache: int = 0  # encoder outputs from the encoder cache
+    encoded: int = 0  # run through the encoders
+
+
 @dataclass
 class PreparedPrompt:
     """What a prefill needs: the embeddings and 3D positions of the prompt's tokens from `start` on
@@ -35,6 +44,7 @@ class PreparedPrompt:
     visual_mask: torch.Tensor | None  # [1, L - start], where deepstack features are added
     deepstack: list[torch.Tensor] | None  # one [visual tokens, hidden] per deepstack layer
     ids: torch.Tensor  # [1, L - start] the tail's token ids
+    media: "MediaCounts"
 
 
 class ThinkerRunner:
@@ -91,7 +101,8 @@ class ThinkerRunner:
         tail = prompt.input_ids[:, start:].to(self.device)
         embeds = self.model.get_input_embeddings()(tail)
         media = [m for m in prompt.media if m.start >= start]
-        outputs = self.encoder.encode(media, remember)
+        outputs, encoded = self.encoder.encode(media, remember)
+        counts = MediaCounts(in_kv=len(prompt.media) - len(media), from_cache=len(media) - encoded, encoded=encoded)
         config = self.model.config
         # Each kind's rows go to its placeholders in prompt order: a video's sound track among the
         # clips, its frames among the images (one visual mask, as transformers' DeepStack takes it).
@@ -105,7 +116,7 @@ class ThinkerRunner:
             visual_mask = torch.isin(tail, visual_ids)
             embeds = _scatter(embeds, visual_mask, torch.cat([o["embeds"] for o in visuals]))
             deepstack = [level.to(embeds.dtype) for level in deepstack_levels(visuals)]
-        return PreparedPrompt(start, embeds, positions[:, :, start:], rope_delta, visual_mask, deepstack, tail)
+        return PreparedPrompt(start, embeds, positions[:, :, start:], rope_delta, visual_mask, deepstack, tail, counts)
 
     @torch.inference_mode()
     def prefill(self, slot: int, prepared: PreparedPrompt) -> torch.Tensor:

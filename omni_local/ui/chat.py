@@ -42,12 +42,19 @@ class ChatMemory:
 
 def build_ui(app: OmniLocal) -> gr.Blocks:
     def respond(
-        message: dict[str, Any], history: list[dict[str, Any]], system_prompt: str, memory: ChatMemory
+        message: dict[str, Any],
+        history: list[dict[str, Any]],
+        system_prompt: str,
+        memory: ChatMemory,
+        max_new_tokens: float,
+        temperature: float,
+        top_p: float,
     ) -> Iterator[Any]:
         try:
             session = app.session(system_prompt=system_prompt or None, session_id=memory.session_id)
             session.history += to_messages(history, app, memory)
-            reply = session.send(message.get("text") or "", **_media(message.get("files") or []))
+            sampling = {"max_new_tokens": int(max_new_tokens), "temperature": temperature, "top_p": top_p}
+            reply = session.send(message.get("text") or "", **_media(message.get("files") or []), **sampling)
         except OmniLocalError as error:
             yield _error_message(str(error))
             return
@@ -76,7 +83,15 @@ def build_ui(app: OmniLocal) -> gr.Blocks:
         respond,
         multimodal=True,
         textbox=textbox,
-        additional_inputs=[gr.Textbox(label="System prompt", lines=2), gr.State(lambda: ChatMemory())],
+        additional_inputs=[
+            gr.Textbox(label="System prompt", lines=2),
+            gr.State(lambda: ChatMemory()),
+            # A reply can use whatever the context leaves after the prompt.
+            gr.Slider(1, app.settings.max_context_tokens, value=app.settings.max_new_tokens, step=1,
+                      label="Longest reply (tokens)"),
+            gr.Slider(0.0, 2.0, value=app.settings.temperature, step=0.05, label="Temperature (0 is greedy)"),
+            gr.Slider(0.05, 1.0, value=app.settings.top_p, step=0.05, label="Top-p"),
+        ],
         title="omni_local",
         editable=True,
         api_name="chat",
