@@ -404,3 +404,28 @@ def _non_loopback_addresses() -> set[str]:
         except OSError:
             pass
     return {a for a in addresses if not ipaddress.ip_address(a).is_loopback and a != "0.0.0.0"}
+
+
+def test_chats_are_kept_apart_switched_renamed_deleted_and_survive_a_restart(demo_settings, demo_checkpoint, tmp_path):
+    with running_app(demo_settings, tmp_path) as url:
+        client = Client(url, verbose=False)
+        first = _ask(client, "Hello there")
+        history, system_prompt, chooser, title = client.predict(api_name="/new_chat")
+        assert (history, system_prompt, title) == ([], "", "")
+        _ask(client, "A second chat")
+        chats = dict(client.predict(api_name="/new_chat")[2]["choices"])
+        assert set(chats) == {"Hello there", "A second chat"}
+        # Back in the first chat, its own cache session goes on: only the follow-up is computed.
+        history, *_ = client.predict(chats["Hello there"], api_name="/open_chat")
+        assert history[0]["role"] == "user" and "Hello there" in str(history[0]["content"])
+        follow_up = _ask(client, "And then?")
+        cached = first.prompt_tokens + first.generated_tokens - (0 if first.stop_reason == "end_of_turn" else 1)
+        assert follow_up.computed_tokens == follow_up.prompt_tokens - cached
+    with running_app(demo_settings, tmp_path) as url:  # a restart of the app
+        client = Client(url, verbose=False)
+        history, _, chooser, _ = client.predict(chats["Hello there"], api_name="/open_chat")
+        assert len([m for m in history if m["role"] == "user"]) == 2
+        renamed = dict(client.predict("Greetings", api_name="/rename_chat")["choices"])
+        assert renamed == {"Greetings": chats["Hello there"], "A second chat": chats["A second chat"]}
+        _, _, chooser, _ = client.predict(api_name="/delete_chat")
+        assert dict(chooser["choices"]) == {"A second chat": chats["A second chat"]}

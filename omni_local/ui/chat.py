@@ -1,10 +1,12 @@
-"""The first chat UI: a Gradio 6 ChatInterface over the engine.
+"""The chat UI: a Gradio 6 ChatInterface over the engine, with a sidebar of saved chats.
 
 Gradio keeps the visible history; each turn rebuilds the conversation from it, so retry, undo and
-edit (built into ChatInterface) need nothing from us. Each browser chat keeps a `ChatMemory`: its
-session id, so every turn continues the same prefix-cache entry, and each reply's token ids, so
-the next prompt holds the reply exactly as generated and its cached KV is reused in full. Errors
-appear as a marked message in the chat, are left out of what the model sees, and the chat goes on.
+edit (built into ChatInterface) need nothing from us. The shown chat keeps a `ChatMemory`: its
+session id (the saved chat's id), so every turn continues its own prefix-cache entry, and each
+reply's token ids, so the next prompt holds the reply exactly as generated and its cached KV is
+reused in full. Chats are saved as they change (chats.py) and come back after a reload or a
+restart. Errors appear as a marked message in the chat, are left out of what the model sees, and
+the chat goes on.
 """
 
 import os
@@ -26,6 +28,7 @@ from omni_local.errors import OmniLocalError, RequestError
 from omni_local.media import load_audio, load_image
 from omni_local.media.video import Video
 from omni_local.prompts import Message, Part
+from omni_local.ui.chats import ChatStore, SavedChat
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif"}
 AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".mp3"}
@@ -40,7 +43,10 @@ class ChatMemory:
     media: dict[str, Part] = field(default_factory=dict)  # upload path -> decoded, so each is read once
 
 
-def build_ui(app: OmniLocal) -> gr.Blocks:
+def build_ui(app: OmniLocal, store: ChatStore | None = None) -> gr.Blocks:
+    """The chat page: the chat itself, and a sidebar of saved chats (`store`, by default in
+    `<cache_dir>/chats`)."""
+    store = store or ChatStore(app.settings.cache_path / "chats")
     def respond(
         message: dict[str, Any],
         history: list[dict[str, Any]],
@@ -66,8 +72,10 @@ def build_ui(app: OmniLocal) -> gr.Blocks:
                     yield text
                 elif isinstance(event, Finished):
                     memory.replies[event.text] = event.token_ids
-                    yield [gr.ChatMessage(content=event.text), gr.ChatMessage(content=event.metrics_line(),
-                                                                              metadata={"title": "Metrics"})]
+                    shown = [gr.ChatMessage(content=event.text),
+                             gr.ChatMessage(content=event.metrics_line(), metadata={"title": "Metrics"})]
+                    _keep(store, [*history, _question(message), *map(_as_dict, shown)], system_prompt, memory)
+                    yield shown
         except OmniLocalError as error:
             yield _error_message(str(error))
         finally:
@@ -79,23 +87,93 @@ def build_ui(app: OmniLocal) -> gr.Blocks:
         sources=["upload", "microphone"],
         placeholder="Ask something, or drop an image, audio or video file here",
     )
-    return gr.ChatInterface(
-        respond,
-        multimodal=True,
-        textbox=textbox,
-        additional_inputs=[
-            gr.Textbox(label="System prompt", lines=2),
-            gr.State(lambda: ChatMemory()),
-            # A reply can use whatever the context leaves after the prompt.
-            gr.Slider(1, app.settings.max_context_tokens, value=app.settings.max_new_tokens, step=1,
-                      label="Longest reply (tokens)"),
-            gr.Slider(0.0, 2.0, value=app.settings.temperature, step=0.05, label="Temperature (0 is greedy)"),
-            gr.Slider(0.05, 1.0, value=app.settings.top_p, step=0.05, label="Top-p"),
-        ],
-        title="omni_local",
-        editable=True,
-        api_name="chat",
-    )
+    with gr.Blocks(title="omni_local") as ui:
+        memory = gr.State(lambda: ChatMemory())
+        system = gr.Textbox(label="System prompt", lines=2, render=False)
+        with gr.Sidebar(label="Chats", open=True):
+            new_chat = gr.Button("New chat", variant="primary")
+            # Any saved chat's id is accepted (a page or API client opened before it was saved
+            # has not been sent it as a choice); an unknown one opens a new chat.
+            chooser = gr.Dropdown(label="Chats", choices=[], allow_custom_value=True)
+            title = gr.Textbox(label="Title", placeholder="Rename this chat")
+            with gr.Row():
+                rename = gr.Button("Rename", size="sm")
+                delete = gr.Button("Delete", size="sm", variant="stop")
+        chat = gr.ChatInterface(
+            respond,
+            multimodal=True,
+            textbox=textbox,
+            additional_inputs=[
+                system,
+                memory,
+                # A reply can use whatever the context leaves after the prompt.
+                gr.Slider(1, app.settings.max_context_tokens, value=app.settings.max_new_tokens, step=1,
+                          label="Longest reply (tokens)"),
+                gr.Slider(0.0, 2.0, value=app.settings.temperature, step=0.05, label="Temperature (0 is greedy)"),
+                gr.Slider(0.05, 1.0, value=app.settings.top_p, step=0.05, label="Top-p"),
+            ],
+            title="omni_local",
+            editable=True,
+            api_name="chat",
+        )
+        # The shown messages, and ChatInterface's own copy its API endpoint answers from.
+        shown = [chat.chatbot, chat.chatbot_state, system, memory, chooser, title]
+        chat.chatbot.change(lambda *a: _keep(store, *a), [chat.chatbot, system, memory], [chooser],
+                            trigger_mode="always_last", show_progress="hidden", api_name=False)
+        chooser.input(lambda chat_id: _show(store, store.get(chat_id)), [chooser], shown, api_name="open_chat")
+        new_chat.click(lambda: _show(store, None), None, shown, api_name="new_chat")
+        rename.click(lambda text, m: _rename(store, text, m), [title, memory], [chooser], api_name="rename_chat")
+        delete.click(lambda m: _delete(store, m), [memory], shown, api_name="delete_chat")
+        ui.load(lambda: _show(store, next(iter(store.all()), None)), None, shown, api_name=False)
+    return ui
+
+
+def _keep(store: ChatStore, history: list[dict[str, Any]], system_prompt: str, memory: ChatMemory) -> Any:
+    """Save the chat (not before its first question): after each answer, and as the page changes it
+    (undo, edit); the list then shows it first."""
+    if not history:
+        return gr.update()
+    saved = store.get(memory.session_id) or SavedChat(id=memory.session_id)
+    saved.history, saved.system_prompt, saved.replies = history, system_prompt or "", dict(memory.replies)
+    store.save(saved)
+    return _chooser(store, saved.id)
+
+
+def _question(message: dict[str, Any]) -> dict[str, Any]:
+    """A submitted message as the chat shows it: its files, then its text."""
+    files = [{"path": item if isinstance(item, str) else item["path"]} for item in message.get("files") or []]
+    return {"role": "user", "content": [*files, *([message["text"]] if message.get("text") else [])]}
+
+
+def _as_dict(message: gr.ChatMessage) -> dict[str, Any]:
+    return {"role": "assistant", "content": message.content, "metadata": dict(message.metadata or {})}
+
+
+def _show(store: ChatStore, saved: SavedChat | None) -> tuple[Any, ...]:
+    """The page for `saved`, or a new empty chat: its messages, system prompt, memory (its id is
+    its cache session), the list and its title."""
+    saved = saved or SavedChat()
+    memory = ChatMemory(session_id=saved.id, replies=dict(saved.replies))
+    return saved.history, saved.history, saved.system_prompt, memory, _chooser(store, saved.id), saved.title
+
+
+def _rename(store: ChatStore, text: str, memory: ChatMemory) -> Any:
+    saved = store.get(memory.session_id)
+    if saved is not None:
+        saved.title = text.strip()
+        store.save(saved)
+    return _chooser(store, memory.session_id)
+
+
+def _delete(store: ChatStore, memory: ChatMemory) -> tuple[Any, ...]:
+    store.delete(memory.session_id)
+    return _show(store, next(iter(store.all()), None))
+
+
+def _chooser(store: ChatStore, selected: str) -> Any:
+    chats = store.all()
+    choices = [(chat.shown_title, chat.id) for chat in chats]
+    return gr.update(choices=choices, value=selected if any(chat.id == selected for chat in chats) else None)
 
 
 def to_messages(history: list[dict[str, Any]], app: OmniLocal, memory: ChatMemory | None = None) -> list[Message]:

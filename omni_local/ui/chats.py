@@ -1,0 +1,84 @@
+"""Saved chats: each one a JSON file in the app's private folder, so they survive a reload of the
+page and a restart of the app.
+
+A chat keeps what the page shows (Gradio's messages, with the paths of uploads, which stay in the
+private uploads folder), its system prompt, its title, and each reply's token ids: the next turn's
+prompt then holds every reply exactly as generated, and the chat's id is its prefix-cache session,
+so its KV is continued in place. JSON only: nothing read from disk is ever unpickled.
+"""
+
+import json
+import os
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omni_local.cache.folders import private_folder
+
+TITLE_CHARS = 40
+
+
+@dataclass
+class SavedChat:
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    title: str = ""  # empty until the first question (or a rename) names it
+    system_prompt: str = ""
+    history: list[dict[str, Any]] = field(default_factory=list)  # Gradio's messages
+    replies: dict[str, list[int]] = field(default_factory=dict)  # reply text -> its token ids
+    updated: float = field(default_factory=time.time)
+
+    @property
+    def shown_title(self) -> str:
+        return self.title or first_question(self.history) or "New chat"
+
+
+def first_question(history: list[dict[str, Any]]) -> str:
+    for message in history:
+        if message.get("role") == "user":
+            content = message.get("content")
+            blocks = content if isinstance(content, list) else [content]
+            text = " ".join(b if isinstance(b, str) else b.get("text", "") for b in blocks
+                            if isinstance(b, str) or (isinstance(b, dict) and b.get("type") == "text")).strip()
+            if text:
+                return text if len(text) <= TITLE_CHARS else text[: TITLE_CHARS - 1] + "…"
+    return ""
+
+
+class ChatStore:
+    def __init__(self, folder: Path) -> None:
+        self.folder = private_folder(folder)
+
+    def all(self) -> list[SavedChat]:
+        """Every saved chat, the most recently used first; unreadable files are skipped."""
+        chats = [chat for path in self.folder.glob("*.json") if (chat := self._read(path)) is not None]
+        return sorted(chats, key=lambda chat: chat.updated, reverse=True)
+
+    def get(self, chat_id: str) -> SavedChat | None:
+        return self._read(self._path(chat_id))
+
+    def save(self, chat: SavedChat) -> None:
+        chat.updated = time.time()
+        path = self._path(chat.id)
+        staging = path.with_suffix(".tmp")
+        # Written beside it and renamed into place: a crash never leaves half a chat.
+        descriptor = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+            json.dump(asdict(chat), file)
+        os.replace(staging, path)
+
+    def delete(self, chat_id: str) -> None:
+        self._path(chat_id).unlink(missing_ok=True)
+
+    def _path(self, chat_id: str) -> Path:
+        if not chat_id.isalnum():  # ids are ours (uuid hex); anything else never names a file
+            raise ValueError(f"not a chat id: {chat_id!r}")
+        return self.folder / f"{chat_id}.json"
+
+    @staticmethod
+    def _read(path: Path) -> SavedChat | None:
+        try:
+            return SavedChat(**json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError, TypeError):
+            return None

@@ -1,0 +1,40 @@
+"""Saved chats on disk: private JSON files, most recent first, and nothing else read as a chat."""
+
+import pytest
+
+from omni_local.ui.chats import ChatStore, SavedChat, first_question
+
+
+def test_a_saved_chat_comes_back_whole_and_the_most_recent_is_listed_first(tmp_path):
+    store = ChatStore(tmp_path / "chats")
+    older, newer = SavedChat(system_prompt="Be brief."), SavedChat(replies={"Hi.": [1, 2]})
+    older.history = [{"role": "user", "content": ["What is this?"]}]
+    store.save(older)
+    store.save(newer)
+    assert [chat.id for chat in store.all()] == [newer.id, older.id]
+    assert store.get(older.id) == older and store.get(newer.id).replies == {"Hi.": [1, 2]}
+
+
+def test_chats_are_private_files_in_a_private_folder(tmp_path):
+    store = ChatStore(tmp_path / "chats")
+    chat = SavedChat()
+    store.save(chat)
+    assert store.folder.stat().st_mode & 0o777 == 0o700
+    assert (store.folder / f"{chat.id}.json").stat().st_mode & 0o777 == 0o600
+
+
+def test_an_unreadable_file_is_skipped_and_a_foreign_id_names_no_file(tmp_path):
+    store = ChatStore(tmp_path / "chats")
+    (store.folder / "broken.json").write_text("{not json")
+    store.save(SavedChat())
+    assert len(store.all()) == 1
+    with pytest.raises(ValueError):
+        store.get("../../etc/passwd")
+
+
+def test_a_chat_is_titled_by_its_first_question_until_renamed():
+    chat = SavedChat(history=[{"role": "user", "content": [{"path": "/x.png"}, "What colour is the house in this picture?"]}])
+    assert chat.shown_title == "What colour is the house in this picture?"[:39] + "…"
+    chat.title = "Houses"
+    assert chat.shown_title == "Houses"
+    assert first_question([]) == "" and SavedChat().shown_title == "New chat"
