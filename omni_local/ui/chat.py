@@ -89,6 +89,7 @@ def build_ui(app: OmniLocal, store: ChatStore | None = None) -> gr.Blocks:
     )
     with gr.Blocks(title="omni_local") as ui:
         memory = gr.State(lambda: ChatMemory())
+        # Rendered by ChatInterface, under "Additional inputs".
         system = gr.Textbox(label="System prompt", lines=2, render=False)
         with gr.Sidebar(label="Chats", open=True):
             new_chat = gr.Button("New chat", variant="primary")
@@ -108,9 +109,10 @@ def build_ui(app: OmniLocal, store: ChatStore | None = None) -> gr.Blocks:
                 memory,
                 # A reply can use whatever the context leaves after the prompt.
                 gr.Slider(1, app.settings.max_context_tokens, value=app.settings.max_new_tokens, step=1,
-                          label="Longest reply (tokens)"),
-                gr.Slider(0.0, 2.0, value=app.settings.temperature, step=0.05, label="Temperature (0 is greedy)"),
-                gr.Slider(0.05, 1.0, value=app.settings.top_p, step=0.05, label="Top-p"),
+                          label="Longest reply (tokens)", render=False),
+                gr.Slider(0.0, 2.0, value=app.settings.temperature, step=0.05, label="Temperature (0 is greedy)",
+                          render=False),
+                gr.Slider(0.05, 1.0, value=app.settings.top_p, step=0.05, label="Top-p", render=False),
             ],
             title="omni_local",
             editable=True,
