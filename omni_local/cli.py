@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("question", help="the question's text")
     ask.add_argument("--image", type=Path, action="append", default=[], help="an image file (repeatable)")
     ask.add_argument("--audio", type=Path, action="append", default=[], help="an audio file (repeatable)")
-    ask.add_argument("--video", type=Path, action="append", default=[], help="a video file, MP4, WebM or MOV (repeatable)")
+    ask.add_argument("--video", type=Path, action="append", default=[],
+                     help="a video file, MP4, WebM or MOV (repeatable)")
     ask.add_argument("--json", action="store_true", help="print only the final event, as one JSON object")
     ask.add_argument("--speak", action="store_true", help="a spoken reply too (loads the Talker: --speech true)")
     ask.add_argument("--wav", type=Path, default=None, help="write the spoken reply to this WAV file (implies --speak)")

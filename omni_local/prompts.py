@@ -119,7 +119,8 @@ class Prompt:
         """Every input transformers' own Thinker takes, all media preprocessed (the parity reference)."""
         inputs = {"input_ids": self.input_ids, "attention_mask": torch.ones_like(self.input_ids)}
         if self.video_grid_thw is not None:
-            inputs |= {"video_second_per_grid": self.video_second_per_grid, "use_audio_in_video": self.use_audio_in_video}
+            inputs |= {"video_second_per_grid": self.video_second_per_grid,
+                       "use_audio_in_video": self.use_audio_in_video}
         return {**inputs, **preprocess(self.media, processor)}
 
 
@@ -279,8 +280,11 @@ def preprocess(media: list[MediaItem], processor: Any) -> dict[str, torch.Tensor
     images = [m.part for m in media if m.is_image]
     videos = [m.part for m in media if m.is_video]
     sounds = [m.part.audio if m.is_video else m.part for m in media if m.has_audio]
-    return {**(image_inputs(images, processor) if images else {}), **(video_inputs(videos, processor) if videos else {}),
-            **(audio_inputs(sounds, processor) if sounds else {})}
+    return {
+        **(image_inputs(images, processor) if images else {}),
+        **(video_inputs(videos, processor) if videos else {}),
+        **(audio_inputs(sounds, processor) if sounds else {}),
+    }
 
 
 def video_inputs(videos: list[Video], processor: Any) -> dict[str, torch.Tensor]:

@@ -45,7 +45,8 @@ class Settings:
     )
     video_fps: float = field(
         default=2.0,
-        metadata={"table": "engine", "help": "video frames read per second (Qwen's default; the checkpoint's own if it sets one)"},
+        metadata={"table": "engine",
+                  "help": "video frames read per second (Qwen's default; the checkpoint's own if it sets one)"},
     )
     use_audio_in_video: bool = field(
         default=True, metadata={"table": "engine", "help": "the model also hears a video's sound track"}

@@ -28,8 +28,9 @@ def test_an_unreadable_file_is_skipped_and_a_foreign_id_names_no_file(tmp_path):
     (store.folder / "broken.json").write_text("{not json")
     store.save(SavedChat())
     assert len(store.all()) == 1
+    assert store.get("../../etc/passwd") is None and store.get("") is None
     with pytest.raises(ValueError):
-        store.get("../../etc/passwd")
+        store.delete("../chats")
 
 
 def test_a_chat_is_titled_by_its_first_question_until_renamed():
@@ -38,3 +39,16 @@ def test_a_chat_is_titled_by_its_first_question_until_renamed():
     chat.title = "Houses"
     assert chat.shown_title == "Houses"
     assert first_question([]) == "" and SavedChat().shown_title == "New chat"
+
+
+def test_a_chat_that_cannot_be_saved_warns_and_the_chat_goes_on(tmp_path, monkeypatch):
+    import gradio as gr
+
+    from omni_local.ui.chat import ChatMemory, _keep
+
+    store = ChatStore(tmp_path / "chats")
+    warnings = []
+    monkeypatch.setattr(gr, "Warning", warnings.append)
+    monkeypatch.setattr(store, "save", lambda chat: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    _keep(store, [{"role": "user", "content": ["Hi"]}], "", ChatMemory())
+    assert warnings == ["This chat could not be saved: No space left on device"]

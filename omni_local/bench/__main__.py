@@ -212,7 +212,7 @@ def _table(rows: list[dict], environment: dict[str, str]) -> str:
     lines += [("| scenario | prompt tokens | system | computed | TTFT (ms) | ITL (ms) | first audio (ms) | RTF |"
                " audio (s) |"), "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        speech = (f"{r['first_audio_ms']:.1f} | {r['rtf']:.2f} | {r['audio_s']:.2f}" if "rtf" in r else "– | – | –")
+        speech = f"{r['first_audio_ms']:.1f} | {r['rtf']:.2f} | {r['audio_s']:.2f}" if "rtf" in r else "– | – | –"
         lines.append(f"| {r['scenario']} | {r['prompt']:.0f} | {r['system']} | {r['computed']:.0f} | "
                      f"{r['ttft_ms']:.1f} | {r['itl_ms']:.2f} | {speech} |")
     return "\n".join(lines)

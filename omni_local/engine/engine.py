@@ -44,7 +44,8 @@ class Engine:
         encoder = MediaEncoder(_encoders(thinker.model, loaded.processor, settings), loaded.processor,
                                self.encoder_cache)
         talker_rows = TalkerRows(loaded.model) if loaded.speech else None
-        self.runner = ThinkerRunner(thinker, encoder, settings.gpu_cache_bytes, settings.max_context_tokens, talker_rows)
+        self.runner = ThinkerRunner(thinker, encoder, settings.gpu_cache_bytes, settings.max_context_tokens,
+                                    talker_rows)
         self.runner.warm_up()
         # One Talker slot per Thinker slot: each cached chat can keep its spoken turns' Talker KV.
         self.speaker = Speaker(loaded.model, settings, self.runner.kv.slots) if loaded.speech else None

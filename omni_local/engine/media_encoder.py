@@ -86,7 +86,8 @@ def _fitting(output: EncoderOutput | None, item: MediaItem) -> EncoderOutput | N
     if output is None:
         return None
     if item.is_image or item.is_video:
-        if output["embeds"].shape[0] != visual_tokens(item) or tuple(output.get("grid", torch.zeros(0)).tolist()) != item.grid:
+        grid = tuple(output["grid"].tolist()) if "grid" in output else None
+        if output["embeds"].shape[0] != visual_tokens(item) or grid != item.grid:
             return None
     elif output["embeds"].shape[0] != item.length:
         return None

@@ -115,7 +115,8 @@ class Speaker:
         are read now from its `slot`, which it may give up before the Talker starts."""
         positions = user_positions(prompt.input_ids[0], self.im_start, self.user)
         rows = kv.talker_rows[slot, torch.from_numpy(positions).to(kv.device)]
-        talker_prompt = self.runner.build_prompt(prompt, rows, positions, first_token, self.runner.voice_id(params.voice))
+        voice = self.runner.voice_id(params.voice)
+        talker_prompt = self.runner.build_prompt(prompt, rows, positions, first_token, voice)
         device = self.runner.device
         empty = torch.empty(0, dtype=torch.long, device=device)
         return SpokenReply(params, session, talker_prompt,

@@ -137,7 +137,10 @@ def _keep(store: ChatStore, history: list[dict[str, Any]], system_prompt: str, m
         return gr.update()
     saved = store.get(memory.session_id) or SavedChat(id=memory.session_id)
     saved.history, saved.system_prompt, saved.replies = history, system_prompt or "", dict(memory.replies)
-    store.save(saved)
+    try:
+        store.save(saved)
+    except OSError as error:  # a full or read-only disk: the chat goes on, unsaved, and says so
+        gr.Warning(f"This chat could not be saved: {error.strerror or error}")
     return _chooser(store, saved.id)
 
 
@@ -214,7 +217,8 @@ def to_messages(history: list[dict[str, Any]], app: OmniLocal, memory: ChatMemor
 def _send_order(part: Part) -> int:
     """A question's parts in the order `Session.send` gives them (images, sounds, videos, text), so
     a turn rebuilt from the page is the prompt that turn was sent as, and its cached KV matches."""
-    return 0 if isinstance(part, Image.Image) else 1 if isinstance(part, np.ndarray) else 2 if isinstance(part, Video) else 3
+    kinds = (Image.Image, np.ndarray, Video)
+    return next((rank for rank, kind in enumerate(kinds) if isinstance(part, kind)), len(kinds))
 
 
 def _parts(content: Any, load: Callable[[str], Part]) -> list[Part]:

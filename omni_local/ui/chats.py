@@ -56,7 +56,8 @@ class ChatStore:
         return sorted(chats, key=lambda chat: chat.updated, reverse=True)
 
     def get(self, chat_id: str) -> SavedChat | None:
-        return self._read(self._path(chat_id))
+        """The chat, or None if there is none by that id (an id not of ours names no file)."""
+        return self._read(self._path(chat_id)) if chat_id.isalnum() else None
 
     def save(self, chat: SavedChat) -> None:
         chat.updated = time.time()
