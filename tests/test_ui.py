@@ -4,6 +4,7 @@ The app runs once for the file, as a subprocess with every setting on its comman
 opens its own `Client`: a client is one browser tab, so its turns share one chat history.
 """
 
+import base64
 import contextlib
 import ipaddress
 import re
@@ -56,7 +57,8 @@ def running_app(demo_settings, root: Path, *extra: str) -> Iterator[str]:
     command = [
         sys.executable, "app.py", "--ui-port", str(port), "--demo-dir", demo_settings.demo_dir,
         "--cache-dir", str(root / "cache"), "--device", "cpu", "--max-image-pixels", str(MAX_IMAGE_PIXELS),
-        "--max-audio-seconds", str(MAX_AUDIO_SECONDS), "--max-new-tokens", str(MAX_NEW_TOKENS), *extra,
+        "--max-audio-seconds", str(MAX_AUDIO_SECONDS), "--max-new-tokens", str(MAX_NEW_TOKENS),
+        "--speech", "true", "--max-speech-seconds", "1", *extra,
     ]
     log_path = root / "app.log"
     # A file, not a pipe: nobody reads the output while the app runs, and a full pipe would block it.
@@ -112,7 +114,7 @@ def test_a_reply_streams_in_growing_parts_and_ends_with_the_reply_and_its_metric
     job = Client(ui_url, verbose=False).submit(
         {"text": "Tell me a story about a lighthouse keeper.", "files": []}, "", api_name="/chat"
     )
-    outputs = list(job)
+    outputs = [shown for shown, _ in job]  # the chat, and the audio feed (unused without speech)
     *partials, final = outputs
     assert len(partials) >= 3 and all(isinstance(p, str) for p in partials)
     assert all(later.startswith(earlier) for earlier, later in zip(partials, partials[1:]))
@@ -126,9 +128,23 @@ def test_a_reply_streams_in_growing_parts_and_ends_with_the_reply_and_its_metric
 
 def test_the_reply_length_and_sampling_settings_reach_the_engine(ui_url):
     client = Client(ui_url, verbose=False)
-    reply, metrics = client.predict({"text": "Tell me a story.", "files": []}, "", 3, 0.0, 1.0, api_name="/chat")
+    (reply, metrics), _ = client.predict({"text": "Tell me a story.", "files": []}, "", 3, 0.0, 1.0, api_name="/chat")
     counts = METRICS.fullmatch(metrics["content"])
     assert counts["generated"] == "3" and counts["stop"] == "max_new_tokens"
+
+
+def test_a_spoken_reply_streams_its_audio_to_the_page_and_stays_in_the_chat_to_play_again(ui_url):
+    job = Client(ui_url, verbose=False).submit({"text": "Say something.", "files": []}, "", 8, 0.0, 1.0, True,
+                                               "Chelsie", api_name="/chat")
+    outputs = list(job)
+    chunks = {feed["index"]: feed for _, feed in outputs if isinstance(feed, dict) and "pcm" in feed}
+    assert sorted(chunks) == list(range(len(chunks))) and len(chunks) >= 2  # every chunk, in order
+    streamed = sum(len(base64.b64decode(chunk["pcm"])) // 2 for chunk in chunks.values())
+    reply, spoken, metrics = outputs[-1][0]
+    assert spoken["metadata"]["title"] == "Spoken reply" and metrics["metadata"]["title"] == "Metrics"
+    samples, rate = soundfile.read(spoken["content"])  # gradio_client fetched the file it points to
+    assert rate == 24_000 and len(samples) == streamed  # the replayable reply is what was streamed
+    assert "of speech (Chelsie)" in metrics["content"]
 
 
 def test_an_uploaded_image_reaches_the_model_and_gets_a_reply(ui_url, tmp_path):
@@ -211,7 +227,7 @@ BAD_UPLOADS = ["truncated png", "text named wav", "zero-byte file", "image over 
 def test_a_bad_upload_shows_its_error_in_the_chat_and_the_next_question_is_answered(ui_url, bad_files, case):
     path, phrase = bad_files[case]
     client = Client(ui_url, verbose=False)  # one chat: the failed turn stays in its history
-    shown = client.predict({"text": "Look at this.", "files": [handle_file(str(path))]}, "", api_name="/chat")
+    shown, _ = client.predict({"text": "Look at this.", "files": [handle_file(str(path))]}, "", api_name="/chat")
     assert shown["metadata"] == {"title": ERROR_TITLE}
     assert phrase in shown["content"]
     assert shown["content"] == _media_error(path)  # word for word what omni_local.media says
@@ -311,7 +327,7 @@ class _Answer:
 def _ask(client: Client, text: str, upload: Path | None = None) -> _Answer:
     """One turn in `client`'s chat; fails unless it got a reply and its metrics (no error)."""
     files = [handle_file(str(upload))] if upload else []
-    result = client.predict({"text": text, "files": files}, "", api_name="/chat")
+    result, _ = client.predict({"text": text, "files": files}, "", api_name="/chat")
     assert isinstance(result, list), f"expected a reply and its metrics, got {result!r}"
     reply, metrics = result
     assert not reply["metadata"] and metrics["metadata"]["title"] == "Metrics"

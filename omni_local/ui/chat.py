@@ -9,7 +9,9 @@ restart. Errors appear as a marked message in the chat, are left out of what the
 the chat goes on.
 """
 
+import base64
 import os
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -20,10 +22,13 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # offline and privat
 
 import gradio as gr
 import numpy as np
+import soundfile
 from PIL import Image
 
 from omni_local.api import OmniLocal
-from omni_local.engine.request import Finished, TextDelta
+from omni_local.cache.folders import private_folder
+from omni_local.engine.request import AudioChunk, Finished, TextDelta
+from omni_local.engine.vocoder import SAMPLE_RATE as SPEECH_SAMPLE_RATE
 from omni_local.errors import OmniLocalError, RequestError
 from omni_local.media import load_audio, load_image
 from omni_local.media.video import Video
@@ -34,6 +39,38 @@ IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif"}
 AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".mp3"}
 VIDEO_SUFFIXES = {".mp4", ".webm", ".mov"}
 ERROR_TITLE = "Error"
+SPOKEN_TITLE = "Spoken reply"
+# Plays each chunk of a spoken reply right after the one before, as it arrives: Gradio's own
+# streamed audio encodes to AAC and plays through HLS, a second or more behind. A chunk numbered 0
+# starts a new reply and cuts whatever still plays.
+PLAYER_JS = """
+(payload) => {
+  if (!payload || payload.pcm === undefined) return;
+  const player = (window.omniLocalPlayer ??= {context: new AudioContext(), end: 0, sources: []});
+  player.context.resume();
+  if (payload.index === 0) {
+    player.sources.forEach((source) => { try { source.stop(); } catch (error) {} });
+    player.sources = [];
+    player.end = 0;
+  }
+  const bytes = Uint8Array.from(atob(payload.pcm), (c) => c.charCodeAt(0));
+  const pcm = new Int16Array(bytes.buffer);
+  const buffer = player.context.createBuffer(1, pcm.length, payload.rate);
+  const channel = buffer.getChannelData(0);
+  for (let i = 0; i < pcm.length; i++) channel[i] = pcm[i] / 32768;
+  const source = player.context.createBufferSource();
+  source.buffer = buffer;
+  source.connect(player.context.destination);
+  const start = Math.max(player.end, player.context.currentTime);
+  source.start(start);
+  player.end = start + buffer.duration;
+  player.sources.push(source);
+  // When it reached the page and when it starts to sound, after the server sent it (seconds).
+  const now = Date.now() / 1000;
+  (window.omniLocalChunks ??= []).push({index: payload.index, arrived: now - payload.sent_at,
+                                        sounds: now - payload.sent_at + (start - player.context.currentTime)});
+}
+"""
 
 
 @dataclass
@@ -47,6 +84,9 @@ def build_ui(app: OmniLocal, store: ChatStore | None = None) -> gr.Blocks:
     """The chat page: the chat itself, and a sidebar of saved chats (`store`, by default in
     `<cache_dir>/chats`)."""
     store = store or ChatStore(app.settings.cache_path / "chats")
+    uploads = private_folder(app.settings.cache_path / "uploads")
+    voices = sorted(name.capitalize() for name in app.engine.speaker.runner.voices) if app.engine.speaker else []
+
     def respond(
         message: dict[str, Any],
         history: list[dict[str, Any]],
@@ -55,29 +95,40 @@ def build_ui(app: OmniLocal, store: ChatStore | None = None) -> gr.Blocks:
         max_new_tokens: float,
         temperature: float,
         top_p: float,
-    ) -> Iterator[Any]:
+        speak: bool,
+        voice: str,
+    ) -> Iterator[tuple[Any, Any]]:
+        """Yields (what the chat shows, the next audio chunk for the page's player or gr.skip())."""
         try:
             session = app.session(system_prompt=system_prompt or None, session_id=memory.session_id)
             session.history += to_messages(history, app, memory)
-            sampling = {"max_new_tokens": int(max_new_tokens), "temperature": temperature, "top_p": top_p}
-            reply = session.send(message.get("text") or "", **_media(message.get("files") or []), **sampling)
+            options = {"max_new_tokens": int(max_new_tokens), "temperature": temperature, "top_p": top_p}
+            if speak:
+                options |= {"speak": True, "voice": voice}
+            reply = session.send(message.get("text") or "", **_media(message.get("files") or []), **options)
         except OmniLocalError as error:
-            yield _error_message(str(error))
+            yield _error_message(str(error)), gr.skip()
             return
-        text = ""
+        text, chunks = "", 0
         try:
             for event in reply:
                 if isinstance(event, TextDelta):
                     text += event.text
-                    yield text
+                    yield text, gr.skip()
+                elif isinstance(event, AudioChunk):
+                    yield text, _audio_payload(event, chunks)
+                    chunks += 1
                 elif isinstance(event, Finished):
                     memory.replies[event.text] = event.token_ids
-                    shown = [gr.ChatMessage(content=event.text),
-                             gr.ChatMessage(content=event.metrics_line(), metadata={"title": "Metrics"})]
+                    shown = [gr.ChatMessage(content=event.text)]
+                    if reply.audio.size:  # kept in the chat to play again
+                        shown.append(gr.ChatMessage(content={"path": str(_keep_audio(uploads, reply.audio))},
+                                                    metadata={"title": SPOKEN_TITLE}))
+                    shown.append(gr.ChatMessage(content=event.metrics_line(), metadata={"title": "Metrics"}))
                     _keep(store, [*history, _question(message), *map(_as_dict, shown)], system_prompt, memory)
-                    yield shown
+                    yield shown, gr.skip()
         except OmniLocalError as error:
-            yield _error_message(str(error))
+            yield _error_message(str(error)), gr.skip()
         finally:
             reply.cancel()  # the stop button closes this generator: stop the engine's work too
 
@@ -89,6 +140,8 @@ def build_ui(app: OmniLocal, store: ChatStore | None = None) -> gr.Blocks:
     )
     with gr.Blocks(title="omni_local") as ui:
         memory = gr.State(lambda: ChatMemory())
+        # Each spoken chunk as it comes; the page plays it at once (Web Audio, below).
+        audio_feed = gr.JSON(visible=False)
         # Rendered by ChatInterface, under "Additional inputs".
         system = gr.Textbox(label="System prompt", lines=2, render=False)
         with gr.Sidebar(label="Chats", open=True):
@@ -113,13 +166,19 @@ def build_ui(app: OmniLocal, store: ChatStore | None = None) -> gr.Blocks:
                 gr.Slider(0.0, 2.0, value=app.settings.temperature, step=0.05, label="Temperature (0 is greedy)",
                           render=False),
                 gr.Slider(0.05, 1.0, value=app.settings.top_p, step=0.05, label="Top-p", render=False),
+                gr.Checkbox(value=False, render=False, interactive=bool(voices),
+                            label="Speak replies" if voices else "Speak replies (start the app with --speech true)"),
+                # An unknown voice is the engine's clear error, like any request's.
+                gr.Dropdown(voices, value=app.settings.voice, label="Voice", allow_custom_value=True, render=False),
             ],
+            additional_outputs=[audio_feed],
             title="omni_local",
             editable=True,
             api_name="chat",
         )
         # The shown messages, and ChatInterface's own copy its API endpoint answers from.
         shown = [chat.chatbot, chat.chatbot_state, system, memory, chooser, title]
+        audio_feed.change(None, [audio_feed], None, js=PLAYER_JS)
         chat.chatbot.change(lambda *a: _keep(store, *a), [chat.chatbot, system, memory], [chooser],
                             trigger_mode="always_last", show_progress="hidden", api_name=False)
         chooser.input(lambda chat_id: _show(store, store.get(chat_id)), [chooser], shown, api_name="open_chat")
@@ -142,6 +201,20 @@ def _keep(store: ChatStore, history: list[dict[str, Any]], system_prompt: str, m
     except OSError as error:  # a full or read-only disk: the chat goes on, unsaved, and says so
         gr.Warning(f"This chat could not be saved: {error.strerror or error}")
     return _chooser(store, saved.id)
+
+
+def _audio_payload(chunk: AudioChunk, index: int) -> dict[str, Any]:
+    """A chunk for the page's player: 16-bit PCM in base64, which JSON carries."""
+    pcm = (np.clip(chunk.samples, -1.0, 1.0) * 32767).astype("<i2")
+    return {"index": index, "rate": chunk.sample_rate, "pcm": base64.b64encode(pcm.tobytes()).decode("ascii"),
+            "sent_at": time.time()}  # wall clock, so the page can tell how long the chunk took to reach it
+
+
+def _keep_audio(folder: Path, samples: np.ndarray) -> Path:
+    """A spoken reply as a WAV file in the private uploads folder, for the chat to play again."""
+    path = folder / f"reply-{uuid.uuid4().hex}.wav"
+    soundfile.write(path, samples, SPEECH_SAMPLE_RATE, subtype="PCM_16", format="WAV")
+    return path
 
 
 def _question(message: dict[str, Any]) -> dict[str, Any]:
