@@ -32,7 +32,21 @@ def load_sounddevice() -> Any:
     return sounddevice
 
 
-class Microphone:
+class _Stream:
+    """A device whose PortAudio stream runs while the `with` block does."""
+
+    _stream: Any
+
+    def __enter__(self) -> "_Stream":
+        self._stream.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stream.stop()
+        self._stream.close()
+
+
+class Microphone(_Stream):
     """The default input device; `on_audio` gets 16 kHz mono float32 samples as they come."""
 
     def __init__(self, sounddevice: Any, on_audio: Callable[[np.ndarray], None]) -> None:
@@ -48,16 +62,8 @@ class Microphone:
     def _captured(self, data: np.ndarray, frames: int, time: Any, status: Any) -> None:
         self._on_audio(self._resampler.resample_chunk(data[:, 0].copy()))
 
-    def __enter__(self) -> "Microphone":
-        self._stream.start()
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._stream.stop()
-        self._stream.close()
-
-
-class Speakers:
+class Speakers(_Stream):
     """The default output device, playing 24 kHz chunks in order; `stop()` drops what is queued."""
 
     def __init__(self, sounddevice: Any, source_rate: int = 24_000) -> None:
@@ -99,11 +105,3 @@ class Speakers:
                 self._current = self._current[take:]
                 filled += take
             out[filled:, 0] = 0.0
-
-    def __enter__(self) -> "Speakers":
-        self._stream.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stream.stop()
-        self._stream.close()
