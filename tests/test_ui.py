@@ -445,3 +445,13 @@ def test_chats_are_kept_apart_switched_renamed_deleted_and_survive_a_restart(dem
         assert renamed == {"Greetings": chats["Hello there"], "A second chat": chats["A second chat"]}
         _, _, chooser, _ = client.predict(api_name="/delete_chat")
         assert dict(chooser["choices"]) == {"A second chat": chats["A second chat"]}
+
+
+def test_deleting_a_chat_deletes_the_spoken_replies_it_kept(demo_settings, demo_checkpoint, tmp_path):
+    with running_app(demo_settings, tmp_path) as url:
+        client = Client(url, verbose=False)
+        client.predict({"text": "Say hello.", "files": []}, "", 4, 0.0, 1.0, True, "Ethan", api_name="/chat")
+        kept = list((tmp_path / "cache" / "uploads").glob("reply-*.wav"))
+        assert len(kept) == 1
+        client.predict(api_name="/delete_chat")
+        assert not kept[0].exists()

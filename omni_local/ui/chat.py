@@ -185,7 +185,7 @@ def build_ui(app: OmniLocal, store: ChatStore | None = None) -> gr.Blocks:
         chooser.input(lambda chat_id: _show(store, store.get(chat_id)), [chooser], shown, api_name="open_chat")
         new_chat.click(lambda: _show(store, None), None, shown, api_name="new_chat")
         rename.click(lambda text, m: _rename(store, text, m), [title, memory], [chooser], api_name="rename_chat")
-        delete.click(lambda m: _delete(store, m), [memory], shown, api_name="delete_chat")
+        delete.click(lambda m: _delete(store, uploads, m), [memory], shown, api_name="delete_chat")
         ui.load(lambda: _show(store, next(iter(store.all()), None)), None, shown, api_name=False)
     return ui
 
@@ -244,7 +244,15 @@ def _rename(store: ChatStore, text: str, memory: ChatMemory) -> Any:
     return _chooser(store, memory.session_id)
 
 
-def _delete(store: ChatStore, memory: ChatMemory) -> tuple[Any, ...]:
+def _delete(store: ChatStore, uploads: Path, memory: ChatMemory) -> tuple[Any, ...]:
+    """Delete the shown chat, and the spoken replies it kept (files of its own: uploads may be shared
+    with other chats, since Gradio keeps one file per content)."""
+    saved = store.get(memory.session_id)
+    for message in saved.history if saved else []:
+        if (message.get("metadata") or {}).get("title") == SPOKEN_TITLE:
+            path = Path(_file_path(message.get("content")) or "")
+            if path.parent == uploads and path.name.startswith("reply-"):
+                path.unlink(missing_ok=True)
     store.delete(memory.session_id)
     return _show(store, next(iter(store.all()), None))
 
