@@ -52,3 +52,16 @@ def test_a_chat_that_cannot_be_saved_warns_and_the_chat_goes_on(tmp_path, monkey
     monkeypatch.setattr(store, "save", lambda chat: (_ for _ in ()).throw(OSError(28, "No space left on device")))
     _keep(store, [{"role": "user", "content": ["Hi"]}], "", ChatMemory())
     assert warnings == ["This chat could not be saved: No space left on device"]
+
+
+def test_a_spoken_reply_that_cannot_be_kept_warns_and_the_reply_goes_on(tmp_path, monkeypatch):
+    import gradio as gr
+    import numpy as np
+
+    from omni_local.ui.chat import _keep_audio
+
+    warnings = []
+    monkeypatch.setattr(gr, "Warning", warnings.append)
+    assert _keep_audio(tmp_path / "missing" / "folder", np.zeros(2_400, np.float32)) is None
+    assert warnings and warnings[0].startswith("The spoken reply could not be kept to play again")
+    assert _keep_audio(tmp_path, np.zeros(2_400, np.float32)).exists()

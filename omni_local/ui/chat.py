@@ -122,9 +122,9 @@ def build_ui(app: OmniLocal, store: ChatStore | None = None) -> gr.Blocks:
                 elif isinstance(event, Finished):
                     memory.replies[event.text] = event.token_ids
                     shown = [gr.ChatMessage(content=event.text)]
-                    if reply.audio.size:  # kept in the chat to play again
-                        shown.append(gr.ChatMessage(content={"path": str(_keep_audio(uploads, reply.audio))},
-                                                    metadata={"title": SPOKEN_TITLE}))
+                    kept = _keep_audio(uploads, reply.audio) if reply.audio.size else None
+                    if kept is not None:  # in the chat, to play again
+                        shown.append(gr.ChatMessage(content={"path": str(kept)}, metadata={"title": SPOKEN_TITLE}))
                     shown.append(gr.ChatMessage(content=event.metrics_line(), metadata={"title": "Metrics"}))
                     _keep(store, [*history, _question(message), *map(_as_dict, shown)], system_prompt, memory)
                     yield shown, gr.skip()
@@ -211,10 +211,15 @@ def _audio_payload(chunk: AudioChunk, index: int) -> dict[str, Any]:
             "sent_at": time.time()}  # wall clock, so the page can tell how long the chunk took to reach it
 
 
-def _keep_audio(folder: Path, samples: np.ndarray) -> Path:
-    """A spoken reply as a WAV file in the private uploads folder, for the chat to play again."""
+def _keep_audio(folder: Path, samples: np.ndarray) -> Path | None:
+    """A spoken reply as a WAV file in the private uploads folder, for the chat to play again; None
+    (and a warning on the page) if the disk will not take it."""
     path = folder / f"reply-{uuid.uuid4().hex}.wav"
-    soundfile.write(path, samples, SPEECH_SAMPLE_RATE, subtype="PCM_16", format="WAV")
+    try:
+        soundfile.write(path, samples, SPEECH_SAMPLE_RATE, subtype="PCM_16", format="WAV")
+    except (OSError, RuntimeError) as error:  # soundfile reports a failed write as RuntimeError
+        gr.Warning(f"The spoken reply could not be kept to play again: {error}")
+        return None
     return path
 
 
