@@ -18,114 +18,77 @@ from omni_local.errors import SettingsError
 DEFAULT_SETTINGS_FILE = Path(__file__).resolve().parent.parent / "settings.toml"
 
 
+def setting(table: str, default: Any, help: str) -> Any:
+    """A settings field: its default, the TOML table it belongs in, and its one-line help."""
+    return field(default=default, metadata={"table": table, "help": help})
+
+
 @dataclass(frozen=True)
 class Settings:
     # [model]
-    model: str = field(default="demo", metadata={"table": "model", "help": "checkpoint directory, or 'demo'"})
-    device: str = field(default="auto", metadata={"table": "model", "help": "'auto', 'cpu', 'cuda' or 'cuda:N'"})
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
-        default="auto", metadata={"table": "model", "help": "'auto' is bfloat16 on a GPU, float32 on the CPU"}
+    model: str = setting("model", "demo", "checkpoint directory, or 'demo'")
+    device: str = setting("model", "auto", "'auto', 'cpu', 'cuda' or 'cuda:N'")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = setting(
+        "model", "auto", "'auto' is bfloat16 on a GPU, float32 on the CPU"
     )
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = field(
-        default="sdpa", metadata={"table": "model", "help": "attention kernels of the Thinker"}
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = setting(
+        "model", "sdpa", "attention kernels of the Thinker"
     )
-    speech: bool = field(
-        default=False, metadata={"table": "model", "help": "load the Talker and Code2Wav (spoken replies)"}
-    )
-    demo_dir: str = field(
-        default="", metadata={"table": "model", "help": "where the demo model is written; '' is <cache_dir>/demo"}
-    )
+    speech: bool = setting("model", False, "load the Talker and Code2Wav (spoken replies)")
+    demo_dir: str = setting("model", "", "where the demo model is written; '' is <cache_dir>/demo")
     # [engine]
-    max_context_tokens: int = field(
-        default=8192, metadata={"table": "engine", "help": "prompt plus reply, per request (KV rows per slot)"}
+    max_context_tokens: int = setting("engine", 8192, "prompt plus reply, per request (KV rows per slot)")
+    compile: bool = setting(
+        "engine", False, "compile the vision and audio encoders at start-up (one graph for every size)"
     )
-    compile: bool = field(
-        default=False,
-        metadata={"table": "engine", "help": "compile the vision and audio encoders at start-up (one graph for every size)"},
+    video_fps: float = setting(
+        "engine", 2.0, "video frames read per second (Qwen's default; the checkpoint's own if it sets one)"
     )
-    video_fps: float = field(
-        default=2.0,
-        metadata={"table": "engine",
-                  "help": "video frames read per second (Qwen's default; the checkpoint's own if it sets one)"},
-    )
-    use_audio_in_video: bool = field(
-        default=True, metadata={"table": "engine", "help": "the model also hears a video's sound track"}
-    )
-    max_new_tokens: int = field(default=512, metadata={"table": "engine", "help": "default reply length limit"})
-    temperature: float = field(default=0.0, metadata={"table": "engine", "help": "default; 0 is greedy"})
-    top_p: float = field(default=1.0, metadata={"table": "engine", "help": "default nucleus sampling mass"})
-    top_k: int = field(default=0, metadata={"table": "engine", "help": "default; 0 keeps every token"})
-    repetition_penalty: float = field(default=1.0, metadata={"table": "engine", "help": "default; 1 is off"})
+    use_audio_in_video: bool = setting("engine", True, "the model also hears a video's sound track")
+    max_new_tokens: int = setting("engine", 512, "default reply length limit")
+    temperature: float = setting("engine", 0.0, "default; 0 is greedy")
+    top_p: float = setting("engine", 1.0, "default nucleus sampling mass")
+    top_k: int = setting("engine", 0, "default; 0 keeps every token")
+    repetition_penalty: float = setting("engine", 1.0, "default; 1 is off")
     # [speech]
-    voice: str = field(default="Ethan", metadata={"table": "speech", "help": "default voice of spoken replies"})
-    first_audio_frames: int = field(
-        default=2, metadata={"table": "speech", "help": "codec frames (80 ms each) in the first audio chunk: latency"}
-    )
-    audio_chunk_frames: int = field(
-        default=10, metadata={"table": "speech", "help": "codec frames in each later audio chunk: efficiency"}
-    )
-    audio_left_context_frames: int = field(
-        default=25, metadata={"table": "speech", "help": "earlier frames Code2Wav sees before each chunk"}
-    )
-    max_speech_seconds: float = field(
-        default=120.0, metadata={"table": "speech", "help": "longest spoken reply"}
-    )
+    voice: str = setting("speech", "Ethan", "default voice of spoken replies")
+    first_audio_frames: int = setting("speech", 2, "codec frames (80 ms each) in the first audio chunk: latency")
+    audio_chunk_frames: int = setting("speech", 10, "codec frames in each later audio chunk: efficiency")
+    audio_left_context_frames: int = setting("speech", 25, "earlier frames Code2Wav sees before each chunk")
+    max_speech_seconds: float = setting("speech", 120.0, "longest spoken reply")
     # [cache]
-    cache_dir: str = field(
-        default="~/.cache/omni_local", metadata={"table": "cache", "help": "private folder for app data"}
+    cache_dir: str = setting("cache", "~/.cache/omni_local", "private folder for app data")
+    prefix_cache: bool = setting("cache", True, "keep each chat's KV so its next turn computes only what is new")
+    gpu_cache_bytes: int = setting(
+        "cache", 4 << 30, "device memory for the Thinker's KV: max_context_tokens rows per chat"
     )
-    prefix_cache: bool = field(
-        default=True, metadata={"table": "cache", "help": "keep each chat's KV so its next turn computes only what is new"}
-    )
-    gpu_cache_bytes: int = field(
-        default=4 << 30,
-        metadata={"table": "cache", "help": "device memory for the Thinker's KV: max_context_tokens rows per chat"},
-    )
-    host_cache_bytes: int = field(
-        default=8 << 30, metadata={"table": "cache", "help": "host memory for KV moved off the device"}
-    )
-    encoder_cache: bool = field(
-        default=True, metadata={"table": "cache", "help": "keep encoder outputs by image or clip content"}
-    )
-    encoder_cache_bytes: int = field(
-        default=1 << 30, metadata={"table": "cache", "help": "device memory for encoder outputs"}
-    )
-    disk_cache: bool = field(
-        default=True, metadata={"table": "cache", "help": "also keep encoder outputs on disk, across restarts"}
-    )
-    disk_cache_bytes: int = field(
-        default=8 << 30, metadata={"table": "cache", "help": "disk space for encoder outputs (<cache_dir>/encoders)"}
-    )
+    host_cache_bytes: int = setting("cache", 8 << 30, "host memory for KV moved off the device")
+    encoder_cache: bool = setting("cache", True, "keep encoder outputs by image or clip content")
+    encoder_cache_bytes: int = setting("cache", 1 << 30, "device memory for encoder outputs")
+    disk_cache: bool = setting("cache", True, "also keep encoder outputs on disk, across restarts")
+    disk_cache_bytes: int = setting("cache", 8 << 30, "disk space for encoder outputs (<cache_dir>/encoders)")
     # [ui]
-    ui_host: str = field(default="127.0.0.1", metadata={"table": "ui", "help": "address the UI binds to"})
-    ui_port: int = field(default=7860, metadata={"table": "ui", "help": "port the UI listens on"})
-    ui_credentials_file: str = field(
-        default="",
-        metadata={"table": "ui", "help": "private file of 'user:password' lines; needed to serve beyond 127.0.0.1"},
+    ui_host: str = setting("ui", "127.0.0.1", "address the UI binds to")
+    ui_port: int = setting("ui", 7860, "port the UI listens on")
+    ui_credentials_file: str = setting(
+        "ui", "", "private file of 'user:password' lines; needed to serve beyond 127.0.0.1"
     )
     # [limits]
-    max_upload_bytes: int = field(
-        default=50 << 20, metadata={"table": "limits", "help": "largest image or audio file accepted"}
-    )
-    max_image_pixels: int = field(
-        default=4096 * 4096, metadata={"table": "limits", "help": "largest decoded image, width times height"}
-    )
-    max_audio_seconds: float = field(
-        default=300.0, metadata={"table": "limits", "help": "longest audio clip accepted"}
-    )
-    max_video_seconds: float = field(
-        default=120.0, metadata={"table": "limits", "help": "longest video clip accepted"}
-    )
-    max_prompt_tokens: int = field(
-        default=6144, metadata={"table": "limits", "help": "longest prompt, media tokens included"}
-    )
+    max_upload_bytes: int = setting("limits", 50 << 20, "largest image or audio file accepted")
+    max_image_pixels: int = setting("limits", 4096 * 4096, "largest decoded image, width times height")
+    max_audio_seconds: float = setting("limits", 300.0, "longest audio clip accepted")
+    max_video_seconds: float = setting("limits", 120.0, "longest video clip accepted")
+    max_prompt_tokens: int = setting("limits", 6144, "longest prompt, media tokens included")
 
     def __post_init__(self) -> None:
         for f in fields(self):
             _check_type(f.name, getattr(self, f.name), f.type)
-        positive = ("gpu_cache_bytes", "encoder_cache_bytes", "disk_cache_bytes", "max_context_tokens", "max_new_tokens", "max_upload_bytes", "max_image_pixels",
-                    "max_prompt_tokens", "ui_port", "max_audio_seconds", "first_audio_frames", "audio_chunk_frames",
-                    "audio_left_context_frames", "max_speech_seconds", "video_fps", "max_video_seconds")
+        positive = (
+            "gpu_cache_bytes", "encoder_cache_bytes", "disk_cache_bytes", "max_context_tokens", "max_new_tokens",
+            "max_upload_bytes", "max_image_pixels", "max_prompt_tokens", "ui_port", "max_audio_seconds",
+            "first_audio_frames", "audio_chunk_frames", "audio_left_context_frames", "max_speech_seconds",
+            "video_fps", "max_video_seconds",
+        )
         for name in positive:
             if getattr(self, name) <= 0:
                 raise SettingsError(f"setting '{name}' must be positive, got {getattr(self, name)!r}")
