@@ -47,10 +47,13 @@ class _Stream:
 
 
 class Microphone(_Stream):
-    """The default input device; `on_audio` gets 16 kHz mono float32 samples as they come."""
+    """The default input device; `on_audio` gets 16 kHz mono float32 samples as they come, on a
+    thread of its own: what it does (detect speech, start a turn) never holds up the capture."""
 
     def __init__(self, sounddevice: Any, on_audio: Callable[[np.ndarray], None]) -> None:
         self._on_audio = on_audio
+        self._captured_audio: queue.Queue[np.ndarray | None] = queue.Queue()
+        self._listener = threading.Thread(target=self._listen, name="omni-microphone", daemon=True)
         try:
             rate = int(sounddevice.query_devices(kind="input")["default_samplerate"])
             self._stream = sounddevice.InputStream(samplerate=rate, channels=1, dtype="float32",
@@ -60,7 +63,20 @@ class Microphone(_Stream):
         self._resampler = soxr.ResampleStream(rate, SAMPLE_RATE, 1, dtype="float32")
 
     def _captured(self, data: np.ndarray, frames: int, time: Any, status: Any) -> None:
-        self._on_audio(self._resampler.resample_chunk(data[:, 0].copy()))
+        self._captured_audio.put(data[:, 0].copy())  # PortAudio's thread: hand over and return
+
+    def _listen(self) -> None:
+        while (samples := self._captured_audio.get()) is not None:
+            self._on_audio(self._resampler.resample_chunk(samples))
+
+    def __enter__(self) -> "Microphone":
+        self._listener.start()
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        self._captured_audio.put(None)
+        self._listener.join()
 
 
 class Speakers(_Stream):

@@ -7,7 +7,6 @@ values into the request's slot of the KVStore.
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -17,10 +16,8 @@ from omni_local.engine.decoder_stack import mrope_positions, run_layers
 from omni_local.engine.kv_store import KVShape, KVStore
 from omni_local.engine.media_encoder import MediaEncoder, deepstack_levels
 from omni_local.errors import SettingsError
+from omni_local.engine.talker import TalkerRows
 from omni_local.prompts import Message, Prompt, build_prompt
-
-if TYPE_CHECKING:
-    from omni_local.engine.talker import TalkerRows
 
 
 @dataclass(frozen=True)
@@ -54,7 +51,7 @@ class ThinkerRunner:
         encoder: MediaEncoder,
         kv_budget_bytes: int,
         max_tokens: int,
-        talker_rows: "TalkerRows | None" = None,
+        talker_rows: TalkerRows | None = None,
     ) -> None:
         self.thinker = thinker
         self.talker_rows = talker_rows

@@ -196,11 +196,14 @@ def _keep(store: ChatStore, history: list[dict[str, Any]], system_prompt: str, m
     if not history:
         return gr.update()
     saved = store.get(memory.session_id) or SavedChat(id=memory.session_id)
+    kept = (saved.history, saved.system_prompt, saved.replies)
     saved.history, saved.system_prompt, saved.replies = history, system_prompt or "", dict(memory.replies)
-    try:
-        store.save(saved)
-    except OSError as error:  # a full or read-only disk: the chat goes on, unsaved, and says so
-        gr.Warning(f"This chat could not be saved: {error.strerror or error}")
+    # Unchanged when the page echoes an answer the chat already saved: no second write.
+    if kept != (saved.history, saved.system_prompt, saved.replies):
+        try:
+            store.save(saved)
+        except OSError as error:  # a full or read-only disk: the chat goes on, unsaved, and says so
+            gr.Warning(f"This chat could not be saved: {error.strerror or error}")
     return _chooser(store, saved.id)
 
 
