@@ -122,8 +122,9 @@ def _voice(session: Session, sounddevice: Any, args: argparse.Namespace) -> int:
     """Listen, answer aloud, listen again; speaking over a reply stops it. Use headphones: the
     microphone would otherwise hear the reply and take it for the person speaking."""
     with Speakers(sounddevice) as speakers:
-        conversation = VoiceConversation(session, lambda chunk: speakers.play(chunk.samples), speakers.stop,
-                                         show=_show_voice_event, seed=args.seed)
+        conversation = VoiceConversation(lambda samples: session.send(audio=[samples], speak=True, seed=args.seed),
+                                         lambda chunk: speakers.play(chunk.samples), speakers.stop,
+                                         show=_show_voice_event)
         with Microphone(sounddevice, conversation.hear):
             print("Listening: speak, then pause; Ctrl-C ends the conversation.")
             try:
@@ -134,13 +135,13 @@ def _voice(session: Session, sounddevice: Any, args: argparse.Namespace) -> int:
     return 0
 
 
-def _show_voice_event(event: TextDelta | Finished | str) -> None:
+def _show_voice_event(event: TextDelta | Finished | OmniLocalError) -> None:
     if isinstance(event, TextDelta):
         print(event.text, end="", flush=True)
     elif isinstance(event, Finished):
         print("\n" + event.metrics_line())
     else:
-        print(event, file=sys.stderr)
+        print(f"error: {event}", file=sys.stderr)
 
 
 def _stream(reply: Reply, show_text: bool) -> Finished:

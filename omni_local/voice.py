@@ -2,10 +2,11 @@
 
 `SpeechDetector` runs Silero VAD (a small model shipped in its wheel, run on the CPU) over the
 microphone's 16 kHz stream, 512 samples at a time, and cuts it into utterances: from a little
-before speech starts until `silence_ms` of silence. `VoiceConversation` sends each utterance as
-a spoken question in one session and streams the reply's audio to a player; when the person speaks
-while a reply is being made or played (barge-in), the reply is cancelled and the player stopped.
-The same logic serves the desktop (`python -m omni_local voice`, audio_devices.py) and tests.
+before speech starts until `silence_ms` of silence. `VoiceConversation` asks each utterance as a
+spoken question and streams the reply's audio to a player; when the person speaks while a reply is
+being made or played (barge-in), the reply is cancelled and the player stopped. The same logic
+serves the desktop (`python -m omni_local voice`, audio_devices.py), the page's voice mode
+(ui/voice_mode.py) and tests; push-to-talk skips the detector and answers a whole recording.
 """
 
 import threading
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from omni_local.api import AudioChunk, Finished, Reply, Session, TextDelta
+from omni_local.api import AudioChunk, Finished, Reply, TextDelta
 from omni_local.errors import OmniLocalError
 from omni_local.media import SAMPLE_RATE
 
@@ -80,21 +81,22 @@ class SpeechDetector:
 
 
 class VoiceConversation:
-    """One spoken conversation: utterances in, spoken replies out, barge-in between."""
+    """One spoken conversation: utterances in, spoken replies out, barge-in between.
+
+    `ask` sends an utterance (16 kHz mono float32) as a spoken question and returns its reply: the
+    desktop continues one session, the page rebuilds the shown chat's each time."""
 
     def __init__(
         self,
-        session: Session,
+        ask: Callable[[np.ndarray], Reply],
         play: Callable[[AudioChunk], None],
         stop_playing: Callable[[], None],
         detector: SpeechDetector | None = None,
-        show: Callable[[TextDelta | Finished | str], None] = lambda event: None,
-        **send_options: object,
+        show: Callable[[TextDelta | Finished | OmniLocalError], None] = lambda event: None,
     ) -> None:
-        self.session = session
+        self.ask = ask
         self.play, self.stop_playing, self.show = play, stop_playing, show
         self.detector = detector or SpeechDetector()
-        self.send_options = send_options
         self.turns = 0
         self._reply: Reply | None = None
         self._streamer: threading.Thread | None = None
@@ -105,7 +107,7 @@ class VoiceConversation:
             if isinstance(event, SpeechStarted):
                 self.interrupt()
             else:
-                self._answer(event.samples)
+                self.answer(event.samples)
 
     def interrupt(self) -> None:
         """Stop the reply being made or played: the person is speaking."""
@@ -118,12 +120,18 @@ class VoiceConversation:
         if self._streamer is not None:
             self._streamer.join()
 
-    def _answer(self, samples: np.ndarray) -> None:
+    @property
+    def busy(self) -> bool:
+        """A reply is being made, or its last events are still being handed on."""
+        return self._streamer is not None and self._streamer.is_alive()
+
+    def answer(self, samples: np.ndarray) -> None:
+        """Ask `samples` as one utterance: what the detector found, or a push-to-talk recording."""
         self.wait()  # the interrupted reply ends within one engine step
         try:
-            self._reply = self.session.send(audio=[samples], speak=True, **self.send_options)
+            self._reply = self.ask(samples)
         except OmniLocalError as error:
-            self.show(f"error: {error}")
+            self.show(error)
             return
         self.turns += 1
         self._streamer = threading.Thread(target=self._stream, args=(self._reply,), daemon=True)
@@ -137,4 +145,4 @@ class VoiceConversation:
                 else:
                     self.show(event)
         except OmniLocalError as error:
-            self.show(f"error: {error}")
+            self.show(error)

@@ -38,3 +38,13 @@ def app(demo_settings: Settings, demo_checkpoint: Path):
 
     with OmniLocal(demo_settings) as running:
         yield running
+
+
+@pytest.fixture(scope="session")
+def speaking_app(demo_settings: Settings, demo_checkpoint: Path):
+    """The app with the Talker, for spoken replies. Replies are long (the demo's Talker rarely ends
+    on its own), so one is still playing when the person speaks again."""
+    from omni_local.api import OmniLocal
+
+    with OmniLocal(demo_settings.replace(speech=True, max_speech_seconds=30.0)) as running:
+        yield running

@@ -1,10 +1,19 @@
-"""Deterministic media for the tests: noise pictures, clips and videos, one per seed."""
+"""Media for the tests: recorded speech, and deterministic noise pictures, clips and videos, one per
+seed; and waiting for what happens on another thread."""
 
 import io
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 import av
 import numpy as np
+import soundfile
 from PIL import Image
+
+# "Hello there. What do you think about the weather today?" spoken by espeak-ng
+# (`espeak-ng -s 150 -w out.wav "..."`, resampled to 16 kHz): 4.0 s.
+SPEECH, _ = soundfile.read(Path(__file__).parent / "data" / "speech.wav", dtype="float32")
 
 
 def picture(seed: int, size: tuple[int, int] = (160, 120)) -> Image.Image:
@@ -39,3 +48,10 @@ def video_file(seed: int, seconds: float = 2.0, size: tuple[int, int] = (96, 64)
             file.mux(audio.encode(frame))
             file.mux(audio.encode())
     return out.getvalue()
+
+
+def wait_for(condition: Callable[[], object], seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)

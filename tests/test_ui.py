@@ -29,7 +29,7 @@ from samples import video_file
 from omni_local.errors import MediaError
 from omni_local.media import MediaLimits, load_audio, load_image
 from omni_local.prompts import Message
-from omni_local.ui.chat import ERROR_TITLE, to_messages
+from omni_local.ui.history import ERROR_TITLE, to_messages
 
 REPO = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 120
@@ -274,16 +274,16 @@ def test_a_second_turn_through_the_api_gives_the_model_only_the_answered_history
 
 
 def test_a_chat_decodes_each_upload_once_however_many_turns_follow(tmp_path, monkeypatch):
-    import omni_local.ui.chat as chat
+    import omni_local.ui.history as history_module
 
     reads = []
-    monkeypatch.setattr(chat, "load_image", lambda path, limits: reads.append(path) or load_image(path, limits))
+    monkeypatch.setattr(history_module, "load_image", lambda path, limits: reads.append(path) or load_image(path, limits))
     image = _png(tmp_path / "red.png", (64, 48))
     history = [
         {"role": "user", "content": [{"path": str(image)}, "What is this?"]},
         {"role": "assistant", "metadata": {}, "options": [], "content": "A red square."},
     ]
-    memory = chat.ChatMemory()
+    memory = history_module.ChatMemory()
     first, second = to_messages(history, _app(), memory), to_messages(history, _app(), memory)
     assert reads == [str(image)]
     assert second[0].parts[0] is first[0].parts[0]

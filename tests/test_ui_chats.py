@@ -58,10 +58,10 @@ def test_a_spoken_reply_that_cannot_be_kept_warns_and_the_reply_goes_on(tmp_path
     import gradio as gr
     import numpy as np
 
-    from omni_local.ui.chat import _keep_audio
+    from omni_local.ui.player import keep_audio
 
     warnings = []
     monkeypatch.setattr(gr, "Warning", warnings.append)
-    assert _keep_audio(tmp_path / "missing" / "folder", np.zeros(2_400, np.float32)) is None
+    assert keep_audio(tmp_path / "missing" / "folder", np.zeros(2_400, np.float32)) is None
     assert warnings and warnings[0].startswith("The spoken reply could not be kept to play again")
-    assert _keep_audio(tmp_path, np.zeros(2_400, np.float32)).exists()
+    assert keep_audio(tmp_path, np.zeros(2_400, np.float32)).exists()

@@ -5,21 +5,18 @@ level, as these machines have no audio hardware)."""
 import builtins
 import threading
 import time
-from pathlib import Path
+from collections.abc import Callable
 
 import numpy as np
 import pytest
-import soundfile
 import soxr
 
-from omni_local.api import AudioChunk, Finished, OmniLocal
+from omni_local.api import AudioChunk, Finished, OmniLocal, Reply, Session
 from omni_local.audio_devices import AudioDeviceError, Microphone, Speakers, load_sounddevice
 from omni_local.cli import main
 from omni_local.voice import SpeechDetector, SpeechStarted, Utterance, VoiceConversation
+from samples import SPEECH, wait_for
 
-# "Hello there. What do you think about the weather today?" spoken by espeak-ng
-# (`espeak-ng -s 150 -w out.wav "..."`, resampled to 16 kHz): 4.0 s.
-SPEECH, _ = soundfile.read(Path(__file__).parent / "data" / "speech.wav", dtype="float32")
 SILENCE = np.zeros(16_000, np.float32)  # 1 s
 
 
@@ -48,12 +45,9 @@ def test_speech_without_the_pause_after_it_is_not_a_turn_yet():
     assert [type(e) for e in detect(SPEECH)] == [SpeechStarted]
 
 
-@pytest.fixture(scope="module")
-def app(demo_settings, demo_checkpoint):
-    # Long spoken replies (the demo's Talker rarely ends on its own), so one is still playing when
-    # the person speaks again.
-    with OmniLocal(demo_settings.replace(speech=True, max_speech_seconds=30.0)) as running:
-        yield running
+@pytest.fixture
+def app(speaking_app):
+    return speaking_app
 
 
 class Player:
@@ -68,20 +62,25 @@ class Player:
         self.stops += 1
 
 
-def conversation(app: OmniLocal, player: Player) -> tuple[VoiceConversation, list]:
+def conversation(app: OmniLocal, player: Player) -> tuple[VoiceConversation, list, Session]:
     shown: list = []
-    talk = VoiceConversation(app.session(), player.play, player.stop, show=shown.append, max_new_tokens=8,
-                             talker_temperature=0.0)
-    return talk, shown
+    session = app.session()
+    talk = VoiceConversation(asking(session, max_new_tokens=8), player.play, player.stop, show=shown.append)
+    return talk, shown, session
+
+
+def asking(session: Session, **options: object) -> Callable[[np.ndarray], Reply]:
+    """Each utterance a spoken question in `session`, the Talker greedy."""
+    return lambda samples: session.send(audio=[samples], speak=True, talker_temperature=0.0, **options)
 
 
 def test_an_utterance_is_answered_aloud_and_speaking_over_the_reply_stops_it(app):
     player = Player()
-    talk, shown = conversation(app, player)
+    talk, shown, session = conversation(app, player)
     for piece in in_pieces(np.concatenate([SPEECH, SILENCE])):
         talk.hear(piece)
     assert talk.turns == 1
-    _wait_for(lambda: player.chunks)  # the reply is playing
+    wait_for(lambda: player.chunks)  # the reply is playing
     for piece in in_pieces(np.concatenate([SPEECH, SILENCE])):  # the person speaks over it
         talk.hear(piece)
     talk.wait()
@@ -89,7 +88,7 @@ def test_an_utterance_is_answered_aloud_and_speaking_over_the_reply_stops_it(app
     assert talk.turns == 2 and player.stops >= 1
     assert finals[0].stop_reason == "cancelled" and finals[0].speech.audio_s < 30
     assert finals[1].tokens.prompt > finals[0].tokens.prompt  # the second question came after the first
-    assert [m.role for m in talk.session.history] == ["user", "assistant", "user", "assistant"]
+    assert [m.role for m in session.history] == ["user", "assistant", "user", "assistant"]
 
 
 class FakeSoundDevice:
@@ -150,11 +149,11 @@ def test_the_desktop_microphone_and_speakers_carry_a_whole_turn(app):
     device = FakeSoundDevice(np.concatenate([SILENCE, SPEECH, SILENCE, SILENCE]))
     shown: list = []
     with Speakers(device) as speakers:
-        talk = VoiceConversation(app.session(), lambda chunk: speakers.play(chunk.samples), speakers.stop,
-                                 show=shown.append, max_new_tokens=4, talker_temperature=0.0)
+        talk = VoiceConversation(asking(app.session(), max_new_tokens=4), lambda chunk: speakers.play(chunk.samples),
+                                 speakers.stop, show=shown.append)
         with Microphone(device, talk.hear):
-            _wait_for(lambda: talk.turns == 1, seconds=60)
-            _wait_for(lambda: any(np.any(block != 0) for block in device.played), seconds=60)
+            wait_for(lambda: talk.turns == 1, seconds=60)
+            wait_for(lambda: any(np.any(block != 0) for block in device.played), seconds=60)
         talk.interrupt()
         talk.wait()
     assert talk.turns == 1 and not speakers.playing
@@ -185,11 +184,3 @@ def test_voice_without_portaudio_ends_with_one_line_and_status_2(monkeypatch, ca
     err = capsys.readouterr().err.strip()
     assert err == ("error: no audio devices: the PortAudio library is missing (PortAudio library not found); "
                    "install it (Debian: libportaudio2)")
-
-
-def _wait_for(condition, seconds: float = 30) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-

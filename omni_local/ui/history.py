@@ -1,0 +1,164 @@
+"""The chat as the page shows it, and as the model sees it.
+
+Gradio keeps the visible history; each turn rebuilds the conversation from it, so retry, undo and
+edit (built into ChatInterface) need nothing from us. The shown chat keeps a `ChatMemory`: its
+session id (the saved chat's id), so every turn continues its own prefix-cache entry, and each
+reply's token ids, so the next prompt holds the reply exactly as generated and its cached KV is
+reused in full. Errors appear as a marked message in the chat and are left out of what the model
+sees.
+"""
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+import numpy as np
+from PIL import Image
+
+from omni_local.api import OmniLocal
+from omni_local.engine.request import Finished
+from omni_local.errors import RequestError
+from omni_local.media import load_audio, load_image
+from omni_local.media.video import Video
+from omni_local.prompts import Message, Part
+from omni_local.ui.player import keep_audio
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif"}
+AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".mp3"}
+VIDEO_SUFFIXES = {".mp4", ".webm", ".mov"}
+ERROR_TITLE = "Error"
+SPOKEN_TITLE = "Spoken reply"
+
+
+@dataclass
+class ChatMemory:
+    session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    replies: dict[str, list[int]] = field(default_factory=dict)  # reply text -> its token ids
+    media: dict[str, Part] = field(default_factory=dict)  # upload path -> decoded, so each is read once
+
+
+def finished_reply(event: Finished, audio: np.ndarray, uploads: Path, memory: ChatMemory) -> list[gr.ChatMessage]:
+    """A finished reply as the chat shows it: its text, its speech (kept in `uploads`, to play
+    again) and its metrics. Its token ids are remembered for the next turn's prompt."""
+    memory.replies[event.text] = event.token_ids
+    shown = [gr.ChatMessage(content=event.text)]
+    kept = keep_audio(uploads, audio) if audio.size else None
+    if kept is not None:
+        shown.append(gr.ChatMessage(content={"path": str(kept)}, metadata={"title": SPOKEN_TITLE}))
+    shown.append(gr.ChatMessage(content=event.metrics_line(), metadata={"title": "Metrics"}))
+    return shown
+
+
+def error_message(text: str) -> gr.ChatMessage:
+    return gr.ChatMessage(content=text, metadata={"title": ERROR_TITLE})
+
+
+def as_dict(message: gr.ChatMessage) -> dict[str, Any]:
+    """An assistant message in the form the chat's history holds it."""
+    return {"role": "assistant", "content": message.content, "metadata": dict(message.metadata or {})}
+
+
+def question(message: dict[str, Any]) -> dict[str, Any]:
+    """A submitted message as the chat shows it: its files, then its text."""
+    files = [{"path": item if isinstance(item, str) else item["path"]} for item in message.get("files") or []]
+    return {"role": "user", "content": [*files, *([message["text"]] if message.get("text") else [])]}
+
+
+def to_messages(history: list[dict[str, Any]], app: OmniLocal, memory: ChatMemory | None = None) -> list[Message]:
+    """Gradio's visible history as the model's conversation: only questions that got a reply.
+
+    Gradio 6 keeps one user entry per turn (text and files together). A question answered by an
+    error, or by nothing (stopped early), never reached the model: it is dropped before its files
+    are read, so a bad upload cannot fail every later turn. Error and metrics notes are left out.
+    """
+    memory = memory or ChatMemory()
+
+    def parts(content: Any) -> list[Part]:
+        return _parts(content, lambda path: _remembered(path, app, memory))
+
+    messages: list[Message] = []
+    asked: dict[str, Any] | None = None  # the last user entry, until its reply comes
+    for entry in history:
+        title = (entry.get("metadata") or {}).get("title")
+        if entry["role"] == "user":
+            asked = entry
+        elif title == ERROR_TITLE:
+            asked = None
+        elif title:
+            continue
+        elif asked is not None:
+            answer = parts(entry["content"])
+            ids = memory.replies.get("".join(p for p in answer if isinstance(p, str)))
+            question_parts = sorted(parts(asked["content"]), key=_send_order)
+            messages += [Message("user", question_parts), Message("assistant", answer, token_ids=ids)]
+            asked = None
+        elif messages:
+            messages[-1].parts += parts(entry["content"])  # one reply shown as several messages
+    return messages
+
+
+def _send_order(part: Part) -> int:
+    """A question's parts in the order `Session.send` gives them (images, sounds, videos, text), so
+    a turn rebuilt from the page is the prompt that turn was sent as, and its cached KV matches."""
+    kinds = (Image.Image, np.ndarray, Video)
+    return next((rank for rank, kind in enumerate(kinds) if isinstance(part, kind)), len(kinds))
+
+
+def _parts(content: Any, load: Callable[[str], Part]) -> list[Part]:
+    blocks = content if isinstance(content, list) else [content]
+    parts: list[Part] = []
+    for block in blocks:
+        path = file_path(block)
+        if path is not None:
+            parts.append(load(path))
+        elif isinstance(block, dict) and block.get("type") == "text":
+            parts.append(block["text"])
+        elif isinstance(block, str):
+            parts.append(block)
+    return parts
+
+
+def file_path(block: Any) -> str | None:
+    if isinstance(block, dict):
+        if block.get("type") == "file":
+            block = block.get("file", block)
+        return block.get("path")
+    if isinstance(block, tuple) and block:
+        return block[0]
+    return None
+
+
+def media_paths(files: list[Any]) -> dict[str, list[Path]]:
+    media: dict[str, list[Path]] = {"images": [], "audio": [], "videos": []}
+    for item in files:
+        path = Path(item if isinstance(item, str) else item["path"])
+        media[_kind(path)].append(path)
+    return media
+
+
+def _remembered(path: str, app: OmniLocal, memory: ChatMemory) -> Part:
+    """An upload decoded once per chat: Gradio keeps each upload at its own path, unchanged."""
+    if path not in memory.media:
+        memory.media[path] = _load(path, app)
+    return memory.media[path]
+
+
+def _load(path: str, app: OmniLocal) -> Part:
+    kind = _kind(Path(path))
+    if kind == "videos":
+        return app.read_video(path)
+    return (load_image if kind == "images" else load_audio)(path, app.limits)
+
+
+def _kind(path: Path) -> str:
+    suffix = path.suffix.lower()
+    if suffix in IMAGE_SUFFIXES:
+        return "images"
+    if suffix in AUDIO_SUFFIXES:
+        return "audio"
+    if suffix in VIDEO_SUFFIXES:
+        return "videos"
+    raise RequestError(f"{path.name}: unsupported file type (image, audio or video files expected)")

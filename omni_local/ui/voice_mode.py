@@ -1,0 +1,228 @@
+"""Voice conversation in the page: hands-free or push-to-talk, its turns in the shown chat.
+
+The microphone streams to the server in 100 ms WAV chunks (Gradio's streaming Audio input). In
+hands-free mode they go through voice.py's detector: the end of an utterance asks it, speech during
+a reply stops it (barge-in). In push-to-talk mode the recording is the utterance: starting one stops
+the reply, stopping it asks. A voice turn is a turn of the shown chat, in its cache session, like a
+typed one: the utterance shows as an audio message, the reply's text streams under it and its audio
+goes to the page's Web Audio player (player.py). Both come from the engine's thread, not from an
+event of the page, so a timer brings them to the page ten times a second while voice mode is busy.
+"""
+
+import threading
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+import numpy as np
+import soundfile
+import soxr
+
+from omni_local.api import AudioChunk, Finished, OmniLocal, Reply, TextDelta
+from omni_local.errors import OmniLocalError
+from omni_local.media import SAMPLE_RATE
+from omni_local.ui.history import ChatMemory, as_dict, error_message, finished_reply, to_messages
+from omni_local.ui.player import STOP, audio_payload
+from omni_local.voice import VoiceConversation
+
+HANDS_FREE, PUSH_TO_TALK = "Hands-free", "Push to talk"
+CHUNK_SECONDS = 0.1  # how often the page sends the microphone's audio: the detector's reaction time
+DELIVERY_SECONDS = 0.1
+HEARD_PATHS = 64  # chunk paths whose audio is kept, for a chunk arriving again  # how often the page fetches the reply's text and audio while it is made
+
+
+@dataclass
+class TurnContext:
+    """What a voice turn is asked in: the shown chat and the chat's settings, as the page has them."""
+
+    history: list[dict[str, Any]]
+    system_prompt: str
+    memory: ChatMemory
+    options: dict[str, Any]  # Session.send's sampling options and voice
+
+
+class VoiceMode:
+    """One page's voice conversation, between the page's events and the engine's reply thread."""
+
+    def __init__(self, app: OmniLocal, uploads: Path) -> None:
+        self.app, self.uploads = app, uploads
+        self.listening = False
+        self._conversation: VoiceConversation | None = None  # made at first use: it loads the VAD
+        self._context: TurnContext | None = None
+        self._resampler: soxr.ResampleStream | None = None  # one per recording: it carries state between chunks
+        self._rate = 48_000  # the page's microphone rate, as its chunks say
+        self._recording: list[np.ndarray] = []  # push-to-talk's utterance so far
+        self._heard: OrderedDict[str, np.ndarray] = OrderedDict()  # recent chunk paths -> their audio
+        self._folders: set[Path] = set()
+        self._lock = threading.Lock()  # guards what follows: the reply thread writes, the timer reads
+        self._outbox: list[dict[str, Any]] = []  # for the page's player
+        self._turn: list[dict[str, Any]] = []  # the chat up to the current voice question, then the question
+        self._answer: list[dict[str, Any]] = []  # its reply as shown so far
+        self._chat_changed = False
+        self._chunks = 0
+        self._reply: Reply | None = None
+
+    @property
+    def conversation(self) -> VoiceConversation:
+        if self._conversation is None:
+            self._conversation = VoiceConversation(self._ask, self._play, self._stop_playing, show=self._show)
+        return self._conversation
+
+    # The page's events ------------------------------------------------------------------------
+
+    def start_recording(self, mode: str) -> None:
+        """The microphone is on; in push-to-talk a new utterance begins, which stops the reply."""
+        self.listening, self._resampler, self._recording = True, None, []
+        if mode == PUSH_TO_TALK:
+            self.conversation.interrupt()
+
+    def hear(self, chunk: str | None, mode: str, context: TurnContext) -> None:
+        """The next stretch of the microphone (a WAV file the page uploaded)."""
+        if chunk is None:
+            return
+        samples = self._read(chunk)
+        self._context = context
+        if mode == HANDS_FREE:
+            self.conversation.hear(samples)
+        else:
+            self._recording.append(samples)
+
+    def stop_recording(self, mode: str, context: TurnContext) -> None:
+        """The microphone is off; in push-to-talk the recording is asked."""
+        self.listening = False
+        self._delete_folders()
+        if mode == PUSH_TO_TALK and self._recording:
+            self._context = context
+            self.conversation.answer(np.concatenate(self._recording))
+        self._recording = []
+
+    def deliver(self) -> tuple[Any, Any, bool]:
+        """What the page has not got yet: items for its player and the chat (each gr.skip() if
+        nothing is new), and whether voice mode still has work (so the timer keeps ticking)."""
+        # Read before taking what is new: whatever the reply adds after this is taken next tick.
+        more_to_come = self.listening or (self._conversation is not None and self._conversation.busy)
+        with self._lock:
+            items, self._outbox = self._outbox, []
+            chat = [*self._turn, *self._answer] if self._chat_changed else gr.skip()
+            self._chat_changed = False
+        return items or gr.skip(), chat, more_to_come
+
+    # The conversation's callbacks ---------------------------------------------------------------
+
+    def _ask(self, samples: np.ndarray) -> Reply:
+        """Ask an utterance in the shown chat's session, after the chat as the page has it."""
+        context = self._context
+        path = self._keep_utterance(samples)
+        context.memory.media[str(path)] = samples  # the next turn's prompt holds exactly these samples
+        with self._lock:
+            self._turn = [*context.history, {"role": "user", "content": [{"path": str(path)}]}]
+            self._answer, self._chunks, self._chat_changed = [], 0, True
+        session = self.app.session(system_prompt=context.system_prompt or None, session_id=context.memory.session_id)
+        session.history += to_messages(context.history, self.app, context.memory)
+        self._reply = session.send(audio=[samples], speak=True, **context.options)
+        return self._reply
+
+    def _play(self, chunk: AudioChunk) -> None:
+        with self._lock:
+            self._outbox.append(audio_payload(chunk, self._chunks))
+            self._chunks += 1
+
+    def _stop_playing(self) -> None:
+        with self._lock:
+            self._outbox = [STOP]  # chunks the page has not got yet are never played
+
+    def _show(self, event: TextDelta | Finished | OmniLocalError) -> None:
+        if isinstance(event, TextDelta):
+            text = (self._answer[0]["content"] if self._answer else "") + event.text
+            answer = [{"role": "assistant", "content": text}]
+        elif isinstance(event, Finished):
+            answer = [as_dict(m) for m in finished_reply(event, self._reply.audio, self.uploads, self._context.memory)]
+        else:
+            answer = [as_dict(error_message(str(event)))]
+        with self._lock:
+            self._answer, self._chat_changed = answer, True
+
+    # Audio ----------------------------------------------------------------------------------
+
+    def _read(self, chunk: str) -> np.ndarray:
+        """A chunk as 16 kHz mono float32. Each file is deleted once read: at ten a second they
+        would fill the private folder. Gradio names an upload by its content, so a chunk like one
+        before (digital silence) comes to a path already read, and maybe already deleted: its audio
+        is known."""
+        path = Path(chunk)
+        audio = self._heard.get(chunk)
+        if audio is None:
+            try:
+                data, rate = soundfile.read(path, dtype="float32", always_2d=True)
+            except (OSError, soundfile.LibsndfileError):  # not a WAV the page made: nothing heard
+                return np.zeros(0, np.float32)
+            audio, self._rate = data.mean(axis=1), rate
+            self._heard[chunk] = audio
+            while len(self._heard) > HEARD_PATHS:
+                self._heard.popitem(last=False)
+        # The file only: removing its folder could race Gradio's upload of an identical chunk into it.
+        path.unlink(missing_ok=True)
+        self._folders.add(path.parent)
+        if self._resampler is None:  # a new recording, at the page's rate
+            self._resampler = soxr.ResampleStream(self._rate, SAMPLE_RATE, 1, dtype="float32")
+        return self._resampler.resample_chunk(audio)
+
+    def _delete_folders(self) -> None:
+        """The chunks' emptied folders, once the microphone is off and nothing more comes to them."""
+        for folder in self._folders:
+            try:
+                folder.rmdir()
+            except OSError:  # not empty: some other upload lives there too
+                pass
+        self._folders.clear()
+
+    def _keep_utterance(self, samples: np.ndarray) -> Path:
+        """The utterance as a float WAV at 16 kHz in the private uploads folder: the chat shows it,
+        and read back after a restart it gives the same samples, so the turn's cached KV matches."""
+        path = self.uploads / f"voice-{uuid.uuid4().hex}.wav"
+        soundfile.write(path, samples, SAMPLE_RATE, subtype="FLOAT", format="WAV")
+        return path
+
+
+def add_voice_mode(
+    app: OmniLocal,
+    uploads: Path,
+    chat: gr.ChatInterface,
+    audio_feed: gr.JSON,
+    settings: list[gr.Component],
+) -> None:
+    """The voice section under the chat. `settings` are the chat's own inputs a turn is asked with:
+    system prompt, memory, longest reply, temperature, top-p, voice."""
+    with gr.Accordion("Voice conversation", open=False):
+        mode = gr.Radio([HANDS_FREE, PUSH_TO_TALK], value=HANDS_FREE, label="Mode",
+                        info="Hands-free: speak, then pause; speaking over a reply stops it. "
+                             "Push to talk: record, then stop to ask. Use headphones.")
+        microphone = gr.Audio(sources=["microphone"], streaming=True, type="filepath", label="Microphone",
+                              elem_id="voice-microphone")
+    voice = gr.State(lambda: VoiceMode(app, uploads))
+    timer = gr.Timer(DELIVERY_SECONDS, active=False)
+
+    def context(history: list[dict[str, Any]], system_prompt: str, memory: ChatMemory, max_new_tokens: float,
+                temperature: float, top_p: float, speaker: str) -> TurnContext:
+        options = {"max_new_tokens": int(max_new_tokens), "temperature": temperature, "top_p": top_p, "voice": speaker}
+        return TurnContext(list(history or []), system_prompt, memory, options)
+
+    def start(voice_mode: VoiceMode, chosen: str) -> gr.Timer:
+        voice_mode.start_recording(chosen)
+        return gr.Timer(active=True)
+
+    def deliver(voice_mode: VoiceMode) -> tuple[Any, ...]:
+        items, shown, busy = voice_mode.deliver()
+        return items, shown, shown, gr.skip() if busy else gr.Timer(active=False)
+
+    inputs = [chat.chatbot, *settings]
+    quiet = {"show_progress": "hidden", "api_name": False}
+    microphone.start_recording(start, [voice, mode], [timer], **quiet)
+    microphone.stream(lambda v, chunk, chosen, *c: v.hear(chunk, chosen, context(*c)), [voice, microphone, mode, *inputs],
+                      None, stream_every=CHUNK_SECONDS, time_limit=None, **quiet)
+    microphone.stop_recording(lambda v, chosen, *c: v.stop_recording(chosen, context(*c)), [voice, mode, *inputs],
+                              None, **quiet)
+    timer.tick(deliver, [voice], [audio_feed, chat.chatbot, chat.chatbot_state, timer], **quiet)

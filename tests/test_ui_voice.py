@@ -1,0 +1,135 @@
+"""Voice mode in the page: the microphone's chunks, as the page uploads them, become turns of the
+shown chat; speaking over a reply stops it; push-to-talk asks a whole recording; a voice turn is
+cached like a typed one."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+import soxr
+
+from omni_local.ui.history import ChatMemory, to_messages
+from omni_local.ui.player import STOP
+from omni_local.ui.voice_mode import HANDS_FREE, PUSH_TO_TALK, TurnContext, VoiceMode
+from samples import SPEECH, wait_for
+
+SILENCE = np.zeros(16_000, np.float32)  # 1 s
+
+
+def page_chunks(samples: np.ndarray, folder: Path) -> list[str]:
+    """16 kHz audio as the page's microphone sends it: 100 ms WAV files at 48 kHz, 16-bit, each in a
+    folder of its own (Gradio's upload layout)."""
+    audio = soxr.resample(samples, 16_000, 48_000)
+    paths = []
+    for i, start in enumerate(range(0, len(audio), 4_800)):
+        path = folder / f"chunk-{len(list(folder.glob('chunk-*')))}-{i}" / "audio.wav"
+        path.parent.mkdir(parents=True)
+        soundfile.write(path, audio[start : start + 4_800], 48_000, subtype="PCM_16")
+        paths.append(str(path))
+    return paths
+
+
+@pytest.fixture
+def voice(speaking_app, tmp_path) -> VoiceMode:
+    uploads = tmp_path / "uploads"
+    uploads.mkdir()
+    return VoiceMode(speaking_app, uploads)
+
+
+def asked_in(memory: ChatMemory, history: list | None = None, max_new_tokens: int = 6) -> TurnContext:
+    options = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "top_p": 1.0, "voice": "Ethan"}
+    return TurnContext(history or [], "", memory, options)
+
+
+def speak(voice: VoiceMode, samples: np.ndarray, folder: Path, context: TurnContext, mode: str = HANDS_FREE) -> None:
+    for chunk in page_chunks(samples, folder):
+        voice.hear(chunk, mode, context)
+
+
+def delivered(voice: VoiceMode) -> tuple[list, list]:
+    """What the timer brings the page until voice mode has nothing more: player items, last chat."""
+    items, chat = [], []
+    wait_for(lambda: not voice.conversation.busy, seconds=120)
+    more = True
+    while more:
+        new_items, shown, more = voice.deliver()
+        items += new_items if isinstance(new_items, list) else []
+        chat = shown if isinstance(shown, list) else chat
+    return items, chat
+
+
+def test_speech_then_a_second_of_silence_is_one_spoken_turn_of_the_shown_chat(voice, tmp_path):
+    voice.start_recording(HANDS_FREE)
+    speak(voice, np.concatenate([SILENCE, SPEECH, SILENCE]), tmp_path, asked_in(ChatMemory()))
+    voice.stop_recording(HANDS_FREE, asked_in(ChatMemory()))
+    items, chat = delivered(voice)
+    assert voice.conversation.turns == 1
+    assert [m["role"] for m in chat] == ["user", "assistant", "assistant", "assistant"]
+    assert chat[0]["content"][0]["path"].endswith(".wav")  # the utterance, to play again
+    assert [m["metadata"].get("title") for m in chat[1:]] == [None, "Spoken reply", "Metrics"]
+    chunks = [item["index"] for item in items if "pcm" in item]
+    assert chunks and chunks == list(range(len(chunks)))  # every chunk, in order
+    assert not list(tmp_path.glob("chunk-*"))  # each chunk deleted once read, its folder once recording stops
+
+
+def test_speaking_over_a_reply_stops_it_and_asks_again(voice, tmp_path):
+    memory = ChatMemory()
+    voice.start_recording(HANDS_FREE)
+    speak(voice, np.concatenate([SPEECH, SILENCE]), tmp_path, asked_in(memory, max_new_tokens=200))
+    wait_for(lambda: voice._outbox)  # the reply is playing
+    speak(voice, np.concatenate([SPEECH, SILENCE]), tmp_path, asked_in(memory, max_new_tokens=6))
+    voice.stop_recording(HANDS_FREE, asked_in(memory))
+    items, chat = delivered(voice)
+    assert voice.conversation.turns == 2
+    assert STOP in items
+    assert chat[-1]["metadata"]["title"] == "Metrics"
+
+
+def test_push_to_talk_asks_the_whole_recording_and_a_new_recording_stops_the_reply(voice, tmp_path):
+    memory = ChatMemory()
+    voice.start_recording(PUSH_TO_TALK)
+    speak(voice, SPEECH[:16_000], tmp_path, asked_in(memory), PUSH_TO_TALK)  # no pause needed
+    voice.stop_recording(PUSH_TO_TALK, asked_in(memory, max_new_tokens=200))
+    assert voice.conversation.turns == 1
+    wait_for(lambda: voice._outbox)
+    voice.start_recording(PUSH_TO_TALK)
+    assert voice._outbox == [STOP]
+    voice.stop_recording(PUSH_TO_TALK, asked_in(memory))  # nothing recorded: nothing asked
+    items, chat = delivered(voice)
+    assert voice.conversation.turns == 1 and [m["role"] for m in chat][:2] == ["user", "assistant"]
+
+
+def test_a_typed_turn_after_a_voice_turn_computes_only_itself(voice, speaking_app, tmp_path):
+    memory = ChatMemory()
+    voice.start_recording(PUSH_TO_TALK)
+    speak(voice, SPEECH, tmp_path, asked_in(memory), PUSH_TO_TALK)
+    voice.stop_recording(PUSH_TO_TALK, asked_in(memory))
+    _, chat = delivered(voice)
+    # Read back from its file (a restart, a reload), the utterance is the very samples asked.
+    spoken = to_messages(chat, speaking_app, ChatMemory())[0].parts[0]
+    assert np.array_equal(spoken, memory.media[chat[0]["content"][0]["path"]])
+    # The same two turns through the API, in a session of its own: each turn continues what the
+    # one before computed.
+    direct = speaking_app.session()
+    direct.send(audio=[spoken], speak=True, max_new_tokens=6, temperature=0.0).result()
+    expected = direct.send("And what else?", max_new_tokens=2).result().tokens
+    assert expected.computed < expected.prompt / 3
+    # The page's chat rebuilt into a prompt is that very prompt, token for token: all of it is found
+    # in the cache (one token is always computed, for its logits).
+    session = speaking_app.session(session_id=memory.session_id)
+    session.history += to_messages(chat, speaking_app, memory)
+    tokens = session.send("And what else?", max_new_tokens=2).result().tokens
+    assert (tokens.prompt, tokens.computed) == (expected.prompt, 1)
+
+
+def test_a_chunk_like_one_before_is_heard_again_though_its_file_is_gone(voice, tmp_path):
+    """Gradio names an upload by its content: ten chunks of digital silence come to one path."""
+    [chunk] = page_chunks(np.full(1_600, 0.1, np.float32), tmp_path)
+    voice.start_recording(PUSH_TO_TALK)
+    for _ in range(10):
+        voice.hear(chunk, PUSH_TO_TALK, asked_in(ChatMemory()))
+    voice.stop_recording(PUSH_TO_TALK, asked_in(ChatMemory()))
+    _, chat = delivered(voice)
+    heard = soundfile.info(chat[0]["content"][0]["path"]).frames
+    assert 15_000 < heard <= 16_000  # all ten, 100 ms each (less what the resampler still holds)
