@@ -6,26 +6,74 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+CACHE_ON, CACHE_OFF = "omni_local, cache on", "omni_local, cache off"
+EVERY = (CACHE_ON, CACHE_OFF, "transformers")
+FIRST_SEND = (CACHE_OFF, "transformers")  # nothing to reuse, so no cache-on row
+CONCURRENT = (CACHE_ON, CACHE_OFF, "transformers, sequential")
+SIZES = ("224x224", "480x640", "1200x1600")
+EXPECTED = {  # scenario -> the systems that time it
+    "text, first send": FIRST_SEND,
+    **{f"image {size}, first send": FIRST_SEND for size in SIZES},
+    **{f"same image {size}, new question": EVERY for size in SIZES},
+    **{f"image chat {size} turn 2": EVERY for size in SIZES[1:]},
+    "same audio 10 s, new question": EVERY,
+    "text chat turn 2": EVERY,
+    "text chat turn 2, c8": CONCURRENT,
+    "text chat turn 2, c16": CONCURRENT,
+    "shared 2,084-token system prompt, new question": EVERY,
+    "first image 480x640 after restart": EVERY,
+    "video 10 s, first send": FIRST_SEND,
+    "same video 10 s, new question": EVERY,
+    "spoken reply, first send": FIRST_SEND,
+    "voice chat turn 2": EVERY,
+}
 
 
-def test_the_bench_smoke_run_writes_every_row_and_the_cache_rows_compute_less(demo_settings, demo_checkpoint, tmp_path):
+def test_the_bench_smoke_run_times_every_scenario_and_the_cache_rows_compute_only_what_is_new(
+    demo_settings, demo_checkpoint, tmp_path
+):
     out = tmp_path / "bench.json"
     done = subprocess.run(
-        [sys.executable, "-m", "omni_local.bench", "--runs", "1", "--new-tokens", "2", "--json", str(out),
+        [sys.executable, "-m", "omni_local.bench", "--runs", "1", "--new-tokens", "3", "--json", str(out),
          "--demo-dir", str(demo_settings.demo_path), "--cache-dir", str(tmp_path / "cache"), "--device", "cpu",
-         "--gpu-cache-bytes", str(64 << 20), "--max-context-tokens", "4096", "--max-prompt-tokens", "3960",
+         # A KV slot for each of the 16 concurrent chats (the demo's 2 KiB per token x 4,096 tokens each).
+         "--gpu-cache-bytes", str(256 << 20), "--max-context-tokens", "4096", "--max-prompt-tokens", "3960",
          "--speech", "true", "--max-speech-seconds", "0.5"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, done.stderr
-    header = "| scenario | prompt tokens | system | computed | TTFT (ms) | ITL (ms) | first audio (ms) | RTF | audio (s) |"
+    assert "KV slots" not in done.stderr  # every concurrent chat had a slot
+    header = ("| scenario | prompt tokens | system | computed | TTFT (ms) | ITL (ms) | start-up (ms) "
+              "| first audio (ms) | RTF | audio (s) |")
     assert header in done.stdout
     rows = {(r["scenario"], r["system"]): r for r in json.loads(out.read_text())["rows"]}
-    assert len(rows) == 20
-    for scenario in ("same image 480x640, new question", "same video 10 s, new question", "text chat turn 2",
-                     "voice chat turn 2"):
-        on, off = rows[scenario, "omni_local, cache on"], rows[scenario, "omni_local, cache off"]
-        assert on["computed"] < off["computed"] == off["prompt"]
-    for system in ("omni_local, cache off", "transformers"):
-        spoken = rows["spoken reply, first send", system]
-        assert spoken["audio_s"] > 0 and spoken["first_audio_ms"] > 0 and spoken["rtf"] > 0
+    assert set(rows) == {(scenario, system) for scenario, systems in EXPECTED.items() for system in systems}
+    for (scenario, system), row in rows.items():
+        assert 0 < row["computed"] <= row["prompt"], (scenario, system)
+        times = {k: v for k, v in row.items() if k.endswith(("_ms", "_s")) or k == "rtf"}
+        if system == "transformers" and "rtf" in row:
+            del times["ttft_ms"], times["itl_ms"]  # generate(return_audio=True) streams no tokens
+        assert all(v > 0 for v in times.values()), (scenario, system, times)  # NaN fails too
+        assert ("start_up_ms" in row) == ("restart" in scenario and system in (CACHE_ON, CACHE_OFF)), (scenario, system)
+
+    def on_off(scenario: str) -> tuple[dict, dict]:
+        return rows[scenario, CACHE_ON], rows[scenario, CACHE_OFF]
+
+    # A restarted app has no KV yet: only the rows in one app reuse a prefix.
+    for scenario in [s for s, systems in EXPECTED.items() if CACHE_ON in systems and "restart" not in s]:
+        on, off = on_off(scenario)
+        assert on["computed"] < off["computed"] == off["prompt"] == on["prompt"], scenario
+    # After a restart the image's encoder output comes from the disk cache; without the cache it is encoded.
+    assert [row["media_encoded"] for row in on_off("first image 480x640 after restart")] == [0, 1]
+    # Each chat of a turn 2 computes its new question only, alone or with 7 or 15 others (give or take
+    # the end of its first reply, whose last token was never fed back).
+    alone = on_off("text chat turn 2")[0]["computed"]
+    assert all(abs(on_off(f"text chat turn 2, {n}")[0]["computed"] - alone) <= 2 for n in ("c8", "c16"))
+    # The resent system prompt's 2,084 tokens come from the other session; only the short question is new.
+    on, off = on_off("shared 2,084-token system prompt, new question")
+    assert on["computed"] <= off["prompt"] - 2084 < 60
+    first_sends = [rows[f"image {size}, first send", CACHE_OFF]["prompt"] for size in SIZES]
+    assert first_sends == sorted(first_sends)
+    # Time to first audio and real-time factor, cold and on a cached turn (their values checked above).
+    spoken = ("spoken reply, first send", "voice chat turn 2")
+    assert all("rtf" in rows[scenario, system] for scenario in spoken for system in EXPECTED[scenario])

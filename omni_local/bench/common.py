@@ -1,6 +1,8 @@
-"""What both benchmarks share: their command line, the model they time, and a synchronised clock."""
+"""What the benchmarks share: their command line, the model they time, a synchronised clock, medians."""
 
 import argparse
+import math
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,13 +33,23 @@ def settings_and_model(args: argparse.Namespace) -> tuple[Settings, LoadedModel]
 
 def elapsed_s(call: Callable[[], object]) -> float:
     """Wall time of `call`, the GPU's queued work included."""
-    _sync()
-    start = time.perf_counter()
+    start = synced_now()
     call()
-    _sync()
-    return time.perf_counter() - start
+    return synced_now() - start
 
 
-def _sync() -> None:
+def synced_now() -> float:
+    """The clock, read once the GPU's queued work is done."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def medians(samples: list[dict[str, float]]) -> dict[str, float]:
+    """Per key, the median of the samples that have a value (a reply of one token has no ITL)."""
+    return {key: _median([s[key] for s in samples]) for key in samples[0]}
+
+
+def _median(values: list[float]) -> float:
+    known = [v for v in values if not math.isnan(v)]
+    return statistics.median(known) if known else math.nan

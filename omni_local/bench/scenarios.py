@@ -1,0 +1,137 @@
+"""What the benchmark times: conversations whose last user turn is the timed request, and how a
+run of one is sent (with the text made new for each run and chat).
+
+Prompts follow ../shared/BENCHMARK_ANCHORS.md: a system prompt, one image or clip, a question.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image
+
+from omni_local.api import OmniLocal, Reply, Session
+from omni_local.media.video import Video
+from omni_local.prompts import Message
+
+SYSTEM = (
+    "You are a helpful assistant who looks carefully at pictures and listens to sounds, then answers "
+    "the question in a few clear words without guessing."
+)
+QUESTION = "What is in this picture, and what colour is the house?"
+AUDIO_QUESTION = "What do you hear in this clip, and where was it recorded?"
+VIDEO_QUESTION = "What happens in this video, and what do you hear?"
+# Spoken rows ask something else, so they never reuse a text row's conversation.
+SPOKEN_QUESTION = "Tell me in two sentences what you can do for me today."
+HELLO = "Hello! Who are you?"
+
+IMAGE_SIZES = ((224, 224), (480, 640), (1200, 1600))  # (height, width)
+TURN_2_SIZES = ((480, 640), (1200, 1600))
+CONCURRENCY = (1, 8, 16)  # text chat turn 2 sent by this many sessions at once
+LONG_SYSTEM_TOKENS = 2084  # mstar's shared system prompt
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A conversation whose last user turn is timed; `earlier` turns are sent first, untimed, in the
+    same session (so with the cache on, their KV is there), with a fresh question text each run."""
+
+    name: str
+    system: str
+    earlier: list[Message]  # user turns sent before, in the same session
+    last: Message
+    warm_cache: bool = False  # another session sends the same conversation first
+    speak: bool = False  # every turn is a spoken reply
+    concurrency: int = 1  # sessions that send the timed turn at the same time
+    restart: bool = False  # the timed turn goes to a newly started app on the same cache folder
+
+
+def scenarios(tokenizer) -> list[Scenario]:
+    images = {size: _noise_image(size) for size in IMAGE_SIZES}
+    ask = Message("user", [QUESTION])
+    hello = Message("user", [HELLO])
+    on_image = {size: Message("user", [image, QUESTION]) for size, image in images.items()}
+    return [
+        Scenario("text, first send", SYSTEM, [], ask),
+        *(Scenario(f"image {_size(size)}, first send", SYSTEM, [], on_image[size]) for size in IMAGE_SIZES),
+        *(Scenario(f"same image {_size(size)}, new question", SYSTEM, [], on_image[size], warm_cache=True)
+          for size in IMAGE_SIZES),
+        *(Scenario(f"image chat {_size(size)} turn 2", SYSTEM, [Message("user", [images[size], HELLO])], ask)
+          for size in TURN_2_SIZES),
+        Scenario("same audio 10 s, new question", SYSTEM, [], Message("user", [_noise_clip(10.0), AUDIO_QUESTION]),
+                 warm_cache=True),
+        *(Scenario("text chat turn 2" + (f", c{n}" if n > 1 else ""), SYSTEM, [hello], ask, concurrency=n)
+          for n in CONCURRENCY),
+        Scenario(f"shared {LONG_SYSTEM_TOKENS:,}-token system prompt, new question", long_system_prompt(tokenizer),
+                 [], ask, warm_cache=True),
+        # The first app asks about the image first, so with the cache on its encoder output is on disk.
+        Scenario("first image 480x640 after restart", SYSTEM, [], on_image[480, 640], warm_cache=True, restart=True),
+    ]
+
+
+def video_scenarios() -> list[Scenario]:
+    """A 10 s clip as it is read (2 frames a second, 360x640) with its sound track."""
+    rng = np.random.default_rng(1)
+    video = Video(rng.integers(0, 256, (20, 360, 640, 3), dtype=np.uint8), 2.0,
+                  (rng.standard_normal(160_000) * 0.1).astype(np.float32))
+    ask = Message("user", [video, VIDEO_QUESTION])
+    return [
+        Scenario("video 10 s, first send", SYSTEM, [], ask),
+        Scenario("same video 10 s, new question", SYSTEM, [], ask, warm_cache=True),
+    ]
+
+
+def spoken_scenarios() -> list[Scenario]:
+    ask = Message("user", [SPOKEN_QUESTION])
+    return [
+        Scenario("spoken reply, first send", SYSTEM, [], ask, speak=True),
+        Scenario("voice chat turn 2", SYSTEM, [Message("user", [HELLO])], ask, speak=True),
+    ]
+
+
+def long_system_prompt(tokenizer) -> str:
+    """A system prompt of LONG_SYSTEM_TOKENS tokens: numbered house rules, cut to length."""
+    rules = " ".join(f"Rule {i}: describe only what the picture or the sound shows, and say when you are unsure."
+                     for i in range(1, 400))
+    ids = tokenizer.encode(rules, add_special_tokens=False)
+    assert len(ids) > LONG_SYSTEM_TOKENS, "the rules are too short to cut"
+    return tokenizer.decode(ids[:LONG_SYSTEM_TOKENS])
+
+
+def question(scenario: Scenario, run: int) -> Message:
+    """The timed turn, its text made new each run so no run is answered from an earlier one's cache."""
+    return _tagged(scenario.last, f"Take {run}")
+
+
+def _tagged(message: Message, tag: str) -> Message:
+    return Message("user", [p if not isinstance(p, str) else f"{tag}: {p}" for p in message.parts])
+
+
+def opened(app: OmniLocal, scenario: Scenario, run: int, chat: int, new_tokens: int, speak: bool) -> Session:
+    """A new session of `scenario` that has sent its earlier turns. Their text names the scenario, the
+    run and the chat, so it shares no more than the system prompt with any other conversation (as
+    different users' chats would), and the cache-on rows compute only the timed turn."""
+    session = app.session(system_prompt=scenario.system)
+    for turn in scenario.earlier:
+        send(session, _tagged(turn, f"{scenario.name}, run {run}, chat {chat}"), new_tokens, speak).result()
+    return session
+
+
+def send(session: Session, message: Message, new_tokens: int, speak: bool) -> Reply:
+    return session.send(**_as_send(message), max_new_tokens=new_tokens, speak=speak)
+
+
+def _as_send(message: Message) -> dict:
+    return {"text": message.text, "images": message.images(), "audio": message.audios(), "videos": message.videos()}
+
+
+def _noise_image(size: tuple[int, int]) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(0).integers(0, 256, (*size, 3), dtype=np.uint8))
+
+
+def _noise_clip(seconds: float) -> np.ndarray:
+    """16 kHz mono samples."""
+    return (np.random.default_rng(2).standard_normal(round(16_000 * seconds)) * 0.1).astype(np.float32)
+
+
+def _size(size: tuple[int, int]) -> str:
+    return f"{size[0]}x{size[1]}"
