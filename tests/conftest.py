@@ -1,5 +1,12 @@
-"""Fixtures shared by the test files: the demo checkpoint, built once per session, and its model."""
+"""Fixtures shared by the test files: the demo checkpoint, built once per session, and its model.
 
+The demo runs on the CPU unless OMNI_LOCAL_TEST_DEVICE names another device (`cuda` on a GPU
+machine, where the decode step runs as CUDA graphs). It runs in float32 on every device: the tests
+compare tokens with transformers' own, and in bfloat16 two attention kernels' rounding can already
+flip a greedy choice of the tiny random model.
+"""
+
+import os
 from pathlib import Path
 
 import pytest
@@ -14,7 +21,8 @@ def demo_settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
     """Default settings, with the demo model and every cache in a private temporary folder."""
     root = tmp_path_factory.mktemp("omni_local")
     return Settings(
-        model="demo", demo_dir=str(root / "demo"), cache_dir=str(root / "cache"), device="cpu",
+        model="demo", demo_dir=str(root / "demo"), cache_dir=str(root / "cache"),
+        device=os.environ.get("OMNI_LOCAL_TEST_DEVICE", "cpu"), dtype="float32",
         gpu_cache_bytes=64 << 20,  # 32 chats of the demo's 2 KiB per token x 1024 tokens
         max_context_tokens=1024, max_prompt_tokens=960,
     )
@@ -27,7 +35,7 @@ def demo_checkpoint(demo_settings: Settings) -> Path:
 
 @pytest.fixture(scope="session")
 def demo_model(demo_settings: Settings, demo_checkpoint: Path) -> LoadedModel:
-    """The demo model as the app loads it: Thinker only (speech off), float32 on the CPU."""
+    """The demo model as the app loads it: Thinker only (speech off), float32."""
     return load_model(demo_settings)
 
 

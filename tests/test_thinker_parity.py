@@ -7,9 +7,15 @@ from PIL import Image
 
 from samples import clip, picture
 from omni_local.api import OmniLocal
-from omni_local.prompts import Message, build_prompt
+from omni_local.prompts import Message, Prompt, build_prompt
 
 NEW_TOKENS = 24
+
+
+def model_inputs(app: OmniLocal, prompt: Prompt) -> dict:
+    """`prompt`'s inputs to transformers' generate, on the model's device (which moves only the ids)."""
+    inputs = prompt.model_inputs(app.loaded.processor)
+    return {k: v.to(app.loaded.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
 
 def reference_tokens(app: OmniLocal, messages: list[Message]) -> list[int]:
@@ -18,7 +24,7 @@ def reference_tokens(app: OmniLocal, messages: list[Message]) -> list[int]:
     prompt = build_prompt(messages, app.loaded.processor)
     with torch.inference_mode():
         output = app.loaded.model.thinker.generate(
-            **prompt.model_inputs(app.loaded.processor), max_new_tokens=NEW_TOKENS, do_sample=False,
+            **model_inputs(app, prompt), max_new_tokens=NEW_TOKENS, do_sample=False,
             suppress_tokens=app.engine.suppressed_ids,
         )
     tokens = output[0, prompt.num_tokens :].tolist()
@@ -72,7 +78,7 @@ def test_greedy_with_a_repetition_penalty_matches_transformers_generate(app):
     prompt = build_prompt(messages, app.loaded.processor)
     with torch.inference_mode():
         output = app.loaded.model.thinker.generate(
-            **prompt.model_inputs(app.loaded.processor), max_new_tokens=NEW_TOKENS, do_sample=False, repetition_penalty=1.3,
+            **model_inputs(app, prompt), max_new_tokens=NEW_TOKENS, do_sample=False, repetition_penalty=1.3,
             suppress_tokens=app.engine.suppressed_ids,
         )
     expected = [t for t in output[0, prompt.num_tokens :].tolist() if t not in app.engine.eos_ids]

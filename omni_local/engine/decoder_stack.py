@@ -1,25 +1,26 @@
 """One forward of a transformers decoder stack (the Thinker's or the Talker's) over a KVStore slot.
 
 The layers, rotary embedding and norm are transformers' own modules; we pass the cache (a
-SlotWriter), the mask and the 3D positions ourselves, which is all that differs from their forward.
+SlotWriter, or in a CUDA graph a GraphedSlotWriter), its mask and the 3D positions ourselves,
+which is all that differs from their forward.
 """
 
 import torch
 
-from omni_local.engine.kv_store import SlotWriter
+from omni_local.engine.kv_store import GraphedSlotWriter, SlotWriter
 from omni_local.prompts import Prompt
 
 
 def run_layers(
     stack: torch.nn.Module,
-    cache: SlotWriter,
+    cache: SlotWriter | GraphedSlotWriter,
     embeds: torch.Tensor,
     positions: torch.Tensor,
     visual_mask: torch.Tensor | None = None,
     deepstack: list[torch.Tensor] | None = None,
     keep_layer: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run `embeds` [1, n, hidden] at `positions` [3, 1, n] after the slot's first `cache.start` rows.
+    """Run `embeds` [1, n, hidden] at `positions` [3, 1, n] after the rows the slot already holds.
 
     Returns the last token's normed hidden state [1, 1, hidden] and, if `keep_layer` is given, the
     hidden states [1, n, hidden] transformers reports as `hidden_states[keep_layer]`: the input
@@ -29,7 +30,7 @@ def run_layers(
     hidden = embeds
     kept = hidden if keep_layer == 0 else None
     rotary = stack.rotary_emb(hidden, positions)
-    mask = causal_mask(stack.config._attn_implementation, cache.start, hidden.shape[1], hidden)
+    mask = cache.attention_mask(stack.config._attn_implementation, hidden.shape[1], hidden)
     last = len(stack.layers)
     for index, layer in enumerate(stack.layers):
         hidden = layer(hidden, attention_mask=mask, cache=cache, position_embeddings=rotary)
@@ -59,22 +60,3 @@ def mrope_positions(owner: torch.nn.Module, prompt: Prompt, device: torch.device
         second_per_grids=prompt.video_second_per_grid,
     )
     return positions, int(deltas.reshape(-1)[0])
-
-
-def causal_mask(implementation: str, start: int, length: int, like: torch.Tensor) -> torch.Tensor | None:
-    """The mask for `length` new tokens after `start` cached ones, in the form each kernel wants.
-
-    SDPA and flash attention apply the causal rule themselves where it is right (an empty prefix,
-    or one new token; flash aligns it bottom-right, so a tail on a prefix too). Passing None there,
-    as transformers does, keeps our logits bit-identical to its own.
-    """
-    if length == 1 or implementation == "flash_attention_2" or (start == 0 and implementation == "sdpa"):
-        return None
-    rows = torch.arange(length, device=like.device)[:, None] + start
-    cols = torch.arange(start + length, device=like.device)[None, :]
-    allowed = (cols <= rows)[None, None]
-    if implementation == "sdpa":
-        return allowed
-    # eager attention adds the mask to the scores
-    blocked = torch.finfo(like.dtype).min
-    return torch.zeros(allowed.shape, dtype=like.dtype, device=like.device).masked_fill(~allowed, blocked)

@@ -45,12 +45,18 @@ class HostCopy:
 
 
 class KVStore:
-    def __init__(self, shape: KVShape, slots: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, shape: KVShape, slots: int, dtype: torch.dtype, device: torch.device, zeroed: bool = False
+    ) -> None:
         self.shape, self.slots, self.dtype, self.device = shape, slots, dtype, device
         size = (slots, shape.kv_heads, shape.max_tokens, shape.head_dim)
-        # Never read before written (attention reads rows [0, end) only), so left uninitialised.
-        self.keys = [torch.empty(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
-        self.values = [torch.empty(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
+        # Attention reads rows [0, end) only, so rows are never read before written and are left
+        # uninitialised (on the CPU, untouched pages cost no memory). `zeroed` is for a graphed decode
+        # step, which reads a whole bucket of rows and masks those past the new token: a zero
+        # attention weight does not cancel a NaN in garbage.
+        make = torch.zeros if zeroed else torch.empty
+        self.keys = [make(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
+        self.values = [make(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
         self.talker_rows = (
             torch.empty((slots, shape.max_tokens, shape.talker_dim), dtype=dtype, device=device)
             if shape.talker_dim else None
@@ -124,3 +130,55 @@ class SlotWriter:
         keys[:, :, self.start : end] = key_states
         values[:, :, self.start : end] = value_states
         return keys[:, :, :end], values[:, :, :end]
+
+    def attention_mask(self, implementation: str, length: int, like: torch.Tensor) -> torch.Tensor | None:
+        """The mask for the `length` new tokens over the rows `update` hands back."""
+        return causal_mask(implementation, self.start, length, like)
+
+
+class GraphedSlotWriter:
+    """The `cache` of a decode step captured in a CUDA graph.
+
+    Slot and row are device tensors ([1] each), read when the graph replays, so one graph serves
+    every slot and position. `update` hands back the slot's first `rows` rows (the graph's bucket),
+    not the filled length, whose size a graph cannot change; the mask hides the rows after the new
+    token.
+    """
+
+    def __init__(self, store: KVStore, slot: torch.Tensor, index: torch.Tensor, rows: int) -> None:
+        self.store, self.slot, self.index, self.rows = store, slot, index, rows
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        keys, values = self.store.keys[layer_idx], self.store.values[layer_idx]
+        # keys[slot, :, index] is [1, kv_heads, head_dim]: the one new token's row, an index_put_
+        keys[self.slot, :, self.index] = key_states[:, :, 0]
+        values[self.slot, :, self.index] = value_states[:, :, 0]
+        # [1, kv_heads, rows, head_dim]: a copy of the bucket's rows, since the slot is not known at capture
+        return keys[:, :, : self.rows].index_select(0, self.slot), values[:, :, : self.rows].index_select(0, self.slot)
+
+    def attention_mask(self, implementation: str, length: int, like: torch.Tensor) -> torch.Tensor:
+        assert length == 1, "a graphed step decodes one token"
+        allowed = (torch.arange(self.rows, device=like.device) <= self.index)[None, None, None]  # [1, 1, 1, rows]
+        return _kernel_mask(allowed, implementation, like)
+
+
+def causal_mask(implementation: str, start: int, length: int, like: torch.Tensor) -> torch.Tensor | None:
+    """The mask for `length` new tokens after `start` cached ones, in the form each kernel wants.
+
+    SDPA and flash attention apply the causal rule themselves where it is right (an empty prefix,
+    or one new token; flash aligns it bottom-right, so a tail on a prefix too). Passing None there,
+    as transformers does, keeps our logits bit-identical to its own.
+    """
+    if length == 1 or implementation == "flash_attention_2" or (start == 0 and implementation == "sdpa"):
+        return None
+    rows = torch.arange(length, device=like.device)[:, None] + start
+    cols = torch.arange(start + length, device=like.device)[None, :]
+    return _kernel_mask((cols <= rows)[None, None], implementation, like)
+
+
+def _kernel_mask(allowed: torch.Tensor, implementation: str, like: torch.Tensor) -> torch.Tensor:
+    """SDPA takes the boolean mask; eager attention adds the mask to the scores."""
+    if implementation == "sdpa":
+        return allowed
+    blocked = torch.finfo(like.dtype).min
+    return torch.zeros(allowed.shape, dtype=like.dtype, device=like.device).masked_fill(~allowed, blocked)

@@ -94,7 +94,8 @@ class Speaker:
                                settings.audio_left_context_frames)
         self.max_frames = max(1, round(settings.max_speech_seconds * SAMPLE_RATE / self.vocoder.samples_per_frame))
         # Room for every user token of a full context, the assistant opening and the frames.
-        self.runner = TalkerRunner(model, settings.max_context_tokens + 16 + self.max_frames, slots)
+        self.runner = TalkerRunner(model, settings.max_context_tokens + 16 + self.max_frames, slots,
+                                   cuda_graphs=settings.cuda_graphs)
         # Talker KV of user turns is small; an entry pushed off the device is dropped, not moved.
         self.cache = PrefixCache(self.runner.kv, 0, enabled=settings.prefix_cache)
         self.im_start, self.user = model.config.im_start_token_id, model.config.user_token_id

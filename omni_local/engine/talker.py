@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from omni_local.engine.decode_graphs import StepGraphs
 from omni_local.engine.decoder_stack import mrope_positions, run_layers
 from omni_local.engine.kv_store import KVShape, KVStore
 from omni_local.engine.sampling import Sampler, SamplingParams
@@ -62,7 +63,7 @@ class TalkerPrompt:
 
 
 class TalkerRunner:
-    def __init__(self, model: torch.nn.Module, max_tokens: int, slots: int) -> None:
+    def __init__(self, model: torch.nn.Module, max_tokens: int, slots: int, cuda_graphs: bool = False) -> None:
         self.config = model.config
         self.talker = model.talker
         self.stack = self.talker.model
@@ -81,6 +82,10 @@ class TalkerRunner:
         rows = KVShape(predictor.num_hidden_layers, predictor.num_key_value_heads, predictor.head_dim,
                        self.num_code_groups + 1)
         self.predictor_kv = KVStore(rows, 1, self.dtype, self.device)
+        # 15 small steps a frame: eager, launches and host work are most of each (about 5 ms at full
+        # size against 0.8 ms graphed, ../shared/BENCHMARK_ANCHORS.md).
+        self._capture_graphs = cuda_graphs and self.device.type == "cuda"
+        self.predictor_graphs: StepGraphs | None = None  # set once captured, by warm_up
         self.voices = {name.lower(): int(i) for name, i in talker_config.speaker_id.items()}
         self.codec_eos = talker_config.codec_eos_token_id
         vocab = text.vocab_size
@@ -100,7 +105,7 @@ class TalkerRunner:
     @torch.inference_mode()
     def warm_up(self) -> list[int]:
         """A short prompt, one frame and one step in a slot nobody reads, so the first spoken reply
-        does not pay first-use costs; returns the frame's codes."""
+        does not pay first-use costs, then the code predictor's graphs; returns the frame's codes."""
         slot = self.kv.allocate()
         try:
             prompt = self.tts_pad.expand(4, -1)[None]
@@ -109,6 +114,11 @@ class TalkerRunner:
             empty = torch.empty(0, dtype=torch.long, device=self.device)
             codes, codec_sum = self.complete_frame(hidden, 0, Sampler(SamplingParams(), 0, empty))
             self.step(slot, 4, codec_sum + self.tts_pad, 0)
+            if self._capture_graphs:
+                # The first step reads the Talker's hidden state and the first code: two rows.
+                inputs = [hidden.new_zeros((1, 2 if group == 0 else 1, hidden.shape[-1]))
+                          for group in range(self.num_code_groups - 1)]
+                self.predictor_graphs = StepGraphs(self._predict_step, inputs)
             return codes
         finally:
             self.kv.release(slot)
@@ -172,17 +182,23 @@ class TalkerRunner:
         model = self.predictor.model
         first = self.stack.codec_embedding(torch.tensor([[first_code]], device=self.device))
         embeds, codes, step_input = [first], [first_code], torch.cat([hidden, first], dim=1)
-        row = 0
         for group in range(self.num_code_groups - 1):
-            positions = torch.arange(row, row + step_input.shape[1], device=self.device)[None]
-            last, _ = run_layers(model, self.predictor_kv.view(0, row), step_input, positions)
-            row += step_input.shape[1]
-            code = sampler.next_token(self.predictor.lm_head[group](last)[0, -1].float())
+            graphs = self.predictor_graphs
+            logits = graphs.replay(group, step_input) if graphs else self._predict_step(group, step_input)
+            code = sampler.next_token(logits)
             codes.append(code)
             step_input = model.codec_embedding[group](torch.tensor([[code]], device=self.device))
             embeds.append(step_input)
         # One sum over the stacked rows, as transformers does it (the order of float additions matters).
         return codes, torch.cat(embeds, dim=1).sum(1, keepdim=True)
+
+    def _predict_step(self, group: int, step_input: torch.Tensor) -> torch.Tensor:
+        """Logits [vocab] of the frame's code `group + 1`, from `step_input` [1, n, width]: the
+        hidden state and first code (rows 0 and 1) for group 0, else code `group` (row group + 1)."""
+        row = 0 if group == 0 else group + 1
+        positions = torch.arange(row, row + step_input.shape[1], device=self.device)[None]
+        last, _ = run_layers(self.predictor.model, self.predictor_kv.view(0, row), step_input, positions)
+        return self.predictor.lm_head[group](last)[0, -1].float()
 
     def _forward(self, slot: int, start: int, embeds: torch.Tensor, positions: torch.Tensor):
         hidden, _ = run_layers(self.stack, self.kv.view(slot, start), embeds, positions)

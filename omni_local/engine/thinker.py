@@ -3,7 +3,8 @@
 transformers' modules do the maths (embedding, encoders, decoder layers, lm_head); this file
 decides what runs when: the encoders for the media of the uncached tail (MediaEncoder), a prefill
 of that tail after the cached rows, then one decode step per token, each writing its keys and
-values into the request's slot of the KVStore.
+values into the request's slot of the KVStore. On a GPU the decode step replays CUDA graphs
+captured at start-up (DecodeGraphs); the prefill, whose length varies, runs eagerly.
 """
 
 from dataclasses import dataclass
@@ -12,10 +13,12 @@ import numpy as np
 import torch
 from PIL import Image
 
+from omni_local.engine.decode_graphs import DecodeGraphs
 from omni_local.engine.decoder_stack import mrope_positions, run_layers
-from omni_local.engine.kv_store import KVShape, KVStore
+from omni_local.engine.kv_store import GraphedSlotWriter, KVShape, KVStore, SlotWriter
 from omni_local.engine.media_encoder import MediaEncoder, deepstack_levels
 from omni_local.errors import SettingsError
+from omni_local.model.workarounds import capturable_experts
 from omni_local.engine.talker import TalkerRows
 from omni_local.prompts import Message, Prompt, build_prompt
 
@@ -52,6 +55,7 @@ class ThinkerRunner:
         kv_budget_bytes: int,
         max_tokens: int,
         talker_rows: TalkerRows | None = None,
+        cuda_graphs: bool = False,
     ) -> None:
         self.thinker = thinker
         self.talker_rows = talker_rows
@@ -71,13 +75,18 @@ class ThinkerRunner:
                 f"setting 'gpu_cache_bytes' ({kv_budget_bytes:,}) is below the {need:,} bytes one conversation of "
                 f"'max_context_tokens' ({max_tokens}) needs: raise the first or lower the second"
             )
-        self.kv = KVStore(shape, slots, self.dtype, self.device)
+        # A graph's attention reads a bucket of rows under a mask; flash attention takes no such mask.
+        graphable = self.device.type == "cuda" and config._attn_implementation in ("sdpa", "eager")
+        self._capture_graphs = cuda_graphs and graphable
+        self.kv = KVStore(shape, slots, self.dtype, self.device, zeroed=self._capture_graphs)
+        self.graphs: DecodeGraphs | None = None  # set once captured, by warm_up
 
     @torch.inference_mode()
     def warm_up(self) -> None:
         """A small prompt with an image and a clip through a prefill and a decode step, in a slot
         nobody reads, so the first request does not pay first-use costs (kernel loading, library
-        heuristics: about 2 s for a first image on an H200). Nothing is cached."""
+        heuristics: about 2 s for a first image on an H200), and captures the decode graphs. Nothing
+        is cached."""
         parts = [Image.new("RGB", (64, 64), (90, 140, 200)), np.zeros(16_000, np.float32), "Hello."]
         prompt = build_prompt([Message("user", parts)], self.encoder.processor)
         slot = self.kv.allocate()
@@ -85,6 +94,11 @@ class ThinkerRunner:
             prepared = self.prepare(prompt, 0, remember=False)
             token = int(self.prefill(slot, prepared).argmax())
             self.decode(slot, token, prompt.num_tokens, prepared.rope_delta)
+            if self._capture_graphs:
+                graphs = DecodeGraphs(self._decode_step, self.kv)
+                with capturable_experts(self.text.config, self.dtype):
+                    graphs.capture(slot)
+                self.graphs = graphs
         finally:
             self.kv.release(slot)
 
@@ -125,10 +139,17 @@ class ThinkerRunner:
     @torch.inference_mode()
     def decode(self, slot: int, token: int, index: int, rope_delta: int) -> torch.Tensor:
         """Compute token `token` at sequence index `index` of the slot; returns its logits [vocab]."""
+        if self.graphs is not None:
+            return self.graphs.replay(slot, token, index, index + rope_delta)
         ids = torch.tensor([[token]], device=self.device)
-        embeds = self.model.get_input_embeddings()(ids)
         positions = torch.full((3, 1, 1), index + rope_delta, device=self.device, dtype=torch.long)
-        return self._forward(slot, index, embeds, positions, None, None)
+        return self._decode_step(self.kv.view(slot, index), ids, positions)
+
+    def _decode_step(self, cache: SlotWriter | GraphedSlotWriter, ids: torch.Tensor,
+                     positions: torch.Tensor) -> torch.Tensor:
+        """Logits [vocab] of one token (ids [1, 1], positions [3, 1, 1]): what the graphs capture."""
+        last, _ = run_layers(self.text, cache, self.model.get_input_embeddings()(ids), positions)
+        return self._logits(last)
 
     def _forward(
         self,
@@ -148,6 +169,9 @@ class ThinkerRunner:
                                 keep_layer=rows.accept_layer if rows else None)
         if rows is not None:
             self.kv.talker_rows[slot, start : start + embeds.shape[1]] = rows.project(ids, embeds, kept)[0]
+        return self._logits(last)
+
+    def _logits(self, last: torch.Tensor) -> torch.Tensor:
         return self.thinker.lm_head(last)[0, -1].float()
 
 

@@ -1,11 +1,14 @@
 """Every workaround for a transformers (5.24) Qwen3-Omni bug or gap, each with its reason.
 
 The loader calls `load_processor` for the processor and `apply_workarounds` once on each loaded
-model; the demo builder calls `init_talker_experts` on the random weights it makes. Nothing else in
-omni_local works around transformers.
+model; the demo builder calls `init_talker_experts` on the random weights it makes; the Thinker
+captures its decode graphs inside `capturable_experts`. Nothing else in omni_local works around
+transformers.
 """
 
 import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +96,22 @@ def init_talker_experts(model: Qwen3OmniMoeForConditionalGeneration, std: float)
             if experts is not None:
                 torch.nn.init.normal_(experts.gate_up_proj, std=std)
                 torch.nn.init.normal_(experts.down_proj, std=std)
+
+
+@contextmanager
+def capturable_experts(config: Any, dtype: torch.dtype) -> Iterator[None]:
+    """MoE experts that a CUDA graph can capture, for what runs inside; `config` is the decoder stack's."""
+    # transformers' default experts kernel, `grouped_mm`, runs bfloat16 on CUDA in one kernel, but
+    # other dtypes through torch's fallback, which copies the group offsets to the host: capture
+    # refuses that (float32, torch 2.11, H200). `batched_mm` gathers each chosen expert's weights
+    # instead, with no host copy; eager forwards outside keep `grouped_mm`.
+    saved = config._experts_implementation
+    if dtype != torch.bfloat16 and saved == "grouped_mm":
+        config._experts_implementation = "batched_mm"
+    try:
+        yield
+    finally:
+        config._experts_implementation = saved
 
 
 class _NoVideoProcessor(VideoProcessorMixin):
