@@ -42,7 +42,8 @@ class Settings:
         "engine", False, "compile the vision and audio encoders at start-up (one graph for every size)"
     )
     cuda_graphs: bool = setting(
-        "engine", True, "on a GPU, run the Thinker's decode step and the code predictor's as CUDA graphs; false: eager"
+        "engine", True,
+        "on a GPU, run the decode steps of the Thinker, the Talker and its code predictor as CUDA graphs; false: eager",
     )
     video_fps: float = setting(
         "engine", 2.0, "video frames read per second (Qwen's default; the checkpoint's own if it sets one)"

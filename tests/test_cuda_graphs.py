@@ -1,4 +1,5 @@
-"""On a GPU the Thinker's decode step replays CUDA graphs, and gives the tokens eager decoding gives.
+"""On a GPU the decode steps of the Thinker and the Talker replay CUDA graphs, and give the tokens
+and codec codes eager decoding gives.
 
 Run with OMNI_LOCAL_TEST_DEVICE=cuda on a machine with a CUDA GPU; elsewhere every test is skipped.
 """
@@ -6,6 +7,7 @@ Run with OMNI_LOCAL_TEST_DEVICE=cuda on a machine with a CUDA GPU; elsewhere eve
 import pytest
 import torch
 
+from test_speech import send, transformers_speech
 from test_thinker_parity import model_inputs, reference_tokens
 from omni_local.api import OmniLocal
 from omni_local.engine.decode_graphs import SMALLEST_BUCKET
@@ -18,6 +20,7 @@ pytestmark = pytest.mark.skipif(
 
 STORY = "The lighthouse keeper counted the ships that passed his rock every night of the year. "
 SONG = "A fisherman sang about the moon and the tide while he mended his nets in the harbour. "
+SPEECH_SECONDS = 4.0  # 50 codec frames: a Talker prompt under the smallest bucket ends past it
 
 
 @pytest.fixture(scope="module")
@@ -36,15 +39,24 @@ def runner(app: OmniLocal, cuda_graphs: bool) -> ThinkerRunner:
     return built
 
 
-def prompt_under_bucket(app: OmniLocal, sentence: str) -> Prompt:
-    """A text prompt as long as `sentence` repeated fits under the smallest graph's rows."""
-    def prompt(repeats: int) -> Prompt:
-        return build_prompt([Message("user", [sentence * repeats])], app.loaded.processor)
+@pytest.fixture(scope="module")
+def speaking(on_gpu: OmniLocal, demo_settings):
+    """The demo with speech twice: the Talker's steps graphed, and eager."""
+    settings = demo_settings.replace(speech=True, max_speech_seconds=SPEECH_SECONDS)
+    with OmniLocal(settings) as graphed, OmniLocal(settings.replace(cuda_graphs=False)) as eager:
+        yield graphed, eager
 
-    repeats = 1
-    while prompt(repeats + 1).num_tokens < SMALLEST_BUCKET - 24:
-        repeats += 1
-    return prompt(repeats)
+
+def one_turn(app: OmniLocal, text: str) -> Prompt:
+    return build_prompt([Message("user", [text])], app.loaded.processor)
+
+
+def text_under_bucket(app: OmniLocal, sentence: str) -> str:
+    """`sentence` repeated as often as a prompt of it fits under the smallest graph's rows."""
+    text = sentence
+    while one_turn(app, text + sentence).num_tokens < SMALLEST_BUCKET - 24:
+        text += sentence
+    return text
 
 
 def greedy_in_turns(
@@ -76,7 +88,7 @@ def generate(app: OmniLocal, prompt: Prompt, steps: int, banned: list[int]) -> l
 
 def test_graphed_decode_in_two_slots_across_a_bucket_boundary_matches_eager_and_generate(on_gpu):
     app = on_gpu
-    prompts = [prompt_under_bucket(app, STORY), prompt_under_bucket(app, SONG)]
+    prompts = [one_turn(app, text_under_bucket(app, sentence)) for sentence in (STORY, SONG)]
     # Past the first bucket's rows for both replies; the end of turn is banned so none stops early.
     steps = SMALLEST_BUCKET - min(p.num_tokens for p in prompts) + 16
     assert all(p.num_tokens < SMALLEST_BUCKET < p.num_tokens + steps - 2 for p in prompts)
@@ -101,3 +113,23 @@ def test_a_chats_second_turn_on_the_prefix_cache_matches_generate_with_graphs_on
         final = session.send(text, max_new_tokens=24).result()
         assert final.token_ids == reference_tokens(app, [*before, Message("user", [text])])
     assert final.tokens.reused_gpu > 0, "the second turn must continue the first turn's KV"
+
+
+def test_a_spoken_reply_whose_talker_rows_cross_a_bucket_boundary_has_the_codes_of_eager_and_generate(speaking):
+    graphed, eager = speaking
+    assert graphed.engine.speaker.runner.step_graphs is not None
+    assert eager.engine.speaker.runner.step_graphs is None
+    text = text_under_bucket(graphed, STORY)
+    sessions = [app.session() for app in speaking]
+    (final, frames, _, _), (_, eager_frames, _, _) = (
+        send(app, session, text, voice="Chelsie") for app, session in zip(speaking, sessions)
+    )
+    # The prefill makes the first frame; each later frame is a step that writes the next row.
+    last_row = final.speech.talker_prompt + final.speech.frames - 2
+    assert final.speech.talker_prompt < SMALLEST_BUCKET <= last_row
+    assert frames == eager_frames
+    assert frames == transformers_speech(graphed, [Message("user", [text])], "Chelsie")[1].T.tolist()
+    # Turn 2 continues turn 1's Talker rows from the cache, all of its steps in the second bucket.
+    second = [send(app, session, "And then?", voice="Chelsie") for app, session in zip(speaking, sessions)]
+    assert second[0][0].speech.talker_reused > 0
+    assert second[0][1] == second[1][1]

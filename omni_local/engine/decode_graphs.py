@@ -1,24 +1,31 @@
-"""Decode steps captured as CUDA graphs: the Thinker's over the engine's KVStore (DecodeGraphs),
-and steps of fixed shapes such as the code predictor's (StepGraphs).
+"""Decode steps captured as CUDA graphs: one token of a decoder stack over a KVStore slot, the
+Thinker's or the Talker's (DecodeGraphs), and steps of fixed shapes such as the code predictor's
+(StepGraphs).
 
 Eager, a decode step of transformers' modules is bound by kernel launches and host work (80 to
-120 ms at full size on an H200); replaying the same kernels as a graph takes about 13 ms.
-DecodeGraphs captures one graph per attention length (bucket), each reading only the slot's first
-`rows` rows, so a short chat does not attend over the whole slot. The slot, row, token and
-position are device tensors the graphs read when they replay: one graph serves every slot and
-position. All graphs are captured at start-up, into one memory pool per owner (its graphs never
-replay at the same time), so the first request pays no capture.
+120 ms for the Thinker, 41 ms for the Talker at full size on an H200); replaying the same kernels
+as a graph takes about 13 and 5 ms. DecodeGraphs captures one graph per attention length (bucket),
+each reading only the slot's first `rows` rows, so a short chat does not attend over the whole
+slot. The slot, row, position and the step's input are device tensors the graphs read when they
+replay: one graph serves every slot and position. All graphs are captured at start-up, into one
+memory pool per owner (its graphs never replay at the same time), so the first request pays no
+capture.
 """
 
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import torch
 
 from omni_local.engine.kv_store import GraphedSlotWriter, KVStore
+from omni_local.model.workarounds import capturable_experts
 
-# (cache, token ids [1, 1], positions [3, 1, 1]) -> logits [vocab]; the same function runs eager.
-DecodeStep = Callable[[GraphedSlotWriter, torch.Tensor, torch.Tensor], torch.Tensor]
+# What a step returns: a tensor, or a tuple of them (the Talker's hidden state and logits).
+Outputs = torch.Tensor | tuple[torch.Tensor, ...]
+# (cache, input [1, 1] token ids or [1, 1, hidden] embeddings, positions [3, 1, 1]) -> outputs;
+# the same function runs eager.
+DecodeStep = Callable[[GraphedSlotWriter, torch.Tensor, torch.Tensor], Outputs]
 
 SMALLEST_BUCKET = 256
 
@@ -32,42 +39,49 @@ def attention_buckets(max_tokens: int) -> list[int]:
     return [*buckets, max_tokens]
 
 
+def graphable(stack_config: Any, device: torch.device) -> bool:
+    """Whether DecodeGraphs can run the decode step of a stack with this config: on CUDA, under an
+    attention that takes the bucket's mask (flash attention takes none)."""
+    return device.type == "cuda" and stack_config._attn_implementation in ("sdpa", "eager")
+
+
 class DecodeGraphs:
-    """The one-token decode step `step`, replayed from the smallest bucket that holds its row."""
+    """The one-token decode step `step`, captured for every bucket at construction and replayed from
+    the smallest bucket that holds its row. `input_like` is shaped like the step's input; `slot` is
+    a slot the caller holds and nobody reads (each capture's warm-up run writes its row 0);
+    `stack_config` is the decoder stack's, whose MoE experts must run in a capturable way."""
 
-    def __init__(self, step: DecodeStep, store: KVStore) -> None:
-        self.step, self.store = step, store
+    def __init__(self, step: DecodeStep, store: KVStore, input_like: torch.Tensor, slot: int,
+                 stack_config: Any) -> None:
+        self.store = store
         self.buckets = attention_buckets(store.shape.max_tokens)
-        # token, row index, slot, position: filled by one host-to-device copy per step
-        self._inputs = torch.zeros(4, dtype=torch.long, device=store.device)
-        self._ids = self._inputs[0:1].view(1, 1)
-        self._index, self._slot = self._inputs[1:2], self._inputs[2:3]
-        # A text token's three M-RoPE positions are equal.
-        self._positions = self._inputs[3:4].view(1, 1, 1).expand(3, 1, 1)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # rows -> graph, its logits
-
-    def capture(self, slot: int) -> None:
-        """Capture every bucket's graph; the warm-up run of each writes row 0 of `slot`, a slot the
-        caller holds and nobody reads."""
-        self._set(token=0, index=0, slot=slot, position=0)
+        self._input = torch.zeros_like(input_like)  # static: copied into before each replay
+        # row index, slot, position: filled by one host-to-device copy per step
+        self._inputs = torch.zeros(3, dtype=torch.long, device=store.device)
+        self._index, self._slot = self._inputs[0:1], self._inputs[1:2]
+        # A decode step's three M-RoPE positions are equal: a text token's, or a codec frame's.
+        self._positions = self._inputs[2:3].view(1, 1, 1).expand(3, 1, 1)
+        self._set(index=0, slot=slot, position=0)
         pool = torch.cuda.graph_pool_handle()
-        for rows in reversed(self.buckets):  # largest first: the smaller ones reuse its pool memory
-            cache = GraphedSlotWriter(self.store, self._slot, self._index, rows)
-            self._graphs[rows] = capture_graph(partial(self.step, cache, self._ids, self._positions), pool)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Outputs]] = {}  # rows -> graph, its outputs
+        with capturable_experts(stack_config, store.dtype):
+            for rows in reversed(self.buckets):  # largest first: the smaller ones reuse its pool memory
+                cache = GraphedSlotWriter(store, self._slot, self._index, rows)
+                self._graphs[rows] = capture_graph(partial(step, cache, self._input, self._positions), pool)
 
-    def replay(self, slot: int, token: int, index: int, position: int) -> torch.Tensor:
-        """The logits [vocab] of `token` at row `index` of `slot` (its keys and values written there)."""
+    def replay(self, slot: int, x: torch.Tensor, index: int, position: int) -> Outputs:
+        """The step's outputs for input `x` at row `index` of `slot` (its keys and values written there)."""
         rows = next((b for b in self.buckets if index < b), None)
         if rows is None:
             raise IndexError(f"slot holds {self.store.shape.max_tokens} tokens, asked to write row {index}")
-        self._set(token, index, slot, position)
-        graph, logits = self._graphs[rows]
+        self._input.copy_(x)
+        self._set(index, slot, position)
+        graph, outputs = self._graphs[rows]
         graph.replay()
-        # A copy: the next replay overwrites the graph's own output.
-        return logits.clone()
+        return cloned(outputs)
 
-    def _set(self, token: int, index: int, slot: int, position: int) -> None:
-        self._inputs.copy_(torch.tensor([token, index, slot, position]))
+    def _set(self, index: int, slot: int, position: int) -> None:
+        self._inputs.copy_(torch.tensor([index, slot, position]))
 
 
 class StepGraphs:
@@ -86,8 +100,8 @@ class StepGraphs:
         return output.clone()  # the next replay overwrites the graph's own output
 
 
-def capture_graph(run: Callable[[], torch.Tensor], pool: tuple) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """`run` captured as a CUDA graph in memory pool `pool`, and the tensor it returns (refilled by
+def capture_graph(run: Callable[[], Outputs], pool: tuple) -> tuple[torch.cuda.CUDAGraph, Outputs]:
+    """`run` captured as a CUDA graph in memory pool `pool`, and what it returns (refilled by
     each replay). It first runs once eagerly, on a side stream as torch.cuda.graph advises, so lazy
     set-up (library handles, workspaces, kernel choice) happens outside the capture, which refuses it."""
     side = torch.cuda.Stream()
@@ -99,3 +113,10 @@ def capture_graph(run: Callable[[], torch.Tensor], pool: tuple) -> tuple[torch.c
     with torch.cuda.graph(graph, pool=pool):
         output = run()
     return graph, output
+
+
+def cloned(outputs: Outputs) -> Outputs:
+    """Copies of a graph's outputs: the next replay overwrites the graph's own."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs.clone()
+    return tuple(t.clone() for t in outputs)

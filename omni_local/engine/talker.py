@@ -9,6 +9,8 @@ What the Talker reads, as transformers' `Qwen3OmniMoeForConditionalGeneration.ge
 - then, at each step, the sum of the codec embeddings of the frame it just made plus the next reply
   token's projected embedding (text-EOS after the last one, then padding).
 Each step makes the first code of a frame; the code predictor then makes the frame's other codes.
+On a GPU both replay CUDA graphs captured at start-up: the step one per attention bucket, as the
+Thinker's decode step (DecodeGraphs), the code predictor one per code (StepGraphs).
 `TalkerRows` makes the per-token rows while the Thinker prefills, so they are kept with its KV.
 """
 
@@ -17,9 +19,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from omni_local.engine.decode_graphs import StepGraphs
+from omni_local.engine.decode_graphs import DecodeGraphs, StepGraphs, graphable
 from omni_local.engine.decoder_stack import mrope_positions, run_layers
-from omni_local.engine.kv_store import KVShape, KVStore
+from omni_local.engine.kv_store import GraphedSlotWriter, KVShape, KVStore, SlotWriter
 from omni_local.engine.sampling import Sampler, SamplingParams
 from omni_local.errors import RequestError
 from omni_local.prompts import Prompt
@@ -75,7 +77,11 @@ class TalkerRunner:
         self.device = self.talker.codec_head.weight.device
         self.dtype = self.talker.codec_head.weight.dtype
         shape = KVShape(text.num_hidden_layers, text.num_key_value_heads, text.head_dim, max_tokens)
-        self.kv = KVStore(shape, slots, self.dtype, self.device)
+        # The Talker's own step is a decode step like the Thinker's (about 41 ms eager at full size,
+        # 5 ms graphed): DecodeGraphs, whose buckets read rows not yet written, so they start zeroed.
+        self._capture_steps = cuda_graphs and graphable(self.stack.config, self.device)
+        self.kv = KVStore(shape, slots, self.dtype, self.device, zeroed=self._capture_steps)
+        self.step_graphs: DecodeGraphs | None = None  # set once captured, by warm_up
         # The code predictor's KV: one frame's rows (the Talker's state, then each code), one
         # frame at a time.
         predictor = self.predictor.config
@@ -84,7 +90,7 @@ class TalkerRunner:
         self.predictor_kv = KVStore(rows, 1, self.dtype, self.device)
         # 15 small steps a frame: eager, launches and host work are most of each (about 5 ms at full
         # size against 0.8 ms graphed, ../shared/BENCHMARK_ANCHORS.md).
-        self._capture_graphs = cuda_graphs and self.device.type == "cuda"
+        self._capture_predictor = cuda_graphs and self.device.type == "cuda"
         self.predictor_graphs: StepGraphs | None = None  # set once captured, by warm_up
         self.voices = {name.lower(): int(i) for name, i in talker_config.speaker_id.items()}
         self.codec_eos = talker_config.codec_eos_token_id
@@ -105,20 +111,24 @@ class TalkerRunner:
     @torch.inference_mode()
     def warm_up(self) -> list[int]:
         """A short prompt, one frame and one step in a slot nobody reads, so the first spoken reply
-        does not pay first-use costs, then the code predictor's graphs; returns the frame's codes."""
+        does not pay first-use costs, then the code predictor's and the step's graphs; returns the
+        frame's codes."""
         slot = self.kv.allocate()
         try:
             prompt = self.tts_pad.expand(4, -1)[None]
             positions = torch.arange(4, device=self.device).expand(3, 1, -1)
-            hidden, _ = self._forward(slot, 0, prompt, positions)
+            hidden, _ = self._forward(self.kv.view(slot, 0), prompt, positions)
             empty = torch.empty(0, dtype=torch.long, device=self.device)
             codes, codec_sum = self.complete_frame(hidden, 0, Sampler(SamplingParams(), 0, empty))
             self.step(slot, 4, codec_sum + self.tts_pad, 0)
-            if self._capture_graphs:
+            if self._capture_predictor:
                 # The first step reads the Talker's hidden state and the first code: two rows.
                 inputs = [hidden.new_zeros((1, 2 if group == 0 else 1, hidden.shape[-1]))
                           for group in range(self.num_code_groups - 1)]
                 self.predictor_graphs = StepGraphs(self._predict_step, inputs)
+            if self._capture_steps:
+                row = self.tts_pad[None]  # [1, 1, width], shaped as a step's input
+                self.step_graphs = DecodeGraphs(self._forward, self.kv, row, slot, self.stack.config)
             return codes
         finally:
             self.kv.release(slot)
@@ -163,14 +173,16 @@ class TalkerRunner:
         hidden state [1, 1, width], its codec logits [vocab] and the rope delta of later steps."""
         positions, rope_delta = mrope_positions(self.talker, talker.prompt, self.device)
         rows = torch.cat([talker.user_rows, talker.opening])[start:]
-        hidden, logits = self._forward(slot, start, rows[None], positions[:, :, start:])
+        hidden, logits = self._forward(self.kv.view(slot, start), rows[None], positions[:, :, start:])
         return hidden, logits, rope_delta
 
     @torch.inference_mode()
     def step(self, slot: int, index: int, embed: torch.Tensor, rope_delta: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One step at row `index` from `embed` [1, 1, width]: its hidden state and codec logits."""
+        if self.step_graphs is not None:
+            return self.step_graphs.replay(slot, embed, index, index + rope_delta)
         positions = torch.full((3, 1, 1), index + rope_delta, device=self.device, dtype=torch.long)
-        return self._forward(slot, index, embed, positions)
+        return self._forward(self.kv.view(slot, index), embed, positions)
 
     @torch.inference_mode()
     def complete_frame(
@@ -200,8 +212,11 @@ class TalkerRunner:
         last, _ = run_layers(self.predictor.model, self.predictor_kv.view(0, row), step_input, positions)
         return self.predictor.lm_head[group](last)[0, -1].float()
 
-    def _forward(self, slot: int, start: int, embeds: torch.Tensor, positions: torch.Tensor):
-        hidden, _ = run_layers(self.stack, self.kv.view(slot, start), embeds, positions)
+    def _forward(self, cache: SlotWriter | GraphedSlotWriter, embeds: torch.Tensor,
+                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last hidden state [1, 1, width] and its codec logits [vocab] of `embeds` [1, n, width]
+        at `positions` [3, 1, n]; with n = 1, what the step's graphs capture."""
+        hidden, _ = run_layers(self.stack, cache, embeds, positions)
         return hidden, self.talker.codec_head(hidden)[0, -1].float()
 
 

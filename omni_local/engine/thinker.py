@@ -13,12 +13,11 @@ import numpy as np
 import torch
 from PIL import Image
 
-from omni_local.engine.decode_graphs import DecodeGraphs
+from omni_local.engine.decode_graphs import DecodeGraphs, graphable
 from omni_local.engine.decoder_stack import mrope_positions, run_layers
 from omni_local.engine.kv_store import GraphedSlotWriter, KVShape, KVStore, SlotWriter
 from omni_local.engine.media_encoder import MediaEncoder, deepstack_levels
 from omni_local.errors import SettingsError
-from omni_local.model.workarounds import capturable_experts
 from omni_local.engine.talker import TalkerRows
 from omni_local.prompts import Message, Prompt, build_prompt
 
@@ -75,9 +74,7 @@ class ThinkerRunner:
                 f"setting 'gpu_cache_bytes' ({kv_budget_bytes:,}) is below the {need:,} bytes one conversation of "
                 f"'max_context_tokens' ({max_tokens}) needs: raise the first or lower the second"
             )
-        # A graph's attention reads a bucket of rows under a mask; flash attention takes no such mask.
-        graphable = self.device.type == "cuda" and config._attn_implementation in ("sdpa", "eager")
-        self._capture_graphs = cuda_graphs and graphable
+        self._capture_graphs = cuda_graphs and graphable(config, self.device)
         self.kv = KVStore(shape, slots, self.dtype, self.device, zeroed=self._capture_graphs)
         self.graphs: DecodeGraphs | None = None  # set once captured, by warm_up
 
@@ -95,10 +92,8 @@ class ThinkerRunner:
             token = int(self.prefill(slot, prepared).argmax())
             self.decode(slot, token, prompt.num_tokens, prepared.rope_delta)
             if self._capture_graphs:
-                graphs = DecodeGraphs(self._decode_step, self.kv)
-                with capturable_experts(self.text.config, self.dtype):
-                    graphs.capture(slot)
-                self.graphs = graphs
+                ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+                self.graphs = DecodeGraphs(self._decode_step, self.kv, ids, slot, self.text.config)
         finally:
             self.kv.release(slot)
 
@@ -139,9 +134,9 @@ class ThinkerRunner:
     @torch.inference_mode()
     def decode(self, slot: int, token: int, index: int, rope_delta: int) -> torch.Tensor:
         """Compute token `token` at sequence index `index` of the slot; returns its logits [vocab]."""
-        if self.graphs is not None:
-            return self.graphs.replay(slot, token, index, index + rope_delta)
         ids = torch.tensor([[token]], device=self.device)
+        if self.graphs is not None:
+            return self.graphs.replay(slot, ids, index, index + rope_delta)
         positions = torch.full((3, 1, 1), index + rope_delta, device=self.device, dtype=torch.long)
         return self._decode_step(self.kv.view(slot, index), ids, positions)
 

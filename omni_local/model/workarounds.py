@@ -1,9 +1,9 @@
 """Every workaround for a transformers (5.24) Qwen3-Omni bug or gap, each with its reason.
 
 The loader calls `load_processor` for the processor and `apply_workarounds` once on each loaded
-model; the demo builder calls `init_talker_experts` on the random weights it makes; the Thinker
-captures its decode graphs inside `capturable_experts`. Nothing else in omni_local works around
-transformers.
+model; the demo builder calls `init_talker_experts` on the random weights it makes; DecodeGraphs
+captures the Thinker's and the Talker's decode steps inside `capturable_experts`. Nothing else in
+omni_local works around transformers.
 """
 
 import functools
