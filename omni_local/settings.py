@@ -57,7 +57,9 @@ class Settings:
     # [speech]
     voice: str = setting("speech", "Ethan", "default voice of spoken replies")
     first_audio_frames: int = setting("speech", 2, "codec frames (80 ms each) in the first audio chunk: latency")
-    audio_chunk_frames: int = setting("speech", 10, "codec frames in each later audio chunk: efficiency")
+    audio_chunk_frames: int = setting(
+        "speech", 10, "most codec frames in an audio chunk: efficiency (chunks double from the first up to this)"
+    )
     audio_left_context_frames: int = setting("speech", 25, "earlier frames Code2Wav sees before each chunk")
     max_speech_seconds: float = setting("speech", 120.0, "longest spoken reply")
     # [cache]

@@ -116,7 +116,8 @@ def test_chunks_with_less_left_context_than_the_reply_stay_close_to_one_decode(a
         chunks.append(vocoder.decode(stream))
     whole = one_decode(code2wav, torch.tensor(frames).T)
     streamed = np.concatenate(chunks)
-    assert streamed.shape == whole.shape  # no gap and no overlap at the 12 chunk boundaries
+    assert [len(c) // vocoder.samples_per_frame for c in chunks[:5]] == [1, 4, 8, 10, 10]  # 2, 4, 8, 10 frames
+    assert streamed.shape == whole.shape  # no gap and no overlap at the 13 chunk boundaries
     # Past 25 frames of context a chunk no longer sees what Code2Wav's sliding-window attention
     # (72 frames) and its convolutions would reach: the demo's waveform then differs by under 2% of
     # its peak (measured 1.2%); with 200 frames of context the difference was 6e-8.

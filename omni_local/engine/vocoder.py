@@ -7,6 +7,12 @@ every sample from where the previous chunk stopped to where its own output stops
 has no gap and its length is that of one decode of all the frames. Sample values match that one
 decode up to the left context: attention and convolutions that would reach further back see the
 context's start instead (Qwen's own `chunked_decode` makes the same trade with 25 frames).
+
+The first chunk is small, for latency; each next one twice the one before, up to `chunk` frames.
+While a chunk plays, the next is made: with twice the frames it is ready in time while speech is
+made at least twice as fast as it plays (real-time factor 0.5), and the player never waits between
+chunks. Equal chunks after a small first one would leave a gap whenever making the second takes
+longer than the first takes to play (seen in the browser: a 2-frame chunk, then a 10-frame one).
 """
 
 from dataclasses import dataclass, field
@@ -24,6 +30,7 @@ class AudioStream:
     frames: list[list[int]] = field(default_factory=list)  # [num_code_groups] codes per frame
     decoded: int = 0  # frames whose audio has been sent (up to the edge the next frame decides)
     sent: int = 0  # samples sent
+    chunks: int = 0  # chunks sent
 
 
 class Vocoder:
@@ -36,7 +43,11 @@ class Vocoder:
     def due(self, stream: AudioStream, final: bool) -> bool:
         """Whether a chunk should be decoded now: enough new frames, or the last of them."""
         pending = len(stream.frames) - stream.decoded
-        return pending >= (self.first_chunk if stream.decoded == 0 else self.chunk) or (final and pending > 0)
+        return pending >= self.chunk_frames(stream) or (final and pending > 0)
+
+    def chunk_frames(self, stream: AudioStream) -> int:
+        """Frames in the stream's next chunk: the first chunk's, doubled with each chunk sent."""
+        return min(self.chunk, self.first_chunk << stream.chunks)
 
     @torch.inference_mode()
     def decode(self, stream: AudioStream) -> np.ndarray:
@@ -47,5 +58,5 @@ class Vocoder:
         wav = self.code2wav(codes)[0, 0].float().cpu().numpy()
         first = (start - context) * self.samples_per_frame  # the sample the output begins at
         samples = wav[stream.sent - first :]
-        stream.decoded, stream.sent = end, first + len(wav)
+        stream.decoded, stream.sent, stream.chunks = end, first + len(wav), stream.chunks + 1
         return samples
