@@ -5,12 +5,9 @@ opens its own `Client`: a client is one browser tab, so its turns share one chat
 """
 
 import base64
-import contextlib
 import ipaddress
 import re
 import socket
-import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -26,14 +23,12 @@ from PIL import Image
 
 from bad_files import MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS, write_bad_files
 from samples import video_file
+from served_app import free_port, running_app
 from omni_local.errors import MediaError
 from omni_local.media import MediaLimits, load_audio, load_image
 from omni_local.prompts import Message
 from omni_local.ui.history import ERROR_TITLE, to_messages
 
-REPO = Path(__file__).resolve().parent.parent
-START_TIMEOUT_S = 120
-MAX_NEW_TOKENS = 24
 LIMITS = MediaLimits(max_upload_bytes=50 << 20, max_image_pixels=MAX_IMAGE_PIXELS, max_audio_seconds=MAX_AUDIO_SECONDS)
 METRICS = re.compile(
     r"\[(?P<prompt>\d+) prompt tokens: (?P<computed>\d+) computed, \d+ reused from GPU, \d+ from host "
@@ -48,32 +43,6 @@ def ui_url(demo_settings, demo_checkpoint, tmp_path_factory) -> Iterator[str]:
     """`python app.py` on a free port, the demo model from the shared test folder; stopped after the file."""
     with running_app(demo_settings, tmp_path_factory.mktemp("ui")) as url:
         yield url
-
-
-@contextlib.contextmanager
-def running_app(demo_settings, root: Path, *extra: str) -> Iterator[str]:
-    """`python app.py` with the tests' settings (and `extra` flags), its cache in `root`; its URL."""
-    port = _free_port()
-    command = [
-        sys.executable, "app.py", "--ui-port", str(port), "--demo-dir", demo_settings.demo_dir,
-        "--cache-dir", str(root / "cache"), "--device", "cpu", "--max-image-pixels", str(MAX_IMAGE_PIXELS),
-        "--max-audio-seconds", str(MAX_AUDIO_SECONDS), "--max-new-tokens", str(MAX_NEW_TOKENS),
-        "--speech", "true", "--max-speech-seconds", "1", *extra,
-    ]
-    log_path = root / "app.log"
-    # A file, not a pipe: nobody reads the output while the app runs, and a full pipe would block it.
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/"
-    try:
-        _wait_for_page(url, process, log_path)
-        yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 def test_app_py_serves_the_chat_page_on_127_0_0_1(ui_url):
@@ -195,7 +164,7 @@ def test_stopping_a_reply_stops_the_engine_not_only_the_page(demo_settings, demo
         app.engine.runner.decode = lambda *a, **k: time.sleep(0.01) or decode(*a, **k)  # a reply of seconds
         app.engine.eos_ids = set()  # and one that does not end on its own
         ui = build_ui(app)
-        port = _free_port()
+        port = free_port()
         ui.launch(server_port=port, prevent_thread_lock=True)
         try:
             job = Client(f"http://127.0.0.1:{port}/", verbose=False).submit(
@@ -366,27 +335,6 @@ def _media_error(path: Path) -> str:
 def _png(path: Path, size: tuple[int, int], colour: tuple[int, int, int] = (200, 30, 30)) -> Path:
     Image.new("RGB", size, colour).save(path)
     return path
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _wait_for_page(url: str, process: subprocess.Popen, log_path: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"app.py exited with status {process.returncode}:\n{log_path.read_text(errors='replace')}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.25)
-    pytest.fail(f"app.py did not serve {url} within {START_TIMEOUT_S} s:\n{log_path.read_text(errors='replace')}")
 
 
 def _listening_addresses(port: int) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:

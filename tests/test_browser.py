@@ -1,0 +1,471 @@
+"""The chat page in a real browser: Playwright drives Debian's Chromium, headless, against
+`python app.py` on the demo model with speech on.
+
+The page may reach nothing but 127.0.0.1: every other request is refused, and a test fails if the
+page asked for one, so each test also shows the app works offline. The microphone is Chromium's
+fake device, playing tests/data/speech.wav and a pause, over and over. Each step's screenshot is written to
+test-artifacts/browser/<test>/ (git-ignored), to look at.
+
+Without /usr/bin/chromium or the playwright package these tests skip, unless
+OMNI_LOCAL_BROWSER_TESTS=required (CI), where that is a failure. Never `playwright install`: it
+downloads browsers from a host these machines cannot reach.
+"""
+
+import base64
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+from PIL import Image
+
+from served_app import REPO, ServedApp, served_app
+from omni_local.errors import MediaError
+from omni_local.media import MediaLimits, load_image
+
+try:
+    from playwright.sync_api import Browser, Page, sync_playwright
+except ImportError:  # checked, with a clear reason, by the `browser` fixture
+    sync_playwright = None
+
+CHROMIUM = Path("/usr/bin/chromium")
+SPEECH_WAV = REPO / "tests" / "data" / "speech.wav"
+ARTIFACTS = REPO / "test-artifacts" / "browser"
+CHROMIUM_ARGS = [
+    "--no-sandbox", "--disable-dev-shm-usage",
+    # The microphone: Chromium's fake device (its file is given at launch), allowed without asking.
+    "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream", "--autoplay-policy=no-user-gesture-required",
+    # Chromium's own traffic (updates, sync, field trials): without these it tries many connections.
+    "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run",
+    "--disable-quic",
+]
+STEP_TIMEOUT_MS = 60_000  # any one step: a reply, an upload, a page load (the CPU is shared)
+METRICS = re.compile(r"\[\d+ prompt tokens: .* \| \d+ generated \| .*\]")
+# The demo model's greedy reply to this does not end on its own for thousands of tokens.
+ENDLESS_QUESTION = "Count to one thousand."
+FIRST_SOUND_LIMIT_S = 0.5
+
+# A function body run in the page: the <audio> elements under `root`, inside shadow roots too
+# (Gradio's audio player keeps its element in one).
+AUDIO_ELEMENTS_JS = """
+const audioElements = (root) => {
+  const found = [];
+  const walk = (node) => node.querySelectorAll("*").forEach((element) => {
+    if (element.tagName === "AUDIO") found.push(element);
+    if (element.shadowRoot) walk(element.shadowRoot);
+  });
+  walk(root);
+  return found;
+};
+"""
+# Before the page's own scripts: when the page's Web Audio player (omni_local/ui/player.py)
+# schedules each buffer, in the page's clock, so the test can tell when it reaches the speakers.
+RECORD_AUDIO_STARTS_JS = """
+window.omniLocalStarts = [];
+const originalStart = AudioBufferSourceNode.prototype.start;
+AudioBufferSourceNode.prototype.start = function (when = 0, ...rest) {
+  window.omniLocalStarts.push({context: this.context, when: Math.max(when, this.context.currentTime),
+                               at: performance.now()});
+  return originalStart.call(this, when, ...rest);
+};
+"""
+
+
+@pytest.fixture(scope="module")
+def served(demo_settings, demo_checkpoint, tmp_path_factory) -> Iterator[ServedApp]:
+    # An utterance is the speech and the pause around it: over the 2 s the other UI tests allow.
+    with served_app(demo_settings, tmp_path_factory.mktemp("browser"), "--max-audio-seconds", "10") as app:
+        yield app
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory) -> Iterator["Browser"]:
+    missing = [reason for reason, absent in [
+        ("the playwright package is not installed (pip install playwright)", sync_playwright is None),
+        (f"no Chromium at {CHROMIUM} (apt-get install chromium)", not CHROMIUM.exists()),
+    ] if absent]
+    if missing:
+        if os.environ.get("OMNI_LOCAL_BROWSER_TESTS") == "required":
+            pytest.fail(f"browser tests are required, but {'; '.join(missing)}")
+        pytest.skip(f"browser tests need a browser: {'; '.join(missing)}")
+    # Speech, then 1.5 s of silence: the pause ends an utterance in voice mode. The device plays it
+    # over and over.
+    speech, rate = soundfile.read(SPEECH_WAV, dtype="float32")
+    microphone = tmp_path_factory.mktemp("microphone") / "speech-then-pause.wav"
+    soundfile.write(microphone, np.concatenate([speech, np.zeros(rate * 3 // 2, np.float32)]), rate, subtype="PCM_16")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True,
+                                             args=[*CHROMIUM_ARGS, f"--use-file-for-fake-audio-capture={microphone}"])
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(browser, served) -> Iterator["Page"]:
+    """A fresh tab (its own context, microphone allowed) on the chat page, showing a new chat."""
+    context = browser.new_context(viewport={"width": 1280, "height": 900}, permissions=["microphone"])
+    context.set_default_timeout(STEP_TIMEOUT_MS)
+    refused, errors = [], []
+
+    def only_this_machine(route):
+        if route.request.url.startswith("http://127.0.0.1:"):
+            route.continue_()
+        else:
+            refused.append(route.request.url)
+            route.abort()
+
+    context.route("**/*", only_this_machine)
+    context.add_init_script(RECORD_AUDIO_STARTS_JS)
+    tab = context.new_page()
+    tab.on("pageerror", lambda error: errors.append(str(error)))
+    _open(tab, served)
+    _new_chat(tab)
+    yield tab
+    context.close()
+    assert not refused, f"the page asked for something outside this machine: {refused}"
+    assert not errors, f"the page's scripts failed: {errors}"
+
+
+@pytest.fixture
+def artifacts(request) -> Path:
+    """test-artifacts/browser/<test>/, emptied."""
+    folder = ARTIFACTS / request.node.name
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    return folder
+
+
+@pytest.fixture
+def shot(page, artifacts) -> Callable[[str], None]:
+    """shot("step") writes the page as it is now to test-artifacts/browser/<test>/NN-step.png."""
+    folder, count = artifacts, iter(range(1, 100))
+
+    def take(step: str) -> None:
+        page.wait_for_timeout(300)  # Gradio draws a finished message's folded parts a moment later
+        page.screenshot(path=folder / f"{next(count):02d}-{step}.png", full_page=True)
+
+    return take
+
+
+def test_a_question_sent_with_enter_gets_a_reply_that_streams_in(page, shot):
+    _set_longest_reply(page, 600)
+    _watch_first_reply(page)
+    _ask(page, ENDLESS_QUESTION)
+    page.wait_for_function("() => window.omniLocalSeen.length >= 2")
+    shot("streaming")
+    _wait_for_metrics(page, 1)
+    shot("answered")
+    seen = page.evaluate("window.omniLocalSeen")  # the reply's text each time it changed, before it ended
+    final = _bot_texts(page)[0]
+    assert len(seen) >= 2, seen
+    assert all(later.startswith(earlier) and len(later) > len(earlier) for earlier, later in zip(seen, seen[1:]))
+    assert final.startswith(seen[-1]) and len(final) > len(seen[0])
+
+
+def test_an_image_dropped_into_the_message_box_is_shown_and_answered(page, shot, tmp_path):
+    picture = tmp_path / "blue-square.png"
+    Image.new("RGB", (64, 48), (20, 40, 220)).save(picture)
+    _drop_file(page, picture, "image/png")
+    page.locator(".multimodal-textbox .thumbnail-item img").wait_for()
+    shot("dropped")
+    _ask(page, "What is in this picture?")
+    metrics = _wait_for_metrics(page, 1)
+    shot("answered")
+    encoded, from_cache = map(int, re.search(r"media: (\d+) encoded, (\d+) from the encoder cache", metrics).groups())
+    assert encoded + from_cache == 1  # the picture reached the model
+    assert _bot_texts(page)[0]
+    shown = page.locator("[data-testid=user] img").first
+    assert "blue-square.png" in shown.get_attribute("src")
+    assert shown.evaluate("(image) => image.complete && image.naturalWidth") == 64  # loaded, not a broken icon
+
+
+def test_a_recorded_question_gets_a_spoken_reply_that_plays_as_it_streams_and_again_when_clicked(page, shot):
+    _set_speak_replies(page)
+    page.get_by_role("button", name="Record audio").click()
+    page.get_by_role("button", name="Start recording").click()
+    page.wait_for_timeout(1500)  # the fake microphone plays speech.wav
+    page.get_by_role("button", name="Stop recording").click()
+    shot("recorded")
+    page.get_by_role("button", name="Attach audio").click()
+    shot("attached")
+    page.get_by_role("button", name="Submit", exact=True).click()
+    metrics = _wait_for_metrics(page, 1)
+    shot("answered")
+    assert re.search(r"media: 1 encoded|media: 0 encoded, 1 from", metrics)  # the recording reached the model
+    assert "s of speech" in metrics
+    chunks = page.evaluate("window.omniLocalChunks || []")
+    assert [chunk["index"] for chunk in chunks] == list(range(len(chunks))) and chunks, chunks
+    # Each chunk went to the page's Web Audio player as it came, and its clock runs (it plays).
+    player = page.evaluate("() => ({state: window.omniLocalPlayer.context.state, scheduled: window.omniLocalStarts"
+                           ".filter((start) => start.context === window.omniLocalPlayer.context).length})")
+    assert player == {"state": "running", "scheduled": len(chunks)}
+    spoken = page.locator("[data-testid=bot]").filter(has_text="Spoken reply")
+    _unfold(spoken)
+    spoken.get_by_role("button", name="Play").click()
+    page.wait_for_function(f"(root) => {{ {AUDIO_ELEMENTS_JS} return audioElements(root).some("
+                           "(audio) => !audio.paused && audio.currentTime > 0); }",
+                           arg=spoken.element_handle(), polling=20)
+    shot("playing-again")
+
+
+def test_the_stop_button_stops_a_reply_and_the_next_question_is_answered(page, shot, served):
+    _set_longest_reply(page, 4000)  # a reply of about 20 s, if nothing stopped it
+    _ask(page, ENDLESS_QUESTION)
+    page.wait_for_function("() => document.querySelector('[data-testid=bot]')?.innerText.length > 0")
+    page.wait_for_timeout(500)
+    shot("streaming")
+    assert not _bot_texts(page)[1:], "the reply ended before it could be stopped"
+    # Every streamed update redraws the button, so Playwright's click never finds it still: a direct click.
+    page.get_by_role("button", name="Stop", exact=True).dispatch_event("click")
+    page.get_by_role("button", name="Submit", exact=True).wait_for()
+    stopped = _bot_texts(page)
+    cpu_before = served.cpu_seconds()
+    page.wait_for_timeout(2000)
+    cpu_used = served.cpu_seconds() - cpu_before
+    shot("stopped")
+    assert _bot_texts(page) == stopped and len(stopped) == 1  # no more text, and no metrics: it ended early
+    assert cpu_used < 0.5, f"the app used {cpu_used:.2f} s of CPU in the 2 s after the stop: still generating"
+    _set_longest_reply(page, 24)
+    asked = time.monotonic()
+    _ask(page, "Are you still there?")
+    _wait_for_metrics(page, 1)
+    answered_s = time.monotonic() - asked
+    shot("next-answered")
+    assert answered_s < 15, f"the next reply took {answered_s:.1f} s"
+
+
+def test_switching_to_another_chat_and_back_keeps_each_chats_history(page, shot):
+    _ask(page, "First chat, about boats")
+    _wait_for_metrics(page, 1)
+    first = _messages(page)
+    _new_chat(page)
+    shot("new-chat")
+    _ask(page, "Second chat, about trains")
+    _wait_for_metrics(page, 1)
+    second = _messages(page)
+    shot("second-chat")
+    _choose_chat(page, "First chat, about boats")
+    page.wait_for_function("(text) => document.querySelector('[data-testid=user]')?.innerText.includes(text)",
+                           arg="First chat, about boats")
+    shot("back-to-first")
+    assert _messages(page) == first
+    _choose_chat(page, "Second chat, about trains")
+    page.wait_for_function("(text) => document.querySelector('[data-testid=user]')?.innerText.includes(text)",
+                           arg="Second chat, about trains")
+    shot("back-to-second")
+    assert _messages(page) == second
+
+
+def test_a_reloaded_page_shows_the_chat_with_its_history(page, shot):
+    _ask(page, "Remember the lighthouse")
+    _wait_for_metrics(page, 1)
+    _ask(page, "And the keeper")
+    _wait_for_metrics(page, 2)
+    before = _messages(page)
+    shot("before-reload")
+    page.reload()
+    page.wait_for_function("(count) => document.querySelectorAll('[data-testid=user]').length === count",
+                           arg=2)
+    shot("after-reload")
+    assert _messages(page) == before
+    assert page.get_by_label("Chats", exact=True).input_value() == "Remember the lighthouse"
+
+
+def test_a_corrupt_image_shows_its_error_in_the_chat_and_the_chat_goes_on(page, shot, tmp_path):
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"these bytes are not an image\n" * 8)
+    _drop_file(page, broken, "image/png")
+    page.locator(".multimodal-textbox .thumbnail-item").wait_for()
+    shot("dropped")
+    _ask(page, "What is this?")
+    error = page.locator("[data-testid=bot]").filter(has_text="Error")
+    error.wait_for()
+    shot("error")
+    assert _bot_texts(page) == [_media_error(broken)]
+    _ask(page, "Are you still there?")
+    _wait_for_metrics(page, 1)
+    shot("answered")
+    texts = _bot_texts(page)
+    assert len(texts) == 3 and texts[1] and METRICS.search(texts[2])  # the error, a reply, its metrics
+
+
+def test_a_spoken_reply_starts_to_sound_within_half_a_second_of_the_server_sending_it(page, shot, artifacts):
+    _set_speak_replies(page)
+    _ask(page, "Say something.")
+    _wait_for_metrics(page, 1)
+    # Let the first chunk's scheduled start pass, so the output clock has covered it.
+    page.wait_for_function("() => { const [first] = window.omniLocalStarts.filter((s) => s.context === "
+                           "window.omniLocalPlayer?.context); return first && first.context.currentTime > "
+                           "first.when + 0.2; }")
+    shot("spoken")
+    timing = page.evaluate("""() => {
+      const [first] = window.omniLocalStarts.filter((s) => s.context === window.omniLocalPlayer.context);
+      const output = first.context.getOutputTimestamp();  // a context time and when it left the device
+      const heardAt = output.performanceTime + (first.when - output.contextTime) * 1000;
+      return {arrived: window.omniLocalChunks[0].arrived, sounds: window.omniLocalChunks[0].sounds,
+              index: window.omniLocalChunks[0].index, inPage: (heardAt - first.at) / 1000,
+              outputLatency: first.context.outputLatency, baseLatency: first.context.baseLatency};
+    }""")
+    assert timing["index"] == 0
+    heard = timing["arrived"] + timing["inPage"]  # server sent -> page had it -> out of the device
+    report = (f"first spoken chunk, after the server sent it: reached the page {timing['arrived'] * 1000:.0f} ms, "
+              f"scheduled to sound {timing['sounds'] * 1000:.0f} ms, out of the audio device {heard * 1000:.0f} ms "
+              f"(AudioContext baseLatency {timing['baseLatency'] * 1000:.0f} ms, "
+              f"outputLatency {timing['outputLatency'] * 1000:.0f} ms)")
+    print(report)
+    (artifacts / "latency.txt").write_text(report + "\n")
+    assert 0 <= timing["sounds"] <= heard < FIRST_SOUND_LIMIT_S
+
+
+def test_hands_free_voice_mode_answers_a_spoken_question_aloud_in_the_chat(page, shot):
+    page.get_by_text("Voice conversation").click()
+    microphone = page.locator("#voice-microphone")
+    microphone.get_by_role("button", name="Record").click()  # hands-free is the default mode
+    shot("listening")
+    # The fake microphone's speech ends in a pause: the end of speech asks it, and the reply is
+    # spoken through the page's player while its text streams into the chat.
+    metrics = _wait_for_metrics(page, 1)
+    page.wait_for_function("() => (window.omniLocalChunks || []).length > 0")
+    shot("answered")
+    microphone.get_by_role("button", name="Stop").click()
+    assert re.search(r"media: 1 encoded", metrics) and "s of speech" in metrics  # the utterance reached the model
+    question = page.locator("[data-testid=user]").first
+    assert question.evaluate(f"(root) => {{ {AUDIO_ELEMENTS_JS} return audioElements(root).length; }}") == 1
+    assert window_chunks_in_order(page)
+
+
+def window_chunks_in_order(page: "Page") -> bool:
+    """The page's player got the reply's chunks numbered 0, 1, ... (a voice turn may have been cut
+    by the next one, which starts again at 0)."""
+    indices = [chunk["index"] for chunk in page.evaluate("window.omniLocalChunks")]
+    return indices[0] == 0 and all(b in (a + 1, 0) for a, b in zip(indices, indices[1:]))
+
+
+# Helpers
+
+
+def _open(page: "Page", served: ServedApp) -> None:
+    """Load the chat page, and wait for its start-up event: it shows the latest saved chat, if any."""
+    page.goto(served.url)
+    _message_box(page).wait_for()
+    if any((served.cache_dir / "chats").glob("*.json")):
+        page.wait_for_function("() => [...document.querySelectorAll('input')].some("
+                               "(input) => input.getAttribute('aria-label') === 'Chats' && input.value)")
+
+
+def _new_chat(page: "Page") -> None:
+    page.get_by_role("button", name="New chat").click()
+    page.wait_for_function("() => !document.querySelector('[data-testid=user], [data-testid=bot]') && "
+                           "[...document.querySelectorAll('input')].some("
+                           "(input) => input.getAttribute('aria-label') === 'Chats' && !input.value)")
+
+
+def _message_box(page: "Page"):
+    # Not by its placeholder: Gradio drops it once the first question is sent.
+    return page.locator(".multimodal-textbox textarea")
+
+
+def _ask(page: "Page", text: str) -> None:
+    box = _message_box(page)
+    box.fill(text)
+    box.press("Enter")
+
+
+def _wait_for_metrics(page: "Page", count: int) -> str:
+    """Wait until `count` replies have ended (each ends with its metrics); the last metrics line."""
+    page.wait_for_function(
+        "([pattern, count]) => [...document.querySelectorAll('[data-testid=bot]')].filter("
+        "(message) => new RegExp(pattern).test(message.getAttribute('aria-label'))).length >= count",
+        arg=[METRICS.pattern, count],
+    )
+    return [text for text in _bot_texts(page) if METRICS.search(text)][-1]
+
+
+def _bot_texts(page: "Page") -> list[str]:
+    return [text for who, text in _messages(page) if who == "bot"]
+
+
+def _messages(page: "Page") -> list[tuple[str, str]]:
+    """The chat as shown: (who, text) per message. The text is each message's label, which holds it
+    whole even while Gradio shows a titled message (metrics, an error) folded."""
+    labels = page.locator("[data-testid=user], [data-testid=bot]").evaluate_all(
+        "(messages) => messages.map((m) => [m.dataset.testid, m.getAttribute('aria-label')])")
+    return [(who, re.sub(r"^\w+'s message: ", "", label)) for who, label in labels]
+
+
+def _unfold(message) -> None:
+    """Open a titled message Gradio shows folded."""
+    folded = message.locator(".title:not(.expanded)")
+    if folded.count():
+        folded.first.click()
+
+
+def _watch_first_reply(page: "Page") -> None:
+    """From now on, the first reply's text each time it changes, until its metrics appear."""
+    page.evaluate("""([pattern]) => {
+      window.omniLocalSeen = [];
+      const timer = setInterval(() => {
+        const labels = [...document.querySelectorAll('[data-testid=bot]')].map((m) => m.getAttribute('aria-label'));
+        if (labels.some((label) => new RegExp(pattern).test(label))) return clearInterval(timer);
+        const text = labels[0]?.replace(/^\\w+'s message: /, '');
+        if (text && text !== window.omniLocalSeen.at(-1)) window.omniLocalSeen.push(text);
+      }, 10);
+    }""", [METRICS.pattern])
+
+
+def _additional_inputs(page: "Page") -> None:
+    if not page.get_by_label("Speak replies").is_visible():
+        page.get_by_text("Additional inputs").click()
+
+
+def _set_longest_reply(page: "Page", tokens: int) -> None:
+    _additional_inputs(page)
+    number = page.get_by_label("number input for Longest reply (tokens)")
+    slider = page.get_by_label("range slider for Longest reply (tokens)")
+    # Once in a while (a busy CPU, right after the page's start-up events) the slider went back to
+    # its default just after being set: set it until it stays.
+    for _ in range(5):
+        number.fill(str(tokens))
+        number.blur()
+        page.wait_for_timeout(500)
+        if slider.input_value() == str(tokens):
+            return
+    pytest.fail(f"the Longest reply slider would not stay at {tokens}")
+
+
+def _set_speak_replies(page: "Page") -> None:
+    _additional_inputs(page)
+    page.get_by_label("Speak replies").check()
+
+
+def _choose_chat(page: "Page", title: str) -> None:
+    page.get_by_label("Chats", exact=True).click()
+    page.get_by_role("option", name=title, exact=True).click()
+
+
+def _drop_file(page: "Page", path: Path, mime_type: str) -> None:
+    """Drag `path` from outside the browser and drop it on the message box, as a person would."""
+    transfer = page.evaluate_handle(
+        """([name, data, type]) => {
+          const transfer = new DataTransfer();
+          const bytes = Uint8Array.from(atob(data), (c) => c.charCodeAt(0));
+          transfer.items.add(new File([bytes], name, {type}));
+          return transfer;
+        }""",
+        [path.name, base64.b64encode(path.read_bytes()).decode("ascii"), mime_type],
+    )
+    box = _message_box(page)
+    for event in ("dragenter", "dragover", "drop"):
+        box.dispatch_event(event, {"dataTransfer": transfer})
+
+
+def _media_error(path: Path) -> str:
+    """What omni_local.media says about the file, read directly."""
+    with pytest.raises(MediaError) as error:
+        load_image(path, MediaLimits(max_upload_bytes=50 << 20, max_image_pixels=1 << 24, max_audio_seconds=60))
+    return str(error.value)
