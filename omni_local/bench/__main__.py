@@ -29,7 +29,7 @@ import argparse
 import json
 import platform
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -104,9 +104,12 @@ def main() -> None:
                    ("transformers", cold, transformers_run))
         chosen = [s for s in _available(cached) if not args.only or any(text in s.name for text in args.only)]
         _warn_if_few_slots(cached, chosen)
-        rows = [row for scenario in chosen for row in _rows(scenario, systems, args)]
         environment = _environment(cached, args)
-    print(_table(rows, environment))
+        print(_table_head(environment), flush=True)
+        rows = []
+        for row in (row for scenario in chosen for row in _rows(scenario, systems, args)):
+            print(_table_row(row), flush=True)  # as it is measured: a run cut short keeps what it measured
+            rows.append(row)
     if args.json:
         args.json.write_text(json.dumps({"environment": environment, "rows": rows}, indent=2))
 
@@ -117,16 +120,14 @@ def _available(app: OmniLocal) -> list[Scenario]:
             + (spoken_scenarios() if app.engine.speaker else []))
 
 
-def _rows(scenario: Scenario, systems: tuple[System, ...], args: argparse.Namespace) -> list[dict]:
-    rows = []
+def _rows(scenario: Scenario, systems: tuple[System, ...], args: argparse.Namespace) -> Iterator[dict]:
     for system, app, run in systems:
         if "first send" in scenario.name and system.endswith("cache on"):
             continue  # a first send has nothing to reuse: the cache-off row is the same
         if run is transformers_run and scenario.concurrency > 1:
             system += ", sequential"
         result = median_of(args.runs, lambda i: run(app, scenario, i, args.new_tokens))
-        rows.append({"scenario": scenario.name, "system": system, **result})
-    return rows
+        yield {"scenario": scenario.name, "system": system, **result}
 
 
 def _warn_if_few_slots(app: OmniLocal, chosen: list[Scenario]) -> None:
@@ -150,18 +151,18 @@ def _environment(app: OmniLocal, args: argparse.Namespace) -> dict[str, str]:
     }
 
 
-def _table(rows: list[dict], environment: dict[str, str]) -> str:
-    lines = [", ".join(f"{k}: {v}" for k, v in environment.items()), ""]
+def _table_head(environment: dict[str, str]) -> str:
     columns = ["scenario", "prompt tokens", "system", "computed", "TTFT (ms)", "ITL (ms)", "start-up (ms)",
                "first audio (ms)", "RTF", "audio (s)"]
-    lines += ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
-    for r in rows:
-        start_up = f"{r['start_up_ms']:.1f}" if "start_up_ms" in r else "–"
-        speech = f"{r['first_audio_ms']:.1f} | {r['rtf']:.2f} | {r['audio_s']:.2f}" if "rtf" in r else "– | – | –"
-        lines.append(f"| {r['scenario']} | {r['prompt']:.0f} | {r['system']} | {r['computed']:.0f} | "
-                     f"{r['ttft_ms']:.1f} | {r['itl_ms']:.2f} | {start_up} | {speech} |")
-    return "\n".join(lines)
+    lines = [", ".join(f"{k}: {v}" for k, v in environment.items()), ""]
+    return "\n".join([*lines, "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)])
 
+
+def _table_row(r: dict) -> str:
+    start_up = f"{r['start_up_ms']:.1f}" if "start_up_ms" in r else "–"
+    speech = f"{r['first_audio_ms']:.1f} | {r['rtf']:.2f} | {r['audio_s']:.2f}" if "rtf" in r else "– | – | –"
+    return (f"| {r['scenario']} | {r['prompt']:.0f} | {r['system']} | {r['computed']:.0f} | "
+            f"{r['ttft_ms']:.1f} | {r['itl_ms']:.2f} | {start_up} | {speech} |")
 
 if __name__ == "__main__":
     main()
