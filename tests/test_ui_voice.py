@@ -133,3 +133,27 @@ def test_a_chunk_like_one_before_is_heard_again_though_its_file_is_gone(voice, t
     _, chat = delivered(voice)
     heard = soundfile.info(chat[0]["content"][0]["path"]).frames
     assert 15_000 < heard <= 16_000  # all ten, 100 ms each (less what the resampler still holds)
+
+
+def test_a_recording_the_disk_will_not_take_is_an_error_in_the_chat_and_voice_mode_goes_on(voice, tmp_path,
+                                                                                           monkeypatch):
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    memory = ChatMemory()
+    chunks = page_chunks(SPEECH[:16_000], tmp_path)
+    with monkeypatch.context() as patched:
+        patched.setattr(soundfile, "write", full_disk)
+        voice.start_recording(PUSH_TO_TALK)
+        for chunk in chunks:
+            voice.hear(chunk, PUSH_TO_TALK, asked_in(memory))
+        voice.stop_recording(PUSH_TO_TALK, asked_in(memory))
+    _, chat = delivered(voice)
+    assert [(m["role"], m["metadata"]["title"]) for m in chat] == [("assistant", "Error")]
+    assert "the recording could not be kept (is the disk full?)" in chat[0]["content"]
+    voice.start_recording(PUSH_TO_TALK)
+    speak(voice, SPEECH[:16_000], tmp_path, asked_in(memory, chat), PUSH_TO_TALK)
+    voice.stop_recording(PUSH_TO_TALK, asked_in(memory, chat))
+    _, chat = delivered(voice)
+    assert [m["role"] for m in chat][:3] == ["assistant", "user", "assistant"]  # the error, then a turn
+    assert chat[-1]["metadata"]["title"] == "Metrics"

@@ -22,7 +22,7 @@ import soundfile
 import soxr
 
 from omni_local.api import AudioChunk, Finished, OmniLocal, Reply, TextDelta
-from omni_local.errors import OmniLocalError
+from omni_local.errors import OmniLocalError, RequestError
 from omni_local.media import SAMPLE_RATE
 from omni_local.ui.history import ChatMemory, as_dict, error_message, finished_reply, to_messages
 from omni_local.ui.player import STOP, audio_payload
@@ -115,11 +115,13 @@ class VoiceMode:
     def _ask(self, samples: np.ndarray) -> Reply:
         """Ask an utterance in the shown chat's session, after the chat as the page has it."""
         context = self._context
+        with self._lock:
+            self._turn, self._answer, self._chunks = list(context.history), [], 0
         path = self._keep_utterance(samples)
         context.memory.media[str(path)] = samples  # the next turn's prompt holds exactly these samples
         with self._lock:
-            self._turn = [*context.history, {"role": "user", "content": [{"path": str(path)}]}]
-            self._answer, self._chunks, self._chat_changed = [], 0, True
+            self._turn.append({"role": "user", "content": [{"path": str(path)}]})
+            self._chat_changed = True
         session = self.app.session(system_prompt=context.system_prompt or None, session_id=context.memory.session_id)
         session.history += to_messages(context.history, self.app, context.memory)
         self._reply = session.send(audio=[samples], speak=True, **context.options)
@@ -183,7 +185,10 @@ class VoiceMode:
         """The utterance as a float WAV at 16 kHz in the private uploads folder: the chat shows it,
         and read back after a restart it gives the same samples, so the turn's cached KV matches."""
         path = self.uploads / f"voice-{uuid.uuid4().hex}.wav"
-        soundfile.write(path, samples, SAMPLE_RATE, subtype="FLOAT", format="WAV")
+        try:
+            soundfile.write(path, samples, SAMPLE_RATE, subtype="FLOAT", format="WAV")
+        except (OSError, RuntimeError) as error:  # a full disk; soundfile reports a failed write as RuntimeError
+            raise RequestError(f"the recording could not be kept (is the disk full?): {error}") from None
         return path
 
 
