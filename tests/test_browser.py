@@ -324,6 +324,7 @@ def test_a_spoken_reply_starts_to_sound_within_half_a_second_of_the_server_sendi
 
 def test_hands_free_voice_mode_answers_a_spoken_question_aloud_in_the_chat(page, shot):
     page.get_by_text("Voice conversation").click()
+    _wait_for_streaming_recorder(page)
     microphone = page.locator("#voice-microphone")
     microphone.get_by_role("button", name="Record").click()  # hands-free is the default mode
     shot("listening")
@@ -416,6 +417,15 @@ def _watch_first_reply(page: "Page") -> None:
         if (text && text !== window.omniLocalSeen.at(-1)) window.omniLocalSeen.push(text);
       }, 10);
     }""", [METRICS.pattern])
+
+
+def _wait_for_streaming_recorder(page: "Page") -> None:
+    """Gradio's streaming microphone loads its WAV recorder (three `module-*.js` scripts, a
+    MediaRecorder polyfill and its encoder) after it appears; a Record click before that fails in
+    the page ("... is not a constructor") and nothing streams. Seen in a fresh CI run."""
+    page.wait_for_function("() => performance.getEntriesByType('resource').filter("
+                           "(entry) => /\\/module-[\\w-]+\\.js$/.test(entry.name)).length >= 3")
+    page.wait_for_timeout(1000)  # then it registers the encoder, in a worker it starts
 
 
 def _additional_inputs(page: "Page") -> None:
