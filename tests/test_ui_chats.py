@@ -65,3 +65,24 @@ def test_a_spoken_reply_that_cannot_be_kept_warns_and_the_reply_goes_on(tmp_path
     assert keep_audio(tmp_path / "missing" / "folder", np.zeros(2_400, np.float32)) is None
     assert warnings and warnings[0].startswith("The spoken reply could not be kept to play again")
     assert keep_audio(tmp_path, np.zeros(2_400, np.float32)).exists()
+
+
+def test_deleting_a_chat_deletes_its_spoken_replies_and_voice_questions_but_not_uploads(tmp_path):
+    from omni_local.ui.chat import ChatMemory, _delete
+
+    uploads = tmp_path / "uploads"
+    (uploads / "1f2e").mkdir(parents=True)
+    files = {name: uploads / name for name in ("voice-1.wav", "reply-1.wav", "1f2e/photo.png")}
+    for path in files.values():
+        path.write_bytes(b"x")
+    store = ChatStore(tmp_path / "chats")
+    chat = SavedChat(history=[
+        {"role": "user", "content": [{"file": {"path": str(files["voice-1.wav"])}, "type": "file"}]},
+        {"role": "assistant", "content": [{"file": {"path": str(files["reply-1.wav"])}, "type": "file"}],
+         "metadata": {"title": "Spoken reply"}},
+        {"role": "user", "content": [{"path": str(files["1f2e/photo.png"])}, "What is this?"]},
+    ])
+    store.save(chat)
+    _delete(store, uploads, ChatMemory(session_id=chat.id))
+    assert store.get(chat.id) is None
+    assert [name for name, path in files.items() if path.exists()] == ["1f2e/photo.png"]

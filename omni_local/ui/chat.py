@@ -23,7 +23,6 @@ from omni_local.ui.chats import ChatStore, SavedChat
 from omni_local.ui.history import (
     AUDIO_SUFFIXES,
     IMAGE_SUFFIXES,
-    SPOKEN_TITLE,
     VIDEO_SUFFIXES,
     ChatMemory,
     as_dict,
@@ -34,8 +33,8 @@ from omni_local.ui.history import (
     question,
     to_messages,
 )
-from omni_local.ui.player import PLAYER_JS, audio_payload
-from omni_local.ui.voice_mode import add_voice_mode
+from omni_local.ui.player import PLAYER_JS, REPLY_PREFIX, audio_payload
+from omni_local.ui.voice_mode import UTTERANCE_PREFIX, add_voice_mode
 
 
 def build_ui(app: OmniLocal, store: ChatStore | None = None) -> gr.Blocks:
@@ -176,13 +175,14 @@ def _rename(store: ChatStore, text: str, memory: ChatMemory) -> Any:
 
 
 def _delete(store: ChatStore, uploads: Path, memory: ChatMemory) -> tuple[Any, ...]:
-    """Delete the shown chat, and the spoken replies it kept (files of its own: uploads may be shared
-    with other chats, since Gradio keeps one file per content)."""
+    """Delete the shown chat, and the files the app wrote for it: its spoken replies and voice
+    questions. Uploads stay: Gradio keeps one file per content, which other chats may show too."""
     saved = store.get(memory.session_id)
     for message in saved.history if saved else []:
-        if (message.get("metadata") or {}).get("title") == SPOKEN_TITLE:
-            path = Path(file_path(message.get("content")) or "")
-            if path.parent == uploads and path.name.startswith("reply-"):
+        content = message.get("content")
+        for block in content if isinstance(content, list) else [content]:
+            path = Path(file_path(block) or "")
+            if path.parent == uploads and path.name.startswith((REPLY_PREFIX, UTTERANCE_PREFIX)):
                 path.unlink(missing_ok=True)
     store.delete(memory.session_id)
     return _show(store, next(iter(store.all()), None))

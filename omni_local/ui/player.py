@@ -55,6 +55,7 @@ PLAYER_JS = """
 """
 
 STOP: dict[str, Any] = {"stop": True}
+REPLY_PREFIX = "reply-"  # a spoken reply's WAV in the uploads folder: a file of one chat's own
 
 
 def audio_payload(chunk: AudioChunk, index: int) -> dict[str, Any]:
@@ -67,7 +68,7 @@ def audio_payload(chunk: AudioChunk, index: int) -> dict[str, Any]:
 def keep_audio(folder: Path, samples: np.ndarray) -> Path | None:
     """A spoken reply as a WAV file in the private uploads folder, for the chat to play again; None
     (and a warning on the page) if the disk will not take it."""
-    path = folder / f"reply-{uuid.uuid4().hex}.wav"
+    path = folder / f"{REPLY_PREFIX}{uuid.uuid4().hex}.wav"
     try:
         soundfile.write(path, samples, SPEECH_SAMPLE_RATE, subtype="PCM_16", format="WAV")
     except (OSError, RuntimeError) as error:  # soundfile reports a failed write as RuntimeError

@@ -31,6 +31,7 @@ from omni_local.voice import VoiceConversation
 HANDS_FREE, PUSH_TO_TALK = "Hands-free", "Push to talk"
 CHUNK_SECONDS = 0.1  # how often the page sends the microphone's audio: the detector's reaction time
 DELIVERY_SECONDS = 0.1
+UTTERANCE_PREFIX = "voice-"  # a voice question's WAV in the uploads folder: a file of one chat's own
 HEARD_PATHS = 64  # chunk paths whose audio is kept, for a chunk arriving again  # how often the page fetches the reply's text and audio while it is made
 
 
@@ -184,7 +185,7 @@ class VoiceMode:
     def _keep_utterance(self, samples: np.ndarray) -> Path:
         """The utterance as a float WAV at 16 kHz in the private uploads folder: the chat shows it,
         and read back after a restart it gives the same samples, so the turn's cached KV matches."""
-        path = self.uploads / f"voice-{uuid.uuid4().hex}.wav"
+        path = self.uploads / f"{UTTERANCE_PREFIX}{uuid.uuid4().hex}.wav"
         try:
             soundfile.write(path, samples, SAMPLE_RATE, subtype="FLOAT", format="WAV")
         except (OSError, RuntimeError) as error:  # a full disk; soundfile reports a failed write as RuntimeError
