@@ -38,8 +38,8 @@ from omni_local.ui.voice_mode import UTTERANCE_PREFIX, add_voice_mode
 
 
 def build_ui(app: OmniLocal, store: ChatStore | None = None) -> gr.Blocks:
-    """The chat page: the chat itself, and a sidebar of saved chats (`store`, by default in
-    `<cache_dir>/chats`)."""
+    """The chat page: the chat itself, a sidebar of saved chats (`store`, by default in
+    `<cache_dir>/chats`) and, when the app has the Talker, voice mode."""
     store = store or ChatStore(app.settings.cache_path / "chats")
     uploads = private_folder(app.settings.cache_path / "uploads")
     voices = sorted(name.capitalize() for name in app.engine.speaker.runner.voices) if app.engine.speaker else []
