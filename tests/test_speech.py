@@ -175,6 +175,14 @@ def test_a_spoken_answer_to_a_known_medium_reuses_it_and_says_the_same(apps, kin
     assert final.tokens.reused_gpu >= prompt.media[0].end  # the medium came from the cache, Talker rows too
 
 
+def test_a_known_medium_after_another_system_prompt_is_spoken_as_without_the_cache(apps):
+    """A medium's Talker rows come from the Thinker's hidden states, which the system prompt before
+    it changes: the Talker KV of a chat that sent the same clip after another system prompt must
+    not be reused."""
+    Chat(apps, "You look and listen.").send("What is this?", audio=[clip(10)])
+    Chat(apps, "You are a pirate who hears everything.").send("What is this?", audio=[clip(10)])
+
+
 def test_a_text_turn_then_a_spoken_turn_reads_the_rows_the_text_turn_cached(apps):
     chat = Chat(apps, "You answer.")
     first, _ = (session.send("Look at this.", images=[picture(9)], max_new_tokens=NEW_TOKENS).result()

@@ -201,12 +201,18 @@ class PrefixCache:
 
 
 def _verified_prefix(entry: Entry, prompt: Prompt) -> int:
-    limit = min(entry.length, prompt.num_tokens - 1)
-    differs = np.flatnonzero(entry.keys[:limit] != prompt.keys[:limit])
+    return common_prefix(entry.keys, entry.media, prompt, min(entry.length, prompt.num_tokens - 1))
+
+
+def common_prefix(keys: np.ndarray, media: dict[int, bytes], prompt: Prompt, limit: int) -> int:
+    """How many of `prompt`'s first `limit` tokens a sequence of `keys`, with `media` (start -> full
+    digest), shares: never ending inside a medium, and each medium before the end verified by its
+    full digest."""
+    differs = np.flatnonzero(keys[:limit] != prompt.keys[:limit])
     length = int(differs[0]) if differs.size else limit
     for item in prompt.media:
         if item.start >= length:
             break
-        if item.end > length or entry.media.get(item.start) != item.digest:
+        if item.end > length or media.get(item.start) != item.digest:
             return item.start  # never inside a medium, and only a medium whose full digest agrees
     return length

@@ -7,7 +7,10 @@ plus the next reply token's row (waiting while the Thinker has not written that 
 the frame's first code, the code predictor its other codes, and Code2Wav turns whole chunks of
 frames into audio. The Talker's own KV
 of the user turns is kept per session (a second prefix cache), so a later spoken turn computes
-only the new user turn and the assistant opening.
+only the new user turn and the assistant opening. Its keys are the user turns' tokens, but a
+medium's row is the Thinker's hidden state there, which the whole Thinker prompt before it shapes
+(the system prompt, earlier replies): reuse is also cut where the Thinker prompt the rows were
+made from stops agreeing with the reply's own.
 """
 
 import time
@@ -16,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from omni_local.cache.prefix_cache import Claim, PrefixCache
+from omni_local.cache.prefix_cache import Claim, Match, PrefixCache, common_prefix
 from omni_local.engine.kv_store import KVStore
 from omni_local.engine.sampling import Sampler, SamplingParams
 from omni_local.engine.talker import TalkerPrompt, TalkerRunner, user_positions
@@ -59,12 +62,25 @@ class SpeechReport:
     talker_reused: int  # ... whose KV came from the session's earlier spoken turn
 
 
+@dataclass(frozen=True)
+class MadeFrom:
+    """The Thinker prompt a session's cached Talker rows were made from: its keys and media digests."""
+
+    keys: np.ndarray
+    media: dict[int, bytes]  # start -> full digest
+
+    @classmethod
+    def of(cls, prompt: Prompt) -> "MadeFrom":
+        return cls(prompt.keys.copy(), {item.start: item.digest for item in prompt.media})
+
+
 @dataclass
 class SpokenReply:
     """One reply's speech, owned by the engine's worker."""
 
     params: SpeechParams
     session: str
+    thinker: Prompt  # the Thinker's prompt, whose rows the Talker reads
     prompt: TalkerPrompt
     sampler: Sampler
     predictor_sampler: Sampler
@@ -99,6 +115,7 @@ class Speaker:
         # Talker KV of user turns is small; an entry pushed off the device is dropped, not moved.
         self.cache = PrefixCache(self.runner.kv, 0, enabled=settings.prefix_cache)
         self.im_start, self.user = model.config.im_start_token_id, model.config.user_token_id
+        self._made_from: dict[str, MadeFrom] = {}  # session -> what its Talker cache entry was made from
 
     def warm_up(self) -> None:
         """The Talker, its code predictor and Code2Wav once each, caching nothing."""
@@ -120,7 +137,7 @@ class Speaker:
         talker_prompt = self.runner.build_prompt(prompt, rows, positions, first_token, voice)
         device = self.runner.device
         empty = torch.empty(0, dtype=torch.long, device=device)
-        return SpokenReply(params, session, talker_prompt,
+        return SpokenReply(params, session, prompt, talker_prompt,
                            Sampler(params.talker_sampling(), seed + 1, empty, self.runner.suppressed),
                            Sampler(params.predictor_sampling(), seed + 2, empty))
 
@@ -170,13 +187,24 @@ class Speaker:
         """The Talker's prefill, after what its cache holds: the last hidden state and logits, or
         Nones while no slot is free."""
         prompt = reply.prompt.prompt
-        reply.claim = self.cache.claim(reply.session, prompt, self.cache.match(prompt))
+        reply.claim = self.cache.claim(reply.session, prompt, self._made_alike(reply, self.cache.match(prompt)))
         if reply.claim is None:
             return None, None
         hidden, logits, reply.rope_delta = self.runner.prefill(reply.claim.entry.slot, reply.prompt, reply.claim.start)
         reply.written = prompt.num_tokens
         self.cache.publish(reply.claim, prompt, [], len(reply.prompt.user_rows))
+        self._made_from[reply.session] = MadeFrom.of(reply.thinker)
         return hidden, logits
+
+    def _made_alike(self, reply: SpokenReply, match: Match) -> Match:
+        """`match` cut to the user rows made from the same Thinker prefix as the reply's own."""
+        made_from = self._made_from.get(match.entry.session) if match.entry is not None else None
+        if made_from is None:
+            return Match(None, 0)
+        limit = min(len(made_from.keys), reply.thinker.num_tokens)
+        agreed = common_prefix(made_from.keys, made_from.media, reply.thinker, limit)
+        rows = int(np.searchsorted(reply.prompt.user_positions, agreed))  # user rows before `agreed`
+        return Match(match.entry, min(match.length, rows))
 
     def _text_row(self, index: int, reply_ids: list[int], text_done: bool) -> torch.Tensor | None:
         """What the Talker reads with frame `index`: reply token `index`, text-EOS in place of the

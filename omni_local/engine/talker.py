@@ -58,6 +58,7 @@ class TalkerPrompt:
     prompt: Prompt
     user_rows: torch.Tensor  # [users, width], one per user token
     opening: torch.Tensor  # [ASSISTANT_OPENING + 6, width], the assistant rows
+    user_positions: np.ndarray  # where each user row's token is in the Thinker's prompt
 
     @property
     def num_tokens(self) -> int:
@@ -165,7 +166,7 @@ class TalkerRunner:
         media = [replace(m, start=int(np.searchsorted(user_positions, m.start)))
                  for m in thinker.media if m.start in in_user_turns]
         prompt = Prompt(talker_ids[None], media, keys)
-        return TalkerPrompt(prompt, user_rows, text + codec)
+        return TalkerPrompt(prompt, user_rows, text + codec, user_positions)
 
     @torch.inference_mode()
     def prefill(self, slot: int, talker: TalkerPrompt, start: int) -> tuple[torch.Tensor, torch.Tensor, int]:
