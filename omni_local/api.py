@@ -78,6 +78,10 @@ class Reply:
         self._request.cancelled.set()
 
     @property
+    def cancelled(self) -> bool:
+        return self._request.cancelled.is_set()
+
+    @property
     def audio(self) -> np.ndarray:
         """The spoken reply's samples so far (float32 mono at 24 kHz, as each `AudioChunk`); empty if none."""
         return np.concatenate(self._audio) if self._audio else np.zeros(0, np.float32)

@@ -75,9 +75,11 @@ class SpeechDetector:
                 self._before.clear()
         return events
 
-    @property
-    def hearing_speech(self) -> bool:
-        return self._speech is not None
+    def reset(self) -> None:
+        """Forget the stream so far: a new recording starts with no utterance under way."""
+        self._vad.reset_states()
+        self._pending, self._speech = np.zeros(0, np.float32), None
+        self._before.clear()
 
 
 class VoiceConversation:
@@ -100,6 +102,10 @@ class VoiceConversation:
         self.turns = 0
         self._reply: Reply | None = None
         self._streamer: threading.Thread | None = None
+        self._asking = False  # from an utterance's end until its reply's streamer runs
+        # Held to cancel and stop the player, and to hand on a chunk: no chunk of a cancelled reply
+        # (one the engine was making, or one already waiting in the reply's events) plays after.
+        self._playing = threading.Lock()
 
     def hear(self, samples: np.ndarray) -> None:
         """Microphone audio (16 kHz mono float32), as it arrives."""
@@ -111,9 +117,15 @@ class VoiceConversation:
 
     def interrupt(self) -> None:
         """Stop the reply being made or played: the person is speaking."""
-        if self._reply is not None and not self._reply.done:
-            self._reply.cancel()
-        self.stop_playing()
+        with self._playing:
+            if self._reply is not None and not self._reply.done:
+                self._reply.cancel()
+            self.stop_playing()
+
+    @property
+    def reply(self) -> Reply | None:
+        """The last utterance's reply."""
+        return self._reply
 
     def wait(self) -> None:
         """Until the current reply has been made (its audio handed to the player)."""
@@ -122,26 +134,30 @@ class VoiceConversation:
 
     @property
     def busy(self) -> bool:
-        """A reply is being made, or its last events are still being handed on."""
-        return self._streamer is not None and self._streamer.is_alive()
+        """An utterance is being asked, its reply made, or the reply's last events handed on."""
+        return self._asking or (self._streamer is not None and self._streamer.is_alive())
 
     def answer(self, samples: np.ndarray) -> None:
         """Ask `samples` as one utterance: what the detector found, or a push-to-talk recording."""
-        self.wait()  # the interrupted reply ends within one engine step
+        self._asking = True
         try:
+            self.wait()  # the interrupted reply ends within one engine step
             self._reply = self.ask(samples)
+            self.turns += 1
+            self._streamer = threading.Thread(target=self._stream, args=(self._reply,), daemon=True)
+            self._streamer.start()
         except OmniLocalError as error:
             self.show(error)
-            return
-        self.turns += 1
-        self._streamer = threading.Thread(target=self._stream, args=(self._reply,), daemon=True)
-        self._streamer.start()
+        finally:
+            self._asking = False
 
     def _stream(self, reply: Reply) -> None:
         try:
             for event in reply:
                 if isinstance(event, AudioChunk):
-                    self.play(event)
+                    with self._playing:
+                        if not reply.cancelled:
+                            self.play(event)
                 else:
                     self.show(event)
         except OmniLocalError as error:

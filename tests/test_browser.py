@@ -12,6 +12,7 @@ downloads browsers from a host these machines cannot reach.
 """
 
 import base64
+import json
 import os
 import re
 import shutil
@@ -237,6 +238,19 @@ def test_the_stop_button_stops_a_reply_and_the_next_question_is_answered(page, s
     answered_s = time.monotonic() - asked
     shot("next-answered")
     assert answered_s < 15, f"the next reply took {answered_s:.1f} s"
+
+
+def test_a_reply_still_streaming_when_a_new_chat_is_opened_stays_out_of_it(page, shot, served):
+    question = "Count to one thousand, and then on."  # its own question: this test's chats are told apart by it
+    _set_longest_reply(page, 600)  # a few seconds of reply
+    _ask(page, question)
+    page.wait_for_function("() => document.querySelector('[data-testid=bot]')?.innerText.length > 0")
+    _new_chat(page)
+    page.wait_for_timeout(4000)  # long enough for the other chat's reply to have gone on, and ended
+    shot("new-chat")
+    assert _messages(page) == []  # none of the other chat's reply landed here
+    saved = [json.loads(path.read_text()) for path in (served.cache_dir / "chats").glob("*.json")]
+    assert sum(question in json.dumps(chat["history"][:1]) for chat in saved) == 1  # nor was saved as another chat
 
 
 def test_switching_to_another_chat_and_back_keeps_each_chats_history(page, shot):

@@ -47,23 +47,25 @@ def speak(voice: VoiceMode, samples: np.ndarray, folder: Path, context: TurnCont
         voice.hear(chunk, mode, context)
 
 
-def delivered(voice: VoiceMode) -> tuple[list, list]:
-    """What the timer brings the page until voice mode has nothing more: player items, last chat."""
+def delivered(voice: VoiceMode, memory: ChatMemory) -> tuple[list, list]:
+    """What the timer brings the page showing `memory`'s chat until voice mode has nothing more:
+    player items, last chat."""
     items, chat = [], []
     wait_for(lambda: not voice.conversation.busy, seconds=120)
     more = True
     while more:
-        new_items, shown, more = voice.deliver()
+        new_items, shown, more = voice.deliver(memory)
         items += new_items if isinstance(new_items, list) else []
         chat = shown if isinstance(shown, list) else chat
     return items, chat
 
 
 def test_speech_then_a_second_of_silence_is_one_spoken_turn_of_the_shown_chat(voice, tmp_path):
+    memory = ChatMemory()
     voice.start_recording(HANDS_FREE)
-    speak(voice, np.concatenate([SILENCE, SPEECH, SILENCE]), tmp_path, asked_in(ChatMemory()))
-    voice.stop_recording(HANDS_FREE, asked_in(ChatMemory()))
-    items, chat = delivered(voice)
+    speak(voice, np.concatenate([SILENCE, SPEECH, SILENCE]), tmp_path, asked_in(memory))
+    voice.stop_recording(HANDS_FREE, asked_in(memory))
+    items, chat = delivered(voice, memory)
     assert voice.conversation.turns == 1
     assert [m["role"] for m in chat] == ["user", "assistant", "assistant", "assistant"]
     assert chat[0]["content"][0]["path"].endswith(".wav")  # the utterance, to play again
@@ -78,11 +80,14 @@ def test_speaking_over_a_reply_stops_it_and_asks_again(voice, tmp_path):
     voice.start_recording(HANDS_FREE)
     speak(voice, np.concatenate([SPEECH, SILENCE]), tmp_path, asked_in(memory, max_new_tokens=200))
     wait_for(lambda: voice._outbox)  # the reply is playing
+    first = voice.conversation.reply
     speak(voice, np.concatenate([SPEECH, SILENCE]), tmp_path, asked_in(memory, max_new_tokens=6))
     voice.stop_recording(HANDS_FREE, asked_in(memory))
-    items, chat = delivered(voice)
-    assert voice.conversation.turns == 2
-    assert STOP in items
+    items, chat = delivered(voice, memory)
+    assert voice.conversation.turns == 2 and first.result().stop_reason == "cancelled"
+    # After the stop that speaking sent, only the new reply plays: its chunks from 0, none of the first's.
+    after = items[len(items) - items[::-1].index(STOP):]
+    assert [item["index"] for item in after] == list(range(len(after)))
     assert chat[-1]["metadata"]["title"] == "Metrics"
 
 
@@ -93,10 +98,12 @@ def test_push_to_talk_asks_the_whole_recording_and_a_new_recording_stops_the_rep
     voice.stop_recording(PUSH_TO_TALK, asked_in(memory, max_new_tokens=200))
     assert voice.conversation.turns == 1
     wait_for(lambda: voice._outbox)
+    first = voice.conversation.reply
     voice.start_recording(PUSH_TO_TALK)
     assert voice._outbox == [STOP]
     voice.stop_recording(PUSH_TO_TALK, asked_in(memory))  # nothing recorded: nothing asked
-    items, chat = delivered(voice)
+    items, chat = delivered(voice, memory)
+    assert first.result().stop_reason == "cancelled"
     assert voice.conversation.turns == 1 and [m["role"] for m in chat][:2] == ["user", "assistant"]
 
 
@@ -105,7 +112,7 @@ def test_a_typed_turn_after_a_voice_turn_computes_only_itself(voice, speaking_ap
     voice.start_recording(PUSH_TO_TALK)
     speak(voice, SPEECH, tmp_path, asked_in(memory), PUSH_TO_TALK)
     voice.stop_recording(PUSH_TO_TALK, asked_in(memory))
-    _, chat = delivered(voice)
+    _, chat = delivered(voice, memory)
     # Read back from its file (a restart, a reload), the utterance is the very samples asked.
     spoken = to_messages(chat, speaking_app, ChatMemory())[0].parts[0]
     assert np.array_equal(spoken, memory.media[chat[0]["content"][0]["path"]])
@@ -126,11 +133,12 @@ def test_a_typed_turn_after_a_voice_turn_computes_only_itself(voice, speaking_ap
 def test_a_chunk_like_one_before_is_heard_again_though_its_file_is_gone(voice, tmp_path):
     """Gradio names an upload by its content: ten chunks of digital silence come to one path."""
     [chunk] = page_chunks(np.full(1_600, 0.1, np.float32), tmp_path)
+    memory = ChatMemory()
     voice.start_recording(PUSH_TO_TALK)
     for _ in range(10):
-        voice.hear(chunk, PUSH_TO_TALK, asked_in(ChatMemory()))
-    voice.stop_recording(PUSH_TO_TALK, asked_in(ChatMemory()))
-    _, chat = delivered(voice)
+        voice.hear(chunk, PUSH_TO_TALK, asked_in(memory))
+    voice.stop_recording(PUSH_TO_TALK, asked_in(memory))
+    _, chat = delivered(voice, memory)
     heard = soundfile.info(chat[0]["content"][0]["path"]).frames
     assert 15_000 < heard <= 16_000  # all ten, 100 ms each (less what the resampler still holds)
 
@@ -148,12 +156,24 @@ def test_a_recording_the_disk_will_not_take_is_an_error_in_the_chat_and_voice_mo
         for chunk in chunks:
             voice.hear(chunk, PUSH_TO_TALK, asked_in(memory))
         voice.stop_recording(PUSH_TO_TALK, asked_in(memory))
-    _, chat = delivered(voice)
+    _, chat = delivered(voice, memory)
     assert [(m["role"], m["metadata"]["title"]) for m in chat] == [("assistant", "Error")]
     assert "the recording could not be kept (is the disk full?)" in chat[0]["content"]
     voice.start_recording(PUSH_TO_TALK)
     speak(voice, SPEECH[:16_000], tmp_path, asked_in(memory, chat), PUSH_TO_TALK)
     voice.stop_recording(PUSH_TO_TALK, asked_in(memory, chat))
-    _, chat = delivered(voice)
+    _, chat = delivered(voice, memory)
     assert [m["role"] for m in chat][:3] == ["assistant", "user", "assistant"]  # the error, then a turn
     assert chat[-1]["metadata"]["title"] == "Metrics"
+
+
+def test_a_voice_turn_shows_only_in_its_own_chat(voice, tmp_path):
+    """The page may switch chats while a voice reply is made: it must not land in the other chat."""
+    memory = ChatMemory()
+    voice.start_recording(PUSH_TO_TALK)
+    speak(voice, SPEECH[:16_000], tmp_path, asked_in(memory), PUSH_TO_TALK)
+    voice.stop_recording(PUSH_TO_TALK, asked_in(memory))
+    _, shown_elsewhere = delivered(voice, ChatMemory())
+    assert shown_elsewhere == []
+    _, chat = delivered(voice, ChatMemory(session_id=memory.session_id))  # its chat, opened again
+    assert [m["role"] for m in chat][:2] == ["user", "assistant"] and chat[-1]["metadata"]["title"] == "Metrics"

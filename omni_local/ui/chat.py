@@ -37,6 +37,11 @@ from omni_local.ui.player import PLAYER_JS, REPLY_PREFIX, audio_payload
 from omni_local.ui.voice_mode import UTTERANCE_PREFIX, add_voice_mode
 
 
+# Leaving a chat stops its reply as the stop button does (the button's own event cancels
+# ChatInterface's): a reply still streaming would otherwise end in the chat the page shows next.
+STOP_STREAMING_REPLY_JS = "() => { document.querySelector('.multimodal-textbox button.stop-button')?.click(); }"
+
+
 def build_ui(app: OmniLocal, store: ChatStore | None = None) -> gr.Blocks:
     """The chat page: the chat itself, a sidebar of saved chats (`store`, by default in
     `<cache_dir>/chats`) and, when the app has the Talker, voice mode."""
@@ -66,21 +71,26 @@ def build_ui(app: OmniLocal, store: ChatStore | None = None) -> gr.Blocks:
         except OmniLocalError as error:
             yield error_message(str(error)), gr.skip()
             return
-        text, chunks = "", 0
+        text, chunks, update = "", 0, None
         try:
             for event in reply:
                 if isinstance(event, TextDelta):
                     text += event.text
-                    yield text, gr.skip()
+                    update = text, gr.skip()
                 elif isinstance(event, AudioChunk):
-                    yield text, audio_payload(event, chunks)
+                    update = text, audio_payload(event, chunks)
                     chunks += 1
                 elif isinstance(event, Finished):
                     shown = finished_reply(event, reply.audio, uploads, memory)
                     _keep(store, [*history, question(message), *map(as_dict, shown)], system_prompt, memory)
-                    yield shown, gr.skip()
+                    update = shown, gr.skip()
+                # Opening another chat stops this reply (STOP_STREAMING_REPLY_JS); until the stop
+                # arrives, nothing more is shown: it would land in the other chat.
+                if not memory.left:
+                    yield update
         except OmniLocalError as error:
-            yield error_message(str(error)), gr.skip()
+            if not memory.left:
+                yield error_message(str(error)), gr.skip()
         finally:
             reply.cancel()  # the stop button closes this generator: stop the engine's work too
 
@@ -127,14 +137,17 @@ def build_ui(app: OmniLocal, store: ChatStore | None = None) -> gr.Blocks:
             api_name="chat",
         )
         if voices:
-            add_voice_mode(app, uploads, chat, audio_feed, [system, memory, longest, temperature, top_p, voice])
+            add_voice_mode(app, uploads, chat, audio_feed, memory, [system, longest, temperature, top_p, voice])
         # The shown messages, and ChatInterface's own copy its API endpoint answers from.
         shown = [chat.chatbot, chat.chatbot_state, system, memory, chooser, title]
         audio_feed.change(None, [audio_feed], None, js=PLAYER_JS)
         chat.chatbot.change(lambda *a: _keep(store, *a), [chat.chatbot, system, memory], [chooser],
                             trigger_mode="always_last", show_progress="hidden", api_name=False)
-        chooser.input(lambda chat_id: _show(store, store.get(chat_id)), [chooser], shown, api_name="open_chat")
-        new_chat.click(lambda: _show(store, None), None, shown, api_name="new_chat")
+        chooser.input(lambda chat_id, leaving: _switch(store, store.get(chat_id), leaving), [chooser, memory], shown,
+                      api_name="open_chat")
+        new_chat.click(lambda leaving: _switch(store, None, leaving), [memory], shown, api_name="new_chat")
+        for leave in (chooser.input, new_chat.click, delete.click):  # a reply still streaming stops
+            leave(None, None, None, js=STOP_STREAMING_REPLY_JS)
         rename.click(lambda text, m: _rename(store, text, m), [title, memory], [chooser], api_name="rename_chat")
         delete.click(lambda m: _delete(store, uploads, m), [memory], shown, api_name="delete_chat")
         ui.load(lambda: _show(store, next(iter(store.all()), None)), None, shown, api_name=False)
@@ -166,6 +179,12 @@ def _show(store: ChatStore, saved: SavedChat | None) -> tuple[Any, ...]:
     return saved.history, saved.history, saved.system_prompt, memory, _chooser(store, saved.id), saved.title
 
 
+def _switch(store: ChatStore, saved: SavedChat | None, leaving: ChatMemory) -> tuple[Any, ...]:
+    """The page for `saved` (or a new chat), instead of the chat whose memory is `leaving`."""
+    leaving.left = True
+    return _show(store, saved)
+
+
 def _rename(store: ChatStore, text: str, memory: ChatMemory) -> Any:
     saved = store.get(memory.session_id)
     if saved is not None:
@@ -185,7 +204,7 @@ def _delete(store: ChatStore, uploads: Path, memory: ChatMemory) -> tuple[Any, .
             if path.parent == uploads and path.name.startswith((REPLY_PREFIX, UTTERANCE_PREFIX)):
                 path.unlink(missing_ok=True)
     store.delete(memory.session_id)
-    return _show(store, next(iter(store.all()), None))
+    return _switch(store, next(iter(store.all()), None), memory)
 
 
 def _chooser(store: ChatStore, selected: str) -> Any:

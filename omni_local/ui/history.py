@@ -38,6 +38,7 @@ class ChatMemory:
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     replies: dict[str, list[int]] = field(default_factory=dict)  # reply text -> its token ids
     media: dict[str, Part] = field(default_factory=dict)  # upload path -> decoded, so each is read once
+    left: bool = False  # the page has opened another chat: this one's reply must not show there
 
 
 def finished_reply(event: Finished, audio: np.ndarray, uploads: Path, memory: ChatMemory) -> list[gr.ChatMessage]:

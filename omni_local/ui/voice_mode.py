@@ -30,9 +30,9 @@ from omni_local.voice import VoiceConversation
 
 HANDS_FREE, PUSH_TO_TALK = "Hands-free", "Push to talk"
 CHUNK_SECONDS = 0.1  # how often the page sends the microphone's audio: the detector's reaction time
-DELIVERY_SECONDS = 0.1
+DELIVERY_SECONDS = 0.1  # how often the page fetches the reply's text and audio while it is made
 UTTERANCE_PREFIX = "voice-"  # a voice question's WAV in the uploads folder: a file of one chat's own
-HEARD_PATHS = 64  # chunk paths whose audio is kept, for a chunk arriving again  # how often the page fetches the reply's text and audio while it is made
+HEARD_PATHS = 64  # chunk paths whose audio is kept, for a chunk arriving again
 
 
 @dataclass
@@ -52,7 +52,11 @@ class VoiceMode:
         self.app, self.uploads = app, uploads
         self.listening = False
         self._conversation: VoiceConversation | None = None  # made at first use: it loads the VAD
-        self._context: TurnContext | None = None
+        self._context: TurnContext | None = None  # the chat as the page last sent it
+        self._asked_in: TurnContext | None = None  # the chat the current voice turn was asked in
+        # The microphone's events (start, chunks, stop) run on Gradio's worker threads, possibly at
+        # once: one at a time, so a recording's state is never read while another event changes it.
+        self._microphone = threading.Lock()
         self._resampler: soxr.ResampleStream | None = None  # one per recording: it carries state between chunks
         self._rate = 48_000  # the page's microphone rate, as its chunks say
         self._recording: list[np.ndarray] = []  # push-to-talk's utterance so far
@@ -64,7 +68,6 @@ class VoiceMode:
         self._answer: list[dict[str, Any]] = []  # its reply as shown so far
         self._chat_changed = False
         self._chunks = 0
-        self._reply: Reply | None = None
 
     @property
     def conversation(self) -> VoiceConversation:
@@ -76,46 +79,52 @@ class VoiceMode:
 
     def start_recording(self, mode: str) -> None:
         """The microphone is on; in push-to-talk a new utterance begins, which stops the reply."""
-        self.listening, self._resampler, self._recording = True, None, []
-        if mode == PUSH_TO_TALK:
-            self.conversation.interrupt()
+        with self._microphone:
+            self.listening, self._resampler, self._recording = True, None, []
+            self.conversation.detector.reset()  # an utterance the last recording cut off is not continued
+            if mode == PUSH_TO_TALK:
+                self.conversation.interrupt()
 
     def hear(self, chunk: str | None, mode: str, context: TurnContext) -> None:
         """The next stretch of the microphone (a WAV file the page uploaded)."""
         if chunk is None:
             return
-        samples = self._read(chunk)
-        self._context = context
-        if mode == HANDS_FREE:
-            self.conversation.hear(samples)
-        else:
-            self._recording.append(samples)
+        with self._microphone:
+            samples = self._read(chunk)
+            self._context = context
+            if mode == HANDS_FREE:
+                self.conversation.hear(samples)
+            else:
+                self._recording.append(samples)
 
     def stop_recording(self, mode: str, context: TurnContext) -> None:
         """The microphone is off; in push-to-talk the recording is asked."""
-        self.listening = False
-        self._delete_folders()
-        if mode == PUSH_TO_TALK and self._recording:
-            self._context = context
-            self.conversation.answer(np.concatenate(self._recording))
-        self._recording = []
+        with self._microphone:
+            self._delete_folders()
+            if mode == PUSH_TO_TALK and self._recording:
+                self._context = context
+                self.conversation.answer(np.concatenate(self._recording))
+            self._recording = []
+            self.listening = False  # after the answer is under way, so the timer goes on delivering it
 
-    def deliver(self) -> tuple[Any, Any, bool]:
+    def deliver(self, shown: ChatMemory) -> tuple[Any, Any, bool]:
         """What the page has not got yet: items for its player and the chat (each gr.skip() if
-        nothing is new), and whether voice mode still has work (so the timer keeps ticking)."""
+        nothing is new, and the chat also if the page now shows another chat than the turn's), and
+        whether voice mode still has work (so the timer keeps ticking)."""
         # Read before taking what is new: whatever the reply adds after this is taken next tick.
         more_to_come = self.listening or (self._conversation is not None and self._conversation.busy)
         with self._lock:
             items, self._outbox = self._outbox, []
-            chat = [*self._turn, *self._answer] if self._chat_changed else gr.skip()
-            self._chat_changed = False
+            same_chat = self._asked_in is not None and self._asked_in.memory.session_id == shown.session_id
+            chat = [*self._turn, *self._answer] if self._chat_changed and same_chat else gr.skip()
+            self._chat_changed = self._chat_changed and not same_chat  # kept for when its chat shows again
         return items or gr.skip(), chat, more_to_come
 
     # The conversation's callbacks ---------------------------------------------------------------
 
     def _ask(self, samples: np.ndarray) -> Reply:
         """Ask an utterance in the shown chat's session, after the chat as the page has it."""
-        context = self._context
+        context = self._asked_in = self._context
         with self._lock:
             self._turn, self._answer, self._chunks = list(context.history), [], 0
         path = self._keep_utterance(samples)
@@ -125,8 +134,7 @@ class VoiceMode:
             self._chat_changed = True
         session = self.app.session(system_prompt=context.system_prompt or None, session_id=context.memory.session_id)
         session.history += to_messages(context.history, self.app, context.memory)
-        self._reply = session.send(audio=[samples], speak=True, **context.options)
-        return self._reply
+        return session.send(audio=[samples], speak=True, **context.options)
 
     def _play(self, chunk: AudioChunk) -> None:
         with self._lock:
@@ -138,11 +146,12 @@ class VoiceMode:
             self._outbox = [STOP]  # chunks the page has not got yet are never played
 
     def _show(self, event: TextDelta | Finished | OmniLocalError) -> None:
+        memory = self._asked_in.memory  # the turn's own chat, whichever the page shows now
         if isinstance(event, TextDelta):
             text = (self._answer[0]["content"] if self._answer else "") + event.text
             answer = [{"role": "assistant", "content": text}]
         elif isinstance(event, Finished):
-            answer = [as_dict(m) for m in finished_reply(event, self._reply.audio, self.uploads, self._context.memory)]
+            answer = [as_dict(m) for m in finished_reply(event, self.conversation.reply.audio, self.uploads, memory)]
         else:
             answer = [as_dict(error_message(str(event)))]
         with self._lock:
@@ -198,10 +207,11 @@ def add_voice_mode(
     uploads: Path,
     chat: gr.ChatInterface,
     audio_feed: gr.JSON,
+    memory: gr.State,
     settings: list[gr.Component],
 ) -> None:
-    """The voice section under the chat. `settings` are the chat's own inputs a turn is asked with:
-    system prompt, memory, longest reply, temperature, top-p, voice."""
+    """The voice section under the chat. `memory` is the shown chat's; `settings` are the chat's own
+    inputs a turn is asked with: system prompt, longest reply, temperature, top-p, voice."""
     with gr.Accordion("Voice conversation", open=False):
         mode = gr.Radio([HANDS_FREE, PUSH_TO_TALK], value=HANDS_FREE, label="Mode",
                         info="Hands-free: speak, then pause; speaking over a reply stops it. "
@@ -211,24 +221,24 @@ def add_voice_mode(
     voice = gr.State(lambda: VoiceMode(app, uploads))
     timer = gr.Timer(DELIVERY_SECONDS, active=False)
 
-    def context(history: list[dict[str, Any]], system_prompt: str, memory: ChatMemory, max_new_tokens: float,
+    def context(history: list[dict[str, Any]], shown: ChatMemory, system_prompt: str, max_new_tokens: float,
                 temperature: float, top_p: float, speaker: str) -> TurnContext:
         options = {"max_new_tokens": int(max_new_tokens), "temperature": temperature, "top_p": top_p, "voice": speaker}
-        return TurnContext(list(history or []), system_prompt, memory, options)
+        return TurnContext(list(history or []), system_prompt, shown, options)
 
     def start(voice_mode: VoiceMode, chosen: str) -> gr.Timer:
         voice_mode.start_recording(chosen)
         return gr.Timer(active=True)
 
-    def deliver(voice_mode: VoiceMode) -> tuple[Any, ...]:
-        items, shown, busy = voice_mode.deliver()
-        return items, shown, shown, gr.skip() if busy else gr.Timer(active=False)
+    def deliver(voice_mode: VoiceMode, shown: ChatMemory) -> tuple[Any, ...]:
+        items, messages, busy = voice_mode.deliver(shown)
+        return items, messages, messages, gr.skip() if busy else gr.Timer(active=False)
 
-    inputs = [chat.chatbot, *settings]
+    inputs = [chat.chatbot, memory, *settings]
     quiet = {"show_progress": "hidden", "api_name": False}
     microphone.start_recording(start, [voice, mode], [timer], **quiet)
     microphone.stream(lambda v, chunk, chosen, *c: v.hear(chunk, chosen, context(*c)), [voice, microphone, mode, *inputs],
                       None, stream_every=CHUNK_SECONDS, time_limit=None, **quiet)
     microphone.stop_recording(lambda v, chosen, *c: v.stop_recording(chosen, context(*c)), [voice, mode, *inputs],
                               None, **quiet)
-    timer.tick(deliver, [voice], [audio_feed, chat.chatbot, chat.chatbot_state, timer], **quiet)
+    timer.tick(deliver, [voice, memory], [audio_feed, chat.chatbot, chat.chatbot_state, timer], **quiet)
