@@ -80,7 +80,7 @@ class Settings:
         "ui", "", "private file of 'user:password' lines; needed to serve beyond 127.0.0.1"
     )
     # [limits]
-    max_upload_bytes: int = setting("limits", 50 << 20, "largest image or audio file accepted")
+    max_upload_bytes: int = setting("limits", 50 << 20, "largest image, audio or video file accepted")
     max_image_pixels: int = setting("limits", 4096 * 4096, "largest decoded image, width times height")
     max_audio_seconds: float = setting("limits", 300.0, "longest audio clip accepted")
     max_video_seconds: float = setting("limits", 120.0, "longest video clip accepted")

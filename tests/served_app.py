@@ -59,6 +59,7 @@ def served_app(demo_settings, root: Path, *extra: str) -> Iterator[ServedApp]:
             process.wait(timeout=10)
         except subprocess.TimeoutExpired:
             process.kill()
+            process.wait()  # reaped, not left a zombie
 
 
 @contextlib.contextmanager

@@ -187,4 +187,4 @@ def test_a_request_waiting_for_a_slot_is_not_matched_again_at_every_decode_step(
         assert first.result().tokens.generated == 30 and second.result().tokens.generated == 3
     # The first request once; the second once while blocked, then once when a slot came free and
     # once more after its match (the first's entry, in that one slot) moved to host to make room.
-    assert len(matched) <= 4
+    assert 3 <= len(matched) <= 4

@@ -11,6 +11,7 @@ from PIL import Image
 from samples import clip, picture
 from test_thinker_parity import model_inputs
 from omni_local.api import AudioChunk, Finished, OmniLocal, TextDelta
+from omni_local.engine.talker import OPENING_ROWS
 from omni_local.engine.vocoder import AudioStream, Vocoder
 from omni_local.errors import RequestError
 from omni_local.prompts import Message, build_prompt
@@ -161,8 +162,8 @@ def test_a_voice_chat_turn_2_computes_only_its_new_tokens_and_says_the_same(apps
     first = chat.send("Hello, who are you?")
     second = chat.send("And what do you like?")
     assert second.tokens.computed == second.tokens.prompt - written(first)
-    # The Talker's prompt holds the user turns only: turn 1's rows (all but its 9 assistant rows) are reused.
-    assert second.speech.talker_reused == first.speech.talker_prompt - 9
+    # The Talker's prompt holds the user turns only: turn 1's rows (all but its assistant rows) are reused.
+    assert second.speech.talker_reused == first.speech.talker_prompt - OPENING_ROWS
 
 
 @pytest.mark.parametrize("kind", ["images", "audio"])

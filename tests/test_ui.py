@@ -95,9 +95,9 @@ def test_a_reply_streams_in_growing_parts_and_ends_with_the_reply_and_its_metric
     assert METRICS.fullmatch(metrics["content"])
 
 
-def test_the_reply_length_and_sampling_settings_reach_the_engine(ui_url):
+def test_the_reply_length_setting_reaches_the_engine(ui_url):
     client = Client(ui_url, verbose=False)
-    (reply, metrics), _ = client.predict({"text": "Tell me a story.", "files": []}, "", 3, 0.0, 1.0, api_name="/chat")
+    (_, metrics), _ = client.predict({"text": "Tell me a story.", "files": []}, "", 3, 0.0, 1.0, api_name="/chat")
     counts = METRICS.fullmatch(metrics["content"])
     assert counts["generated"] == "3" and counts["stop"] == "max_new_tokens"
 

@@ -97,7 +97,7 @@ class StepGraphs:
         self._inputs[i].copy_(x)
         graph, output = self._graphs[i]
         graph.replay()
-        return output.clone()  # the next replay overwrites the graph's own output
+        return cloned(output)
 
 
 def capture_graph(run: Callable[[], Outputs], pool: tuple) -> tuple[torch.cuda.CUDAGraph, Outputs]:

@@ -22,7 +22,7 @@ import torch
 from omni_local.cache.prefix_cache import Claim, Match, PrefixCache, common_prefix
 from omni_local.engine.kv_store import KVStore
 from omni_local.engine.sampling import Sampler, SamplingParams
-from omni_local.engine.talker import TalkerPrompt, TalkerRunner, user_positions
+from omni_local.engine.talker import OPENING_ROWS, TalkerPrompt, TalkerRunner, user_positions
 from omni_local.engine.vocoder import SAMPLE_RATE, AudioStream, Vocoder
 from omni_local.prompts import Prompt
 from omni_local.settings import Settings
@@ -109,8 +109,8 @@ class Speaker:
         self.vocoder = Vocoder(model.code2wav, settings.first_audio_frames, settings.audio_chunk_frames,
                                settings.audio_left_context_frames)
         self.max_frames = max(1, round(settings.max_speech_seconds * SAMPLE_RATE / self.vocoder.samples_per_frame))
-        # Room for every user token of a full context, the assistant opening and the frames.
-        self.runner = TalkerRunner(model, settings.max_context_tokens + 16 + self.max_frames, slots,
+        # Room for every user token of a full context, the assistant rows and the frames.
+        self.runner = TalkerRunner(model, settings.max_context_tokens + OPENING_ROWS + self.max_frames, slots,
                                    cuda_graphs=settings.cuda_graphs)
         # Talker KV of user turns is small; an entry pushed off the device is dropped, not moved.
         self.cache = PrefixCache(self.runner.kv, 0, enabled=settings.prefix_cache)

@@ -27,6 +27,7 @@ from omni_local.errors import RequestError
 from omni_local.prompts import Prompt
 
 ASSISTANT_OPENING = 3  # <|im_start|> assistant \n
+OPENING_ROWS = ASSISTANT_OPENING + 6  # the Talker's assistant rows: the opening, 4 pads, BOS, the first token
 
 
 class TalkerRows:
@@ -57,7 +58,7 @@ class TalkerPrompt:
 
     prompt: Prompt
     user_rows: torch.Tensor  # [users, width], one per user token
-    opening: torch.Tensor  # [ASSISTANT_OPENING + 6, width], the assistant rows
+    opening: torch.Tensor  # [OPENING_ROWS, width], the assistant rows
     user_positions: np.ndarray  # where each user row's token is in the Thinker's prompt
 
     @property

@@ -127,9 +127,13 @@ class ThinkerRunner:
     @torch.inference_mode()
     def prefill(self, slot: int, prepared: PreparedPrompt) -> torch.Tensor:
         """Compute the prompt's tail into the slot, after the `start` rows it holds; returns the last
-        token's logits [vocab]."""
-        p = prepared
-        return self._forward(slot, p.start, p.embeds, p.positions, p.visual_mask, p.deepstack, p.ids)
+        token's logits [vocab]. With a Talker, each new token's Talker row is written too."""
+        p, rows = prepared, self.talker_rows
+        last, kept = run_layers(self.text, self.kv.view(slot, p.start), p.embeds, p.positions, p.visual_mask,
+                                p.deepstack, keep_layer=rows.accept_layer if rows else None)
+        if rows is not None:
+            self.kv.talker_rows[slot, p.start : p.start + p.embeds.shape[1]] = rows.project(p.ids, p.embeds, kept)[0]
+        return self._logits(last)
 
     @torch.inference_mode()
     def decode(self, slot: int, token: int, index: int, rope_delta: int) -> torch.Tensor:
@@ -144,26 +148,6 @@ class ThinkerRunner:
                      positions: torch.Tensor) -> torch.Tensor:
         """Logits [vocab] of one token (ids [1, 1], positions [3, 1, 1]): what the graphs capture."""
         last, _ = run_layers(self.text, cache, self.model.get_input_embeddings()(ids), positions)
-        return self._logits(last)
-
-    def _forward(
-        self,
-        slot: int,
-        start: int,
-        embeds: torch.Tensor,
-        positions: torch.Tensor,
-        visual_mask: torch.Tensor | None,
-        deepstack: list[torch.Tensor] | None,
-        ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Logits [vocab] of the last of the new tokens. With `ids` (a prefill) and a Talker, each new
-        token's Talker row is written too."""
-        rows = self.talker_rows if ids is not None else None
-        cache = self.kv.view(slot, start)
-        last, kept = run_layers(self.text, cache, embeds, positions, visual_mask, deepstack,
-                                keep_layer=rows.accept_layer if rows else None)
-        if rows is not None:
-            self.kv.talker_rows[slot, start : start + embeds.shape[1]] = rows.project(ids, embeds, kept)[0]
         return self._logits(last)
 
     def _logits(self, last: torch.Tensor) -> torch.Tensor:
