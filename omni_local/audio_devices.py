@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import soxr
 
+from omni_local.engine.vocoder import SAMPLE_RATE as SPEECH_SAMPLE_RATE
 from omni_local.errors import OmniLocalError
 from omni_local.media import SAMPLE_RATE
 
@@ -80,9 +81,10 @@ class Microphone(_Stream):
 
 
 class Speakers(_Stream):
-    """The default output device, playing 24 kHz chunks in order; `stop()` drops what is queued."""
+    """The default output device, playing a reply's chunks (24 kHz) in order; `stop()` drops what is
+    queued."""
 
-    def __init__(self, sounddevice: Any, source_rate: int = 24_000) -> None:
+    def __init__(self, sounddevice: Any, source_rate: int = SPEECH_SAMPLE_RATE) -> None:
         try:
             self.rate = int(sounddevice.query_devices(kind="output")["default_samplerate"])
             self._stream = sounddevice.OutputStream(samplerate=self.rate, channels=1, dtype="float32",
@@ -90,15 +92,18 @@ class Speakers(_Stream):
         except (sounddevice.PortAudioError, ValueError) as error:
             raise AudioDeviceError(f"no speakers to play on: {error}") from None
         self._source_rate = source_rate
+        # One resampler across a reply's chunks: each chunk alone would be cut off at its edges.
+        self._resampler = soxr.ResampleStream(source_rate, self.rate, 1, dtype="float32")
         self._queue: queue.Queue[np.ndarray] = queue.Queue()
         self._current = np.zeros(0, np.float32)
         self._lock = threading.Lock()
 
     def play(self, samples: np.ndarray) -> None:
-        self._queue.put(soxr.resample(samples, self._source_rate, self.rate).astype(np.float32))
+        self._queue.put(self._resampler.resample_chunk(samples.astype(np.float32)))
 
     def stop(self) -> None:
         with self._lock:
+            self._resampler = soxr.ResampleStream(self._source_rate, self.rate, 1, dtype="float32")
             self._current = np.zeros(0, np.float32)
             while not self._queue.empty():
                 self._queue.get_nowait()
