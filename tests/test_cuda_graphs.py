@@ -4,13 +4,17 @@ and codec codes eager decoding gives.
 Run with OMNI_LOCAL_TEST_DEVICE=cuda on a machine with a CUDA GPU; elsewhere every test is skipped.
 """
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 import torch
 
 from test_speech import send, transformers_speech
+from samples import picture
 from test_thinker_parity import model_inputs, reference_tokens
 from omni_local.api import OmniLocal
-from omni_local.engine.decode_graphs import SMALLEST_BUCKET
+from omni_local.engine.cuda_graphs import SMALLEST_BUCKET
 from omni_local.engine.thinker import ThinkerRunner
 from omni_local.prompts import Message, Prompt, build_prompt
 
@@ -30,10 +34,10 @@ def on_gpu(app: OmniLocal) -> OmniLocal:
     return app
 
 
-def runner(app: OmniLocal, cuda_graphs: bool) -> ThinkerRunner:
-    """A runner of the app's Thinker with two slots of its own, warmed up (graphs captured)."""
+def runner(app: OmniLocal, cuda_graphs: bool, slots: int = 2) -> ThinkerRunner:
+    """A runner of the app's Thinker with `slots` slots of its own, warmed up (graphs captured)."""
     kv = app.engine.runner.kv
-    built = ThinkerRunner(app.loaded.model.thinker, app.engine.runner.encoder, 2 * kv.shape.slot_bytes(kv.dtype),
+    built = ThinkerRunner(app.loaded.model.thinker, app.engine.runner.encoder, slots * kv.shape.slot_bytes(kv.dtype),
                           kv.shape.max_tokens, cuda_graphs=cuda_graphs)
     built.warm_up()
     return built
@@ -68,7 +72,23 @@ def greedy_in_turns(
     replies = [[pick(thinker.prefill(slot, p), banned)] for slot, p in zip(slots, prepared)]
     for step in range(steps - 1):
         for slot, p, prompt, reply in zip(slots, prepared, prompts, replies):
-            reply.append(pick(thinker.decode(slot, reply[-1], prompt.num_tokens + step, p.rope_delta), banned))
+            logits = thinker.decode([slot], [reply[-1]], [prompt.num_tokens + step], [p.rope_delta])[0]
+            reply.append(pick(logits, banned))
+    for slot in slots:
+        thinker.kv.release(slot)
+    return replies
+
+
+def greedy_together(thinker: ThinkerRunner, prompts: list[Prompt], steps: int, banned: torch.Tensor) -> list[list[int]]:
+    """Greedy replies to `prompts`, each in its own slot, each decode step one forward of them all."""
+    slots = [thinker.kv.allocate() for _ in prompts]
+    prepared = [thinker.prepare(prompt, 0, remember=False) for prompt in prompts]
+    replies = [[pick(thinker.prefill(slot, p), banned)] for slot, p in zip(slots, prepared)]
+    for step in range(steps - 1):
+        logits = thinker.decode(slots, [reply[-1] for reply in replies], [p.num_tokens + step for p in prompts],
+                                [p.rope_delta for p in prepared])
+        for reply, row in zip(replies, logits):
+            reply.append(pick(row, banned))
     for slot in slots:
         thinker.kv.release(slot)
     return replies
@@ -95,7 +115,7 @@ def test_graphed_decode_in_two_slots_across_a_bucket_boundary_matches_eager_and_
     banned = [*app.engine.suppressed_ids, *app.engine.eos_ids]
     banned_ids = torch.tensor(banned, device=app.engine.runner.device)
     graphed_runner, eager_runner = runner(app, cuda_graphs=True), runner(app, cuda_graphs=False)
-    assert graphed_runner.graphs is not None and eager_runner.graphs is None
+    assert graphed_runner.decode_graphs is not None and eager_runner.decode_graphs is None
 
     graphed = greedy_in_turns(graphed_runner, prompts, steps, banned_ids)
     eager = greedy_in_turns(eager_runner, prompts, steps, banned_ids)
@@ -104,15 +124,64 @@ def test_graphed_decode_in_two_slots_across_a_bucket_boundary_matches_eager_and_
     assert graphed == [generate(app, prompt, steps, banned) for prompt in prompts]
 
 
+def test_three_chats_decoding_as_one_graphed_batch_give_the_tokens_each_gives_alone(on_gpu):
+    app = on_gpu
+    # Three prompts of different lengths: a batch of three runs in the graphs of four, padded.
+    prompts = [one_turn(app, text) for text in (STORY, SONG + SONG, text_under_bucket(app, STORY))]
+    steps = SMALLEST_BUCKET - max(p.num_tokens for p in prompts) + 12  # the longest crosses a bucket
+    banned = [*app.engine.suppressed_ids, *app.engine.eos_ids]
+    banned_ids = torch.tensor(banned, device=app.engine.runner.device)
+    graphed = runner(app, cuda_graphs=True, slots=4)
+    assert graphed.decode_graphs.batches == [1, 2, 4]
+
+    together = greedy_together(graphed, prompts, steps, banned_ids)
+
+    assert together == greedy_in_turns(graphed, prompts, steps, banned_ids)
+    assert together == [generate(app, prompt, steps, banned) for prompt in prompts]
+
+
+def test_chats_sent_at_once_through_the_engine_get_the_replies_of_generate(on_gpu):
+    app = on_gpu
+    texts = ["Tell me about lighthouses.", "What do fishermen sing?", "Describe the harbour at night."]
+    requests = [app.session().send(text, max_new_tokens=24) for text in texts]
+    for text, request in zip(texts, requests):
+        assert request.result().token_ids == reference_tokens(app, [Message("user", [text])])
+
+
+@contextmanager
+def prefill_replays(app: OmniLocal) -> Iterator[list[tuple[int, int]]]:
+    """(start, new tokens) of each prefill the app's graphs replay meanwhile."""
+    graphs, replays = app.engine.runner.prefill_graphs, []
+    replay = graphs.replay
+    graphs.replay = lambda slots, x, starts, positions: replays.append((starts[0], x.shape[1])) or replay(
+        slots, x, starts, positions)
+    try:
+        yield replays
+    finally:
+        del graphs.replay
+
+
 def test_a_chats_second_turn_on_the_prefix_cache_matches_generate_with_graphs_on(on_gpu):
     app = on_gpu
-    assert app.engine.runner.graphs is not None
-    session = app.session(system_prompt="You answer in one sentence.")
-    for text in ["Tell me about lighthouses.", "And about the ships they guide?"]:
-        before = list(session.history)
-        final = session.send(text, max_new_tokens=24).result()
-        assert final.token_ids == reference_tokens(app, [*before, Message("user", [text])])
+    with prefill_replays(app) as replays:
+        session = app.session(system_prompt="You answer in one sentence.")
+        for text in ["Tell me about lighthouses.", "And about the ships they guide?"]:
+            before = list(session.history)
+            final = session.send(text, max_new_tokens=24).result()
+            assert final.token_ids == reference_tokens(app, [*before, Message("user", [text])])
     assert final.tokens.reused_gpu > 0, "the second turn must continue the first turn's KV"
+    assert replays[-1] == (final.tokens.reused_gpu, final.tokens.computed), "its prefill must replay a graph"
+
+
+def test_an_image_question_prefilled_by_a_graph_matches_generate(on_gpu):
+    app = on_gpu
+    parts = [picture(2), "What is in this picture?"]
+    with prefill_replays(app) as replays:
+        final = app.session().send(parts[1], images=[parts[0]], max_new_tokens=24).result()
+    n = final.tokens
+    assert final.media.in_kv == 0, "the image must be in the prefill"
+    assert replays == [(n.prompt - n.computed, n.computed)], "its prefill must replay a graph"
+    assert final.token_ids == reference_tokens(app, [Message("user", parts)])
 
 
 def test_a_spoken_reply_whose_talker_rows_cross_a_bucket_boundary_has_the_codes_of_eager_and_generate(speaking):

@@ -84,3 +84,25 @@ def test_greedy_with_a_repetition_penalty_matches_transformers_generate(app):
     expected = [t for t in output[0, prompt.num_tokens :].tolist() if t not in app.engine.eos_ids]
     final = app.session().send(messages[0].text, max_new_tokens=NEW_TOKENS, repetition_penalty=1.3).result()
     assert final.token_ids == expected
+
+
+def test_an_image_prefill_given_its_deepstack_features_dense_computes_what_the_masked_one_does(app):
+    """The prefill graphs take DeepStack features as dense rows, zero but at the visual tokens; adding
+    zero elsewhere must change nothing, so the graphed prefill of an image computes the eager one."""
+    runner = app.engine.runner
+    prompt = build_prompt([Message("user", [picture(1), "What is in this picture?"])], app.loaded.processor)
+    prepared = runner.prepare(prompt, 0, remember=False)
+    assert prepared.deepstack is not None
+    slots = [runner.kv.allocate() for _ in range(2)]
+    try:
+        with torch.inference_mode():
+            masked = runner._prefill_step(runner.kv.view(slots[0], 0), prepared.embeds, prepared.positions,
+                                          prepared.visual_mask, prepared.deepstack)
+            dense = runner._dense_prefill_step(runner.kv.view(slots[1], 0), runner._dense_input(prepared),
+                                               prepared.positions)
+        torch.testing.assert_close(dense, masked, rtol=0, atol=0)
+        rows = prompt.num_tokens
+        assert all(torch.equal(k[slots[0], :, :rows], k[slots[1], :, :rows]) for k in runner.kv.keys)
+    finally:
+        for slot in slots:
+            runner.kv.release(slot)

@@ -20,12 +20,14 @@ def run_layers(
     deepstack: list[torch.Tensor] | None = None,
     keep_layer: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run `embeds` [1, n, hidden] at `positions` [3, 1, n] after the rows the slot already holds.
+    """Run `embeds` [B, n, hidden] at `positions` [3, B, n] after the rows each slot already holds
+    (B = 1 except in a graphed batch).
 
-    Returns the last token's normed hidden state [1, 1, hidden] and, if `keep_layer` is given, the
-    hidden states [1, n, hidden] transformers reports as `hidden_states[keep_layer]`: the input
-    embeddings for 0, the output of layer `keep_layer - 1` (before DeepStack adds to it) up to the
-    last layer, whose output is reported normed.
+    Returns the normed hidden state [B, 1, hidden] of each sequence's last token (the one
+    `cache.last_states` picks) and, if `keep_layer` is given, the hidden states [B, n, hidden]
+    transformers reports as `hidden_states[keep_layer]`: the input embeddings for 0, the output of
+    layer `keep_layer - 1` (before DeepStack adds to it) up to the last layer, whose output is
+    reported normed.
     """
     hidden = embeds
     kept = hidden if keep_layer == 0 else None
@@ -36,13 +38,16 @@ def run_layers(
         hidden = layer(hidden, attention_mask=mask, cache=cache, position_embeddings=rotary)
         if keep_layer == index + 1 and keep_layer < last:
             kept = hidden
-        # DeepStack: the vision encoder's intermediate features join the first decoder layers.
+        # DeepStack: the vision encoder's intermediate features join the first decoder layers, at the
+        # visual tokens (`visual_mask`), or given dense ([B, n, hidden], zero elsewhere: adding zero
+        # changes nothing) where a graph cannot pick rows by a mask.
         if deepstack is not None and index < len(deepstack):
-            hidden = stack._deepstack_process(hidden, visual_mask, deepstack[index])
+            level = deepstack[index]
+            hidden = stack._deepstack_process(hidden, visual_mask, level) if visual_mask is not None else hidden + level
     if keep_layer == last:
         kept = stack.norm(hidden)
-        return kept[:, -1:], kept
-    return stack.norm(hidden[:, -1:]), kept
+        return cache.last_states(kept), kept
+    return stack.norm(cache.last_states(hidden)), kept
 
 
 def mrope_positions(owner: torch.nn.Module, prompt: Prompt, device: torch.device) -> tuple[torch.Tensor, int]:

@@ -1,11 +1,12 @@
 """The engine: one worker thread owns the model; requests arrive from any thread.
 
 Each turn of the loop is schedule (admit waiting requests: build the prompt, match it in the prefix
-cache, claim a KV slot), run (one forward for one request: its prefill of what the cache could not
-supply, or one decode step; for a spoken reply also one frame of speech), postprocess (sample,
-stream, finish). Requests take turns step by step, so a long reply does not hold up a new
-question's first token. A spoken reply gives its Thinker slot back when its text ends and stays
-in the turns until its speech ends.
+cache, claim a KV slot), run, postprocess (sample, stream, finish). A turn runs the prefill of the
+oldest request still waiting for its first token (only what the cache could not supply), then one
+decode step of every request that was decoding (one batched forward when graphed), then one frame
+of every spoken reply. So a long reply does not hold up a new question's first token, and a new
+question holds up each reply by one prefill. A spoken reply gives its Thinker slot back when its
+text ends and stays in the turns until its speech ends.
 """
 
 import logging
@@ -14,6 +15,7 @@ import secrets
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -58,7 +60,7 @@ class Engine:
         self._suppressed = torch.tensor(self.suppressed_ids, device=self.runner.device)
         self._inbox: "queue.Queue[Request | None]" = queue.Queue()
         self._waiting: deque[Request] = deque()
-        self._running: deque[Request] = deque()
+        self._running: list[Request] = []
         self._slots_blocked = False  # the first waiting request found no slot; a release clears it
         self._worker = threading.Thread(target=self._loop, name="omni-engine", daemon=True)
         self._worker.start()
@@ -96,9 +98,7 @@ class Engine:
                 return
             self._admit()
             if self._running:
-                request = self._running.popleft()
-                if self._step(request):
-                    self._running.append(request)
+                self._run_turn()
 
     def _shut_down(self) -> None:
         for request in [*self._running, *self._waiting]:
@@ -150,23 +150,33 @@ class Engine:
             raise RequestError(f"the prompt is {prompt.num_tokens} tokens, over the limit of {limit} (max_prompt_tokens)")
         return prompt
 
-    def _step(self, request: Request) -> bool:
-        """One forward for `request` (and one frame of its speech); False once it has finished."""
-        if request.cancelled.is_set():
-            return self._finish(request, "cancelled")
+    def _run_turn(self) -> None:
+        """One prefill, one decode step of the requests decoding, one frame of each spoken reply."""
+        for request in [r for r in self._running if r.cancelled.is_set()]:
+            self._finish(request, "cancelled")
+        decoding = [r for r in self._running if not r.ended and not r.text_done and r.prepared is not None]
+        first = next((r for r in self._running if not r.ended and not r.text_done and r.prepared is None), None)
+        if first is not None:
+            self._guarded([first], lambda: self._prefill(first))
+        if decoding:
+            self._guarded(decoding, lambda: self._decode(decoding))
+        for request in [r for r in self._running if not r.ended and r.spoken is not None and not r.spoken.done]:
+            self._guarded([request], lambda: self._speak(request))
+        for request in self._running:
+            if not request.ended and request.text_done and (request.spoken is None or request.spoken.done):
+                self._finish(request, request.stop_reason)
+        self._running = [r for r in self._running if not r.ended]
+
+    def _guarded(self, requests: list[Request], work: Callable[[], None]) -> None:
+        """Run `work` for `requests`; if it raises, they fail with its message and the engine goes on
+        serving the others."""
         try:
-            if not request.text_done:
-                token = self._prefill(request) if request.prepared is None else self._decode(request)
-                if request.cancelled.is_set():
-                    return self._finish(request, "cancelled")  # the token of the step the cancel overtook is dropped
-                self._accept(request, token)
-            if request.spoken is not None and not request.spoken.done:
-                self._speak(request)
+            work()
         except Exception as error:  # noqa: BLE001 - the engine must keep serving the other requests
-            return self._fail(request, self._failure_message(error))
-        if request.text_done and (request.spoken is None or request.spoken.done):
-            return self._finish(request, request.stop_reason)
-        return True
+            message = self._failure_message(error)
+            for request in requests:
+                if not request.ended:
+                    self._fail(request, message)
 
     def _failure_message(self, error: Exception) -> str:
         if isinstance(error, OmniLocalError):
@@ -178,7 +188,7 @@ class Engine:
         log.exception("request failed")
         return f"internal error: {type(error).__name__}: {error}"
 
-    def _prefill(self, request: Request) -> int:
+    def _prefill(self, request: Request) -> None:
         prompt, start = request.prompt, request.claim.start
         request.prepared = self.runner.prepare(prompt, start)
         request.media = request.prepared.media
@@ -191,13 +201,21 @@ class Engine:
         request.computed = prompt.num_tokens - start
         request.written = prompt.num_tokens
         self.cache.publish(request.claim, prompt, [], request.written)
-        return request.sampler.next_token(logits)
+        if request.cancelled.is_set():
+            self._finish(request, "cancelled")  # the first token, which the cancel overtook, is dropped
+        else:
+            self._accept(request, request.sampler.next_token(logits))
 
-    def _decode(self, request: Request) -> int:
-        token, index = request.output_ids[-1], request.written
-        logits = self.runner.decode(request.slot, token, index, request.prepared.rope_delta)
-        request.written += 1
-        return request.sampler.next_token(logits)
+    def _decode(self, requests: list[Request]) -> None:
+        """One token more of each request, in one forward."""
+        logits = self.runner.decode([r.slot for r in requests], [r.output_ids[-1] for r in requests],
+                                    [r.written for r in requests], [r.prepared.rope_delta for r in requests])
+        for request, row in zip(requests, logits):
+            request.written += 1
+            if request.cancelled.is_set():
+                self._finish(request, "cancelled")  # the token of the step the cancel overtook is dropped
+            else:
+                self._accept(request, request.sampler.next_token(row))
 
     def _accept(self, request: Request, token: int) -> None:
         if not request.output_ids:
@@ -240,7 +258,7 @@ class Engine:
             self._slots_blocked = False
         request.prepared = request.sampler = request.detokenizer = None  # tensors and state go now
 
-    def _finish(self, request: Request, reason: StopReason) -> bool:
+    def _finish(self, request: Request, reason: StopReason) -> None:
         if not request.text_done:
             self._end_text(request, reason)
         reply_ids = [t for t in request.output_ids if t not in self.eos_ids]
@@ -249,14 +267,14 @@ class Engine:
         self._end_speech(request)
         request.events.put(Finished(request.streamed, reply_ids, reason, counts, request.timings(), request.seed,
                                     speech, request.media))
-        return False
+        request.ended = True
 
-    def _fail(self, request: Request, message: str) -> bool:
+    def _fail(self, request: Request, message: str) -> None:
         if not request.text_done:
             self._end_text(request, "cancelled")
         self._end_speech(request)
         request.events.put(Failed(message))
-        return False
+        request.ended = True
 
     def _end_speech(self, request: Request) -> None:
         if request.spoken is not None:

@@ -135,31 +135,44 @@ class SlotWriter:
         """The mask for the `length` new tokens over the rows `update` hands back."""
         return causal_mask(implementation, self.start, length, like)
 
+    def last_states(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[1, 1, hidden] of [1, n, hidden]: the last new token's, whose output is wanted."""
+        return hidden[:, -1:]
+
 
 class GraphedSlotWriter:
-    """The `cache` of a decode step captured in a CUDA graph.
+    """The `cache` of a forward captured in a CUDA graph: B sequences of L new tokens, each sequence
+    in its own slot (B > 1: several chats decoding together; L > 1: a short prefill).
 
-    Slot and row are device tensors ([1] each), read when the graph replays, so one graph serves
-    every slot and position. `update` hands back the slot's first `rows` rows (the graph's bucket),
-    not the filled length, whose size a graph cannot change; the mask hides the rows after the new
+    `slots` [B], `indices` [B, L] (the row each new token is written to) and `last` [B] (which new
+    token's output is wanted) are device tensors read when the graph replays, so one graph serves
+    every slot and position. `update` hands back each slot's first `rows` rows (the graph's bucket),
+    not the filled length, whose size a graph cannot change; the mask hides the rows after each new
     token.
     """
 
-    def __init__(self, store: KVStore, slot: torch.Tensor, index: torch.Tensor, rows: int) -> None:
-        self.store, self.slot, self.index, self.rows = store, slot, index, rows
+    def __init__(self, store: KVStore, slots: torch.Tensor, indices: torch.Tensor, last: torch.Tensor,
+                 rows: int) -> None:
+        self.store, self.slots, self.indices, self.last, self.rows = store, slots, indices, last, rows
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         keys, values = self.store.keys[layer_idx], self.store.values[layer_idx]
-        # keys[slot, :, index] is [1, kv_heads, head_dim]: the one new token's row, an index_put_
-        keys[self.slot, :, self.index] = key_states[:, :, 0]
-        values[self.slot, :, self.index] = value_states[:, :, 0]
-        # [1, kv_heads, rows, head_dim]: a copy of the bucket's rows, since the slot is not known at capture
-        return keys[:, :, : self.rows].index_select(0, self.slot), values[:, :, : self.rows].index_select(0, self.slot)
+        # keys[slots[:, None], :, indices] is [B, L, kv_heads, head_dim]: each new token's row, an index_put_
+        where = (self.slots[:, None], slice(None), self.indices)
+        keys[where] = key_states.transpose(1, 2)
+        values[where] = value_states.transpose(1, 2)
+        # [B, kv_heads, rows, head_dim]: a copy of the bucket's rows; the slots are not known at capture
+        return (keys[:, :, : self.rows].index_select(0, self.slots),
+                values[:, :, : self.rows].index_select(0, self.slots))
 
     def attention_mask(self, implementation: str, length: int, like: torch.Tensor) -> torch.Tensor:
-        assert length == 1, "a graphed step decodes one token"
-        allowed = (torch.arange(self.rows, device=like.device) <= self.index)[None, None, None]  # [1, 1, 1, rows]
+        rows = torch.arange(self.rows, device=like.device)
+        allowed = rows[None, None, None, :] <= self.indices[:, None, :, None]  # [B, 1, L, rows]
         return _kernel_mask(allowed, implementation, like)
+
+    def last_states(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[B, 1, hidden] of [B, L, hidden]: each sequence's wanted token (the rest is padding)."""
+        return hidden.gather(1, self.last.view(-1, 1, 1).expand(-1, 1, hidden.shape[-1]))
 
 
 def causal_mask(implementation: str, start: int, length: int, like: torch.Tensor) -> torch.Tensor | None:

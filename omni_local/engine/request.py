@@ -119,6 +119,7 @@ class Request:
     text_done_at: float = 0.0
     stop_reason: StopReason = "end_of_turn"
     spoken: SpokenReply | None = None  # the speech, once the first token is known
+    ended: bool = False  # Finished or Failed was sent: the engine is done with it
 
     @property
     def slot(self) -> int:

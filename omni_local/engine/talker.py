@@ -10,7 +10,7 @@ What the Talker reads, as transformers' `Qwen3OmniMoeForConditionalGeneration.ge
   token's projected embedding (text-EOS after the last one, then padding).
 Each step makes the first code of a frame; the code predictor then makes the frame's other codes.
 On a GPU both replay CUDA graphs captured at start-up: the step one per attention bucket, as the
-Thinker's decode step (DecodeGraphs), the code predictor one per code (StepGraphs).
+Thinker's decode step (SlotGraphs), the code predictor one per code (StepGraphs).
 `TalkerRows` makes the per-token rows while the Thinker prefills, so they are kept with its KV.
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from omni_local.engine.decode_graphs import DecodeGraphs, StepGraphs, graphable
+from omni_local.engine.cuda_graphs import SlotGraphs, StepGraphs, graphable
 from omni_local.engine.decoder_stack import mrope_positions, run_layers
 from omni_local.engine.kv_store import GraphedSlotWriter, KVShape, KVStore, SlotWriter
 from omni_local.engine.sampling import Sampler, SamplingParams
@@ -80,10 +80,10 @@ class TalkerRunner:
         self.dtype = self.talker.codec_head.weight.dtype
         shape = KVShape(text.num_hidden_layers, text.num_key_value_heads, text.head_dim, max_tokens)
         # The Talker's own step is a decode step like the Thinker's (about 41 ms eager at full size,
-        # 5 ms graphed): DecodeGraphs, whose buckets read rows not yet written, so they start zeroed.
+        # 5 ms graphed): SlotGraphs, whose buckets read rows not yet written, so they start zeroed.
         self._capture_steps = cuda_graphs and graphable(self.stack.config, self.device)
         self.kv = KVStore(shape, slots, self.dtype, self.device, zeroed=self._capture_steps)
-        self.step_graphs: DecodeGraphs | None = None  # set once captured, by warm_up
+        self.step_graphs: SlotGraphs | None = None  # set once captured, by warm_up
         # The code predictor's KV: one frame's rows (the Talker's state, then each code), one
         # frame at a time.
         predictor = self.predictor.config
@@ -130,7 +130,7 @@ class TalkerRunner:
                 self.predictor_graphs = StepGraphs(self._predict_step, inputs)
             if self._capture_steps:
                 row = self.tts_pad[None]  # [1, 1, width], shaped as a step's input
-                self.step_graphs = DecodeGraphs(self._forward, self.kv, row, slot, self.stack.config)
+                self.step_graphs = SlotGraphs(self._forward, self.kv, row, slot, self.stack.config)
             return codes
         finally:
             self.kv.release(slot)
@@ -176,15 +176,17 @@ class TalkerRunner:
         positions, rope_delta = mrope_positions(self.talker, talker.prompt, self.device)
         rows = torch.cat([talker.user_rows, talker.opening])[start:]
         hidden, logits = self._forward(self.kv.view(slot, start), rows[None], positions[:, :, start:])
-        return hidden, logits, rope_delta
+        return hidden, logits[0], rope_delta
 
     @torch.inference_mode()
     def step(self, slot: int, index: int, embed: torch.Tensor, rope_delta: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One step at row `index` from `embed` [1, 1, width]: its hidden state and codec logits."""
-        if self.step_graphs is not None:
-            return self.step_graphs.replay(slot, embed, index, index + rope_delta)
         positions = torch.full((3, 1, 1), index + rope_delta, device=self.device, dtype=torch.long)
-        return self._forward(self.kv.view(slot, index), embed, positions)
+        if self.step_graphs is not None:
+            hidden, logits = self.step_graphs.replay([slot], embed, [index], positions)
+        else:
+            hidden, logits = self._forward(self.kv.view(slot, index), embed, positions)
+        return hidden, logits[0]
 
     @torch.inference_mode()
     def complete_frame(
@@ -216,10 +218,10 @@ class TalkerRunner:
 
     def _forward(self, cache: SlotWriter | GraphedSlotWriter, embeds: torch.Tensor,
                  positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The last hidden state [1, 1, width] and its codec logits [vocab] of `embeds` [1, n, width]
+        """The last hidden state [1, 1, width] and its codec logits [1, vocab] of `embeds` [1, n, width]
         at `positions` [3, 1, n]; with n = 1, what the step's graphs capture."""
         hidden, _ = run_layers(self.stack, cache, embeds, positions)
-        return hidden, self.talker.codec_head(hidden)[0, -1].float()
+        return hidden, self.talker.codec_head(hidden)[:, -1].float()
 
 
 def user_positions(ids: torch.Tensor, im_start: int, user: int) -> np.ndarray:

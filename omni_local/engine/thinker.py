@@ -3,8 +3,10 @@
 transformers' modules do the maths (embedding, encoders, decoder layers, lm_head); this file
 decides what runs when: the encoders for the media of the uncached tail (MediaEncoder), a prefill
 of that tail after the cached rows, then one decode step per token, each writing its keys and
-values into the request's slot of the KVStore. On a GPU the decode step replays CUDA graphs
-captured at start-up (DecodeGraphs); the prefill, whose length varies, runs eagerly.
+values into the request's slot of the KVStore. On a GPU the decode step of every chat decoding at
+the time runs as one batch, and a prefill of up to GRAPHED_PREFILL_TOKENS (a new question after a
+cached prefix, a first message, a small image) also replays a CUDA graph captured at start-up
+(SlotGraphs); longer prefills run eagerly.
 """
 
 from dataclasses import dataclass
@@ -13,7 +15,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from omni_local.engine.decode_graphs import DecodeGraphs, graphable
+from omni_local.engine.cuda_graphs import SlotGraphs, graphable, size_buckets
 from omni_local.engine.decoder_stack import mrope_positions, run_layers
 from omni_local.engine.kv_store import GraphedSlotWriter, KVShape, KVStore, SlotWriter
 from omni_local.engine.media_encoder import MediaEncoder, deepstack_levels
@@ -46,6 +48,13 @@ class PreparedPrompt:
     media: "MediaCounts"
 
 
+# Prefill graphs are captured for tails of up to this many tokens, in buckets from 16: a new
+# question after a cached prefix (about 30 tokens), a first message, a 480x640 image's question
+# (about 400). Each bucket is one graph per attention length, captured at start-up; eager, any of
+# these prefills costs 70 to 120 ms of host work on an H200.
+GRAPHED_PREFILL_TOKENS = 512
+
+
 class ThinkerRunner:
     def __init__(
         self,
@@ -75,14 +84,16 @@ class ThinkerRunner:
                 f"'max_context_tokens' ({max_tokens}) needs: raise the first or lower the second"
             )
         self._capture_graphs = cuda_graphs and graphable(config, self.device)
+        self._deepstack_levels = len(self.model.config.vision_config.deepstack_visual_indexes)
         self.kv = KVStore(shape, slots, self.dtype, self.device, zeroed=self._capture_graphs)
-        self.graphs: DecodeGraphs | None = None  # set once captured, by warm_up
+        self.decode_graphs: SlotGraphs | None = None  # set once captured, by warm_up
+        self.prefill_graphs: SlotGraphs | None = None
 
     @torch.inference_mode()
     def warm_up(self) -> None:
         """A small prompt with an image and a clip through a prefill and a decode step, in a slot
         nobody reads, so the first request does not pay first-use costs (kernel loading, library
-        heuristics: about 2 s for a first image on an H200), and captures the decode graphs. Nothing
+        heuristics: about 2 s for a first image on an H200), and captures the graphs. Nothing
         is cached."""
         parts = [Image.new("RGB", (64, 64), (90, 140, 200)), np.zeros(16_000, np.float32), "Hello."]
         prompt = build_prompt([Message("user", parts)], self.encoder.processor)
@@ -90,12 +101,23 @@ class ThinkerRunner:
         try:
             prepared = self.prepare(prompt, 0, remember=False)
             token = int(self.prefill(slot, prepared).argmax())
-            self.decode(slot, token, prompt.num_tokens, prepared.rope_delta)
+            self.decode([slot], [token], [prompt.num_tokens], [prepared.rope_delta])
             if self._capture_graphs:
-                ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-                self.graphs = DecodeGraphs(self._decode_step, self.kv, ids, slot, self.text.config)
+                self._capture(slot)
         finally:
             self.kv.release(slot)
+
+    def _capture(self, slot: int) -> None:
+        """The decode step for every batch of chats up to all the slots, and prefills of up to
+        GRAPHED_PREFILL_TOKENS, each for every attention length; in one memory pool."""
+        pool, config = torch.cuda.graph_pool_handle(), self.text.config
+        ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        self.decode_graphs = SlotGraphs(self._decode_step, self.kv, ids, slot, config,
+                                        batches=size_buckets(1, self.kv.slots), pool=pool)
+        width = (1 + self._deepstack_levels) * config.hidden_size
+        dense = torch.zeros((1, 1, width), dtype=self.dtype, device=self.device)
+        self.prefill_graphs = SlotGraphs(self._dense_prefill_step, self.kv, dense, slot, config,
+                                         lengths=size_buckets(16, GRAPHED_PREFILL_TOKENS), pool=pool)
 
     @torch.inference_mode()
     def prepare(self, prompt: Prompt, start: int, remember: bool = True) -> PreparedPrompt:
@@ -128,30 +150,61 @@ class ThinkerRunner:
     def prefill(self, slot: int, prepared: PreparedPrompt) -> torch.Tensor:
         """Compute the prompt's tail into the slot, after the `start` rows it holds; returns the last
         token's logits [vocab]. With a Talker, each new token's Talker row is written too."""
-        p, rows = prepared, self.talker_rows
-        last, kept = run_layers(self.text, self.kv.view(slot, p.start), p.embeds, p.positions, p.visual_mask,
-                                p.deepstack, keep_layer=rows.accept_layer if rows else None)
+        p, rows, graphs = prepared, self.talker_rows, self.prefill_graphs
+        length = p.embeds.shape[1]
+        if graphs is not None and graphs.fits(1, length, p.start):
+            outputs = graphs.replay([slot], self._dense_input(p), [p.start], p.positions)
+        else:
+            outputs = self._prefill_step(self.kv.view(slot, p.start), p.embeds, p.positions, p.visual_mask,
+                                         p.deepstack)
+        logits, kept = outputs if rows is not None else (outputs, None)
         if rows is not None:
-            self.kv.talker_rows[slot, p.start : p.start + p.embeds.shape[1]] = rows.project(p.ids, p.embeds, kept)[0]
-        return self._logits(last)
+            self.kv.talker_rows[slot, p.start : p.start + length] = rows.project(p.ids, p.embeds, kept[:, :length])[0]
+        return logits[0]
 
     @torch.inference_mode()
-    def decode(self, slot: int, token: int, index: int, rope_delta: int) -> torch.Tensor:
-        """Compute token `token` at sequence index `index` of the slot; returns its logits [vocab]."""
-        ids = torch.tensor([[token]], device=self.device)
-        if self.graphs is not None:
-            return self.graphs.replay(slot, ids, index, index + rope_delta)
-        positions = torch.full((3, 1, 1), index + rope_delta, device=self.device, dtype=torch.long)
-        return self._decode_step(self.kv.view(slot, index), ids, positions)
+    def decode(self, slots: list[int], tokens: list[int], indices: list[int], rope_deltas: list[int]) -> torch.Tensor:
+        """Compute token `tokens[i]` at sequence index `indices[i]` of `slots[i]`, for every i; returns
+        their logits [B, vocab]. Graphed, all in one forward; eager, one after another (a batch of
+        slots filled to different lengths would need a mask, and eager speed is not the point)."""
+        ids = torch.tensor(tokens)[:, None]
+        positions = (torch.tensor(indices) + torch.tensor(rope_deltas)).view(1, -1, 1).expand(3, -1, -1)
+        if self.decode_graphs is not None:
+            return self.decode_graphs.replay(slots, ids, indices, positions)
+        ids, positions = ids.to(self.device), positions.to(self.device)
+        return torch.cat([self._decode_step(self.kv.view(slot, index), ids[i : i + 1], positions[:, i : i + 1])
+                          for i, (slot, index) in enumerate(zip(slots, indices))])
 
     def _decode_step(self, cache: SlotWriter | GraphedSlotWriter, ids: torch.Tensor,
                      positions: torch.Tensor) -> torch.Tensor:
-        """Logits [vocab] of one token (ids [1, 1], positions [3, 1, 1]): what the graphs capture."""
+        """Logits [B, vocab] of one token per sequence (ids [B, 1], positions [3, B, 1])."""
         last, _ = run_layers(self.text, cache, self.model.get_input_embeddings()(ids), positions)
         return self._logits(last)
 
+    def _prefill_step(self, cache: SlotWriter | GraphedSlotWriter, embeds: torch.Tensor, positions: torch.Tensor,
+                      visual_mask: torch.Tensor | None = None, deepstack: list[torch.Tensor] | None = None
+                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits [1, vocab] of the last of `embeds` [1, n, hidden]; with a Talker, also the hidden
+        states [1, n, hidden] its rows are made from."""
+        keep = self.talker_rows.accept_layer if self.talker_rows else None
+        last, kept = run_layers(self.text, cache, embeds, positions, visual_mask, deepstack, keep_layer=keep)
+        return (self._logits(last), kept) if self.talker_rows else self._logits(last)
+
+    def _dense_input(self, p: PreparedPrompt) -> torch.Tensor:
+        """The prefill graphs' one input: the embeddings and each DeepStack level side by side,
+        [1, n, (1 + levels) * hidden], a level zero at every token but the visual ones."""
+        zeros = torch.zeros_like(p.embeds)
+        levels = [_scatter(zeros, p.visual_mask, level) for level in p.deepstack] if p.deepstack else []
+        return torch.cat([p.embeds, *levels, *[zeros] * (self._deepstack_levels - len(levels))], dim=-1)
+
+    def _dense_prefill_step(self, cache: GraphedSlotWriter, dense: torch.Tensor,
+                            positions: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`_prefill_step` of a `_dense_input`: what the prefill graphs capture."""
+        embeds, *levels = (part.contiguous() for part in dense.split(self.text.config.hidden_size, dim=-1))
+        return self._prefill_step(cache, embeds, positions, deepstack=levels)
+
     def _logits(self, last: torch.Tensor) -> torch.Tensor:
-        return self.thinker.lm_head(last)[0, -1].float()
+        return self.thinker.lm_head(last)[:, -1].float()
 
 
 def _scatter(embeds: torch.Tensor, placeholders: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

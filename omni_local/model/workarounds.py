@@ -1,7 +1,7 @@
 """Every workaround for a transformers (5.24) Qwen3-Omni bug or gap, each with its reason.
 
 The loader calls `load_processor` for the processor and `apply_workarounds` once on each loaded
-model; the demo builder calls `init_talker_experts` on the random weights it makes; DecodeGraphs
+model; the demo builder calls `init_talker_experts` on the random weights it makes; SlotGraphs
 captures the Thinker's and the Talker's decode steps inside `capturable_experts`. Nothing else in
 omni_local works around transformers.
 """

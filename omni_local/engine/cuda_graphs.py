@@ -1,0 +1,176 @@
+"""Forwards captured as CUDA graphs: decode steps and short prefills of a decoder stack over
+KVStore slots, the Thinker's or the Talker's (SlotGraphs), and steps of fixed shapes such as the
+code predictor's (StepGraphs).
+
+Eager, a forward of transformers' modules is bound by kernel launches and host work (80 to 120 ms
+for the Thinker's decode step or a 25-token prefill, 41 ms for the Talker's step at full size on an
+H200); replaying the same kernels as a graph takes about 13, 19 and 5 ms. SlotGraphs captures one
+graph per shape bucket: the batch (chats decoding together), the new tokens per chat (a prefill's
+length, padded), and the attention length (each graph reads only the slots' first `rows` rows, so
+a short chat does not attend over the whole slot). The slots, rows, positions and inputs are device
+tensors the graphs read when they replay: one graph serves every slot and position. All graphs are
+captured at start-up, into one memory pool per owner (its graphs never replay at the same time), so
+the first request pays no capture.
+"""
+
+import gc
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+
+from omni_local.engine.kv_store import GraphedSlotWriter, KVStore
+from omni_local.model.workarounds import capturable_experts
+
+# What a forward returns: a tensor, or a tuple of them (the Talker's hidden state and logits).
+Outputs = torch.Tensor | tuple[torch.Tensor, ...]
+# (cache, input [B, L] token ids or [B, L, hidden] embeddings, positions [3, B, L]) -> outputs,
+# each with B first; the same function runs eager with B = 1.
+SlotForward = Callable[[GraphedSlotWriter, torch.Tensor, torch.Tensor], Outputs]
+
+SMALLEST_BUCKET = 256
+
+
+def attention_buckets(max_tokens: int) -> list[int]:
+    """Powers of two from SMALLEST_BUCKET, then `max_tokens` itself: at most twice the rows needed."""
+    return size_buckets(SMALLEST_BUCKET, max_tokens)
+
+
+def size_buckets(smallest: int, largest: int) -> list[int]:
+    """Powers of two from `smallest` while below `largest`, then `largest`."""
+    buckets, size = [], smallest
+    while size < largest:
+        buckets.append(size)
+        size *= 2
+    return [*buckets, largest]
+
+
+def graphable(stack_config: Any, device: torch.device) -> bool:
+    """Whether SlotGraphs can run a forward of a stack with this config: on CUDA, under an attention
+    that takes the bucket's mask (flash attention takes none)."""
+    return device.type == "cuda" and stack_config._attn_implementation in ("sdpa", "eager")
+
+
+class SlotGraphs:
+    """`forward` captured at construction for every (batch, length, rows) bucket, and replayed from
+    the smallest that holds a call. `input_like` is one token's input ([1, 1] ids or [1, 1, hidden]
+    embeddings); `slot` is a slot the caller holds and nobody reads (the captures write its first
+    rows); `stack_config` is the decoder stack's, whose MoE experts must run in a capturable way.
+
+    A call with fewer sequences than its batch bucket is padded with copies of its first sequence
+    (their writes are that sequence's own, the same values to the same rows); a shorter prefill with
+    tokens after its own, written to the rows after its end, which nothing has read yet and the next
+    write there replaces.
+    """
+
+    def __init__(self, forward: SlotForward, store: KVStore, input_like: torch.Tensor, slot: int,
+                 stack_config: Any, batches: Sequence[int] = (1,), lengths: Sequence[int] = (1,),
+                 pool: tuple | None = None) -> None:
+        self.store, self.batches, self.lengths = store, list(batches), list(lengths)
+        self.buckets = attention_buckets(store.shape.max_tokens)
+        b, n = max(batches), max(lengths)
+        device = store.device
+        self._input = input_like.new_zeros((b, n, *input_like.shape[2:]))  # static: copied into before each replay
+        self._positions = torch.zeros((3, b, n), dtype=torch.long, device=device)
+        # indices [b, n], slots [b], last [b]: filled by one host-to-device copy per replay
+        self._layout = torch.zeros(b * n + 2 * b, dtype=torch.long, device=device)
+        self._indices = self._layout[: b * n].view(b, n)
+        self._slots, self._last = self._layout[b * n : b * n + b], self._layout[b * n + b :]
+        self._slots.fill_(slot)
+        pool = pool or torch.cuda.graph_pool_handle()
+        self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, Outputs]] = {}
+        with capturable_experts(stack_config, store.dtype):
+            for batch in reversed(self.batches):  # largest first: the smaller ones reuse its pool memory
+                for length in reversed(self.lengths):
+                    # A prefill padded to `length` tokens is more than half new tokens: fewer rows never hold it.
+                    for rows in (r for r in reversed(self.buckets) if r >= length):
+                        cache = GraphedSlotWriter(store, self._slots[:batch], self._indices[:batch, :length],
+                                                  self._last[:batch], rows)
+                        run = partial(forward, cache, self._input[:batch, :length],
+                                      self._positions[:, :batch, :length])
+                        self._graphs[batch, length, rows] = capture_graph(run, pool)
+
+    def fits(self, batch: int, length: int, start: int) -> bool:
+        """Whether a call of `batch` sequences of `length` new tokens after `start` rows has a graph
+        (its padded rows within the slot)."""
+        padded = next((n for n in self.lengths if length <= n), None)
+        return batch <= self.batches[-1] and padded is not None and start + padded <= self.store.shape.max_tokens
+
+    def replay(self, slots: list[int], x: torch.Tensor, starts: list[int], positions: torch.Tensor) -> Outputs:
+        """The forward's outputs for input `x` ([B, n] or [B, n, hidden]) at `positions` [3, B, n],
+        sequence i's new tokens written from row `starts[i]` of `slots[i]`; outputs for the B
+        sequences, first. Check `fits` first."""
+        count, length = x.shape[0], x.shape[1]
+        batch = next(b for b in self.batches if count <= b)
+        padded = next(n for n in self.lengths if length <= n)
+        rows = next((r for r in self.buckets if max(starts) + length <= r), None)
+        if rows is None or not self.fits(count, length, max(starts)):
+            raise IndexError(f"slot holds {self.store.shape.max_tokens} tokens, asked to write up to "
+                             f"{max(starts) + padded}")
+        order = list(range(count)) + [0] * (batch - count)  # padding: copies of the first sequence
+        self._input[:batch, :length].copy_(x[order])
+        self._positions[:, :batch, :length].copy_(positions[:, order])
+        # A padded prefill's extra tokens take the last real position: any valid one would do.
+        self._positions[:, :batch, length:padded].copy_(positions[:, order, -1:].expand(-1, -1, padded - length))
+        self._layout.copy_(self._host_layout([slots[i] for i in order], [starts[i] for i in order], padded, length))
+        graph, outputs = self._graphs[batch, padded, rows]
+        graph.replay()
+        return cloned(outputs, count)
+
+    def _host_layout(self, slots: list[int], starts: list[int], padded: int, length: int) -> torch.Tensor:
+        """The layout buffer's contents: each sequence's `padded` rows from its start, its slot, and
+        its last real token."""
+        indices = torch.zeros(self._indices.shape, dtype=torch.long)
+        indices[: len(starts), :padded] = torch.tensor(starts)[:, None] + torch.arange(padded)
+        filled = torch.zeros(self._slots.shape, dtype=torch.long)
+        filled[: len(slots)] = torch.tensor(slots)
+        return torch.cat([indices.flatten(), filled, torch.full(self._last.shape, length - 1)])
+
+
+class StepGraphs:
+    """Steps of fixed shapes, one graph each: the code predictor's steps, the n-th of a frame always
+    at the same rows. Step `i` is `step(i, x)` with `x` shaped like `inputs[i]`."""
+
+    def __init__(self, step: Callable[[int, torch.Tensor], torch.Tensor], inputs: list[torch.Tensor]) -> None:
+        self._inputs = inputs  # static buffers, copied into before each replay
+        pool = torch.cuda.graph_pool_handle()
+        self._graphs = [capture_graph(partial(step, i, x), pool) for i, x in enumerate(inputs)]
+
+    def replay(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        self._inputs[i].copy_(x)
+        graph, output = self._graphs[i]
+        graph.replay()
+        return cloned(output)
+
+
+def capture_graph(run: Callable[[], Outputs], pool: tuple) -> tuple[torch.cuda.CUDAGraph, Outputs]:
+    """`run` captured as a CUDA graph in memory pool `pool`, and what it returns (refilled by
+    each replay). It first runs once eagerly, on a side stream as torch.cuda.graph advises, so lazy
+    set-up (library handles, workspaces, kernel choice) happens outside the capture, which refuses it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # Python's garbage collector stays off while capturing (torch.cuda.graph collects just before):
+    # a collection in the middle that destroys an earlier app's graphs makes CUDA calls a capture
+    # refuses, and the capture fails ("operation failed due to a previous error during capture", seen
+    # when the bench starts a second app). "thread_local": another thread's CUDA work, such as
+    # another app's engine moving KV to host memory, does not count against this capture either.
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            output = run()
+    finally:
+        gc.enable()
+    return graph, output
+
+
+def cloned(outputs: Outputs, count: int | None = None) -> Outputs:
+    """Copies of a graph's outputs (of their first `count` rows, if given): the next replay
+    overwrites the graph's own."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs[:count].clone()
+    return tuple(t[:count].clone() for t in outputs)
