@@ -125,6 +125,45 @@ def test_chunks_with_less_left_context_than_the_reply_stay_close_to_one_decode(a
     assert np.abs(streamed - whole).max() < 0.02 * np.abs(whole).max()
 
 
+def test_a_chunk_padded_on_the_right_decodes_to_the_samples_of_the_chunk_alone(apps):
+    """What lets a CUDA graph of a longer chunk decode a shorter one: Code2Wav is causal up to its
+    right edge, so frames after a chunk change none of its samples, only add their own."""
+    code2wav = apps[0].loaded.model.code2wav
+    frames_per_graph, per_frame = 35, int(code2wav.total_upsample)
+    codes = torch.randint(0, code2wav.config.codebook_size, (1, code2wav.config.num_quantizers, frames_per_graph),
+                          generator=torch.Generator().manual_seed(1)).to(apps[0].loaded.device)
+    with torch.inference_mode():
+        for frames in (1, 2, 13, 34):
+            alone = code2wav(codes[..., :frames])
+            zeros = codes.clone()
+            zeros[..., frames:] = 0
+            for padded in (codes, zeros):  # padded with later frames, and with code 0
+                wav = code2wav(padded)
+                assert wav.shape[-1] - (frames_per_graph - frames) * per_frame == alone.shape[-1]
+                # Not bit-exact: kernels of another length round differently (measured up to 7e-8 on
+                # the CPU; on a GPU, cuDNN's TF32 convolutions choose their algorithm by length).
+                atol = 1e-6 if code2wav.device.type == "cpu" else 5e-5
+                torch.testing.assert_close(wav[..., : alone.shape[-1]], alone, atol=atol, rtol=0)
+
+
+def test_every_chunk_of_a_stream_fits_a_length_graphs_are_captured_for(apps):
+    vocoder, stream = Vocoder(apps[0].loaded.model.code2wav, first_chunk=2, chunk=10, left_context=25), AudioStream()
+    decode, lengths = vocoder.code2wav, []
+
+    def recording(codes: torch.Tensor) -> torch.Tensor:
+        lengths.append(codes.shape[-1])
+        return decode(codes)
+
+    vocoder.code2wav = recording
+    for frame in torch.randint(0, 64, (61, 4), generator=torch.Generator().manual_seed(2)).tolist():
+        stream.frames.append(frame)
+        if vocoder.due(stream, final=False):
+            vocoder.decode(stream)
+    vocoder.decode(stream)  # the last 7 frames after 25 of context
+    assert vocoder.chunk_lengths() == [2, 6, 14, 24, 34, 35]
+    assert lengths == [2, 6, 14, 24, 34, 35, 35, 32]
+
+
 def test_the_first_audio_arrives_while_the_text_is_still_streaming(apps):
     app = apps[0]
     final, _, audio, order = send(app, app.session(), "Tell me a story about a lighthouse keeper.", max_new_tokens=40)

@@ -107,7 +107,7 @@ class Speaker:
 
     def __init__(self, model: torch.nn.Module, settings: Settings, slots: int) -> None:
         self.vocoder = Vocoder(model.code2wav, settings.first_audio_frames, settings.audio_chunk_frames,
-                               settings.audio_left_context_frames)
+                               settings.audio_left_context_frames, cuda_graphs=settings.cuda_graphs)
         self.max_frames = max(1, round(settings.max_speech_seconds * SAMPLE_RATE / self.vocoder.samples_per_frame))
         # Room for every user token of a full context, the assistant rows and the frames.
         self.runner = TalkerRunner(model, settings.max_context_tokens + OPENING_ROWS + self.max_frames, slots,
@@ -118,9 +118,9 @@ class Speaker:
         self._made_from: dict[str, MadeFrom] = {}  # session -> what its Talker cache entry was made from
 
     def warm_up(self) -> None:
-        """The Talker, its code predictor and Code2Wav once each, caching nothing."""
-        codes = self.runner.warm_up()
-        self.vocoder.decode(AudioStream(frames=[codes] * self.vocoder.first_chunk))
+        """The Talker, its code predictor and Code2Wav once each, caching nothing; on a GPU their
+        graphs are captured."""
+        self.vocoder.warm_up(self.runner.warm_up())
 
     def check(self, params: SpeechParams) -> None:
         self.runner.voice_id(params.voice)
