@@ -35,6 +35,7 @@ def test_the_bench_smoke_run_times_every_scenario_and_the_cache_rows_compute_onl
     out = tmp_path / "bench.json"
     done = subprocess.run(
         [sys.executable, "-m", "omni_local.bench", "--runs", "1", "--new-tokens", "3", "--json", str(out),
+         "--reading-seconds", "0",
          "--demo-dir", str(demo_settings.demo_path), "--cache-dir", str(tmp_path / "cache"), "--device", "cpu",
          # A KV slot for each of the 16 concurrent chats (the demo's 2 KiB per token x 4,096 tokens each).
          "--gpu-cache-bytes", str(256 << 20), "--max-context-tokens", "4096", "--max-prompt-tokens", "3960",

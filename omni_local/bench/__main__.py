@@ -8,6 +8,11 @@ is the median of --runs after one warm-up run; each run asks a new question, so 
 reuse only what a real user's next request would. "cache off" means every cache off (prefix and
 encoder), so a first send really runs its encoder. The table goes to stdout, JSON to --json.
 
+A timed turn is sent --reading-seconds (0.5) after the turns before it finished, as a person reads a reply
+before the next question. The engine uses such idle time to free a KV slot ahead of need (moving
+the least recently used chat to host memory, a copy of its whole KV); a request sent back to back
+with the one before would wait for that move.
+
 Concurrent rows (c8, c16): that many sessions send their timed turn at once; the row is the median
 over the requests of each one's TTFT and ITL (the engine's own timings). Give the engine a KV slot
 per session (--gpu-cache-bytes), or the rows include waiting for one. transformers runs those
@@ -29,8 +34,10 @@ import argparse
 import json
 import platform
 import sys
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -52,7 +59,7 @@ def median_of(runs: int, measure: Callable[[int], dict[str, float]]) -> dict[str
     return medians([measure(run) for run in range(runs)])
 
 
-def engine_run(app: OmniLocal, scenario: Scenario, run: int, new_tokens: int) -> dict[str, float]:
+def engine_run(app: OmniLocal, scenario: Scenario, run: int, new_tokens: int, reading_s: float) -> dict[str, float]:
     """One run of `scenario` through omni_local: another session sends it first (`warm_cache`), then
     the timed turn goes to `app`, or to a new app on the same settings (`restart`)."""
     if scenario.warm_cache:
@@ -60,16 +67,17 @@ def engine_run(app: OmniLocal, scenario: Scenario, run: int, new_tokens: int) ->
         session = opened(app, scenario, run, 0, new_tokens, scenario.speak)
         send(session, first_look, new_tokens, scenario.speak).result()
     if not scenario.restart:
-        return _timed_turn(app, scenario, run, new_tokens)
+        return _timed_turn(app, scenario, run, new_tokens, reading_s)
     start = synced_now()
     with OmniLocal(app.settings, loaded=app.loaded) as restarted:
         start_up_s = synced_now() - start
-        return _timed_turn(restarted, scenario, run, new_tokens) | {"start_up_ms": start_up_s * 1e3}
+        return _timed_turn(restarted, scenario, run, new_tokens, reading_s) | {"start_up_ms": start_up_s * 1e3}
 
 
-def _timed_turn(app: OmniLocal, scenario: Scenario, run: int, new_tokens: int) -> dict[str, float]:
+def _timed_turn(app: OmniLocal, scenario: Scenario, run: int, new_tokens: int, reading_s: float) -> dict[str, float]:
     """The median over `scenario.concurrency` sessions that send their timed turn at the same time."""
     sessions = [opened(app, scenario, run, chat, new_tokens, scenario.speak) for chat in range(scenario.concurrency)]
+    time.sleep(reading_s)
     replies = [send(session, question(scenario, run), new_tokens, scenario.speak) for session in sessions]
     # Every request is submitted before any is read; each reply's stream is read on its own thread,
     # as concurrent clients would. The times are the engine's own (Finished.timings).
@@ -94,13 +102,16 @@ def main() -> None:
     parser = bench_parser("python -m omni_local.bench")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--reading-seconds", type=float, default=0.5,
+                        help="pause before each timed turn, as a person reading the reply before")
     parser.add_argument("--only", action="append", default=[], metavar="TEXT",
                         help="run only the scenarios whose name holds TEXT (repeatable)")
     args = parser.parse_args()
     settings, loaded = settings_and_model(args)
     every_cache_off = settings.replace(prefix_cache=False, encoder_cache=False)
     with OmniLocal(settings, loaded=loaded) as cached, OmniLocal(every_cache_off, loaded) as cold:
-        systems = (("omni_local, cache on", cached, engine_run), ("omni_local, cache off", cold, engine_run),
+        engine = partial(engine_run, reading_s=args.reading_seconds)
+        systems = (("omni_local, cache on", cached, engine), ("omni_local, cache off", cold, engine),
                    ("transformers", cold, transformers_run))
         chosen = [s for s in _available(cached) if not args.only or any(text in s.name for text in args.only)]
         _warn_if_few_slots(cached, chosen)

@@ -1,0 +1,57 @@
+"""The Thinker's decode step alone: one step of B chats decoding together, against B and context.
+
+    python -m omni_local.bench.decode_steps                                # demo model, CPU smoke run
+    python -m omni_local.bench.decode_steps --random-weights CONFIG.json   # full size, random weights
+
+The main bench's ITL at c8 or c16 also holds the other chats' prefills, which stall every reply
+while the chats start; this is the steady state after that, when nothing but decoding runs: the time
+per token each chat sees. Each chat's slot is filled to the context length first (the rows' values
+do not change the time), then the step is timed (median of --runs after a warm-up step).
+"""
+
+import statistics
+
+import torch
+
+from omni_local.api import OmniLocal
+from omni_local.bench.common import bench_parser, elapsed_s, settings_and_model
+from omni_local.engine.thinker import ThinkerRunner
+
+BATCHES = [1, 2, 4, 8, 16]
+CONTEXTS = [256, 1024, 4096]
+
+
+def step_ms(runner: ThinkerRunner, batch: int, context: int, runs: int) -> float:
+    slots = [runner.kv.allocate() for _ in range(batch)]
+    try:
+        def step() -> None:
+            runner.decode(slots, [0] * batch, [context - 1] * batch, [0] * batch)
+
+        step()
+        return statistics.median(elapsed_s(step) * 1e3 for _ in range(runs))
+    finally:
+        for slot in slots:
+            runner.kv.release(slot)
+
+
+def main() -> None:
+    parser = bench_parser("python -m omni_local.bench.decode_steps")
+    args = parser.parse_args()
+    settings, loaded = settings_and_model(args)
+    with OmniLocal(settings, loaded=loaded) as app:
+        runner = app.engine.runner
+        # The engine's worker is idle: the slots it does not hold are ours for the steps.
+        batches = [b for b in BATCHES if b <= runner.kv.free_slots]
+        contexts = [c for c in CONTEXTS if c <= runner.kv.shape.max_tokens]
+        graphed = "graphed" if runner.decode_graphs is not None else "eager"
+        print(f"Thinker decode step ({graphed}), ms per step, median of {args.runs}; device "
+              f"{torch.cuda.get_device_name() if runner.device.type == 'cuda' else 'cpu'}, dtype {runner.dtype}\n")
+        print("| chats | " + " | ".join(f"context {c}" for c in contexts) + " |")
+        print("| --- |" + " --- |" * len(contexts))
+        for batch in batches:
+            cells = [f"{step_ms(runner, batch, context, args.runs):.2f}" for context in contexts]
+            print(f"| {batch} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
