@@ -102,12 +102,11 @@ class SlotGraphs:
         sequence i's new tokens written from row `starts[i]` of `slots[i]`; outputs for the B
         sequences, first. Check `fits` first."""
         count, length = x.shape[0], x.shape[1]
+        if not self.fits(count, length, max(starts)):
+            raise IndexError(f"no graph for {count} sequences of {length} new tokens after row {max(starts)}")
         batch = next(b for b in self.batches if count <= b)
         padded = next(n for n in self.lengths if length <= n)
-        rows = next((r for r in self.buckets if max(starts) + length <= r), None)
-        if rows is None or not self.fits(count, length, max(starts)):
-            raise IndexError(f"slot holds {self.store.shape.max_tokens} tokens, asked to write up to "
-                             f"{max(starts) + padded}")
+        rows = next(r for r in self.buckets if max(starts) + length <= r)
         order = list(range(count)) + [0] * (batch - count)  # padding: copies of the first sequence
         self._input[:batch, :length].copy_(x[order])
         self._positions[:, :batch, :length].copy_(positions[:, order])
