@@ -86,3 +86,14 @@ def test_deleting_a_chat_deletes_its_spoken_replies_and_voice_questions_but_not_
     _delete(store, uploads, ChatMemory(session_id=chat.id))
     assert store.get(chat.id) is None
     assert [name for name, path in files.items() if path.exists()] == ["1f2e/photo.png"]
+
+
+def test_listing_the_chats_reads_no_file_and_follows_saves_and_deletes(tmp_path, monkeypatch):
+    first, second = SavedChat(title="First"), SavedChat(title="Second")
+    ChatStore(tmp_path / "chats").save(first)  # saved before this app's store opened the folder
+    store = ChatStore(tmp_path / "chats")
+    store.save(second)
+    monkeypatch.setattr(ChatStore, "_read", lambda path: pytest.fail(f"{path} was read to list the chats"))
+    assert store.titles() == [("Second", second.id), ("First", first.id)]
+    store.delete(second.id)
+    assert store.titles() == [("First", first.id)]

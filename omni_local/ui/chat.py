@@ -150,7 +150,7 @@ def build_ui(app: OmniLocal, store: ChatStore | None = None) -> gr.Blocks:
             leave(None, None, None, js=STOP_STREAMING_REPLY_JS)
         rename.click(lambda text, m: _rename(store, text, m), [title, memory], [chooser], api_name="rename_chat")
         delete.click(lambda m: _delete(store, uploads, m), [memory], shown, api_name="delete_chat")
-        ui.load(lambda: _show(store, next(iter(store.all()), None)), None, shown, api_name=False)
+        ui.load(lambda: _show(store, store.latest()), None, shown, api_name=False)
     return ui
 
 
@@ -204,10 +204,9 @@ def _delete(store: ChatStore, uploads: Path, memory: ChatMemory) -> tuple[Any, .
             if path.parent == uploads and path.name.startswith((REPLY_PREFIX, UTTERANCE_PREFIX)):
                 path.unlink(missing_ok=True)
     store.delete(memory.session_id)
-    return _switch(store, next(iter(store.all()), None), memory)
+    return _switch(store, store.latest(), memory)
 
 
 def _chooser(store: ChatStore, selected: str) -> Any:
-    chats = store.all()
-    choices = [(chat.shown_title, chat.id) for chat in chats]
-    return gr.update(choices=choices, value=selected if any(chat.id == selected for chat in chats) else None)
+    choices = store.titles()
+    return gr.update(choices=choices, value=selected if any(chat_id == selected for _, chat_id in choices) else None)
