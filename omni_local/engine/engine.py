@@ -25,7 +25,7 @@ from omni_local.engine.detokenizer import IncrementalDetokenizer
 from omni_local.engine.encoders import Encoders
 from omni_local.engine.media_encoder import MediaEncoder
 from omni_local.engine.request import AudioChunk, Failed, Finished, Request, StopReason, TextDelta
-from omni_local.engine.sampling import Sampler, SamplingParams
+from omni_local.engine.sampling import Sampler, SamplingParams, greedy_tokens
 from omni_local.engine.speech import Speaker, SpeechParams
 from omni_local.engine.talker import TalkerRows
 from omni_local.engine.thinker import ThinkerRunner
@@ -210,12 +210,15 @@ class Engine:
         """One token more of each request, in one forward."""
         logits = self.runner.decode([r.slot for r in requests], [r.output_ids[-1] for r in requests],
                                     [r.written for r in requests], [r.prepared.rope_delta for r in requests])
-        for request, row in zip(requests, logits):
+        # Greedy requests (the default) are chosen together: one wait for the device per step, not one per chat.
+        plain = [i for i, r in enumerate(requests) if r.sampler.plain_greedy]
+        chosen = dict(zip(plain, greedy_tokens(logits[plain], self._suppressed))) if plain else {}
+        for i, (request, row) in enumerate(zip(requests, logits)):
             request.written += 1
             if request.cancelled.is_set():
                 self._finish(request, "cancelled")  # the token of the step the cancel overtook is dropped
             else:
-                self._accept(request, request.sampler.next_token(row))
+                self._accept(request, chosen[i] if i in chosen else request.sampler.next_token(row))
 
     def _accept(self, request: Request, token: int) -> None:
         if not request.output_ids:

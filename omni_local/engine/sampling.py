@@ -46,6 +46,11 @@ class Sampler:
         # The ids the repetition penalty looks at: the prompt's, then each reply token's.
         self.seen = prompt_ids if params.repetition_penalty != 1.0 else None
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with no repetition penalty: the choice `greedy_tokens` makes for many at once."""
+        return self.params.greedy and self.seen is None
+
     def next_token(self, logits: torch.Tensor) -> int:
         """logits: [vocab] float32, on the device of the prompt ids."""
         token = self._choose(logits)
@@ -69,6 +74,14 @@ class Sampler:
             logits = _nucleus(logits, p.top_p)
         probs = torch.softmax(logits, dim=-1)
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+def greedy_tokens(logits: torch.Tensor, suppressed: torch.Tensor | None) -> list[int]:
+    """Each row's best token but the suppressed ones, as a plain greedy Sampler picks it, for rows
+    [B, vocab] at once: one copy to the host for the batch instead of one per request."""
+    if suppressed is not None:
+        logits = logits.index_fill(1, suppressed, float("-inf"))
+    return logits.argmax(dim=-1).tolist()
 
 
 def _penalize_repeats(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
