@@ -253,9 +253,21 @@ def test_a_chat_decodes_each_upload_once_however_many_turns_follow(tmp_path, mon
         {"role": "assistant", "metadata": {}, "options": [], "content": "A red square."},
     ]
     memory = history_module.ChatMemory()
+    sent = history_module.decoded_media([str(image)], _app(), memory)  # the question as it is sent
     first, second = to_messages(history, _app(), memory), to_messages(history, _app(), memory)
     assert reads == [str(image)]
-    assert second[0].parts[0] is first[0].parts[0]
+    assert second[0].parts[0] is first[0].parts[0] is sent["images"][0]
+
+
+def test_a_chat_keeps_only_its_most_recently_used_uploads_decoded_past_its_byte_budget(tmp_path, monkeypatch):
+    import omni_local.ui.history as history_module
+
+    monkeypatch.setattr(history_module, "KEPT_MEDIA_BYTES", 2 * 64 * 48 * 3)  # two of these images
+    images = [str(_png(tmp_path / f"{colour}.png", (64, 48))) for colour in ("red", "green", "blue")]
+    memory = history_module.ChatMemory()
+    for path in [images[0], images[1], images[0], images[2]]:
+        history_module.decoded_media([path], _app(), memory)
+    assert list(memory.media) == [images[0], images[2]]  # green, the least recently used, went
 
 
 def test_a_turn_rebuilt_from_the_page_has_its_parts_in_the_order_it_was_sent(tmp_path):

@@ -26,10 +26,10 @@ from omni_local.ui.history import (
     VIDEO_SUFFIXES,
     ChatMemory,
     as_dict,
+    decoded_media,
     error_message,
     file_path,
     finished_reply,
-    media_paths,
     question,
     to_messages,
 )
@@ -67,7 +67,8 @@ def build_ui(app: OmniLocal, store: ChatStore | None = None) -> gr.Blocks:
             options = {"max_new_tokens": int(max_new_tokens), "temperature": temperature, "top_p": top_p}
             if speak:
                 options |= {"speak": True, "voice": voice}
-            reply = session.send(message.get("text") or "", **media_paths(message.get("files") or []), **options)
+            media = decoded_media(message.get("files") or [], app, memory)
+            reply = session.send(message.get("text") or "", **media, **options)
         except OmniLocalError as error:
             yield error_message(str(error)), gr.skip()
             return

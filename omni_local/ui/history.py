@@ -31,14 +31,25 @@ AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".mp3"}
 VIDEO_SUFFIXES = {".mp4", ".webm", ".mov"}
 ERROR_TITLE = "Error"
 SPOKEN_TITLE = "Spoken reply"
+# Decoded uploads a chat keeps, the most recently used, so that each turn does not read every
+# earlier file again. Bounded: a long chat of videos would otherwise hold every decoded frame for as
+# long as its page is open. One read back costs a decode; the file is unchanged.
+KEPT_MEDIA_BYTES = 512 << 20
 
 
 @dataclass
 class ChatMemory:
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     replies: dict[str, list[int]] = field(default_factory=dict)  # reply text -> its token ids
-    media: dict[str, Part] = field(default_factory=dict)  # upload path -> decoded, so each is read once
+    media: dict[str, Part] = field(default_factory=dict)  # upload path -> decoded, the most recently used last
     left: bool = False  # the page has opened another chat: this one's reply must not show there
+
+    def remember(self, path: str, part: Part) -> None:
+        """Keep `part`, decoded from `path`, dropping the least recently used past KEPT_MEDIA_BYTES."""
+        self.media.pop(path, None)
+        self.media[path] = part
+        while len(self.media) > 1 and sum(map(_nbytes, self.media.values())) > KEPT_MEDIA_BYTES:
+            del self.media[next(iter(self.media))]
 
 
 def finished_reply(event: Finished, audio: np.ndarray, uploads: Path, memory: ChatMemory) -> list[gr.ChatMessage]:
@@ -132,19 +143,30 @@ def file_path(block: Any) -> str | None:
     return None
 
 
-def media_paths(files: list[Any]) -> dict[str, list[Path]]:
-    media: dict[str, list[Path]] = {"images": [], "audio": [], "videos": []}
+def decoded_media(files: list[Any], app: OmniLocal, memory: ChatMemory) -> dict[str, list[Part]]:
+    """A message's files, decoded (and kept for its chat's next turns), by kind as `Session.send`
+    takes them."""
+    media: dict[str, list[Part]] = {"images": [], "audio": [], "videos": []}
     for item in files:
-        path = Path(item if isinstance(item, str) else item["path"])
-        media[_kind(path)].append(path)
+        path = item if isinstance(item, str) else item["path"]
+        media[_kind(Path(path))].append(_remembered(path, app, memory))
     return media
 
 
 def _remembered(path: str, app: OmniLocal, memory: ChatMemory) -> Part:
-    """An upload decoded once per chat: Gradio keeps each upload at its own path, unchanged."""
-    if path not in memory.media:
-        memory.media[path] = _load(path, app)
-    return memory.media[path]
+    """An upload decoded once while its chat keeps it: Gradio keeps each upload at its own path,
+    unchanged."""
+    part = memory.media[path] if path in memory.media else _load(path, app)
+    memory.remember(path, part)
+    return part
+
+
+def _nbytes(part: Part) -> int:
+    if isinstance(part, Image.Image):
+        return part.width * part.height * len(part.getbands())
+    if isinstance(part, Video):
+        return part.frames.nbytes + (part.audio.nbytes if part.audio is not None else 0)
+    return part.nbytes
 
 
 def _load(path: str, app: OmniLocal) -> Part:

@@ -128,7 +128,7 @@ class VoiceMode:
         with self._lock:
             self._turn, self._answer, self._chunks = list(context.history), [], 0
         path = self._keep_utterance(samples)
-        context.memory.media[str(path)] = samples  # the next turn's prompt holds exactly these samples
+        context.memory.remember(str(path), samples)  # the next turn's prompt holds exactly these samples
         with self._lock:
             self._turn.append({"role": "user", "content": [{"path": str(path)}]})
             self._chat_changed = True
