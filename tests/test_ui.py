@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import soundfile
 from gradio_client import Client, handle_file
+from gradio_client.exceptions import AuthenticationError
 from PIL import Image
 
 from bad_files import MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS, write_bad_files
@@ -64,7 +65,7 @@ def test_with_credentials_the_ui_asks_for_them(demo_settings, demo_checkpoint, t
     credentials.write_text("ada:lovelace\n")
     credentials.chmod(0o600)
     with running_app(demo_settings, tmp_path, "--ui-credentials-file", str(credentials)) as url:
-        with pytest.raises(Exception):
+        with pytest.raises(AuthenticationError, match="credentials were not provided"):
             Client(url, verbose=False)
         assert _ask(Client(url, auth=("ada", "lovelace"), verbose=False), "Hello").reply
 
