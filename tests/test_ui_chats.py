@@ -97,3 +97,15 @@ def test_listing_the_chats_reads_no_file_and_follows_saves_and_deletes(tmp_path,
     assert store.titles() == [("Second", second.id), ("First", first.id)]
     store.delete(second.id)
     assert store.titles() == [("First", first.id)]
+
+
+def test_a_change_the_page_made_before_it_opened_another_chat_is_not_saved_as_that_chat(tmp_path):
+    from omni_local.ui.chat import ChatMemory, _keep
+
+    store, left, opened = ChatStore(tmp_path / "chats"), ChatMemory(), ChatMemory()
+    history = [{"role": "user", "content": ["Count to a thousand."]}]
+    _keep(store, history, "", left, shown_id=None)  # the first question of a new chat is saved
+    _keep(store, history + [{"role": "assistant", "content": "One, two"}], "", opened, shown_id=left.session_id)
+    assert [chat_id for _, chat_id in store.titles()] == [left.session_id]
+    _keep(store, [{"role": "user", "content": ["Hello?"]}], "", opened, shown_id=None)  # its own first question
+    assert store.get(opened.session_id).history == [{"role": "user", "content": ["Hello?"]}]

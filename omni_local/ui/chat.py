@@ -142,7 +142,10 @@ def build_ui(app: OmniLocal, store: ChatStore | None = None) -> gr.Blocks:
         # The shown messages, and ChatInterface's own copy its API endpoint answers from.
         shown = [chat.chatbot, chat.chatbot_state, system, memory, chooser, title]
         audio_feed.change(None, [audio_feed], None, js=PLAYER_JS)
-        chat.chatbot.change(lambda *a: _keep(store, *a), [chat.chatbot, system, memory], [chooser],
+        # The chooser is sent with the messages, both as the page had them when they changed; the
+        # memory is the server's, which may already be another chat's (see _keep).
+        chat.chatbot.change(lambda history, prompt, shown_id, m: _keep(store, history, prompt, m, shown_id),
+                            [chat.chatbot, system, chooser, memory], [chooser],
                             trigger_mode="always_last", show_progress="hidden", api_name=False)
         chooser.input(lambda chat_id, leaving: _switch(store, store.get(chat_id), leaving), [chooser, memory], shown,
                       api_name="open_chat")
@@ -155,10 +158,13 @@ def build_ui(app: OmniLocal, store: ChatStore | None = None) -> gr.Blocks:
     return ui
 
 
-def _keep(store: ChatStore, history: list[dict[str, Any]], system_prompt: str, memory: ChatMemory) -> Any:
+def _keep(store: ChatStore, history: list[dict[str, Any]], system_prompt: str, memory: ChatMemory,
+          shown_id: str | None = None) -> Any:
     """Save the chat (not before its first question): after each answer, and as the page changes it
-    (undo, edit); the list then shows it first."""
-    if not history:
+    (undo, edit); the list then shows it first. `shown_id` is the chat the page showed with
+    `history` (none yet for a new chat): a change the page made before it opened another chat can
+    arrive after the memory became the other chat's, and must not be saved as that chat."""
+    if not history or shown_id not in (None, "", memory.session_id):
         return gr.update()
     saved = store.get(memory.session_id) or SavedChat(id=memory.session_id)
     kept = (saved.history, saved.system_prompt, saved.replies)
