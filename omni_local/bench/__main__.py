@@ -8,10 +8,10 @@ is the median of --runs after one warm-up run; each run asks a new question, so 
 reuse only what a real user's next request would. "cache off" means every cache off (prefix and
 encoder), so a first send really runs its encoder. The table goes to stdout, JSON to --json.
 
-A timed turn is sent --reading-seconds (0.5) after the turns before it finished, as a person reads a reply
-before the next question. The engine uses such idle time to free a KV slot ahead of need (moving
-the least recently used chat to host memory, a copy of its whole KV); a request sent back to back
-with the one before would wait for that move.
+A timed turn is sent --reading-seconds (0.5) after the turns before it finished, as a person
+reads a reply before the next question. The engine uses such idle time to free a KV slot ahead of
+need (moving the least recently used chat to host memory, a copy of its whole KV); a request sent
+back to back with the one before would wait for that move.
 
 Concurrent rows (c8, c16): that many sessions send their timed turn at once; the row is the median
 over the requests of each one's TTFT and ITL (the engine's own timings). Give the engine a KV slot
