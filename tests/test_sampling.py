@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
 
-from omni_local.engine.sampling import Sampler, SamplingParams, _nucleus, _penalize_repeats, greedy_tokens
+from omni_local.engine.sampling import Sampler, SamplingParams, _nucleus, _penalize_repeats, next_tokens
 from omni_local.errors import RequestError
 
 
@@ -67,11 +67,16 @@ def test_suppressed_tokens_are_never_chosen_even_when_they_score_best():
     assert {sampled.next_token(scores) for _ in range(100)} <= {0, 2}
 
 
-def test_greedy_tokens_for_a_batch_are_the_tokens_each_greedy_sampler_picks():
+def test_the_tokens_of_a_batch_are_the_tokens_each_sampler_picks_alone():
     rows = torch.stack([logits(seed) for seed in range(5)])
     rows[3, [7, 9]] = rows[3].max() + 1  # a tie: the first of the best, as argmax gives it
     suppressed = torch.tensor([int(rows[0].argmax()), 5])
-    alone = [Sampler(SamplingParams(), seed=0, prompt_ids=torch.tensor([0]), suppressed=suppressed).next_token(row)
-             for row in rows]
-    assert greedy_tokens(rows, suppressed) == alone
+    params = [SamplingParams(), SamplingParams(), SamplingParams(temperature=0.7), SamplingParams(),
+              SamplingParams(repetition_penalty=1.3)]
+
+    def samplers() -> list[Sampler]:
+        return [Sampler(p, seed=i, prompt_ids=torch.tensor([0, 7]), suppressed=suppressed) for i, p in enumerate(params)]
+
+    alone = [sampler.next_token(row) for sampler, row in zip(samplers(), rows)]
+    assert next_tokens(samplers(), rows) == alone
     assert alone[3] == 7

@@ -25,7 +25,7 @@ from omni_local.engine.detokenizer import IncrementalDetokenizer
 from omni_local.engine.encoders import Encoders
 from omni_local.engine.media_encoder import MediaEncoder
 from omni_local.engine.request import AudioChunk, Failed, Finished, Request, StopReason, TextDelta
-from omni_local.engine.sampling import Sampler, SamplingParams, greedy_tokens
+from omni_local.engine.sampling import Sampler, SamplingParams, next_tokens
 from omni_local.engine.speech import Speaker, SpeechParams
 from omni_local.engine.talker import TalkerRows
 from omni_local.engine.thinker import ThinkerRunner
@@ -159,7 +159,7 @@ class Engine:
         if first is not None:
             self._guarded([first], lambda: self._prefill(first))
         if decoding:
-            self._guarded(decoding, lambda: self._decode(decoding))
+            self._decode(decoding)
         for request in [r for r in self._running if not r.ended and r.spoken is not None and not r.spoken.done]:
             self._guarded([request], lambda: self._speak(request))
         for request in self._running:
@@ -207,18 +207,23 @@ class Engine:
             self._accept(request, request.sampler.next_token(logits))
 
     def _decode(self, requests: list[Request]) -> None:
-        """One token more of each request, in one forward."""
-        logits = self.runner.decode([r.slot for r in requests], [r.output_ids[-1] for r in requests],
-                                    [r.written for r in requests], [r.prepared.rope_delta for r in requests])
-        # Greedy requests (the default) are chosen together: one wait for the device per step, not one per chat.
-        plain = [i for i, r in enumerate(requests) if r.sampler.plain_greedy]
-        chosen = dict(zip(plain, greedy_tokens(logits[plain], self._suppressed))) if plain else {}
-        for i, (request, row) in enumerate(zip(requests, logits)):
-            request.written += 1
+        """One token more of each request: one forward for them all when graphed. A failure of the
+        forward fails them all; one of a request's own token, that request only."""
+        tokens: list[int] = []
+
+        def forward() -> None:
+            logits = self.runner.decode([r.slot for r in requests], [r.output_ids[-1] for r in requests],
+                                        [r.written for r in requests], [r.prepared.rope_delta for r in requests])
+            tokens.extend(next_tokens([r.sampler for r in requests], logits))
+            for request in requests:
+                request.written += 1
+
+        self._guarded(requests, forward)
+        for request, token in zip(requests, tokens):
             if request.cancelled.is_set():
                 self._finish(request, "cancelled")  # the token of the step the cancel overtook is dropped
             else:
-                self._accept(request, chosen[i] if i in chosen else request.sampler.next_token(row))
+                self._guarded([request], lambda: self._accept(request, token))
 
     def _accept(self, request: Request, token: int) -> None:
         if not request.output_ids:

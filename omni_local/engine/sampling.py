@@ -47,8 +47,8 @@ class Sampler:
         self.seen = prompt_ids if params.repetition_penalty != 1.0 else None
 
     @property
-    def plain_greedy(self) -> bool:
-        """Greedy with no repetition penalty: the choice `greedy_tokens` makes for many at once."""
+    def _plain_greedy(self) -> bool:
+        """Greedy with no repetition penalty: a choice `next_tokens` makes for many rows at once."""
         return self.params.greedy and self.seen is None
 
     def next_token(self, logits: torch.Tensor) -> int:
@@ -76,12 +76,20 @@ class Sampler:
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
-def greedy_tokens(logits: torch.Tensor, suppressed: torch.Tensor | None) -> list[int]:
-    """Each row's best token but the suppressed ones, as a plain greedy Sampler picks it, for rows
-    [B, vocab] at once: one copy to the host for the batch instead of one per request."""
-    if suppressed is not None:
-        logits = logits.index_fill(1, suppressed, float("-inf"))
-    return logits.argmax(dim=-1).tolist()
+def next_tokens(samplers: list[Sampler], logits: torch.Tensor) -> list[int]:
+    """Each sampler's next token from its row of `logits` [B, vocab]. The plain greedy ones (the
+    default) that share their suppressed ids are chosen with one argmax and one copy to the host for
+    them all, instead of one wait for the device each; the others one by one."""
+    plain = [i for i, s in enumerate(samplers) if s._plain_greedy]
+    suppressed = samplers[plain[0]].suppressed if plain else None
+    together = [i for i in plain if samplers[i].suppressed is suppressed]
+    chosen: dict[int, int] = {}
+    if together:
+        rows = logits[together]
+        if suppressed is not None:
+            rows = rows.index_fill(1, suppressed, float("-inf"))
+        chosen = dict(zip(together, rows.argmax(dim=-1).tolist()))
+    return [chosen[i] if i in chosen else s.next_token(row) for i, (s, row) in enumerate(zip(samplers, logits))]
 
 
 def _penalize_repeats(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:

@@ -190,10 +190,13 @@ class Speaker:
         reply.claim = self.cache.claim(reply.session, prompt, self._made_alike(reply, self.cache.match(prompt)))
         if reply.claim is None:
             return None, None
+        # From the claim on, the session's entry holds rows that agree with this reply's Thinker
+        # prompt; sessions whose entries the cache has dropped are forgotten here too.
+        self._made_from = {s: m for s, m in self._made_from.items() if s in self.cache.entries}
+        self._made_from[reply.session] = MadeFrom.of(reply.thinker)
         hidden, logits, reply.rope_delta = self.runner.prefill(reply.claim.entry.slot, reply.prompt, reply.claim.start)
         reply.written = prompt.num_tokens
         self.cache.publish(reply.claim, prompt, [], len(reply.prompt.user_rows))
-        self._made_from[reply.session] = MadeFrom.of(reply.thinker)
         return hidden, logits
 
     def _made_alike(self, reply: SpokenReply, match: Match) -> Match:
