@@ -43,8 +43,8 @@ class Settings:
     )
     cuda_graphs: bool = setting(
         "engine", True,
-        "on a GPU, run the decode steps of the Thinker, the Talker and its code predictor, and Code2Wav's chunks,"
-        " as CUDA graphs; false: eager",
+        "on a GPU, run the Thinker's decode steps (chats decoding at once as one batch) and prefills of up to 512"
+        " tokens, the Talker's and its code predictor's steps, and Code2Wav's chunks, as CUDA graphs; false: eager",
     )
     video_fps: float = setting(
         "engine", 2.0, "video frames read per second (Qwen's default; the checkpoint's own if it sets one)"

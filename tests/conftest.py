@@ -1,7 +1,7 @@
 """Fixtures shared by the test files: the demo checkpoint, built once per session, and its model.
 
 The demo runs on the CPU unless OMNI_LOCAL_TEST_DEVICE names another device (`cuda` on a GPU
-machine, where the decode step runs as CUDA graphs). It runs in float32 on every device: the tests
+machine, where decode steps and short prefills run as CUDA graphs). It runs in float32 on every device: the tests
 compare tokens with transformers' own, and in bfloat16 two attention kernels' rounding can already
 flip a greedy choice of the tiny random model.
 """

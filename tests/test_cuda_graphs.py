@@ -1,5 +1,5 @@
-"""On a GPU the decode steps of the Thinker and the Talker replay CUDA graphs, and give the tokens
-and codec codes eager decoding gives.
+"""On a GPU the Thinker's decode steps (several chats in one batch) and short prefills, and the
+Talker's steps, replay CUDA graphs, and give the tokens and codec codes eager decoding gives.
 
 Run with OMNI_LOCAL_TEST_DEVICE=cuda on a machine with a CUDA GPU; elsewhere every test is skipped.
 """

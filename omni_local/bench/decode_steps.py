@@ -5,8 +5,9 @@
 
 The main bench's ITL at c8 or c16 also holds the other chats' prefills, which stall every reply
 while the chats start; this is the steady state after that, when nothing but decoding runs: the time
-per token each chat sees. Each chat's slot is filled to the context length first (the rows' values
-do not change the time), then the step is timed (median of --runs after a warm-up step).
+per token each chat sees. Each chat decodes at row `context - 1` of its slot, attending over the
+rows before it as they are (their values do not change the time); the step is timed as the median
+of --runs after a warm-up step.
 """
 
 import statistics

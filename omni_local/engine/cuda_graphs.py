@@ -73,7 +73,8 @@ class SlotGraphs:
         device = store.device
         self._input = input_like.new_zeros((b, n, *input_like.shape[2:]))  # static: copied into before each replay
         self._positions = torch.zeros((3, b, n), dtype=torch.long, device=device)
-        # indices [b, n], slots [b], last [b]: filled by one host-to-device copy per replay
+        # indices [b, n], slots [b], last [b]: filled by one copy per replay (the input and the
+        # positions are two more)
         self._layout = torch.zeros(b * n + 2 * b, dtype=torch.long, device=device)
         self._indices = self._layout[: b * n].view(b, n)
         self._slots, self._last = self._layout[b * n : b * n + b], self._layout[b * n + b :]

@@ -51,9 +51,9 @@ class KVStore:
         self.shape, self.slots, self.dtype, self.device = shape, slots, dtype, device
         size = (slots, shape.kv_heads, shape.max_tokens, shape.head_dim)
         # Attention reads rows [0, end) only, so rows are never read before written and are left
-        # uninitialised (on the CPU, untouched pages cost no memory). `zeroed` is for a graphed decode
-        # step, which reads a whole bucket of rows and masks those past the new token: a zero
-        # attention weight does not cancel a NaN in garbage.
+        # uninitialised (on the CPU, untouched pages cost no memory). `zeroed` is for graphed decode
+        # steps and prefills, which read a whole bucket of rows and mask those past each new token: a
+        # zero attention weight does not cancel a NaN in garbage.
         make = torch.zeros if zeroed else torch.empty
         self.keys = [make(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
         self.values = [make(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]

@@ -3,8 +3,8 @@
 transformers' modules do the maths (embedding, encoders, decoder layers, lm_head); this file
 decides what runs when: the encoders for the media of the uncached tail (MediaEncoder), a prefill
 of that tail after the cached rows, then one decode step per token, each writing its keys and
-values into the request's slot of the KVStore. On a GPU the decode step of every chat decoding at
-the time runs as one batch, and a prefill of up to GRAPHED_PREFILL_TOKENS (a new question after a
+values into the request's slot of the KVStore. On a GPU, with graphs, the decode step of every chat
+decoding at the time runs as one batch, and a prefill of up to GRAPHED_PREFILL_TOKENS (a new question after a
 cached prefix, a first message, a small image) also replays a CUDA graph captured at start-up
 (SlotGraphs); longer prefills run eagerly.
 """

@@ -2,7 +2,7 @@
 
 The loader calls `load_processor` for the processor and `apply_workarounds` once on each loaded
 model; the demo builder calls `init_talker_experts` on the random weights it makes; SlotGraphs
-captures the Thinker's and the Talker's decode steps inside `capturable_experts`. Nothing else in
+captures the Thinker's decode steps and prefills and the Talker's steps inside `capturable_experts`. Nothing else in
 omni_local works around transformers.
 """
 
