@@ -104,8 +104,20 @@ def test_a_change_the_page_made_before_it_opened_another_chat_is_not_saved_as_th
 
     store, left, opened = ChatStore(tmp_path / "chats"), ChatMemory(), ChatMemory()
     history = [{"role": "user", "content": ["Count to a thousand."]}]
-    _keep(store, history, "", left, shown_id=None)  # the first question of a new chat is saved
+    _keep(store, history, "", left, shown_id=left.session_id)  # the first question of a new chat is saved
     _keep(store, history + [{"role": "assistant", "content": "One, two"}], "", opened, shown_id=left.session_id)
     assert [chat_id for _, chat_id in store.titles()] == [left.session_id]
-    _keep(store, [{"role": "user", "content": ["Hello?"]}], "", opened, shown_id=None)  # its own first question
+    _keep(store, [{"role": "user", "content": ["Hello?"]}], "", opened, shown_id=opened.session_id)
     assert store.get(opened.session_id).history == [{"role": "user", "content": ["Hello?"]}]
+
+
+def test_a_deleted_chat_is_not_saved_again_by_a_reply_that_finishes_after(tmp_path):
+    from omni_local.ui.chat import ChatMemory, _keep
+
+    store, memory = ChatStore(tmp_path / "chats"), ChatMemory()
+    history = [{"role": "user", "content": ["Hello?"]}]
+    _keep(store, history, "", memory)
+    store.delete(memory.session_id)
+    memory.deleted = True
+    _keep(store, history + [{"role": "assistant", "content": "Hi."}], "", memory)
+    assert store.titles() == []

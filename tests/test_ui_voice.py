@@ -9,6 +9,8 @@ import pytest
 import soundfile
 import soxr
 
+from omni_local.ui.chat import _keep
+from omni_local.ui.chats import ChatStore
 from omni_local.ui.history import ChatMemory, to_messages
 from omni_local.ui.player import STOP
 from omni_local.ui.voice_mode import HANDS_FREE, PUSH_TO_TALK, TurnContext, VoiceMode
@@ -31,10 +33,15 @@ def page_chunks(samples: np.ndarray, folder: Path) -> list[str]:
 
 
 @pytest.fixture
-def voice(speaking_app, tmp_path) -> VoiceMode:
+def chats(tmp_path) -> ChatStore:
+    return ChatStore(tmp_path / "chats")
+
+
+@pytest.fixture
+def voice(speaking_app, chats, tmp_path) -> VoiceMode:
     uploads = tmp_path / "uploads"
     uploads.mkdir()
-    return VoiceMode(speaking_app, uploads)
+    return VoiceMode(speaking_app, uploads, lambda history, prompt, memory: _keep(chats, history, prompt, memory))
 
 
 def asked_in(memory: ChatMemory, history: list | None = None, max_new_tokens: int = 6) -> TurnContext:
@@ -167,13 +174,14 @@ def test_a_recording_the_disk_will_not_take_is_an_error_in_the_chat_and_voice_mo
     assert chat[-1]["metadata"]["title"] == "Metrics"
 
 
-def test_a_voice_turn_shows_only_in_its_own_chat(voice, tmp_path):
-    """The page may switch chats while a voice reply is made: it must not land in the other chat."""
+def test_a_voice_turn_shows_only_in_its_own_chat_and_is_saved_there(voice, chats, tmp_path):
+    """The page may switch chats while a voice reply is made: it must not land in the other chat,
+    and its own chat, opened again, has it (the timer stops with voice mode: the turn saves itself)."""
     memory = ChatMemory()
     voice.start_recording(PUSH_TO_TALK)
     speak(voice, SPEECH[:16_000], tmp_path, asked_in(memory), PUSH_TO_TALK)
     voice.stop_recording(PUSH_TO_TALK, asked_in(memory))
     _, shown_elsewhere = delivered(voice, ChatMemory())
     assert shown_elsewhere == []
-    _, chat = delivered(voice, ChatMemory(session_id=memory.session_id))  # its chat, opened again
+    chat = chats.get(memory.session_id).history
     assert [m["role"] for m in chat][:2] == ["user", "assistant"] and chat[-1]["metadata"]["title"] == "Metrics"

@@ -75,6 +75,8 @@ def build_ui(app: OmniLocal, store: ChatStore | None = None) -> gr.Blocks:
         text, chunks, update = "", 0, None
         try:
             for event in reply:
+                if memory.left:  # its chat is no longer shown: the reply stops (finally, below), unsaved
+                    return
                 if isinstance(event, TextDelta):
                     text += event.text
                     update = text, gr.skip()
@@ -85,9 +87,7 @@ def build_ui(app: OmniLocal, store: ChatStore | None = None) -> gr.Blocks:
                     shown = finished_reply(event, reply.audio, uploads, memory)
                     _keep(store, [*history, question(message), *map(as_dict, shown)], system_prompt, memory)
                     update = shown, gr.skip()
-                # Opening another chat stops this reply (STOP_STREAMING_REPLY_JS); until the stop
-                # arrives, nothing more is shown: it would land in the other chat.
-                if not memory.left:
+                if not memory.left:  # the page may have opened another chat meanwhile: not there
                     yield update
         except OmniLocalError as error:
             if not memory.left:
@@ -138,33 +138,40 @@ def build_ui(app: OmniLocal, store: ChatStore | None = None) -> gr.Blocks:
             api_name="chat",
         )
         if voices:
-            add_voice_mode(app, uploads, chat, audio_feed, memory, [system, longest, temperature, top_p, voice])
+            add_voice_mode(app, uploads, chat, audio_feed, memory, [system, longest, temperature, top_p, voice],
+                           save=lambda history, prompt, m: _keep(store, history, prompt, m))
+        # The shown chat's id, on the page: sent with the messages as the page had them when they
+        # changed, while the memory is the server's, which may already be another chat's (see _keep).
+        shown_id = gr.Textbox(visible=False)
         # The shown messages, and ChatInterface's own copy its API endpoint answers from.
         shown = [chat.chatbot, chat.chatbot_state, system, memory, chooser, title]
         audio_feed.change(None, [audio_feed], None, js=PLAYER_JS)
-        # The chooser is sent with the messages, both as the page had them when they changed; the
-        # memory is the server's, which may already be another chat's (see _keep).
-        chat.chatbot.change(lambda history, prompt, shown_id, m: _keep(store, history, prompt, m, shown_id),
-                            [chat.chatbot, system, chooser, memory], [chooser],
+        chat.chatbot.change(lambda history, prompt, page_id, m: _keep(store, history, prompt, m, page_id),
+                            [chat.chatbot, system, shown_id, memory], [chooser],
                             trigger_mode="always_last", show_progress="hidden", api_name=False)
-        chooser.input(lambda chat_id, leaving: _switch(store, store.get(chat_id), leaving), [chooser, memory], shown,
-                      api_name="open_chat")
-        new_chat.click(lambda leaving: _switch(store, None, leaving), [memory], shown, api_name="new_chat")
+        opened = [
+            chooser.input(lambda chat_id, leaving: _switch(store, store.get(chat_id), leaving), [chooser, memory],
+                          shown, api_name="open_chat"),
+            new_chat.click(lambda leaving: _switch(store, None, leaving), [memory], shown, api_name="new_chat"),
+            delete.click(lambda m: _delete(store, uploads, m), [memory], shown, api_name="delete_chat"),
+            ui.load(lambda: _show(store, store.latest()), None, shown, api_name=False),
+        ]
+        for event in opened:  # kept out of the API's outputs: an id the page needs, not the client
+            event.then(lambda m: m.session_id, [memory], [shown_id], show_progress="hidden", api_name=False)
         for leave in (chooser.input, new_chat.click, delete.click):  # a reply still streaming stops
             leave(None, None, None, js=STOP_STREAMING_REPLY_JS)
         rename.click(lambda text, m: _rename(store, text, m), [title, memory], [chooser], api_name="rename_chat")
-        delete.click(lambda m: _delete(store, uploads, m), [memory], shown, api_name="delete_chat")
-        ui.load(lambda: _show(store, store.latest()), None, shown, api_name=False)
     return ui
 
 
 def _keep(store: ChatStore, history: list[dict[str, Any]], system_prompt: str, memory: ChatMemory,
-          shown_id: str | None = None) -> Any:
-    """Save the chat (not before its first question): after each answer, and as the page changes it
-    (undo, edit); the list then shows it first. `shown_id` is the chat the page showed with
-    `history` (none yet for a new chat): a change the page made before it opened another chat can
-    arrive after the memory became the other chat's, and must not be saved as that chat."""
-    if not history or shown_id not in (None, "", memory.session_id):
+          shown_id: str = "") -> Any:
+    """Save the chat (not before its first question, nor once deleted): after each answer, and as
+    the page changes it (undo, edit, a streamed update); the list then shows it first. `shown_id` is
+    the chat the page showed with `history` ("" before the page has one): a change the page made
+    before it opened another chat can arrive after the memory became the other chat's, and must not
+    be saved as that chat."""
+    if not history or memory.deleted or (shown_id and shown_id != memory.session_id):
         return gr.update()
     saved = store.get(memory.session_id) or SavedChat(id=memory.session_id)
     kept = (saved.history, saved.system_prompt, saved.replies)
@@ -211,6 +218,7 @@ def _delete(store: ChatStore, uploads: Path, memory: ChatMemory) -> tuple[Any, .
             if path.parent == uploads and path.name.startswith((REPLY_PREFIX, UTTERANCE_PREFIX)):
                 path.unlink(missing_ok=True)
     store.delete(memory.session_id)
+    memory.deleted = True  # a reply or voice turn still finishing does not save it again
     return _switch(store, store.latest(), memory)
 
 

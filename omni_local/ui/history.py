@@ -43,6 +43,7 @@ class ChatMemory:
     replies: dict[str, list[int]] = field(default_factory=dict)  # reply text -> its token ids
     media: dict[str, Part] = field(default_factory=dict)  # upload path -> decoded, the most recently used last
     left: bool = False  # the page has opened another chat: this one's reply must not show there
+    deleted: bool = False  # the chat was deleted: nothing saves it again
 
     def remember(self, path: str, part: Part) -> None:
         """Keep `part`, decoded from `path`, dropping the least recently used past KEPT_MEDIA_BYTES."""

@@ -5,13 +5,15 @@ hands-free mode they go through voice.py's detector: the end of an utterance ask
 a reply stops it (barge-in). In push-to-talk mode the recording is the utterance: starting one stops
 the reply, stopping it asks. A voice turn is a turn of the shown chat, in its cache session, like a
 typed one: the utterance shows as an audio message, the reply's text streams under it and its audio
-goes to the page's Web Audio player (player.py). Both come from the engine's thread, not from an
-event of the page, so a timer brings them to the page ten times a second while voice mode is busy.
+goes to the page's Web Audio player (player.py). Both come from the reply's streaming thread, not
+from an event of the page, so a timer brings them to the page ten times a second while voice mode is
+busy. A finished turn is saved into its own chat at once, whichever chat the page shows by then.
 """
 
 import threading
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,11 +47,15 @@ class TurnContext:
     options: dict[str, Any]  # Session.send's sampling options and voice
 
 
+# Saves a chat: its messages, system prompt and memory (chat.py's _keep).
+SaveChat = Callable[[list[dict[str, Any]], str, ChatMemory], object]
+
+
 class VoiceMode:
     """One page's voice conversation, between the page's events and the engine's reply thread."""
 
-    def __init__(self, app: OmniLocal, uploads: Path) -> None:
-        self.app, self.uploads = app, uploads
+    def __init__(self, app: OmniLocal, uploads: Path, save: SaveChat) -> None:
+        self.app, self.uploads, self.save = app, uploads, save
         self.listening = False
         self._conversation: VoiceConversation | None = None  # made at first use: it loads the VAD
         self._context: TurnContext | None = None  # the chat as the page last sent it
@@ -124,8 +130,9 @@ class VoiceMode:
 
     def _ask(self, samples: np.ndarray) -> Reply:
         """Ask an utterance in the shown chat's session, after the chat as the page has it."""
-        context = self._asked_in = self._context
-        with self._lock:
+        context = self._context
+        with self._lock:  # the timer never sees the new turn's chat with the last turn's messages
+            self._asked_in = context
             self._turn, self._answer, self._chunks = list(context.history), [], 0
         path = self._keep_utterance(samples)
         context.memory.remember(str(path), samples)  # the next turn's prompt holds exactly these samples
@@ -146,14 +153,18 @@ class VoiceMode:
             self._outbox = [STOP]  # chunks the page has not got yet are never played
 
     def _show(self, event: TextDelta | Finished | OmniLocalError) -> None:
-        memory = self._asked_in.memory  # the turn's own chat, whichever the page shows now
+        asked_in = self._asked_in  # the turn's own chat, whichever the page shows now
         if isinstance(event, TextDelta):
             text = (self._answer[0]["content"] if self._answer else "") + event.text
             answer = [{"role": "assistant", "content": text}]
-        elif isinstance(event, Finished):
-            answer = [as_dict(m) for m in finished_reply(event, self.conversation.reply.audio, self.uploads, memory)]
         else:
-            answer = [as_dict(error_message(str(event)))]
+            reply = self.conversation.reply
+            shown = (finished_reply(event, reply.audio, self.uploads, asked_in.memory) if isinstance(event, Finished)
+                     else [error_message(str(event))])
+            answer = [as_dict(m) for m in shown]
+            # Saved now, into its own chat: the page may show another chat by the time the turn ends,
+            # and the timer that brings turns to the page stops with voice mode.
+            self.save([*self._turn, *answer], asked_in.system_prompt, asked_in.memory)
         with self._lock:
             self._answer, self._chat_changed = answer, True
 
@@ -209,16 +220,18 @@ def add_voice_mode(
     audio_feed: gr.JSON,
     memory: gr.State,
     settings: list[gr.Component],
+    save: SaveChat,
 ) -> None:
     """The voice section under the chat. `memory` is the shown chat's; `settings` are the chat's own
-    inputs a turn is asked with: system prompt, longest reply, temperature, top-p, voice."""
+    inputs a turn is asked with: system prompt, longest reply, temperature, top-p, voice; `save`
+    saves a finished voice turn's chat."""
     with gr.Accordion("Voice conversation", open=False):
         mode = gr.Radio([HANDS_FREE, PUSH_TO_TALK], value=HANDS_FREE, label="Mode",
                         info="Hands-free: speak, then pause; speaking over a reply stops it. "
                              "Push to talk: record, then stop to ask. Use headphones.")
         microphone = gr.Audio(sources=["microphone"], streaming=True, type="filepath", label="Microphone",
                               elem_id="voice-microphone")
-    voice = gr.State(lambda: VoiceMode(app, uploads))
+    voice = gr.State(lambda: VoiceMode(app, uploads, save))
     timer = gr.Timer(DELIVERY_SECONDS, active=False)
 
     def context(history: list[dict[str, Any]], shown: ChatMemory, system_prompt: str, max_new_tokens: float,
