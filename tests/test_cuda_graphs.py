@@ -14,7 +14,7 @@ from test_speech import send, transformers_speech
 from samples import picture
 from test_thinker_parity import model_inputs, reference_tokens
 from omni_local.api import OmniLocal
-from omni_local.engine.cuda_graphs import SMALLEST_BUCKET
+from omni_local.engine.cuda_graphs import SMALLEST_BUCKET, SlotGraphs
 from omni_local.engine.thinker import ThinkerRunner
 from omni_local.prompts import Message, Prompt, build_prompt
 
@@ -140,47 +140,50 @@ def test_three_chats_decoding_as_one_graphed_batch_give_the_tokens_each_gives_al
     assert together == [generate(app, prompt, steps, banned) for prompt in prompts]
 
 
-def test_chats_sent_at_once_through_the_engine_get_the_replies_of_generate(on_gpu):
-    app = on_gpu
-    texts = ["Tell me about lighthouses.", "What do fishermen sing?", "Describe the harbour at night."]
-    requests = [app.session().send(text, max_new_tokens=24) for text in texts]
-    for text, request in zip(texts, requests):
-        assert request.result().token_ids == reference_tokens(app, [Message("user", [text])])
-
-
 @contextmanager
-def prefill_replays(app: OmniLocal) -> Iterator[list[tuple[int, int]]]:
-    """(start, new tokens) of each prefill the app's graphs replay meanwhile."""
-    graphs, replays = app.engine.runner.prefill_graphs, []
-    replay = graphs.replay
-    graphs.replay = lambda slots, x, starts, positions: replays.append((starts[0], x.shape[1])) or replay(
+def replays(graphs: SlotGraphs) -> Iterator[list[tuple[int, int, int]]]:
+    """(sequences, first start, new tokens) of each call `graphs` replays meanwhile."""
+    calls, replay = [], graphs.replay
+    graphs.replay = lambda slots, x, starts, positions: calls.append((len(slots), starts[0], x.shape[1])) or replay(
         slots, x, starts, positions)
     try:
-        yield replays
+        yield calls
     finally:
         del graphs.replay
 
 
+def test_chats_sent_at_once_through_the_engine_decode_as_one_batch_and_get_the_replies_of_generate(on_gpu):
+    app = on_gpu
+    texts = ["Tell me about lighthouses.", "What do fishermen sing?", "Describe the harbour at night."]
+    with replays(app.engine.runner.decode_graphs) as steps:
+        requests = [app.session().send(text, max_new_tokens=24) for text in texts]
+        finals = [request.result() for request in requests]
+    # Each turn prefills one of them, so the first two already decode together while the third starts.
+    assert max(chats for chats, _, _ in steps) > 1, "the chats must decode together"
+    for text, final in zip(texts, finals):
+        assert final.token_ids == reference_tokens(app, [Message("user", [text])])
+
+
 def test_a_chats_second_turn_on_the_prefix_cache_matches_generate_with_graphs_on(on_gpu):
     app = on_gpu
-    with prefill_replays(app) as replays:
+    with replays(app.engine.runner.prefill_graphs) as prefills:
         session = app.session(system_prompt="You answer in one sentence.")
         for text in ["Tell me about lighthouses.", "And about the ships they guide?"]:
             before = list(session.history)
             final = session.send(text, max_new_tokens=24).result()
             assert final.token_ids == reference_tokens(app, [*before, Message("user", [text])])
     assert final.tokens.reused_gpu > 0, "the second turn must continue the first turn's KV"
-    assert replays[-1] == (final.tokens.reused_gpu, final.tokens.computed), "its prefill must replay a graph"
+    assert prefills[-1] == (1, final.tokens.reused_gpu, final.tokens.computed), "its prefill must replay a graph"
 
 
 def test_an_image_question_prefilled_by_a_graph_matches_generate(on_gpu):
     app = on_gpu
     parts = [picture(2), "What is in this picture?"]
-    with prefill_replays(app) as replays:
+    with replays(app.engine.runner.prefill_graphs) as prefills:
         final = app.session().send(parts[1], images=[parts[0]], max_new_tokens=24).result()
     n = final.tokens
     assert final.media.in_kv == 0, "the image must be in the prefill"
-    assert replays == [(n.prompt - n.computed, n.computed)], "its prefill must replay a graph"
+    assert prefills == [(1, n.prompt - n.computed, n.computed)], "its prefill must replay a graph"
     assert final.token_ids == reference_tokens(app, [Message("user", parts)])
 
 

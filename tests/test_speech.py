@@ -220,7 +220,10 @@ def test_a_known_medium_after_another_system_prompt_is_spoken_as_without_the_cac
     it changes: the Talker KV of a chat that sent the same clip after another system prompt must
     not be reused."""
     Chat(apps, "You look and listen.").send("What is this?", audio=[clip(10)])
-    Chat(apps, "You are a pirate who hears everything.").send("What is this?", audio=[clip(10)])
+    second = Chat(apps, "You are a pirate who hears everything.").send("What is this?", audio=[clip(10)])
+    assert second.media.from_cache == 1, "the clip must be known, or this shows nothing"
+    # The Thinker prompts part in the system turn, before the first user row: nothing is reused.
+    assert second.speech.talker_reused == 0
 
 
 def test_a_text_turn_then_a_spoken_turn_reads_the_rows_the_text_turn_cached(apps):

@@ -94,7 +94,7 @@ def test_speaking_over_a_reply_stops_it_and_asks_again(voice, tmp_path):
     assert voice.conversation.turns == 2 and first.result().stop_reason == "cancelled"
     # After the stop that speaking sent, only the new reply plays: its chunks from 0, none of the first's.
     after = items[len(items) - items[::-1].index(STOP):]
-    assert [item["index"] for item in after] == list(range(len(after)))
+    assert after and [item["index"] for item in after] == list(range(len(after)))
     assert chat[-1]["metadata"]["title"] == "Metrics"
 
 
