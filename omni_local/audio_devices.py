@@ -101,6 +101,12 @@ class Speakers(_Stream):
     def play(self, samples: np.ndarray) -> None:
         self._queue.put(self._resampler.resample_chunk(samples.astype(np.float32)))
 
+    def finish(self) -> None:
+        """The reply is complete: play what the resampler still holds (its last few ms), and resample
+        the next reply as a new stream."""
+        self._queue.put(self._resampler.resample_chunk(np.zeros(0, np.float32), last=True))
+        self._resampler = soxr.ResampleStream(self._source_rate, self.rate, 1, dtype="float32")
+
     def stop(self) -> None:
         with self._lock:
             self._resampler = soxr.ResampleStream(self._source_rate, self.rate, 1, dtype="float32")

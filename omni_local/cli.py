@@ -122,9 +122,13 @@ def _voice(session: Session, sounddevice: Any, args: argparse.Namespace) -> int:
     """Listen, answer aloud, listen again; speaking over a reply stops it. Use headphones: the
     microphone would otherwise hear the reply and take it for the person speaking."""
     with Speakers(sounddevice) as speakers:
+        def show(event: TextDelta | Finished | OmniLocalError) -> None:
+            if isinstance(event, Finished):
+                speakers.finish()
+            _show_voice_event(event)
+
         conversation = VoiceConversation(lambda samples: session.send(audio=[samples], speak=True, seed=args.seed),
-                                         lambda chunk: speakers.play(chunk.samples), speakers.stop,
-                                         show=_show_voice_event)
+                                         lambda chunk: speakers.play(chunk.samples), speakers.stop, show=show)
         with Microphone(sounddevice, conversation.hear):
             print("Listening: speak, then pause; Ctrl-C ends the conversation.")
             try:
