@@ -46,6 +46,11 @@ class Settings:
         "on a GPU, run the Thinker's decode steps (chats decoding at once as one batch) and prefills of up to 512"
         " tokens, the Talker's and its code predictor's steps, and Code2Wav's chunks, as CUDA graphs; false: eager",
     )
+    compiled_layers: bool = setting(
+        "engine", True,
+        "on a GPU, run the work around attention in each decoder layer (norms, projections, rotary embedding, MoE)"
+        " as compiled regions, inside the CUDA graphs; compiling adds start-up time, least when inductor's cache has them",
+    )
     video_fps: float = setting(
         "engine", 2.0, "video frames read per second (Qwen's default; the checkpoint's own if it sets one)"
     )

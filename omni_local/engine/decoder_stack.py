@@ -1,14 +1,98 @@
-"""One forward of a transformers decoder stack (the Thinker's or the Talker's) over a KVStore slot.
+"""One forward of a transformers decoder stack (the Thinker's, the Talker's or its code
+predictor's) over a KVStore slot.
 
-The layers, rotary embedding and norm are transformers' own modules; we pass the cache (a
-SlotWriter, or in a CUDA graph a GraphedSlotWriter), its mask and the 3D positions ourselves,
-which is all that differs from their forward.
+The layers' modules, rotary embedding and norm are transformers' own; we pass the cache (a
+SlotWriter, or in a CUDA graph a GraphedSlotWriter), its mask and the 3D positions ourselves. Each
+decoder layer runs as transformers' forward does, the same operations in the same order, but split
+in three around the cache: the work before the cache write (norm, projections, rotary embedding),
+the write and attention, and the work after (output projection, norm, MLP or MoE). The halves
+before and after touch no cache, so `LayerRegions(compiled=True)` can run them as compiled regions:
+inductor fuses their elementwise work (each RMSNorm is six kernels eager, the rotary embedding a
+dozen, the MoE router several), which a CUDA graph alone replays one kernel at a time.
 """
 
+import sys
+from collections.abc import Callable
+
 import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from omni_local.engine.kv_store import GraphedSlotWriter, SlotWriter
 from omni_local.prompts import Prompt
+
+
+def attention_inputs(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decoder layer's queries, keys and values [B, heads, n, head_dim] for `hidden` [B, n, hidden]:
+    its forward up to the cache write."""
+    attention = layer.self_attn
+    normed = layer.input_layernorm(hidden)
+    shape = (*normed.shape[:-1], -1, attention.head_dim)
+    queries = attention.q_norm(attention.q_proj(normed).view(shape)).transpose(1, 2)
+    keys = attention.k_norm(attention.k_proj(normed).view(shape)).transpose(1, 2)
+    values = attention.v_proj(normed).view(shape).transpose(1, 2)
+    queries, keys = _modeling(attention).apply_rotary_pos_emb(queries, keys, cos, sin)
+    return queries, keys, values
+
+
+def attention_output_and_mlp(layer: torch.nn.Module, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    """The layer's output [B, n, hidden] from its input `hidden` and the attention kernel's output
+    `attended` [B, n, heads, head_dim]: its forward after the attention."""
+    hidden = hidden + layer.self_attn.o_proj(attended.reshape(*hidden.shape[:-1], -1).contiguous())
+    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+
+class LayerRegions:
+    """How each decoder layer runs: eagerly, or with the work before and after its cache write
+    compiled (one compiled function each for every layer of every stack: they differ only in
+    weights, which the compiled code takes as inputs)."""
+
+    def __init__(self, compiled: bool = False) -> None:
+        self.compiled = compiled
+        self._before: Callable = attention_inputs
+        self._after: Callable = attention_output_and_mlp
+        if compiled:
+            self._before, self._after = _compiled_for_any_batch(attention_inputs), _compiled_for_any_batch(
+                attention_output_and_mlp)
+
+    def run(self, layer: torch.nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None,
+            cache: SlotWriter | GraphedSlotWriter, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        attention = layer.self_attn
+        queries, keys, values = self._before(layer, hidden, *rotary)
+        keys, values = cache.update(keys, values, attention.layer_idx)
+        kernel = ALL_ATTENTION_FUNCTIONS.get_interface(attention.config._attn_implementation,
+                                                       _modeling(attention).eager_attention_forward)
+        attended, _ = kernel(attention, queries, keys, values, mask, dropout=0.0, scaling=attention.scaling,
+                             sliding_window=attention.sliding_window)
+        return self._after(layer, hidden, attended)
+
+
+EAGER = LayerRegions()
+
+
+def _modeling(module: torch.nn.Module) -> object:
+    """The transformers modeling file `module` is defined in, for its attention helpers."""
+    return sys.modules[type(module).__module__]
+
+
+def _compiled_for_any_batch(region: Callable) -> Callable:
+    """`region(layer, *tensors)` compiled, its tensors' first two dimensions (sequences, new tokens)
+    dynamic: one graph for all prefill lengths, one for all batches of decode steps, and one for a
+    single decode step (dynamo specializes a size of 1). fullgraph: a graph break would mean
+    guards of its own."""
+    compiled = torch.compile(region, fullgraph=True)
+    # Dynamo keeps the graphs of a function together, up to `recompile_limit` (8 by default), then
+    # runs it eagerly: here every stack's layer type (Thinker, Talker, code predictor) times those
+    # three shape families, times the experts kernel capture switches to in float32, is more.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+
+    def call(layer: torch.nn.Module, *tensors: torch.Tensor) -> object:
+        for tensor in tensors:
+            torch._dynamo.maybe_mark_dynamic(tensor, 0)
+            torch._dynamo.maybe_mark_dynamic(tensor, 1)
+        return compiled(layer, *tensors)
+
+    return call
 
 
 def run_layers(
@@ -19,9 +103,10 @@ def run_layers(
     visual_mask: torch.Tensor | None = None,
     deepstack: list[torch.Tensor] | None = None,
     keep_layer: int | None = None,
+    regions: LayerRegions = EAGER,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run `embeds` [B, n, hidden] at `positions` [3, B, n] after the rows each slot already holds
-    (B = 1 except in a graphed batch).
+    (B = 1 except in a graphed batch), each layer as `regions` runs it.
 
     Returns the normed hidden state [B, 1, hidden] of each sequence's last token (the one
     `cache.last_states` picks) and, if `keep_layer` is given, the hidden states [B, n, hidden]
@@ -35,7 +120,7 @@ def run_layers(
     mask = cache.attention_mask(stack.config._attn_implementation, hidden.shape[1], hidden)
     last = len(stack.layers)
     for index, layer in enumerate(stack.layers):
-        hidden = layer(hidden, attention_mask=mask, cache=cache, position_embeddings=rotary)
+        hidden = regions.run(layer, hidden, mask, cache, rotary)
         if keep_layer == index + 1 and keep_layer < last:
             kept = hidden
         # DeepStack: the vision encoder's intermediate features join the first decoder layers, at the

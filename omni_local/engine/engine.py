@@ -47,7 +47,8 @@ class Engine:
                                self.encoder_cache)
         talker_rows = TalkerRows(loaded.model) if loaded.speech else None
         self.runner = ThinkerRunner(thinker, encoder, settings.gpu_cache_bytes, settings.max_context_tokens,
-                                    talker_rows, cuda_graphs=settings.cuda_graphs)
+                                    talker_rows, cuda_graphs=settings.cuda_graphs,
+                                    compiled_layers=settings.compiled_layers)
         self.runner.warm_up()
         # One Talker slot per Thinker slot: each cached chat can keep its spoken turns' Talker KV.
         self.speaker = Speaker(loaded.model, settings, self.runner.kv.slots) if loaded.speech else None

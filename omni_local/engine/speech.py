@@ -111,7 +111,7 @@ class Speaker:
         self.max_frames = max(1, round(settings.max_speech_seconds * SAMPLE_RATE / self.vocoder.samples_per_frame))
         # Room for every user token of a full context, the assistant rows and the frames.
         self.runner = TalkerRunner(model, settings.max_context_tokens + OPENING_ROWS + self.max_frames, slots,
-                                   cuda_graphs=settings.cuda_graphs)
+                                   cuda_graphs=settings.cuda_graphs, compiled_layers=settings.compiled_layers)
         # Talker KV of user turns is small; an entry pushed off the device is dropped, not moved.
         self.cache = PrefixCache(self.runner.kv, 0, enabled=settings.prefix_cache)
         self.im_start, self.user = model.config.im_start_token_id, model.config.user_token_id

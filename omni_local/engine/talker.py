@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from omni_local.engine.cuda_graphs import SlotGraphs, StepGraphs, graphable
-from omni_local.engine.decoder_stack import mrope_positions, run_layers
+from omni_local.engine.decoder_stack import LayerRegions, mrope_positions, run_layers
 from omni_local.engine.kv_store import GraphedSlotWriter, KVShape, KVStore, SlotWriter
 from omni_local.engine.sampling import Sampler, SamplingParams
 from omni_local.errors import RequestError
@@ -67,7 +67,8 @@ class TalkerPrompt:
 
 
 class TalkerRunner:
-    def __init__(self, model: torch.nn.Module, max_tokens: int, slots: int, cuda_graphs: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, max_tokens: int, slots: int, cuda_graphs: bool = False,
+                 compiled_layers: bool = False) -> None:
         self.config = model.config
         self.talker = model.talker
         self.stack = self.talker.model
@@ -94,6 +95,8 @@ class TalkerRunner:
         # size against 0.8 ms graphed, ../shared/BENCHMARK_ANCHORS.md).
         self._capture_predictor = cuda_graphs and self.device.type == "cuda"
         self.predictor_graphs: StepGraphs | None = None  # set once captured, by warm_up
+        # The Talker's and the code predictor's layers, as the Thinker's (on the GPU only).
+        self.regions = LayerRegions(compiled=compiled_layers and self.device.type == "cuda")
         self.voices = {name.lower(): int(i) for name, i in talker_config.speaker_id.items()}
         self.codec_eos = talker_config.codec_eos_token_id
         vocab = text.vocab_size
@@ -213,14 +216,15 @@ class TalkerRunner:
         hidden state and first code (rows 0 and 1) for group 0, else code `group` (row group + 1)."""
         row = 0 if group == 0 else group + 1
         positions = torch.arange(row, row + step_input.shape[1], device=self.device)[None]
-        last, _ = run_layers(self.predictor.model, self.predictor_kv.view(0, row), step_input, positions)
+        last, _ = run_layers(self.predictor.model, self.predictor_kv.view(0, row), step_input, positions,
+                             regions=self.regions)
         return self.predictor.lm_head[group](last)[0, -1].float()
 
     def _forward(self, cache: SlotWriter | GraphedSlotWriter, embeds: torch.Tensor,
                  positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The last hidden state [1, 1, width] and its codec logits [1, vocab] of `embeds` [1, n, width]
         at `positions` [3, 1, n]; with n = 1, what the step's graphs capture."""
-        hidden, _ = run_layers(self.stack, cache, embeds, positions)
+        hidden, _ = run_layers(self.stack, cache, embeds, positions, regions=self.regions)
         return hidden, self.talker.codec_head(hidden)[:, -1].float()
 
 

@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 
 from omni_local.engine.cuda_graphs import SlotGraphs, graphable, size_buckets
-from omni_local.engine.decoder_stack import mrope_positions, run_layers
+from omni_local.engine.decoder_stack import LayerRegions, mrope_positions, run_layers
 from omni_local.engine.kv_store import GraphedSlotWriter, KVShape, KVStore, SlotWriter
 from omni_local.engine.media_encoder import MediaEncoder, deepstack_levels
 from omni_local.errors import SettingsError
@@ -64,6 +64,7 @@ class ThinkerRunner:
         max_tokens: int,
         talker_rows: TalkerRows | None = None,
         cuda_graphs: bool = False,
+        compiled_layers: bool = False,
     ) -> None:
         self.thinker = thinker
         self.talker_rows = talker_rows
@@ -84,6 +85,8 @@ class ThinkerRunner:
                 f"'max_context_tokens' ({max_tokens}) needs: raise the first or lower the second"
             )
         self._capture_graphs = cuda_graphs and graphable(config, self.device)
+        # Compiled on the GPU only: on the CPU the compile takes longer than it saves.
+        self.regions = LayerRegions(compiled=compiled_layers and self.device.type == "cuda")
         self._deepstack_levels = len(self.model.config.vision_config.deepstack_visual_indexes)
         self.kv = KVStore(shape, slots, self.dtype, self.device, zeroed=self._capture_graphs)
         self.decode_graphs: SlotGraphs | None = None  # set once captured, by warm_up
@@ -178,7 +181,7 @@ class ThinkerRunner:
     def _decode_step(self, cache: SlotWriter | GraphedSlotWriter, ids: torch.Tensor,
                      positions: torch.Tensor) -> torch.Tensor:
         """Logits [B, vocab] of one token per sequence (ids [B, 1], positions [3, B, 1])."""
-        last, _ = run_layers(self.text, cache, self.model.get_input_embeddings()(ids), positions)
+        last, _ = run_layers(self.text, cache, self.model.get_input_embeddings()(ids), positions, regions=self.regions)
         return self._logits(last)
 
     def _prefill_step(self, cache: SlotWriter | GraphedSlotWriter, embeds: torch.Tensor, positions: torch.Tensor,
@@ -187,7 +190,8 @@ class ThinkerRunner:
         """Logits [1, vocab] of the last of `embeds` [1, n, hidden]; with a Talker, also the hidden
         states [1, n, hidden] its rows are made from."""
         keep = self.talker_rows.accept_layer if self.talker_rows else None
-        last, kept = run_layers(self.text, cache, embeds, positions, visual_mask, deepstack, keep_layer=keep)
+        last, kept = run_layers(self.text, cache, embeds, positions, visual_mask, deepstack, keep_layer=keep,
+                                regions=self.regions)
         return (self._logits(last), kept) if self.talker_rows else self._logits(last)
 
     def _dense_input(self, p: PreparedPrompt) -> torch.Tensor:

@@ -1,0 +1,74 @@
+"""Decoder layers run split around their cache write: eagerly that is transformers' own layer, bit
+for bit; compiled, the same within float tolerance, and no prefill length recompiles it."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from transformers import DynamicCache
+
+from omni_local.engine.decoder_stack import LayerRegions, run_layers
+from omni_local.engine.kv_store import KVShape, KVStore
+
+# float32 on the CPU: inductor fuses and reorders sums, so compiled outputs differ from eager in the
+# last bits.
+TOLERANCE = dict(rtol=1e-4, atol=1e-4)
+
+# Inductor's CPU backend imports a TorchScript module of torch's own, which warns on import.
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+
+
+def stacks(model) -> dict[str, torch.nn.Module]:
+    return {"thinker": model.thinker.model.language_model, "talker": model.talker.model,
+            "code predictor": model.talker.code_predictor.model}
+
+
+def positions_for(stack: torch.nn.Module, start: int, length: int) -> torch.Tensor:
+    """Positions [3, 1, n] for a stack with 3D rotary positions, [1, n] for one with plain ones."""
+    flat = torch.arange(start, start + length)[None]
+    return flat.expand(3, 1, -1) if getattr(stack.rotary_emb, "mrope_section", None) else flat
+
+
+def hidden_states(stack: torch.nn.Module, length: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn((1, length, stack.config.hidden_size), generator=generator)
+
+
+@pytest.mark.parametrize("name", ["thinker", "talker", "code predictor"])
+def test_a_split_layer_is_transformers_own_layer_bit_for_bit(speaking_app, name):
+    stack = stacks(speaking_app.loaded.model)[name]
+    ours, theirs = DynamicCache(config=stack.config), DynamicCache(config=stack.config)
+    regions = LayerRegions()
+    start = 0
+    for length in (7, 1, 1):  # a prefill with the causal rule, then decode steps reading the cache
+        hidden = hidden_states(stack, length, seed=start)
+        rotary = stack.rotary_emb(hidden, positions_for(stack, start, length))
+        for layer in stack.layers:
+            expected = layer(hidden, attention_mask=None, cache=theirs, position_embeddings=rotary)
+            got = regions.run(layer, hidden, None, ours, rotary)
+            assert torch.equal(got, expected)
+            hidden = expected
+        start += length
+
+
+@torch.inference_mode()  # as the engine runs them
+def test_compiled_layers_match_eager_and_one_graph_serves_every_prefill_length(demo_model):
+    stack = demo_model.model.thinker.model.language_model
+    config = stack.config
+    shape = KVShape(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, max_tokens=128)
+    stores = {compiled: KVStore(shape, 1, torch.float32, torch.device("cpu")) for compiled in (False, True)}
+    regions = {compiled: LayerRegions(compiled) for compiled in (False, True)}
+    graphs_before = counters["stats"]["unique_graphs"]
+    start = 0
+    for length in (9, 13, 1, 1, 21):  # a prefill, a second one, decode steps, a third prefill
+        embeds = hidden_states(stack, length, seed=100 + start)
+        positions = positions_for(stack, start, length)
+        eager, compiled = (run_layers(stack, stores[c].view(0, start), embeds, positions, regions=regions[c])[0]
+                           for c in (False, True))
+        torch.testing.assert_close(compiled, eager, **TOLERANCE)
+        start += length
+    for layer in range(config.num_hidden_layers):
+        torch.testing.assert_close(stores[True].keys[layer][:, :, :start], stores[False].keys[layer][:, :, :start],
+                                   **TOLERANCE)
+    # Two regions, each compiled for one token and for any other count: the third prefill length,
+    # like any later one, reuses a graph (dynamo counts a recompile as a graph too).
+    assert counters["stats"]["unique_graphs"] - graphs_before <= 4
