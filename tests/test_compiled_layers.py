@@ -24,13 +24,14 @@ def stacks(model) -> dict[str, torch.nn.Module]:
 
 def positions_for(stack: torch.nn.Module, start: int, length: int) -> torch.Tensor:
     """Positions [3, 1, n] for a stack with 3D rotary positions, [1, n] for one with plain ones."""
-    flat = torch.arange(start, start + length)[None]
+    flat = torch.arange(start, start + length, device=stack.norm.weight.device)[None]
     return flat.expand(3, 1, -1) if getattr(stack.rotary_emb, "mrope_section", None) else flat
 
 
 def hidden_states(stack: torch.nn.Module, length: int, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
-    return torch.randn((1, length, stack.config.hidden_size), generator=generator)
+    weight = stack.norm.weight
+    return torch.randn((1, length, stack.config.hidden_size), generator=generator).to(weight.device, weight.dtype)
 
 
 @pytest.mark.parametrize("name", ["thinker", "talker", "code predictor"])
@@ -55,7 +56,8 @@ def test_compiled_layers_match_eager_and_one_graph_serves_every_prefill_length(d
     stack = demo_model.model.thinker.model.language_model
     config = stack.config
     shape = KVShape(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, max_tokens=128)
-    stores = {compiled: KVStore(shape, 1, torch.float32, torch.device("cpu")) for compiled in (False, True)}
+    weight = stack.norm.weight
+    stores = {compiled: KVStore(shape, 1, weight.dtype, weight.device) for compiled in (False, True)}
     regions = {compiled: LayerRegions(compiled) for compiled in (False, True)}
     graphs_before = counters["stats"]["unique_graphs"]
     start = 0
