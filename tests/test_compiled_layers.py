@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 from transformers import DynamicCache
+from transformers.utils.output_capturing import install_all_output_capturing_hooks
 
 from omni_local.engine.decoder_stack import LayerRegions, run_layers
 from omni_local.engine.kv_store import KVShape, KVStore
@@ -51,10 +52,15 @@ def test_a_split_layer_is_transformers_own_layer_bit_for_bit(speaking_app, name)
         start += length
 
 
+@pytest.mark.parametrize("name", ["thinker", "talker"])
 @torch.inference_mode()  # as the engine runs them
-def test_compiled_layers_match_eager_and_one_graph_serves_every_prefill_length(demo_model):
-    stack = demo_model.model.thinker.model.language_model
+def test_compiled_layers_match_eager_and_one_graph_serves_every_prefill_length(speaking_app, name):
+    stack = stacks(speaking_app.loaded.model)[name]
     config = stack.config
+    # The router hooks transformers installs at its first forward (the Talker's, in a spoken
+    # `generate`): compiled layers must get past them.
+    install_all_output_capturing_hooks(stack)
+    assert stack.layers[0].mlp.gate._forward_hooks
     shape = KVShape(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, max_tokens=128)
     weight = stack.norm.weight
     stores = {compiled: KVStore(shape, 1, weight.dtype, weight.device) for compiled in (False, True)}

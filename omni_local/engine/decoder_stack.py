@@ -39,7 +39,22 @@ def attention_output_and_mlp(layer: torch.nn.Module, hidden: torch.Tensor, atten
     """The layer's output [B, n, hidden] from its input `hidden` and the attention kernel's output
     `attended` [B, n, heads, head_dim]: its forward after the attention."""
     hidden = hidden + layer.self_attn.o_proj(attended.reshape(*hidden.shape[:-1], -1).contiguous())
-    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    return hidden + mlp_forward(layer.mlp, layer.post_attention_layernorm(hidden))
+
+
+def mlp_forward(mlp: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """`mlp(hidden)`, a MoE block's the same operations as its forward, but with its router called by
+    `forward`: once transformers has run the model, the router carries a hook that records its
+    logits when asked to, and that hook reads a ContextVar, which dynamo cannot compile."""
+    router = getattr(mlp, "gate", None)
+    if not isinstance(router, torch.nn.Module) or not hasattr(mlp, "experts"):
+        return mlp(hidden)  # a dense MLP (the code predictor's)
+    flat = hidden.view(-1, hidden.shape[-1])
+    _, weights, chosen = router.forward(flat)
+    output = mlp.experts(flat, chosen, weights)
+    if hasattr(mlp, "shared_expert"):  # the Talker's: an expert every token goes through, gated
+        output = output + torch.sigmoid(mlp.shared_expert_gate(flat)) * mlp.shared_expert(flat)
+    return output.reshape(hidden.shape)
 
 
 class LayerRegions:
