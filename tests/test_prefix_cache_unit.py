@@ -128,9 +128,11 @@ def test_talker_rows_travel_with_their_kv_between_slots_and_to_host_and_back():
     kv.talker_rows[0].copy_(torch.randn(8, 3))
     kv.copy_rows(0, 1, rows=5)
     assert torch.equal(kv.talker_rows[1, :5], kv.talker_rows[0, :5])
+    moved = [layer[0, :, :5].clone() for layer in kv.keys + kv.values], kv.talker_rows[0, :5].clone()
     host = kv.to_host(0, rows=5)
     assert host.nbytes == 5 * kv.shape.token_bytes(torch.float32)
-    kv.talker_rows[1].zero_()
+    for tensor in [*kv.keys, *kv.values, kv.talker_rows]:
+        tensor.zero_()  # the slots go to other chats, which overwrite them
     kv.from_host(host, 1, rows=5)
-    assert torch.equal(kv.talker_rows[1, :5], kv.talker_rows[0, :5])
-    assert all(torch.equal(layer[1, :, :5], layer[0, :, :5]) for layer in kv.keys + kv.values)
+    assert torch.equal(kv.talker_rows[1, :5], moved[1])
+    assert all(torch.equal(layer[1, :, :5], rows) for layer, rows in zip(kv.keys + kv.values, moved[0]))
