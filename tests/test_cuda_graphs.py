@@ -164,6 +164,41 @@ def test_chats_sent_at_once_through_the_engine_decode_as_one_batch_and_get_the_r
         assert final.token_ids == reference_tokens(app, [Message("user", [text])])
 
 
+@contextmanager
+def syncs_forbidden() -> Iterator[None]:
+    """Meanwhile, a CUDA call that makes the host wait for the device raises. (A CUDA event's
+    synchronize is not one: the engine's late read of a step waits that way, outside the launch.)"""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+def test_the_engine_queues_the_decode_steps_of_a_batch_without_ever_waiting_for_the_device(on_gpu, monkeypatch):
+    engine = on_gpu.engine
+    with syncs_forbidden(), pytest.raises(RuntimeError, match="synchronizing"):
+        torch.ones(1, device=engine.runner.device).item()  # the check is live
+    decode, batches = engine._decode, []
+
+    def decode_forbidding_syncs(requests):
+        with syncs_forbidden():
+            step = decode(requests)
+        batches.append(len(requests))
+        return step
+
+    monkeypatch.setattr(engine, "_decode", decode_forbidding_syncs)
+    # Greedy, sampled with top-k, and sampled with top-p and a repetition penalty, in one batch.
+    options = [{}, {"temperature": 0.8, "top_k": 40, "seed": 1},
+               {"temperature": 1.0, "top_p": 0.9, "repetition_penalty": 1.1, "seed": 2}]
+    requests = [on_gpu.session().send(f"Question {i}: tell me about the sea.", max_new_tokens=12, **chosen)
+                for i, chosen in enumerate(options)]
+    finals = [request.result() for request in requests]  # a synchronising call fails its requests
+    assert max(batches) == 3, "the three chats must decode together"
+    assert all(final.tokens.generated >= 1 for final in finals)
+
+
 def test_a_chats_second_turn_on_the_prefix_cache_matches_generate_with_graphs_on(on_gpu):
     app = on_gpu
     with replays(app.engine.runner.prefill_graphs) as prefills:

@@ -8,6 +8,7 @@ import torch
 from omni_local.api import OmniLocal
 from omni_local.engine.request import Finished, TextDelta
 from omni_local.errors import RequestError
+from omni_local.model.loader import end_of_turn_ids
 
 QUESTION = "Tell me a story about a lighthouse keeper."
 
@@ -74,7 +75,9 @@ def test_a_request_cancelled_after_three_tokens_yields_no_more_and_the_next_is_s
     replies = []
 
     def cancel_before_the_fourth_token(step: int) -> None:
-        if step == 3:  # the prefill made token 1, decode steps 1 and 2 tokens 2 and 3
+        # Step 4 is queued before the host reads step 3: by then the prefill made token 1, decode
+        # steps 1 and 2 tokens 2 and 3, and the fourth (step 3's) is not read yet.
+        if step == 4:
             replies[0].cancel()
 
     calls = gated_decode(cancel_before_the_fourth_token)
@@ -83,10 +86,37 @@ def test_a_request_cancelled_after_three_tokens_yields_no_more_and_the_next_is_s
     final = events[-1]
     assert isinstance(final, Finished) and final.stop_reason == "cancelled"
     assert final.tokens.generated == 3
-    assert len(calls) == 3  # the step under way finished; no other forward ran
+    assert len(calls) == 4  # the step being queued ran; no other forward did
     assert "".join(e.text for e in events[:-1]) == final.text
     assert no_entry_is_pinned(app)
     assert app.session().send(QUESTION, max_new_tokens=5).result().tokens.generated == 5
+
+
+def test_the_step_queued_after_a_reply_ended_leaves_no_token_and_no_counted_kv_row(app, monkeypatch):
+    # The host reads each step's token one step late: the step after the end of turn (reading it)
+    # has run before the host knows the reply ended.
+    end_of_turn = end_of_turn_ids(app.loaded.processor)[0]
+    first_three = app.session().send(QUESTION, max_new_tokens=3).result().token_ids
+    original, rows = app.engine.runner.decode, []
+
+    def decode(slots, tokens, indices, rope_deltas):
+        rows.append(indices[0])
+        logits = original(slots, tokens, indices, rope_deltas).clone()
+        if len(rows) == 3:
+            logits[:, end_of_turn] = logits.max() + 1  # decode step 3 chooses the end of turn
+        return logits
+
+    monkeypatch.setattr(app.engine.runner, "decode", decode)
+    session = app.session()
+    final = session.send(QUESTION, max_new_tokens=20).result()
+    prompt = final.tokens.prompt
+    assert rows == [prompt, prompt + 1, prompt + 2, prompt + 3], "step 4 must have run, on the end of turn"
+    assert final.stop_reason == "end_of_turn"
+    assert final.token_ids == first_three and final.tokens.generated == 3
+    monkeypatch.undo()
+    # The next turn reuses the prompt and the three tokens, not the end of turn's row step 4 wrote.
+    second = session.send("And then?", max_new_tokens=2).result()
+    assert second.tokens.reused_gpu == prompt + 3
 
 
 def test_a_prompt_over_the_limit_fails_with_a_clear_error_and_the_engine_serves_on(demo_settings):

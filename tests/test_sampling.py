@@ -1,51 +1,163 @@
-"""The sampler's filters agree with transformers' own logits processors."""
+"""The sampler chooses a whole batch's tokens on the device: greedy rows as argmax, sampled rows from
+their own filtered distribution with their own random numbers, its filters as transformers' own."""
+
+import math
 
 import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
 
-from omni_local.engine.sampling import Sampler, SamplingParams, _nucleus, _penalize_repeats, next_tokens
+from omni_local.engine.sampling import (
+    Sampler, SamplingParams, SamplingRows, SlotSampler, _filtered, _penalize_repeats, _uniform,
+)
 from omni_local.errors import RequestError
 
+CPU = torch.device("cpu")
+VOCAB = 300
 
-def logits(seed: int = 0, vocab: int = 300) -> torch.Tensor:
+
+def logits(seed: int = 0, vocab: int = VOCAB) -> torch.Tensor:
     return torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * 3
 
 
-def test_the_repetition_penalty_matches_transformers():
-    seen = torch.tensor([3, 17, 17, 250])
-    ours = _penalize_repeats(logits(), seen, 1.3)
-    theirs = RepetitionPenaltyLogitsProcessor(1.3)(seen[None], logits()[None])[0]
-    assert torch.equal(ours, theirs)
+def started(params: list[SamplingParams], seeds: list[int] | None = None, prompt: tuple[int, ...] = (0,),
+            suppressed: list[int] | None = None, vocab: int = VOCAB) -> SlotSampler:
+    """A sampler with a slot per `params`, each started with its seed (its slot number by default)."""
+    table = SlotSampler(len(params), vocab, CPU, torch.tensor(suppressed) if suppressed else None)
+    for slot, p in enumerate(params):
+        table.start(slot, p, seeds[slot] if seeds else slot, torch.tensor(prompt))
+    return table
 
 
-@pytest.mark.parametrize("top_p", [0.1, 0.5, 0.9])
-def test_nucleus_filtering_keeps_the_same_tokens_as_transformers(top_p):
-    ours = torch.isfinite(_nucleus(logits(1), top_p))
-    theirs = torch.isfinite(TopPLogitsWarper(top_p)(None, logits(1)[None])[0])
-    assert torch.equal(ours, theirs)
+def draw(table: SlotSampler, rows: torch.Tensor, slots: list[int], draws: list[int]) -> list[int]:
+    return table.sample(rows, table.batch(slots, draws)).tolist()
+
+
+def one_row(vocab: int = VOCAB, top_k: int = 0, top_p: float = 1.0, temperature: float = 1.0) -> SamplingRows:
+    table = started([SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)], vocab=vocab)
+    return table.rows
+
+
+def test_greedy_picks_what_argmax_picks_ties_to_the_first():
+    rows = torch.stack([logits(seed) for seed in range(4)])
+    rows[2, [7, 9]] = rows[2].max() + 1
+    picks = draw(started([SamplingParams()] * 4), rows, [0, 1, 2, 3], [0] * 4)
+    assert picks == rows.argmax(dim=-1).tolist() and picks[2] == 7
+
+
+def test_greedy_rows_batched_with_sampled_rows_still_pick_argmax():
+    rows = torch.stack([logits(seed) for seed in range(4)])
+    params = [SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(), SamplingParams(temperature=2.0)]
+    picks = draw(started(params), rows, [0, 1, 2, 3], [0] * 4)
+    assert [picks[0], picks[2]] == rows[[0, 2]].argmax(dim=-1).tolist()
+
+
+def test_suppressed_tokens_are_never_chosen_even_when_they_score_best():
+    scores = torch.tensor([[0.0, 9.0, 1.0, 8.0]])
+    greedy = started([SamplingParams()], suppressed=[1, 3], vocab=4)
+    assert draw(greedy, scores, [0], [0]) == [2]
+    sampled = started([SamplingParams(temperature=5.0)], suppressed=[1, 3], vocab=4)
+    assert {draw(sampled, scores, [0], [i])[0] for i in range(100)} == {0, 2}
+
+
+def test_every_hash_gives_a_uniform_number_strictly_inside_0_and_1_so_the_noise_stays_finite():
+    uniform = _uniform(torch.tensor([0, 1, 2**31, 2**32 - 2, 2**32 - 1]))
+    assert ((uniform > 0) & (uniform < 1)).all() and torch.isfinite(-torch.log(-torch.log(uniform))).all()
+
+
+def test_filtered_out_tokens_are_never_drawn_in_many_draws():
+    n, scores = 20_000, logits(3)
+    table = started([SamplingParams(temperature=0.9, top_k=50, top_p=0.8)] * n, suppressed=list(range(150, VOCAB)))
+    picks = torch.tensor(draw(table, scores.expand(n, -1), list(range(n)), [0] * n))
+    kept = torch.isfinite(_filtered(scores.index_fill(0, torch.arange(150, VOCAB), float("-inf"))[None],
+                                    table.rows.select(torch.tensor([0]))))[0]
+    assert kept[picks].all() and len(set(picks.tolist())) == kept.sum()
+
+
+def test_top_k_keeps_the_tokens_transformers_keeps():
+    scores = logits(2)
+    ours = torch.isfinite(_filtered(scores[None], one_row(top_k=5)))[0]
+    theirs = torch.isfinite(TopKLogitsWarper(5)(None, scores[None])[0])
+    assert torch.equal(ours, theirs) and ours.sum() == 5
 
 
 def test_top_k_sampling_only_ever_picks_among_the_k_best():
     scores = logits(2)
     best = set(torch.topk(scores, 5).indices.tolist())
-    sampler = Sampler(SamplingParams(temperature=2.0, top_k=5), seed=0, prompt_ids=torch.tensor([1]))
-    picks = {sampler.next_token(scores) for _ in range(200)}
+    table = started([SamplingParams(temperature=2.0, top_k=5)])
+    picks = {draw(table, scores[None], [0], [i])[0] for i in range(200)}
     assert picks <= best and len(picks) > 1
-    assert torch.isfinite(TopKLogitsWarper(5)(None, scores[None])[0]).sum() == 5
+
+
+@pytest.mark.parametrize("top_p", [0.1, 0.5, 0.9])
+def test_top_p_drops_the_tail_transformers_drops(top_p):
+    ours = torch.isfinite(_filtered(logits(1)[None], one_row(top_p=top_p)))[0]
+    theirs = torch.isfinite(TopPLogitsWarper(top_p)(None, logits(1)[None])[0])
+    assert torch.equal(ours, theirs) and ours.sum() < VOCAB
+
+
+def test_the_repetition_penalty_follows_the_ctrl_rule_as_transformers_does():
+    seen = torch.tensor([3, 17, 17, 250])
+    mask = torch.zeros(1, VOCAB, dtype=torch.bool)
+    mask[0, seen] = True
+    ours = _penalize_repeats(logits()[None], mask, torch.tensor([1.3]))[0]
+    theirs = RepetitionPenaltyLogitsProcessor(1.3)(seen[None], logits()[None])[0]
+    assert torch.equal(ours, theirs)
 
 
 def test_greedy_picks_the_best_token_after_the_penalty():
-    scores = torch.tensor([1.0, 5.0, 4.9])
-    penalised = Sampler(SamplingParams(repetition_penalty=1.5), seed=0, prompt_ids=torch.tensor([1]))
-    assert penalised.next_token(scores) == 2  # 5.0 / 1.5 falls below 4.9
-    assert Sampler(SamplingParams(), seed=0, prompt_ids=torch.tensor([1])).next_token(scores) == 1
+    scores = torch.tensor([[1.0, 5.0, 4.9]])
+    assert draw(started([SamplingParams(repetition_penalty=1.5)], prompt=(1,), vocab=3), scores, [0], [0]) == [2]
+    assert draw(started([SamplingParams()], prompt=(1,), vocab=3), scores, [0], [0]) == [1]
 
 
 def test_the_penalty_also_covers_tokens_the_reply_already_produced():
-    sampler = Sampler(SamplingParams(repetition_penalty=2.0), seed=0, prompt_ids=torch.tensor([0]))
-    scores = torch.tensor([0.0, 3.0, 2.0])
-    assert [sampler.next_token(scores), sampler.next_token(scores)] == [1, 2]
+    table = started([SamplingParams(repetition_penalty=2.0)], prompt=(0,), vocab=3)
+    scores = torch.tensor([[0.0, 3.0, 2.0]])
+    assert [draw(table, scores, [0], [0]), draw(table, scores, [0], [1])] == [[1], [2]]  # 3 / 2 falls below 2
+
+
+def test_each_chosen_token_is_its_slots_next_decode_input():
+    table = started([SamplingParams(), SamplingParams(temperature=1.0), SamplingParams()])
+    batch = table.batch([2, 0], [0, 0])
+    chosen = table.sample(torch.stack([logits(1), logits(2)]), batch)
+    assert torch.equal(table.inputs(batch), chosen)
+
+
+def test_a_seed_gives_the_same_tokens_whatever_else_is_in_the_batch_in_any_order_and_slot():
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=20), SamplingParams(),
+              SamplingParams(temperature=1.3, top_p=0.9, repetition_penalty=1.2)]
+    seeds = [11, 22, 33, 44]
+    rows = torch.stack([logits(i) for i in range(4)])
+    together = draw(started(params, seeds), rows, [0, 1, 2, 3], [5] * 4)
+    backwards = draw(started(params, seeds), rows.flip(0), [3, 2, 1, 0], [5] * 4)
+    alone = [draw(started([p], [seed]), rows[i : i + 1], [0], [5])[0] for i, (p, seed) in enumerate(zip(params, seeds))]
+    assert together == alone == backwards[::-1]
+
+
+def test_different_seeds_and_different_tokens_of_a_reply_draw_differently():
+    flat = torch.zeros(1, VOCAB)
+    by_seed = [draw(started([SamplingParams(temperature=1.0)], [seed]), flat, [0], [0])[0] for seed in range(20)]
+    by_index = [draw(started([SamplingParams(temperature=1.0)], [7]), flat, [0], [i])[0] for i in range(20)]
+    assert len(set(by_seed)) > 10 and len(set(by_index)) > 10
+
+
+@pytest.mark.parametrize(("temperature", "share"), [(1.0, 0.75), (0.5, 0.9)])
+def test_sampled_tokens_follow_the_distribution(temperature, share):
+    # Two tokens at probabilities 1/4 and 3/4; temperature 1/2 squares them: 1/10 and 9/10.
+    n = 4000
+    table = started([SamplingParams(temperature=temperature)] * n, seeds=list(range(n)), vocab=2)
+    rows = torch.tensor([[math.log(0.25), math.log(0.75)]]).expand(n, -1)
+    picks = draw(table, rows, list(range(n)), list(range(n)))
+    assert abs(sum(picks) / n - share) < 0.03  # 4 standard deviations at most
+
+
+def test_the_one_row_sampler_draws_what_a_slot_with_its_seed_draws():
+    params = SamplingParams(temperature=1.0, top_k=50, top_p=0.8, repetition_penalty=1.1)
+    one = Sampler(params, 9, torch.tensor([0]))
+    table = started([params], [9])
+    rows = [logits(i) for i in range(6)]
+    assert [one.next_token(row) for row in rows] == [draw(table, row[None], [0], [i])[0] for i, row in enumerate(rows)]
 
 
 @pytest.mark.parametrize(
@@ -56,27 +168,3 @@ def test_the_penalty_also_covers_tokens_the_reply_already_produced():
 def test_invalid_sampling_values_are_refused_with_their_name(values, message):
     with pytest.raises(RequestError, match=message):
         SamplingParams(**values)
-
-
-def test_suppressed_tokens_are_never_chosen_even_when_they_score_best():
-    scores = torch.tensor([0.0, 9.0, 1.0, 8.0])
-    suppressed = torch.tensor([1, 3])
-    greedy = Sampler(SamplingParams(), seed=0, prompt_ids=torch.tensor([0]), suppressed=suppressed)
-    assert greedy.next_token(scores) == 2
-    sampled = Sampler(SamplingParams(temperature=5.0), seed=0, prompt_ids=torch.tensor([0]), suppressed=suppressed)
-    assert {sampled.next_token(scores) for _ in range(100)} <= {0, 2}
-
-
-def test_the_tokens_of_a_batch_are_the_tokens_each_sampler_picks_alone():
-    rows = torch.stack([logits(seed) for seed in range(5)])
-    rows[3, [7, 9]] = rows[3].max() + 1  # a tie: the first of the best, as argmax gives it
-    suppressed = torch.tensor([int(rows[0].argmax()), 5])
-    params = [SamplingParams(), SamplingParams(), SamplingParams(temperature=0.7), SamplingParams(),
-              SamplingParams(repetition_penalty=1.3)]
-
-    def samplers() -> list[Sampler]:
-        return [Sampler(p, seed=i, prompt_ids=torch.tensor([0, 7]), suppressed=suppressed) for i, p in enumerate(params)]
-
-    alone = [sampler.next_token(row) for sampler, row in zip(samplers(), rows)]
-    assert next_tokens(samplers(), rows) == alone
-    assert alone[3] == 7

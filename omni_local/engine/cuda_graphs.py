@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from omni_local.engine.host_copies import copy_from_host
 from omni_local.engine.kv_store import GraphedSlotWriter, KVStore
 from omni_local.model.workarounds import capturable_experts
 
@@ -73,8 +74,8 @@ class SlotGraphs:
         device = store.device
         self._input = input_like.new_zeros((b, n, *input_like.shape[2:]))  # static: copied into before each replay
         self._positions = torch.zeros((3, b, n), dtype=torch.long, device=device)
-        # indices [b, n], slots [b], last [b]: filled by one copy per replay (the input and the
-        # positions are two more)
+        # indices [b, n], slots [b], last [b]: filled from the host by one non-blocking copy per
+        # replay (the input and the positions are copied on the device)
         self._layout = torch.zeros(b * n + 2 * b, dtype=torch.long, device=device)
         self._indices = self._layout[: b * n].view(b, n)
         self._slots, self._last = self._layout[b * n : b * n + b], self._layout[b * n + b :]
@@ -100,27 +101,33 @@ class SlotGraphs:
 
     def replay(self, slots: list[int], x: torch.Tensor, starts: list[int], positions: torch.Tensor) -> Outputs:
         """The forward's outputs for input `x` ([B, n] or [B, n, hidden]) at `positions` [3, B, n],
-        sequence i's new tokens written from row `starts[i]` of `slots[i]`; outputs for the B
-        sequences, first. Check `fits` first."""
+        both on the device, sequence i's new tokens written from row `starts[i]` of `slots[i]`;
+        outputs for the B sequences, first. Check `fits` first."""
         count, length = x.shape[0], x.shape[1]
         if not self.fits(count, length, max(starts)):
             raise IndexError(f"no graph for {count} sequences of {length} new tokens after row {max(starts)}")
         batch = next(b for b in self.batches if count <= b)
         padded = next(n for n in self.lengths if length <= n)
         rows = next(r for r in self.buckets if max(starts) + length <= r)
-        order = list(range(count)) + [0] * (batch - count)  # padding: copies of the first sequence
-        self._input[:batch, :length].copy_(x[order])
-        self._positions[:, :batch, :length].copy_(positions[:, order])
+        # Nothing here waits for the device: `x` and `positions` are copied on it, and so are the
+        # padding sequences (copies of the first); the layout goes from the host without blocking.
+        pad = batch - count
+        self._input[:count, :length].copy_(x)
+        self._input[count:batch, :length].copy_(x[:1].expand(pad, *x.shape[1:]))
+        self._positions[:, :count, :length].copy_(positions)
+        self._positions[:, count:batch, :length].copy_(positions[:, :1].expand(-1, pad, -1))
         # A padded prefill's extra tokens take the last real position: any valid one would do.
-        self._positions[:, :batch, length:padded].copy_(positions[:, order, -1:].expand(-1, -1, padded - length))
-        self._layout.copy_(self._host_layout([slots[i] for i in order], [starts[i] for i in order], padded, length))
+        last = self._positions[:, :batch, length - 1 : length]
+        self._positions[:, :batch, length:padded].copy_(last.expand(-1, -1, padded - length))
+        copy_from_host(self._layout, self._host_layout(slots + slots[:1] * pad, starts + starts[:1] * pad, padded,
+                                                       length))
         graph, outputs = self._graphs[batch, padded, rows]
         graph.replay()
         return cloned(outputs, count)
 
     def _host_layout(self, slots: list[int], starts: list[int], padded: int, length: int) -> torch.Tensor:
-        """The layout buffer's contents: each sequence's `padded` rows from its start, its slot, and
-        its last real token."""
+        """The layout buffer's contents, built on the host: each sequence's `padded` rows from its
+        start, its slot, and its last real token."""
         indices = torch.zeros(self._indices.shape, dtype=torch.long)
         indices[: len(starts), :padded] = torch.tensor(starts)[:, None] + torch.arange(padded)
         filled = torch.zeros(self._slots.shape, dtype=torch.long)

@@ -1,12 +1,20 @@
 """The engine: one worker thread owns the model; requests arrive from any thread.
 
 Each turn of the loop is schedule (admit waiting requests: build the prompt, match it in the prefix
-cache, claim a KV slot), run, postprocess (sample, stream, finish). A turn runs the prefill of the
-oldest request still waiting for its first token (only what the cache could not supply), then one
-decode step of every request that was decoding (one batched forward when graphed), then one frame
-of every spoken reply. So a long reply does not hold up a new question's first token, and a new
-question holds up each reply by one prefill. A spoken reply gives its Thinker slot back when its
-text ends and stays in the turns until its speech ends.
+cache, claim a KV slot), run (forwards, and sampling on the device), postprocess (stream, finish).
+A turn runs the prefill of the oldest request still waiting for its first token (only what the
+cache could not supply), then one decode step of every request that was decoding (one batched
+forward when graphed), then one frame of every spoken reply. So a long reply does not hold up a new
+question's first token, and a new question holds up each reply by one prefill. A spoken reply gives
+its Thinker slot back when its text ends and stays in the turns until its speech ends.
+
+The host never waits for a decode step it queues. A step's tokens are chosen on the device
+(SlotSampler) and are the next step's input there; the host reads them one turn late, after the
+next step is queued, so the device computes that step while the host streams the tokens, checks
+for the end of each reply and publishes to the prefix cache. A reply that ended at a token was
+computed one step more meanwhile: that step's token is dropped, and the KV row it wrote is not
+counted (`Request.written`). Max-new-tokens and the context's end are known in advance: no step
+is queued past them.
 """
 
 import logging
@@ -16,6 +24,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -23,9 +33,10 @@ from omni_local.cache.encoder_cache import EncoderCache, encoder_namespace
 from omni_local.cache.prefix_cache import PrefixCache
 from omni_local.engine.detokenizer import IncrementalDetokenizer
 from omni_local.engine.encoders import Encoders
+from omni_local.engine.host_copies import Readback
 from omni_local.engine.media_encoder import MediaEncoder
 from omni_local.engine.request import AudioChunk, Failed, Finished, Request, StopReason, TextDelta
-from omni_local.engine.sampling import Sampler, SamplingParams, next_tokens
+from omni_local.engine.sampling import SamplingParams, SlotSampler
 from omni_local.engine.speech import Speaker, SpeechParams
 from omni_local.engine.talker import TalkerRows
 from omni_local.engine.thinker import ThinkerRunner
@@ -35,6 +46,16 @@ from omni_local.prompts import Message, Prompt, build_prompt
 from omni_local.settings import Settings
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """A decode step queued on the device and not read yet: its requests, and their next tokens on
+    their way to the host."""
+
+    requests: list[Request]
+    tokens: Readback
 
 
 class Engine:
@@ -58,10 +79,12 @@ class Engine:
         self.eos_ids = set(thinker_eos_token_ids(loaded))
         # A reply is text: a media placeholder in it would be taken for a medium in the next prompt.
         self.suppressed_ids = media_markup_token_ids(loaded)
-        self._suppressed = torch.tensor(self.suppressed_ids, device=self.runner.device)
+        suppressed = torch.tensor(self.suppressed_ids, dtype=torch.long, device=self.runner.device)
+        self.sampler = SlotSampler(self.runner.kv.slots, thinker.lm_head.out_features, self.runner.device, suppressed)
         self._inbox: "queue.Queue[Request | None]" = queue.Queue()
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
+        self._in_flight: DecodeStep | None = None  # the last decode step, read in the next turn
         self._slots_blocked = False  # the first waiting request found no slot; a release clears it
         self._worker = threading.Thread(target=self._loop, name="omni-engine", daemon=True)
         self._worker.start()
@@ -91,14 +114,14 @@ class Engine:
 
     def _loop(self) -> None:
         while True:
-            idle = not (self._waiting or self._running)
+            idle = not (self._waiting or self._running or self._in_flight)
             if idle:
                 self.cache.make_room()  # while nobody waits, so the next request need not
             if not self._take_inbox(block=idle):
                 self._shut_down()
                 return
             self._admit()
-            if self._running:
+            if self._running or self._in_flight:
                 self._run_turn()
 
     def _shut_down(self) -> None:
@@ -152,15 +175,17 @@ class Engine:
         return prompt
 
     def _run_turn(self) -> None:
-        """One prefill, one decode step of the requests decoding, one frame of each spoken reply."""
+        """One prefill; one decode step of the requests decoding, queued before the step of the turn
+        before is read; one frame of each spoken reply."""
         for request in [r for r in self._running if r.cancelled.is_set()]:
             self._finish(request, "cancelled")
         decoding = [r for r in self._running if not r.ended and not r.text_done and r.prepared is not None]
         first = next((r for r in self._running if not r.ended and not r.text_done and r.prepared is None), None)
         if first is not None:
             self._guarded([first], lambda: self._prefill(first))
-        if decoding:
-            self._decode(decoding)
+        previous, self._in_flight = self._in_flight, self._launch(decoding)
+        if previous is not None:
+            self._collect(previous)
         for request in [r for r in self._running if not r.ended and r.spoken is not None and not r.spoken.done]:
             self._guarded([request], lambda: self._speak(request))
         for request in self._running:
@@ -168,16 +193,17 @@ class Engine:
                 self._finish(request, request.stop_reason)
         self._running = [r for r in self._running if not r.ended]
 
-    def _guarded(self, requests: list[Request], work: Callable[[], None]) -> None:
-        """Run `work` for `requests`; if it raises, they fail with its message and the engine goes on
-        serving the others."""
+    def _guarded(self, requests: list[Request], work: Callable[[], T]) -> T | None:
+        """What `work` for `requests` returns; if it raises, they fail with its message, the engine goes
+        on serving the others, and this returns None."""
         try:
-            work()
+            return work()
         except Exception as error:  # noqa: BLE001 - the engine must keep serving the other requests
             message = self._failure_message(error)
             for request in requests:
                 if not request.ended:
                     self._fail(request, message)
+            return None
 
     def _failure_message(self, error: Exception) -> str:
         if isinstance(error, OmniLocalError):
@@ -195,32 +221,51 @@ class Engine:
         request.media = request.prepared.media
         room = self.settings.max_context_tokens - prompt.num_tokens
         request.max_new_tokens = min(request.params.max_new_tokens, room)
-        prompt_ids = prompt.input_ids[0].to(self.runner.device)
-        request.sampler = Sampler(request.params, request.seed, prompt_ids, self._suppressed)
         request.detokenizer = IncrementalDetokenizer(self.loaded.processor.tokenizer)
         logits = self.runner.prefill(request.slot, request.prepared)
+        self.sampler.start(request.slot, request.params, request.seed, prompt.input_ids[0])
+        # The first token is read at once: speech starts from it, and it ends the time to first token.
+        token = int(self.sampler.sample(logits[None], self.sampler.batch([request.slot], [0]))[0])
+        request.launched = 1
         request.computed = prompt.num_tokens - start
         request.written = prompt.num_tokens
         self.cache.publish(request.claim, prompt, [], request.written)
         if request.cancelled.is_set():
             self._finish(request, "cancelled")  # the first token, which the cancel overtook, is dropped
         else:
-            self._accept(request, request.sampler.next_token(logits))
+            self._accept(request, token)
 
-    def _decode(self, requests: list[Request]) -> None:
-        """One token more of each request: one forward for them all when graphed. A failure of the
-        forward fails them all; one of a request's own token, that request only."""
-        tokens: list[int] = []
+    def _launch(self, requests: list[Request]) -> DecodeStep | None:
+        """Queue one decode step of the `requests` whose next token is within their limits. A failure
+        of the forward fails them all."""
+        requests = [r for r in requests if r.launched < r.max_new_tokens]
+        return self._guarded(requests, lambda: self._decode(requests)) if requests else None
 
-        def forward() -> None:
-            logits = self.runner.decode([r.slot for r in requests], [r.output_ids[-1] for r in requests],
-                                        [r.written for r in requests], [r.prepared.rope_delta for r in requests])
-            tokens.extend(next_tokens([r.sampler for r in requests], logits))
-            for request in requests:
-                request.written += 1
+    def _decode(self, requests: list[Request]) -> DecodeStep:
+        """One token more of each request, queued on the device (one forward for them all when
+        graphed): its last token in, as the device holds it; its next token out, read in the next
+        turn by `_collect`. Nothing here waits for the device."""
+        slots = [r.slot for r in requests]
+        batch = self.sampler.batch(slots, [r.launched for r in requests])  # each token's index in its reply
+        # Reply token `launched - 1`, the input, goes to row `prompt + launched - 1` of the slot.
+        indices = [r.prompt.num_tokens + r.launched - 1 for r in requests]
+        logits = self.runner.decode(slots, self.sampler.inputs(batch), indices,
+                                    [r.prepared.rope_delta for r in requests])
+        step = DecodeStep(requests, Readback(self.sampler.sample(logits, batch)))
+        for request in requests:
+            request.launched += 1
+        return step
 
-        self._guarded(requests, forward)
-        for request, token in zip(requests, tokens):
+    def _collect(self, step: DecodeStep) -> None:
+        """Accept the tokens of the step queued in the turn before (the device computes this turn's
+        meanwhile). A request that ended since (at its previous token, cancelled, failed) drops its
+        token: the step was one too many for it, and the KV row it wrote is not counted. A failure
+        fails the step's requests; one of a request's own token, that request only."""
+        tokens = self._guarded(step.requests, step.tokens.tolist) or []
+        for request, token in zip(step.requests, tokens):
+            if request.ended or request.text_done:
+                continue
+            request.written += 1  # the row of the token the step read
             if request.cancelled.is_set():
                 self._finish(request, "cancelled")  # the token of the step the cancel overtook is dropped
             else:
@@ -265,7 +310,7 @@ class Engine:
             self.cache.release(request.claim)
             request.claim = None
             self._slots_blocked = False
-        request.prepared = request.sampler = request.detokenizer = None  # tensors and state go now
+        request.prepared = request.detokenizer = None  # tensors and state go now
 
     def _finish(self, request: Request, reason: StopReason) -> None:
         if not request.text_done:

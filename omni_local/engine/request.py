@@ -10,7 +10,7 @@ import numpy as np
 
 from omni_local.cache.prefix_cache import Claim
 from omni_local.engine.detokenizer import IncrementalDetokenizer
-from omni_local.engine.sampling import Sampler, SamplingParams
+from omni_local.engine.sampling import SamplingParams
 from omni_local.engine.speech import SpeechParams, SpeechReport, SpokenReply
 from omni_local.engine.thinker import MediaCounts, PreparedPrompt
 from omni_local.engine.vocoder import SAMPLE_RATE
@@ -104,13 +104,13 @@ class Request:
     prompt: Prompt | None = None
     claim: Claim | None = None  # the session's cache entry and device slot, while running
     prepared: PreparedPrompt | None = None
-    sampler: Sampler | None = None
     max_new_tokens: int = 0
     computed: int = 0  # prompt tokens this request computed
     reused: tuple[int, int] = (0, 0)  # prompt tokens whose KV came from the device, from host memory
     media: MediaCounts = field(default_factory=MediaCounts)
-    written: int = 0  # tokens of prompt-then-reply whose KV is in the slot
-    output_ids: list[int] = field(default_factory=list)
+    written: int = 0  # tokens of prompt-then-reply whose KV is in the slot, of accepted tokens only
+    output_ids: list[int] = field(default_factory=list)  # the reply's tokens the host has accepted
+    launched: int = 0  # reply tokens chosen on the device: the accepted ones and one of a step not read yet
     detokenizer: IncrementalDetokenizer | None = None
     streamed: str = ""  # the text sent as deltas so far
     started_at: float = 0.0

@@ -1,10 +1,25 @@
-"""Choosing the next token from the logits: greedy, or sampled with a per-request seed."""
+"""Choosing the next token of each sequence from its logits: on the device, a whole batch at once.
 
-from dataclasses import dataclass
+Each row has its own parameters (greedy or sampled; temperature, top-k, top-p, repetition penalty)
+and its own random numbers: a key hashed on the host from the request's seed and the token's index
+in the reply, then one uniform number per token id hashed from the key and the id with integer
+tensor ops. So a seed reproduces its reply whatever else shares the batch, on the CPU or a GPU, and
+no generator state follows a request around. A sampled token is a Gumbel-max draw: the best of the
+filtered scores plus Gumbel noise picks each token with its softmax probability. Nothing here reads
+a value back from the device: the Thinker's decode steps hand their tokens to the next step there,
+and the engine reads them one step late.
+"""
+
+from dataclasses import dataclass, fields
+from typing import TypeVar
 
 import torch
 
+from omni_local.engine.host_copies import to_device
 from omni_local.errors import RequestError
+
+_LOW32 = 0xFFFFFFFF
+T = TypeVar("T", int, torch.Tensor)
 
 
 @dataclass(frozen=True)
@@ -33,76 +48,166 @@ class SamplingParams:
         return self.temperature == 0
 
 
+@dataclass(frozen=True)
+class SamplingRows:
+    """Sampling parameters and state, one row per sequence, as device tensors."""
+
+    temperature: torch.Tensor  # [B] float32; 0: greedy
+    top_k: torch.Tensor  # [B] long; 0: no limit
+    top_p: torch.Tensor  # [B] float32
+    penalty: torch.Tensor  # [B] float32: the repetition penalty; 1: none
+    seen: torch.Tensor  # [B, vocab] bool: the prompt's ids and the reply's so far
+
+    @classmethod
+    def empty(cls, rows: int, vocab: int, device: torch.device) -> "SamplingRows":
+        def zeros(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        return cls(zeros(rows), zeros(rows, dtype=torch.long), zeros(rows) + 1, zeros(rows) + 1,
+                   zeros(rows, vocab, dtype=torch.bool))
+
+    def select(self, rows: torch.Tensor) -> "SamplingRows":
+        """The rows `rows` [B] (a device tensor), in that order."""
+        return SamplingRows(*(getattr(self, field.name).index_select(0, rows) for field in fields(self)))
+
+
+@dataclass(frozen=True)
+class SampleBatch:
+    """Whose rows the logits of one forward are: a slot per row, and the key of each row's random
+    numbers (from its seed and the index in its reply of the token it chooses)."""
+
+    slots: torch.Tensor  # [B] long, on the device
+    keys: torch.Tensor  # [B] long (32-bit values), on the device
+    sampling: bool  # some row samples; False (every row greedy, known on the host) skips the sampling maths
+
+
+class SlotSampler:
+    """The sampling rows of every KV slot, on the device. A request's parameters, seed and prompt ids
+    go to its slot's row at its prefill (`start`); the logits of a forward are sampled with its slots'
+    rows (`sample`), which also marks each chosen token seen and keeps it as its slot's next input
+    (`inputs`): the next decode step reads it there, without the host."""
+
+    def __init__(self, slots: int, vocab: int, device: torch.device, suppressed: torch.Tensor | None = None) -> None:
+        self.device = device
+        self.rows = SamplingRows.empty(slots, vocab, device)
+        self.last = torch.zeros(slots, dtype=torch.long, device=device)  # each slot's last chosen token
+        self.suppressed = suppressed  # [n] ids never chosen, on the device
+        self._token_keys = _hash32(torch.arange(vocab, device=device))  # what each id adds to a row's key
+        # On the host, per slot: whether its request samples, and its seed.
+        self._sampling, self._seeds = [False] * slots, [0] * slots
+
+    @torch.inference_mode()
+    def start(self, slot: int, params: SamplingParams, seed: int, prompt_ids: torch.Tensor) -> None:
+        """Give `slot`'s row to a new request: its parameters, its seed, its prompt's ids as seen."""
+        rows = self.rows
+        rows.temperature[slot] = params.temperature
+        rows.top_k[slot] = params.top_k
+        rows.top_p[slot] = params.top_p
+        rows.penalty[slot] = params.repetition_penalty
+        rows.seen[slot] = False
+        rows.seen[slot, prompt_ids.to(self.device)] = True
+        self._sampling[slot], self._seeds[slot] = not params.greedy, seed
+
+    def batch(self, slots: list[int], draws: list[int]) -> SampleBatch:
+        """Rows for the slots `slots`, choosing token `draws[i]` of each reply; sent without waiting."""
+        sampling = any(self._sampling[slot] for slot in slots)
+        keys = [_draw_key(self._seeds[slot], draw) if sampling else 0 for slot, draw in zip(slots, draws)]
+        on_device = to_device(torch.tensor([slots, keys]), self.device)
+        return SampleBatch(on_device[0], on_device[1], sampling)
+
+    def inputs(self, batch: SampleBatch) -> torch.Tensor:
+        """[B] the last token chosen in each slot of `batch`: the input of its next decode step."""
+        return self.last.index_select(0, batch.slots)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, batch: SampleBatch) -> torch.Tensor:
+        """The tokens [B] chosen from `logits` [B, vocab] float32, on the device: suppressed ids
+        out, repeats penalised, then the best (greedy rows, exactly as argmax picks it, ties to the
+        first) or a draw (the others)."""
+        rows = self.rows.select(batch.slots)
+        scores = logits if self.suppressed is None else logits.index_fill(1, self.suppressed, float("-inf"))
+        scores = _penalize_repeats(scores, rows.seen, rows.penalty)
+        tokens = scores.argmax(dim=-1)
+        if batch.sampling:
+            drawn = (_filtered(scores, rows) + _gumbel(batch.keys, self._token_keys)).argmax(dim=-1)
+            tokens = torch.where(rows.temperature > 0, drawn, tokens)
+        self.rows.seen.index_put_((batch.slots, tokens), torch.ones_like(tokens, dtype=torch.bool))
+        self.last.index_copy_(0, batch.slots, tokens)
+        return tokens
+
+
 class Sampler:
-    """One request's sampler: its own random stream, so a seed reproduces the reply."""
+    """One stream of tokens, each read by the host as it is chosen (the Talker's codec codes): the
+    rule of SlotSampler on a table of one row, made at the first token (whose logits give the
+    vocabulary)."""
 
     def __init__(
         self, params: SamplingParams, seed: int, prompt_ids: torch.Tensor, suppressed: torch.Tensor | None = None
     ) -> None:
-        self.params = params
-        self.generator = torch.Generator(device=prompt_ids.device)
-        self.generator.manual_seed(seed)
-        self.suppressed = suppressed  # ids never chosen
-        # The ids the repetition penalty looks at: the prompt's, then each reply token's.
-        self.seen = prompt_ids if params.repetition_penalty != 1.0 else None
-
-    @property
-    def _plain_greedy(self) -> bool:
-        """Greedy with no repetition penalty: a choice `next_tokens` makes for many rows at once."""
-        return self.params.greedy and self.seen is None
+        self._start = (params, seed, prompt_ids)
+        self._suppressed = suppressed
+        self._table: SlotSampler | None = None
+        self._chosen = 0
 
     def next_token(self, logits: torch.Tensor) -> int:
-        """logits: [vocab] float32, on the device of the prompt ids."""
-        token = self._choose(logits)
-        if self.seen is not None:
-            self.seen = torch.cat([self.seen, self.seen.new_tensor([token])])
-        return token
-
-    def _choose(self, logits: torch.Tensor) -> int:
-        p = self.params
-        if self.suppressed is not None:
-            logits = logits.index_fill(0, self.suppressed, float("-inf"))
-        if self.seen is not None:
-            logits = _penalize_repeats(logits, self.seen, p.repetition_penalty)
-        if p.greedy:
-            return int(torch.argmax(logits))
-        logits = logits / p.temperature
-        if p.top_k:
-            kth = torch.topk(logits, min(p.top_k, logits.shape[-1])).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if p.top_p < 1.0:
-            logits = _nucleus(logits, p.top_p)
-        probs = torch.softmax(logits, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        """logits: [vocab] float32."""
+        if self._table is None:
+            self._table = SlotSampler(1, logits.shape[-1], logits.device, self._suppressed)
+            self._table.start(0, *self._start)
+        token = self._table.sample(logits[None], self._table.batch([0], [self._chosen]))
+        self._chosen += 1
+        return int(token[0])
 
 
-def next_tokens(samplers: list[Sampler], logits: torch.Tensor) -> list[int]:
-    """Each sampler's next token from its row of `logits` [B, vocab]. The plain greedy ones (the
-    default) that share their suppressed ids are chosen with one argmax and one copy to the host for
-    them all, instead of one wait for the device each; the others one by one."""
-    plain = [i for i, s in enumerate(samplers) if s._plain_greedy]
-    suppressed = samplers[plain[0]].suppressed if plain else None
-    together = [i for i in plain if samplers[i].suppressed is suppressed]
-    chosen: dict[int, int] = {}
-    if together:
-        rows = logits[together]
-        if suppressed is not None:
-            rows = rows.index_fill(1, suppressed, float("-inf"))
-        chosen = dict(zip(together, rows.argmax(dim=-1).tolist()))
-    return [chosen[i] if i in chosen else s.next_token(row) for i, (s, row) in enumerate(zip(samplers, logits))]
+def _penalize_repeats(scores: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    # The CTRL rule, as transformers applies it: shrink the scores of tokens already present. A
+    # penalty of 1 changes nothing (x * 1 and x / 1 are x exactly).
+    p = penalty[:, None]
+    return torch.where(seen, torch.where(scores < 0, scores * p, scores / p), scores)
 
 
-def _penalize_repeats(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
-    # The CTRL rule, as transformers applies it: shrink the scores of tokens already present.
-    scores = logits.gather(0, seen)
-    scores = torch.where(scores < 0, scores * penalty, scores / penalty)
-    return logits.scatter(0, seen, scores)
+def _filtered(scores: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    """`scores` [B, vocab] over each row's temperature, -inf outside its top-k, then outside its
+    top-p, as transformers' warpers keep them: ties with the k-th best stay; a token goes once the
+    mass before it reaches top_p, and the best always stays."""
+    vocab = scores.shape[-1]
+    temperature = torch.where(rows.temperature > 0, rows.temperature, 1.0)  # a greedy row's result is unused
+    ordered, order = (scores / temperature[:, None]).sort(dim=-1, descending=True)
+    k = torch.where(rows.top_k > 0, rows.top_k, vocab).clamp(max=vocab)
+    ordered = ordered.masked_fill(ordered < ordered.gather(1, k[:, None] - 1), float("-inf"))
+    probs = ordered.softmax(dim=-1)
+    tail = (probs.cumsum(dim=-1) - probs >= rows.top_p[:, None]) & (rows.top_p < 1)[:, None]
+    ordered = ordered.masked_fill(tail, float("-inf"))
+    return torch.empty_like(ordered).scatter(1, order, ordered)
 
 
-def _nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    sorted_logits, order = torch.sort(logits, descending=True)
-    cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-    # Drop a token once the mass before it already reaches top_p; the first token always stays.
-    drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter(0, order, sorted_logits)
+def _draw_key(seed: int, draw: int) -> int:
+    """The key of the random numbers for token `draw` of the reply seeded `seed`."""
+    return _hash32((seed & _LOW32) ^ _hash32(((seed >> 32) & _LOW32) ^ _hash32(draw & _LOW32)))
+
+
+def _gumbel(keys: torch.Tensor, token_keys: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise [B, vocab], each value a function of its row's key [B] and its token's [vocab] only."""
+    return -torch.log(-torch.log(_uniform(_hash32(keys[:, None] ^ token_keys))))
+
+
+def _uniform(bits: torch.Tensor) -> torch.Tensor:
+    """float32 numbers strictly inside (0, 1) from 32-bit values: their top 23 bits, exactly. (With 24,
+    the largest would round to 1, its Gumbel noise be infinite, and a filtered-out token's -inf
+    plus it NaN, which argmax picks.)"""
+    return ((bits >> 9).float() + 0.5) / 2**23
+
+
+def _hash32(x: T) -> T:
+    """A bijective mix of 32-bit values, Python ints or int64 tensors ("lowbias32", from Chris
+    Wellons' hash prospector)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _mul32(x: T, c: int) -> T:
+    """(x * c) mod 2**32 for 32-bit x and c: c taken in 16-bit halves, so no product overflows int64."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _LOW32

@@ -6,7 +6,9 @@ of that tail after the cached rows, then one decode step per token, each writing
 values into the request's slot of the KVStore. On a GPU, with graphs, the decode step of every chat
 decoding at the time runs as one batch, and a prefill of up to GRAPHED_PREFILL_TOKENS (a new question after a
 cached prefix, a first message, a small image) also replays a CUDA graph captured at start-up
-(SlotGraphs); longer prefills run eagerly.
+(SlotGraphs); longer prefills run eagerly. A decode step takes its token ids from the device (the
+engine's sampler keeps each slot's last choice there) and its positions through pinned memory, so
+a graphed step never makes the host wait: the engine queues the next one before reading this one.
 """
 
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ from PIL import Image
 
 from omni_local.engine.cuda_graphs import SlotGraphs, graphable, size_buckets
 from omni_local.engine.decoder_stack import LayerRegions, mrope_positions, run_layers
+from omni_local.engine.host_copies import to_device
 from omni_local.engine.kv_store import GraphedSlotWriter, KVShape, KVStore, SlotWriter
 from omni_local.engine.media_encoder import MediaEncoder, deepstack_levels
 from omni_local.errors import SettingsError
@@ -166,15 +169,19 @@ class ThinkerRunner:
         return logits[0]
 
     @torch.inference_mode()
-    def decode(self, slots: list[int], tokens: list[int], indices: list[int], rope_deltas: list[int]) -> torch.Tensor:
+    def decode(self, slots: list[int], tokens: list[int] | torch.Tensor, indices: list[int],
+               rope_deltas: list[int]) -> torch.Tensor:
         """Compute token `tokens[i]` at sequence index `indices[i]` of `slots[i]`, for every i; returns
-        their logits [B, vocab]. Graphed, all in one forward; eager, one after another (a batch of
-        slots filled to different lengths would need a mask, and eager speed is not the point)."""
-        ids = torch.tensor(tokens)[:, None]
-        positions = (torch.tensor(indices) + torch.tensor(rope_deltas)).view(1, -1, 1).expand(3, -1, -1)
+        their logits [B, vocab]. `tokens` may be a tensor [B] on the device: the engine's, chosen by
+        the step before and never read by the host. Graphed, this waits for the device nowhere (the
+        host lists go to it through pinned memory), so the engine queues step after step; eager, the
+        steps run one after another (a batch of slots filled to different lengths would need a mask,
+        and eager speed is not the point)."""
+        ids = tokens if isinstance(tokens, torch.Tensor) else to_device(torch.tensor(tokens), self.device)
+        positions = to_device(torch.tensor(indices) + torch.tensor(rope_deltas), self.device)
+        ids, positions = ids[:, None], positions.view(1, -1, 1).expand(3, -1, -1)
         if self.decode_graphs is not None:
             return self.decode_graphs.replay(slots, ids, indices, positions)
-        ids, positions = ids.to(self.device), positions.to(self.device)
         return torch.cat([self._decode_step(self.kv.view(slot, index), ids[i : i + 1], positions[:, i : i + 1])
                           for i, (slot, index) in enumerate(zip(slots, indices))])
 
