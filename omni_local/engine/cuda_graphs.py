@@ -1,6 +1,6 @@
 """Forwards captured as CUDA graphs: decode steps and short prefills of a decoder stack over
-KVStore slots, the Thinker's or the Talker's (SlotGraphs), and steps of fixed shapes such as the
-code predictor's (StepGraphs).
+KVStore slots, the Thinker's or the Talker's (SlotGraphs), and forwards of fixed shapes such as the
+code predictor's 15 steps of a frame (StaticGraph).
 
 Eager, a forward of transformers' modules is bound by kernel launches and host work (80 to 120 ms
 for the Thinker's decode step or a 25-token prefill, 41 ms for the Talker's step at full size on an
@@ -135,20 +135,19 @@ class SlotGraphs:
         return torch.cat([indices.flatten(), filled, torch.full(self._last.shape, length - 1)])
 
 
-class StepGraphs:
-    """Steps of fixed shapes, one graph each: the code predictor's steps, the n-th of a frame always
-    at the same rows. Step `i` is `step(i, x)` with `x` shaped like `inputs[i]`."""
+class StaticGraph:
+    """`forward(*inputs)` captured once, over static buffers shaped like `inputs`: a forward whose
+    shapes never change, such as the code predictor's 15 steps of a frame."""
 
-    def __init__(self, step: Callable[[int, torch.Tensor], torch.Tensor], inputs: list[torch.Tensor]) -> None:
-        self._inputs = inputs  # static buffers, copied into before each replay
-        pool = torch.cuda.graph_pool_handle()
-        self._graphs = [capture_graph(partial(step, i, x), pool) for i, x in enumerate(inputs)]
+    def __init__(self, forward: Callable[..., Outputs], inputs: list[torch.Tensor]) -> None:
+        self._inputs = [torch.zeros_like(x) for x in inputs]  # copied into before each replay
+        self._graph, self._outputs = capture_graph(partial(forward, *self._inputs), torch.cuda.graph_pool_handle())
 
-    def replay(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        self._inputs[i].copy_(x)
-        graph, output = self._graphs[i]
-        graph.replay()
-        return cloned(output)
+    def replay(self, *inputs: torch.Tensor) -> Outputs:
+        for buffer, x in zip(self._inputs, inputs):
+            buffer.copy_(x)
+        self._graph.replay()
+        return cloned(self._outputs)
 
 
 def capture_graph(run: Callable[[], Outputs], pool: tuple) -> tuple[torch.cuda.CUDAGraph, Outputs]:

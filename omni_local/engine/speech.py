@@ -82,8 +82,8 @@ class SpokenReply:
     session: str
     thinker: Prompt  # the Thinker's prompt, whose rows the Talker reads
     prompt: TalkerPrompt
-    sampler: Sampler
-    predictor_sampler: Sampler
+    sampler: Sampler  # the Talker's: each frame's first code
+    seed: int  # the code predictor's draws' (its sampling row is the Talker runner's)
     claim: Claim | None = None  # the Talker KV slot, once had
     codec_sum: torch.Tensor | None = None  # the last frame's summed code embeddings: the next input
     written: int = 0  # Talker KV rows in the slot
@@ -138,8 +138,7 @@ class Speaker:
         device = self.runner.device
         empty = torch.empty(0, dtype=torch.long, device=device)
         return SpokenReply(params, session, prompt, talker_prompt,
-                           Sampler(params.talker_sampling(), seed + 1, empty, self.runner.suppressed),
-                           Sampler(params.predictor_sampling(), seed + 2, empty))
+                           Sampler(params.talker_sampling(), seed + 1, empty, self.runner.suppressed), seed + 2)
 
     @torch.inference_mode()
     def step(
@@ -166,7 +165,8 @@ class Speaker:
         if first_code == self.runner.codec_eos:
             reply.done = True
         else:
-            codes, reply.codec_sum = self.runner.complete_frame(hidden, first_code, reply.predictor_sampler)
+            codes, reply.codec_sum = self.runner.complete_frame(hidden, first_code, reply.params.predictor_sampling(),
+                                                                reply.seed, frame=len(reply.stream.frames))
             reply.stream.frames.append(codes)
             reply.done = len(reply.stream.frames) >= self.max_frames
         if not self.vocoder.due(reply.stream, final=reply.done):

@@ -10,19 +10,22 @@ What the Talker reads, as transformers' `Qwen3OmniMoeForConditionalGeneration.ge
   token's projected embedding (text-EOS after the last one, then padding).
 Each step makes the first code of a frame; the code predictor then makes the frame's other codes.
 On a GPU both replay CUDA graphs captured at start-up: the step one per attention bucket, as the
-Thinker's decode step (SlotGraphs), the code predictor one per code (StepGraphs).
+Thinker's decode step (SlotGraphs); the code predictor's 15 steps of a frame, with their sampling
+on the device, one graph (StaticGraph).
 `TalkerRows` makes the per-token rows while the Thinker prefills, so they are kept with its KV.
 """
 
 from dataclasses import dataclass, replace
+from functools import partial
 
 import numpy as np
 import torch
 
-from omni_local.engine.cuda_graphs import SlotGraphs, StepGraphs, graphable
+from omni_local.engine.cuda_graphs import SlotGraphs, StaticGraph, graphable
 from omni_local.engine.decoder_stack import LayerRegions, mrope_positions, run_layers
 from omni_local.engine.kv_store import GraphedSlotWriter, KVShape, KVStore, SlotWriter
-from omni_local.engine.sampling import Sampler, SamplingParams
+from omni_local.engine.host_copies import Readback, to_device
+from omni_local.engine.sampling import SampleBatch, SamplingParams, SlotSampler
 from omni_local.errors import RequestError
 from omni_local.prompts import Prompt
 
@@ -92,9 +95,15 @@ class TalkerRunner:
                        self.num_code_groups + 1)
         self.predictor_kv = KVStore(rows, 1, self.dtype, self.device)
         # 15 small steps a frame: eager, launches and host work are most of each (about 5 ms at full
-        # size against 0.8 ms graphed, ../shared/BENCHMARK_ANCHORS.md).
+        # size against 0.8 ms graphed, ../shared/BENCHMARK_ANCHORS.md). All 15, their sampling on the
+        # device included, are one graph: the host reads the codes once a frame, not once a code.
         self._capture_predictor = cuda_graphs and self.device.type == "cuda"
-        self.predictor_graphs: StepGraphs | None = None  # set once captured, by warm_up
+        self.frame_graph: StaticGraph | None = None  # set once captured, by warm_up
+        # The code predictor's sampling row: a reply's parameters and seed are loaded into it at
+        # each frame (spoken replies take turns), at fixed addresses the frame's graph reads.
+        self.predictor_sampler = SlotSampler(1, self.predictor.config.vocab_size, self.device)
+        self._row_zero = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._no_ids = torch.empty(0, dtype=torch.long, device=self.device)
         # The Talker's and the code predictor's layers, as the Thinker's (on the GPU only).
         self.regions = LayerRegions(compiled=compiled_layers and self.device.type == "cuda")
         self.voices = {name.lower(): int(i) for name, i in talker_config.speaker_id.items()}
@@ -123,14 +132,12 @@ class TalkerRunner:
             prompt = self.tts_pad.expand(4, -1)[None]
             positions = torch.arange(4, device=self.device).expand(3, 1, -1)
             hidden, _ = self._forward(self.kv.view(slot, 0), prompt, positions)
-            empty = torch.empty(0, dtype=torch.long, device=self.device)
-            codes, codec_sum = self.complete_frame(hidden, 0, Sampler(SamplingParams(), 0, empty))
+            codes, codec_sum = self.complete_frame(hidden, 0, SamplingParams(), seed=0, frame=0)
             self.step(slot, 4, codec_sum + self.tts_pad, 0)
             if self._capture_predictor:
-                # The first step reads the Talker's hidden state and the first code: two rows.
-                inputs = [hidden.new_zeros((1, 2 if group == 0 else 1, hidden.shape[-1]))
-                          for group in range(self.num_code_groups - 1)]
-                self.predictor_graphs = StepGraphs(self._predict_step, inputs)
+                # Captured sampling: greedy rows still take the argmax, the graph serves both.
+                start, keys = hidden.new_zeros((1, 2, hidden.shape[-1])), self._row_zero.expand(len(codes) - 1)
+                self.frame_graph = StaticGraph(partial(self._frame, sampling=True), [start, keys])
             if self._capture_steps:
                 row = self.tts_pad[None]  # [1, 1, width], shaped as a step's input
                 self.step_graphs = SlotGraphs(self._forward, self.kv, row, slot, self.stack.config)
@@ -193,23 +200,39 @@ class TalkerRunner:
 
     @torch.inference_mode()
     def complete_frame(
-        self, hidden: torch.Tensor, first_code: int, sampler: Sampler
+        self, hidden: torch.Tensor, first_code: int, params: SamplingParams, seed: int, frame: int
     ) -> tuple[list[int], torch.Tensor]:
-        """The code predictor's codes for the rest of a frame, after the Talker's `first_code` from
-        `hidden`; returns the frame's codes and the sum of their embeddings [1, 1, width] (the next
-        step's input, before the text row is added)."""
-        model = self.predictor.model
-        first = self.stack.codec_embedding(torch.tensor([[first_code]], device=self.device))
-        embeds, codes, step_input = [first], [first_code], torch.cat([hidden, first], dim=1)
+        """The code predictor's codes for the rest of frame `frame` of a reply, after the Talker's
+        `first_code` from `hidden`, sampled by `params` with the reply's `seed`; returns the frame's
+        codes and the sum of their embeddings [1, 1, width] (the next step's input, before the
+        text row is added). The host reads the codes once, at the end."""
+        first = self.stack.codec_embedding(to_device(torch.tensor([[first_code]]), self.device))
+        table = self.predictor_sampler
+        table.start(0, params, seed, self._no_ids)
+        groups = self.num_code_groups - 1
+        batch = table.batch([0] * groups, [frame * groups + group for group in range(groups)])
+        start = torch.cat([hidden, first], dim=1)
+        if self.frame_graph is not None:
+            codes, codec_sum = self.frame_graph.replay(start, batch.keys)
+        else:
+            codes, codec_sum = self._frame(start, batch.keys, batch.sampling)
+        return [first_code, *Readback(codes).tolist()], codec_sum
+
+    def _frame(self, start: torch.Tensor, keys: torch.Tensor, sampling: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The code predictor's 15 steps of a frame from `start` [1, 2, width] (the Talker's hidden
+        state, the first code's embedding), each code chosen on the device by `predictor_sampler`'s
+        row 0 with the random key `keys[group]`: the codes [15] and the sum of all 16 codes'
+        embeddings [1, 1, width]. Nothing here waits for the device: the whole frame is one graph."""
+        model, table = self.predictor.model, self.predictor_sampler
+        embeds, codes, step_input = [start[:, 1:]], [], start
         for group in range(self.num_code_groups - 1):
-            graphs = self.predictor_graphs
-            logits = graphs.replay(group, step_input) if graphs else self._predict_step(group, step_input)
-            code = sampler.next_token(logits)
+            logits = self._predict_step(group, step_input)
+            code = table.sample(logits[None], SampleBatch(self._row_zero, keys[group : group + 1], sampling))
             codes.append(code)
-            step_input = model.codec_embedding[group](torch.tensor([[code]], device=self.device))
+            step_input = model.codec_embedding[group](code[None])
             embeds.append(step_input)
         # One sum over the stacked rows, as transformers does it (the order of float additions matters).
-        return codes, torch.cat(embeds, dim=1).sum(1, keepdim=True)
+        return torch.cat(codes), torch.cat(embeds, dim=1).sum(1, keepdim=True)
 
     def _predict_step(self, group: int, step_input: torch.Tensor) -> torch.Tensor:
         """Logits [vocab] of the frame's code `group + 1`, from `step_input` [1, n, width]: the
