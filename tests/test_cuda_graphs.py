@@ -4,6 +4,7 @@ Talker's steps, replay CUDA graphs, and give the tokens and codec codes eager de
 Run with OMNI_LOCAL_TEST_DEVICE=cuda on a machine with a CUDA GPU; elsewhere every test is skipped.
 """
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -180,9 +181,10 @@ def test_the_engine_queues_the_decode_steps_of_a_batch_without_ever_waiting_for_
     engine = on_gpu.engine
     with syncs_forbidden(), pytest.raises(RuntimeError, match="synchronizing"):
         torch.ones(1, device=engine.runner.device).item()  # the check is live
-    decode, batches = engine._decode, []
+    decode, batches, all_sent = engine._decode, [], threading.Event()
 
     def decode_forbidding_syncs(requests):
+        all_sent.wait(timeout=30)  # the first chat's first step waits for the others, so they overlap
         with syncs_forbidden():
             step = decode(requests)
         batches.append(len(requests))
@@ -194,6 +196,7 @@ def test_the_engine_queues_the_decode_steps_of_a_batch_without_ever_waiting_for_
                {"temperature": 1.0, "top_p": 0.9, "repetition_penalty": 1.1, "seed": 2}]
     requests = [on_gpu.session().send(f"Question {i}: tell me about the sea.", max_new_tokens=12, **chosen)
                 for i, chosen in enumerate(options)]
+    all_sent.set()
     finals = [request.result() for request in requests]  # a synchronising call fails its requests
     assert max(batches) == 3, "the three chats must decode together"
     assert all(final.tokens.generated >= 1 for final in finals)
