@@ -49,7 +49,8 @@ class Settings:
     compiled_layers: bool = setting(
         "engine", True,
         "on a GPU, run the work around attention in each decoder layer (norms, projections, rotary embedding, MoE)"
-        " as compiled regions, inside the CUDA graphs; compiling adds start-up time, least when inductor's cache has them",
+        " as compiled regions (inside the CUDA graphs too); compiling adds start-up time, least when inductor's"
+        " cache has them",
     )
     video_fps: float = setting(
         "engine", 2.0, "video frames read per second (Qwen's default; the checkpoint's own if it sets one)"

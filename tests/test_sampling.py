@@ -81,6 +81,13 @@ def test_top_k_keeps_the_tokens_transformers_keeps():
     assert torch.equal(ours, theirs) and ours.sum() == 5
 
 
+def test_top_k_keeps_every_token_tied_with_the_kth_best_as_transformers_does():
+    scores = torch.tensor([5.0, 3.0, 3.0, 3.0, 1.0, 0.0])
+    ours = torch.isfinite(_filtered(scores[None], one_row(vocab=6, top_k=2)))[0]
+    theirs = torch.isfinite(TopKLogitsWarper(2)(None, scores[None])[0])
+    assert torch.equal(ours, theirs) and ours.tolist() == [True, True, True, True, False, False]
+
+
 def test_top_k_sampling_only_ever_picks_among_the_k_best():
     scores = logits(2)
     best = set(torch.topk(scores, 5).indices.tolist())

@@ -261,6 +261,16 @@ def test_cancel_stops_text_and_speech_at_once_and_sends_only_whole_chunks(apps, 
     assert again.stop_reason != "cancelled" and frames
 
 
+def test_a_sampled_spoken_reply_is_the_same_again_with_its_seed_and_another_seed_differs(apps):
+    sampled = {"temperature": 0.9, "top_k": 50, "talker_temperature": 0.9, "seed": 7}  # text and speech sampled
+    replies = [send(apps[1], apps[1].session(), "Sing me something.", **options)
+               for options in (sampled, sampled, {**sampled, "seed": 8})]
+    (first, frames, audio, _), (again, frames_again, audio_again, _), (other, other_frames, _, _) = replies
+    assert frames, "the reply must speak, or the comparison proves little"
+    assert again.token_ids == first.token_ids and frames_again == frames and np.array_equal(audio_again, audio)
+    assert (other.token_ids, other_frames) != (first.token_ids, frames)
+
+
 def test_an_unknown_voice_is_an_error_listing_the_voices_and_the_next_request_is_served(apps):
     app = apps[0]
     with pytest.raises(RequestError, match="unknown voice 'Nobody'.*Aiden, Chelsie, Ethan"):

@@ -144,6 +144,9 @@ class StaticGraph:
         self._graph, self._outputs = capture_graph(partial(forward, *self._inputs), torch.cuda.graph_pool_handle())
 
     def replay(self, *inputs: torch.Tensor) -> Outputs:
+        captured = [(x.shape, x.dtype) for x in self._inputs]
+        if [(x.shape, x.dtype) for x in inputs] != captured:
+            raise ValueError(f"the graph was captured for inputs {captured}, not these")  # copy_ would broadcast
         for buffer, x in zip(self._inputs, inputs):
             buffer.copy_(x)
         self._graph.replay()

@@ -18,6 +18,7 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from omni_local.engine.kv_store import GraphedSlotWriter, SlotWriter
+from omni_local.model.workarounds import mlp_past_output_hooks
 from omni_local.prompts import Prompt
 
 
@@ -39,22 +40,7 @@ def attention_output_and_mlp(layer: torch.nn.Module, hidden: torch.Tensor, atten
     """The layer's output [B, n, hidden] from its input `hidden` and the attention kernel's output
     `attended` [B, n, heads, head_dim]: its forward after the attention."""
     hidden = hidden + layer.self_attn.o_proj(attended.reshape(*hidden.shape[:-1], -1).contiguous())
-    return hidden + mlp_forward(layer.mlp, layer.post_attention_layernorm(hidden))
-
-
-def mlp_forward(mlp: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """`mlp(hidden)`, a MoE block's the same operations as its forward, but with its router called by
-    `forward`: once transformers has run the model, the router carries a hook that records its
-    logits when asked to, and that hook reads a ContextVar, which dynamo cannot compile."""
-    router = getattr(mlp, "gate", None)
-    if not isinstance(router, torch.nn.Module) or not hasattr(mlp, "experts"):
-        return mlp(hidden)  # a dense MLP (the code predictor's)
-    flat = hidden.view(-1, hidden.shape[-1])
-    _, weights, chosen = router.forward(flat)
-    output = mlp.experts(flat, chosen, weights)
-    if hasattr(mlp, "shared_expert"):  # the Talker's: an expert every token goes through, gated
-        output = output + torch.sigmoid(mlp.shared_expert_gate(flat)) * mlp.shared_expert(flat)
-    return output.reshape(hidden.shape)
+    return hidden + mlp_past_output_hooks(layer.mlp, layer.post_attention_layernorm(hidden))
 
 
 class LayerRegions:
@@ -63,15 +49,15 @@ class LayerRegions:
     weights, which the compiled code takes as inputs)."""
 
     def __init__(self, compiled: bool = False) -> None:
-        self.compiled = compiled
         self._before: Callable = attention_inputs
         self._after: Callable = attention_output_and_mlp
         if compiled:
-            self._before, self._after = _compiled_for_any_batch(attention_inputs), _compiled_for_any_batch(
-                attention_output_and_mlp)
+            self._before = _compiled_for_any_batch(attention_inputs)
+            self._after = _compiled_for_any_batch(attention_output_and_mlp)
 
     def run(self, layer: torch.nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None,
             cache: SlotWriter | GraphedSlotWriter, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """`layer`'s output for `hidden` [B, n, hidden], its keys and values written to `cache`."""
         attention = layer.self_attn
         queries, keys, values = self._before(layer, hidden, *rotary)
         keys, values = cache.update(keys, values, attention.layer_idx)

@@ -8,10 +8,12 @@ forward when graphed), then one frame of every spoken reply. So a long reply doe
 question's first token, and a new question holds up each reply by one prefill. A spoken reply gives
 its Thinker slot back when its text ends and stays in the turns until its speech ends.
 
-The host never waits for a decode step it queues. A step's tokens are chosen on the device
+The host does not wait for a decode step it queues. A step's tokens are chosen on the device
 (SlotSampler) and are the next step's input there; the host reads them one turn late, after the
 next step is queued, so the device computes that step while the host streams the tokens, checks
-for the end of each reply and publishes to the prefix cache. A reply that ended at a token was
+for the end of each reply and publishes to the prefix cache. What must be read at once still
+waits for everything queued before it, this turn's step included: a prefill's first token, and a
+spoken reply's codes. A reply that ended at a token was
 computed one step more meanwhile: that step's token is dropped, and the KV row it wrote is not
 counted (`Request.written`). Max-new-tokens and the context's end are known in advance: no step
 is queued past them.
@@ -24,6 +26,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -67,14 +70,15 @@ class Engine:
         encoder = MediaEncoder(_encoders(thinker.model, loaded.processor, settings), loaded.processor,
                                self.encoder_cache)
         talker_rows = TalkerRows(loaded.model) if loaded.speech else None
-        self.runner = ThinkerRunner(thinker, encoder, settings.gpu_cache_bytes, settings.max_context_tokens,
-                                    talker_rows, cuda_graphs=settings.cuda_graphs,
-                                    compiled_layers=settings.compiled_layers)
-        self.runner.warm_up()
-        # One Talker slot per Thinker slot: each cached chat can keep its spoken turns' Talker KV.
-        self.speaker = Speaker(loaded.model, settings, self.runner.kv.slots) if loaded.speech else None
-        if self.speaker is not None:
-            self.speaker.warm_up()
+        with current_device(loaded.device):  # the graphs' streams and pools, on the model's GPU
+            self.runner = ThinkerRunner(thinker, encoder, settings.gpu_cache_bytes, settings.max_context_tokens,
+                                        talker_rows, cuda_graphs=settings.cuda_graphs,
+                                        compiled_layers=settings.compiled_layers)
+            self.runner.warm_up()
+            # One Talker slot per Thinker slot: each cached chat can keep its spoken turns' Talker KV.
+            self.speaker = Speaker(loaded.model, settings, self.runner.kv.slots) if loaded.speech else None
+            if self.speaker is not None:
+                self.speaker.warm_up()
         self.cache = PrefixCache(self.runner.kv, settings.host_cache_bytes, enabled=settings.prefix_cache)
         self.eos_ids = set(thinker_eos_token_ids(loaded))
         # A reply is text: a media placeholder in it would be taken for a medium in the next prompt.
@@ -113,6 +117,11 @@ class Engine:
     # The worker thread ------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        # Events and streams are made on the thread's current device: the model's, not cuda:0's.
+        with current_device(self.runner.device):
+            self._serve()
+
+    def _serve(self) -> None:
         while True:
             idle = not (self._waiting or self._running or self._in_flight)
             if idle:
@@ -334,6 +343,12 @@ class Engine:
         if request.spoken is not None:
             self.speaker.end(request.spoken)
             request.spoken.done = True
+
+
+def current_device(device: torch.device) -> AbstractContextManager:
+    """`device` as the current CUDA device meanwhile (a no-op off CUDA): CUDA events, streams and
+    graph pools are made on the current device, which is cuda:0 in a new thread."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
 
 def _encoders(thinker_model: torch.nn.Module, processor: object, settings: Settings) -> Encoders:

@@ -33,16 +33,10 @@ class KVShape:
 
 @dataclass(frozen=True)
 class HostCopy:
-    """A slot's first rows in host memory, or on their way there (`copied` has not passed yet)."""
+    """A slot's first rows in host memory."""
 
     kv: torch.Tensor  # [layers, 2, kv_heads, rows, head_dim]
     talker_rows: torch.Tensor | None  # [rows, talker_dim]
-    copied: torch.cuda.Event | None = None  # recorded after the copies; None: done (on the CPU)
-
-    def wait(self) -> None:
-        """Until the copies are done: before the host reads them."""
-        if self.copied is not None:
-            self.copied.synchronize()
 
     @property
     def nbytes(self) -> int:
@@ -95,23 +89,19 @@ class KVStore:
             self.talker_rows[target, :rows].copy_(self.talker_rows[source, :rows])
 
     def to_host(self, slot: int, rows: int) -> HostCopy:
-        """The slot's first `rows` rows, copied to host memory; on a GPU the copy is queued, not
-        waited for, so moving a chat out does not hold up the engine.
+        """A copy of the slot's first `rows` rows in host memory, never a view of the slot (on the
+        CPU `.to("cpu")` alone would be one), whose rows the slot's next chat overwrites.
 
-        The slot can be given out again at once: what is queued later on the engine's stream, a new
-        chat's prefill into the slot, runs after the copy. The KV is gathered on the device first,
-        then moved in one transfer, not one per layer (requests that moved an entry layer by layer
-        ran about 60 ms slower on an H200; the move itself was not timed apart)."""
+        The KV is gathered on the device first, then moved in one transfer, instead of one copy per layer
+        into a fresh pinned buffer (requests that moved an entry that way ran about 60 ms slower on
+        an H200; the move itself was not timed apart). The copy is waited for: an asynchronous one
+        needs pinned memory, which torch's caching allocator rounds up to a power of two and keeps
+        pinned, so host memory could reach twice `host_cache_bytes`."""
         gathered = torch.stack([torch.stack([k[slot, :, :rows], v[slot, :, :rows]]) for k, v in self._pairs()])
-        talker_rows = _queued_to_host(self.talker_rows[slot, :rows]) if self.talker_rows is not None else None
-        kv = _queued_to_host(gathered)
-        copied = torch.cuda.Event() if self.device.type == "cuda" else None
-        if copied is not None:
-            copied.record()
-        return HostCopy(kv, talker_rows, copied)
+        talker_rows = self.talker_rows[slot, :rows].to("cpu", copy=True) if self.talker_rows is not None else None
+        return HostCopy(gathered.to("cpu"), talker_rows)
 
     def from_host(self, host: HostCopy, slot: int, rows: int) -> None:
-        host.wait()  # the slice below may be made contiguous on the host first
         on_device = host.kv[:, :, :, :rows].to(self.device)
         for i, (k, v) in enumerate(self._pairs()):
             k[slot, :, :rows].copy_(on_device[i, 0])
@@ -121,18 +111,6 @@ class KVStore:
 
     def _pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return list(zip(self.keys, self.values))
-
-
-def _queued_to_host(values: torch.Tensor) -> torch.Tensor:
-    """A copy of `values` in host memory: on a GPU into pinned memory, queued on the current stream
-    (pinned memory is what lets the copy run without the host waiting; torch's caching host
-    allocator hands the block out again only once the copy is done); on the CPU a plain copy, never
-    a view of the slot, whose rows a later chat overwrites."""
-    if values.device.type != "cuda":
-        return values.clone()
-    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-    host.copy_(values, non_blocking=True)
-    return host
 
 
 class SlotWriter:

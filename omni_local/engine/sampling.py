@@ -137,9 +137,9 @@ class SlotSampler:
 
 
 class Sampler:
-    """One stream of tokens, each read by the host as it is chosen (the Talker's codec codes): the
-    rule of SlotSampler on a table of one row, made at the first token (whose logits give the
-    vocabulary)."""
+    """One stream of tokens, each read by the host as it is chosen (the Talker's first code of each
+    frame, whose end-of-speech the host must see at once): the rule of SlotSampler on a table of one
+    row, made at the first token (whose logits give the vocabulary)."""
 
     def __init__(
         self, params: SamplingParams, seed: int, prompt_ids: torch.Tensor, suppressed: torch.Tensor | None = None

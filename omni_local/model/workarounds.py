@@ -2,8 +2,9 @@
 
 The loader calls `load_processor` for the processor and `apply_workarounds` once on each loaded
 model; the demo builder calls `init_talker_experts` on the random weights it makes; SlotGraphs
-captures the Thinker's decode steps and prefills and the Talker's steps inside `capturable_experts`. Nothing else in
-omni_local works around transformers.
+captures the Thinker's decode steps and prefills and the Talker's steps inside `capturable_experts`;
+each decoder layer runs its MLP by `mlp_past_output_hooks`. Nothing else in omni_local works
+around transformers.
 """
 
 import functools
@@ -96,6 +97,23 @@ def init_talker_experts(model: Qwen3OmniMoeForConditionalGeneration, std: float)
             if experts is not None:
                 torch.nn.init.normal_(experts.gate_up_proj, std=std)
                 torch.nn.init.normal_(experts.down_proj, std=std)
+
+
+def mlp_past_output_hooks(mlp: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """`mlp(hidden)`. For a MoE block, the same operations as its forward, but with the router called
+    by `forward`, past its hooks."""
+    # Once transformers has run a model, its routers carry a hook that records their logits when
+    # asked to (`output_router_logits`), and the hook reads a ContextVar, which dynamo (torch 2.11)
+    # cannot trace: the compiled decoder layers failed on the Talker after a spoken `generate`.
+    router = getattr(mlp, "gate", None)
+    if not isinstance(router, torch.nn.Module) or not hasattr(mlp, "experts"):
+        return mlp(hidden)  # a dense MLP (the code predictor's)
+    flat = hidden.view(-1, hidden.shape[-1])
+    _, weights, chosen = router.forward(flat)
+    output = mlp.experts(flat, chosen, weights)
+    if hasattr(mlp, "shared_expert"):  # the Talker's: an expert every token goes through, gated
+        output = output + torch.sigmoid(mlp.shared_expert_gate(flat)) * mlp.shared_expert(flat)
+    return output.reshape(hidden.shape)
 
 
 @contextmanager
