@@ -2,8 +2,10 @@
 shown chat; speaking over a reply stops it; push-to-talk asks a whole recording; a voice turn is
 cached like a typed one."""
 
+import json
 from pathlib import Path
 
+import gradio as gr
 import numpy as np
 import pytest
 import soundfile
@@ -54,17 +56,75 @@ def speak(voice: VoiceMode, samples: np.ndarray, folder: Path, context: TurnCont
         voice.hear(chunk, mode, context)
 
 
-def delivered(voice: VoiceMode, memory: ChatMemory) -> tuple[list, list]:
-    """What the timer brings the page showing `memory`'s chat until voice mode has nothing more:
-    player items, last chat."""
-    items, chat = [], []
+def delivered(voice: VoiceMode, memory: ChatMemory, chat: list | None = None) -> tuple[list, list]:
+    """What the timer brings the page showing `memory`'s chat (`chat`, at first) until voice mode has
+    nothing more: player items, last chat."""
+    items, chat = [], chat or []
     wait_for(lambda: not voice.conversation.busy, seconds=120)
     more = True
     while more:
-        new_items, shown, more = voice.deliver(memory)
+        new_items, shown, more = voice.deliver(memory, chat)
         items += new_items if isinstance(new_items, list) else []
         chat = shown if isinstance(shown, list) else chat
     return items, chat
+
+
+class Page:
+    """A page showing `memory`'s chat: what it is given comes back as the browser sends it (through
+    the Chatbot's round trip), and is saved at each change, as chat.py's page does."""
+
+    def __init__(self, chats: ChatStore, memory: ChatMemory) -> None:
+        self.chats, self.memory, self.chat = chats, memory, []
+        with gr.Blocks():
+            self.chatbot = gr.Chatbot()
+
+    def show(self, chat: list) -> None:
+        sent = json.loads(self.chatbot.postprocess(chat).model_dump_json())
+        self.chat = self.chatbot.preprocess(self.chatbot.data_model(root=sent))
+        _keep(self.chats, self.chat, "", self.memory)
+
+    def tick(self, voice: VoiceMode) -> bool:
+        """One tick of voice mode's timer; whether it goes on ticking."""
+        _, shown, more = voice.deliver(self.memory, self.chat)
+        if isinstance(shown, list):
+            self.show(shown)
+        return more
+
+    def ticks_until_voice_mode_is_done(self, voice: VoiceMode) -> None:
+        wait_for(lambda: not voice.conversation.busy, seconds=120)
+        for _ in range(100):
+            if not self.tick(voice):
+                return
+        pytest.fail("voice mode's timer never stops")
+
+    def shows(self) -> list[tuple[str, str]]:
+        """(role, its title, "file" or its text) per message."""
+        def look(message):
+            title = (message.get("metadata") or {}).get("title")
+            block = message["content"][0]
+            return message["role"], title or ("file" if block["type"] == "file" else block["text"])
+        return [look(message) for message in self.chat]
+
+
+def saved_shows(chats: ChatStore, memory: ChatMemory) -> list[tuple[str, str]]:
+    page = Page(chats, ChatMemory())
+    page.chat = chats.get(memory.session_id).history
+    return page.shows()
+
+
+def typed_reply(page: Page, typing: set, question: str, parts: list[str], between=lambda: None) -> None:
+    """A typed question and its reply streaming into the page as ChatInterface streams it: each
+    update is the chat as it was when the question was sent, the question, and the reply so far."""
+    asked_in = page.chat
+    typed = {"role": "user", "content": [question]}
+    page.show([*asked_in, typed])
+    typing.add(page.memory.session_id)
+    for end in range(1, len(parts) + 1):
+        page.show([*asked_in, typed, {"role": "assistant", "content": "".join(parts[:end])}])
+        between()
+    page.show([*asked_in, typed, {"role": "assistant", "content": "".join(parts)},
+               {"role": "assistant", "content": "[metrics]", "metadata": {"title": "Metrics"}}])
+    typing.discard(page.memory.session_id)
 
 
 def test_speech_then_a_second_of_silence_is_one_spoken_turn_of_the_shown_chat(voice, tmp_path):
@@ -169,7 +229,7 @@ def test_a_recording_the_disk_will_not_take_is_an_error_in_the_chat_and_voice_mo
     voice.start_recording(PUSH_TO_TALK)
     speak(voice, SPEECH[:16_000], tmp_path, asked_in(memory, chat), PUSH_TO_TALK)
     voice.stop_recording(PUSH_TO_TALK, asked_in(memory, chat))
-    _, chat = delivered(voice, memory)
+    _, chat = delivered(voice, memory, chat)  # the page shows the error
     assert [m["role"] for m in chat][:3] == ["assistant", "user", "assistant"]  # the error, then a turn
     assert chat[-1]["metadata"]["title"] == "Metrics"
 
@@ -185,3 +245,53 @@ def test_a_voice_turn_shows_only_in_its_own_chat_and_is_saved_there(voice, chats
     assert shown_elsewhere == []
     chat = chats.get(memory.session_id).history
     assert [m["role"] for m in chat][:2] == ["user", "assistant"] and chat[-1]["metadata"]["title"] == "Metrics"
+
+
+@pytest.fixture
+def voice_beside_typing(speaking_app, chats, tmp_path) -> tuple[VoiceMode, set[str], ChatMemory, Page]:
+    """Voice mode told which chats a typed reply streams into (the set), a new chat, and its page."""
+    uploads, typing = tmp_path / "uploads", set()
+    uploads.mkdir()
+    voice = VoiceMode(speaking_app, uploads, lambda history, prompt, m: _keep(chats, history, prompt, m),
+                      typing.__contains__)
+    memory = ChatMemory()
+    return voice, typing, memory, Page(chats, memory)
+
+
+def test_a_question_typed_while_a_voice_reply_streams_stays_in_the_chat_with_both_replies_and_is_saved(
+        voice_beside_typing, chats, tmp_path):
+    voice, typing, memory, page = voice_beside_typing
+    voice.start_recording(PUSH_TO_TALK)
+    speak(voice, SPEECH[:16_000], tmp_path, asked_in(memory), PUSH_TO_TALK)
+    voice.stop_recording(PUSH_TO_TALK, asked_in(memory, page.chat, max_new_tokens=200))
+    wait_for(lambda: voice._answer)  # the voice reply's text streams...
+    page.tick(voice)
+    assert voice.conversation.busy and [role for role, _ in page.shows()] == ["user", "assistant"]
+    # ...while a typed question is sent and its reply streams, the timer ticking all along.
+    typed_reply(page, typing, "And the sea?", ["Waves ", "and ", "tides."], between=lambda: page.tick(voice))
+    assert voice.conversation.busy, "the voice reply ended before the typed one: nothing overlapped"
+    page.ticks_until_voice_mode_is_done(voice)
+    shown = page.shows()
+    assert shown[0] == ("user", "file") and shown[2:4] == [("assistant", "Spoken reply"), ("assistant", "Metrics")]
+    assert shown[4:] == [("user", "And the sea?"), ("assistant", "Waves and tides."), ("assistant", "Metrics")]
+    assert saved_shows(chats, memory) == shown
+
+
+def test_a_voice_question_asked_while_a_typed_reply_streams_follows_it_and_both_are_saved(voice_beside_typing, chats,
+                                                                                          tmp_path):
+    voice, typing, memory, page = voice_beside_typing
+
+    def ask_by_voice_once():
+        if voice.conversation.turns == 0:
+            voice.start_recording(PUSH_TO_TALK)
+            speak(voice, SPEECH[:16_000], tmp_path, asked_in(memory), PUSH_TO_TALK)
+            voice.stop_recording(PUSH_TO_TALK, asked_in(memory, page.chat))
+        wait_for(lambda: voice._answer)
+        page.tick(voice)
+
+    typed_reply(page, typing, "Boats?", ["Boats ", "float."], between=ask_by_voice_once)
+    page.ticks_until_voice_mode_is_done(voice)
+    shown = page.shows()
+    assert shown[:3] == [("user", "Boats?"), ("assistant", "Boats float."), ("assistant", "Metrics")]
+    assert shown[3] == ("user", "file") and shown[-1] == ("assistant", "Metrics")
+    assert saved_shows(chats, memory) == shown

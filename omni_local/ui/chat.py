@@ -48,6 +48,9 @@ def build_ui(app: OmniLocal, store: ChatStore | None = None) -> gr.Blocks:
     store = store or ChatStore(app.settings.cache_path / "chats")
     uploads = private_folder(app.settings.cache_path / "uploads")
     voices = sorted(name.capitalize() for name in app.engine.speaker.runner.voices) if app.engine.speaker else []
+    # Session ids of the chats a typed reply is streaming into: voice mode leaves such a chat to the
+    # reply's stream until it ends (voice_mode.py).
+    typing: set[str] = set()
 
     def respond(
         message: dict[str, Any],
@@ -73,6 +76,7 @@ def build_ui(app: OmniLocal, store: ChatStore | None = None) -> gr.Blocks:
             yield error_message(str(error)), gr.skip()
             return
         text, chunks, update = "", 0, None
+        typing.add(memory.session_id)
         try:
             for event in reply:
                 if memory.left:  # its chat is no longer shown: the reply stops (finally, below), unsaved
@@ -93,6 +97,7 @@ def build_ui(app: OmniLocal, store: ChatStore | None = None) -> gr.Blocks:
             if not memory.left:
                 yield error_message(str(error)), gr.skip()
         finally:
+            typing.discard(memory.session_id)
             reply.cancel()  # the stop button closes this generator: stop the engine's work too
 
     textbox = gr.MultimodalTextbox(
@@ -139,7 +144,7 @@ def build_ui(app: OmniLocal, store: ChatStore | None = None) -> gr.Blocks:
         )
         if voices:
             add_voice_mode(app, uploads, chat, audio_feed, memory, [system, longest, temperature, top_p, voice],
-                           save=lambda history, prompt, m: _keep(store, history, prompt, m))
+                           save=lambda history, prompt, m: _keep(store, history, prompt, m), typing=typing.__contains__)
         # The shown chat's id, on the page: sent with the messages as the page had them when they
         # changed, while the memory is the server's, which may already be another chat's (see _keep).
         shown_id = gr.Textbox(visible=False)

@@ -8,6 +8,11 @@ typed one: the utterance shows as an audio message, the reply's text streams und
 goes to the page's Web Audio player (player.py). Both come from the reply's streaming thread, not
 from an event of the page, so a timer brings them to the page ten times a second while voice mode is
 busy. A finished turn is saved into its own chat at once, whichever chat the page shows by then.
+
+The page's chat is also the typed turns': each tick puts the voice turn (its question and the replies
+under it) in place in the chat as the page sends it, keeping what was typed meanwhile. A typed reply
+streams its own copy of the chat, taken when it was asked, at each update: while one streams into the
+voice turn's chat, ticks leave the chat alone, and the voice turn is put back once it ends.
 """
 
 import threading
@@ -26,7 +31,7 @@ import soxr
 from omni_local.api import AudioChunk, Finished, OmniLocal, Reply, TextDelta
 from omni_local.errors import OmniLocalError, RequestError
 from omni_local.media import SAMPLE_RATE
-from omni_local.ui.history import ChatMemory, as_dict, error_message, finished_reply, to_messages
+from omni_local.ui.history import ChatMemory, as_dict, error_message, file_path, finished_reply, to_messages
 from omni_local.ui.player import STOP, audio_payload
 from omni_local.voice import VoiceConversation
 
@@ -35,13 +40,16 @@ CHUNK_SECONDS = 0.1  # how often the page sends the microphone's audio: the dete
 DELIVERY_SECONDS = 0.1  # how often the page fetches the reply's text and audio while it is made
 UTTERANCE_PREFIX = "voice-"  # a voice question's WAV in the uploads folder: a file of one chat's own
 HEARD_PATHS = 64  # chunk paths whose audio is kept, for a chunk arriving again
+# Ticks that must see the page show a finished voice turn, with no typed reply streaming, before it is
+# left to the page: a typed reply's last update can reach the page just after its stream has ended.
+SETTLED_TICKS = 2
 
 
 @dataclass
 class TurnContext:
     """What a voice turn is asked in: the shown chat and the chat's settings, as the page has them."""
 
-    history: list[dict[str, Any]]
+    history: list[dict[str, Any]] | None  # None: the chat as the timer last brought it
     system_prompt: str
     memory: ChatMemory
     options: dict[str, Any]  # Session.send's sampling options and voice
@@ -49,13 +57,16 @@ class TurnContext:
 
 # Saves a chat: its messages, system prompt and memory (chat.py's _keep).
 SaveChat = Callable[[list[dict[str, Any]], str, ChatMemory], object]
+# Whether a typed reply is streaming into the chat of this session id (chat.py's respond).
+Typing = Callable[[str], bool]
 
 
 class VoiceMode:
     """One page's voice conversation, between the page's events and the engine's reply thread."""
 
-    def __init__(self, app: OmniLocal, uploads: Path, save: SaveChat) -> None:
-        self.app, self.uploads, self.save = app, uploads, save
+    def __init__(self, app: OmniLocal, uploads: Path, save: SaveChat,
+                 typing: Typing = lambda session_id: False) -> None:
+        self.app, self.uploads, self.save, self.typing = app, uploads, save, typing
         self.listening = False
         self._conversation: VoiceConversation | None = None  # made at first use: it loads the VAD
         self._context: TurnContext | None = None  # the chat as the page last sent it
@@ -70,9 +81,12 @@ class VoiceMode:
         self._folders: set[Path] = set()
         self._lock = threading.Lock()  # guards what follows: the reply thread writes, the timer reads
         self._outbox: list[dict[str, Any]] = []  # for the page's player
-        self._turn: list[dict[str, Any]] = []  # the chat up to the current voice question, then the question
+        self._question: dict[str, Any] | None = None  # the current voice turn's question
         self._answer: list[dict[str, Any]] = []  # its reply as shown so far
-        self._chat_changed = False
+        self._finished = False  # its reply is all in _answer
+        self._unsettled = 0  # ticks the page must still see the turn as made; 0: the page has it
+        self._page: tuple[str, list[dict[str, Any]]] = ("", [])  # the timer's last chat: session id, messages
+        self._turn_chat: list[dict[str, Any]] = []  # the voice turn's chat as the page last showed it
         self._chunks = 0
 
     @property
@@ -113,17 +127,30 @@ class VoiceMode:
             self._recording = []
             self.listening = False  # after the answer is under way, so the timer goes on delivering it
 
-    def deliver(self, shown: ChatMemory) -> tuple[Any, Any, bool]:
-        """What the page has not got yet: items for its player and the chat (each gr.skip() if
-        nothing is new, and the chat also if the page now shows another chat than the turn's), and
-        whether voice mode still has work (so the timer keeps ticking)."""
+    def deliver(self, shown: ChatMemory, page: list[dict[str, Any]] | None) -> tuple[Any, Any, bool]:
+        """What the page has not got yet: items for its player, and the chat with the voice turn as
+        made so far (each gr.skip() if nothing is new; the chat also while a typed reply streams into
+        it, or if the page now shows another chat than the turn's); and whether voice mode still has
+        work (so the timer keeps ticking). `page` is the chat as the page shows it now."""
         # Read before taking what is new: whatever the reply adds after this is taken next tick.
         more_to_come = self.listening or (self._conversation is not None and self._conversation.busy)
+        page = list(page or [])
         with self._lock:
             items, self._outbox = self._outbox, []
+            self._page = (shown.session_id, page)
             same_chat = self._asked_in is not None and self._asked_in.memory.session_id == shown.session_id
-            chat = [*self._turn, *self._answer] if self._chat_changed and same_chat else gr.skip()
-            self._chat_changed = self._chat_changed and not same_chat  # kept for when its chat shows again
+            if same_chat:
+                self._turn_chat = page
+            chat = gr.skip()
+            if same_chat and self._unsettled and not self.typing(shown.session_id):
+                merged = self._merged(page)
+                if list(map(_looks, merged)) != list(map(_looks, page)):
+                    # An error alone (no question was kept) has nothing to mark its place: shown once.
+                    chat, self._unsettled = merged, SETTLED_TICKS if self._question is not None else 0
+                elif self._finished:
+                    self._unsettled -= 1
+            # An unsettled turn of another chat is left to its save: the page reads the chat from there.
+            more_to_come = more_to_come or (same_chat and self._unsettled > 0)
         return items or gr.skip(), chat, more_to_come
 
     # The conversation's callbacks ---------------------------------------------------------------
@@ -132,15 +159,19 @@ class VoiceMode:
         """Ask an utterance in the shown chat's session, after the chat as the page has it."""
         context = self._context
         with self._lock:  # the timer never sees the new turn's chat with the last turn's messages
-            self._asked_in = context
-            self._turn, self._answer, self._chunks = list(context.history), [], 0
+            session_id, page = self._page
+            same_chat = session_id == context.memory.session_id
+            history = context.history if context.history is not None else page if same_chat else []
+            if self._unsettled and self._asked_in.memory.session_id == context.memory.session_id:
+                history = self._merged(history)  # the last voice turn as made: the page may not have all of it
+            self._asked_in, self._turn_chat = context, list(history)
+            self._question, self._answer, self._finished, self._unsettled, self._chunks = None, [], False, 0, 0
         path = self._keep_utterance(samples)
         context.memory.remember(str(path), samples)  # the next turn's prompt holds exactly these samples
         with self._lock:
-            self._turn.append({"role": "user", "content": [{"path": str(path)}]})
-            self._chat_changed = True
+            self._question, self._unsettled = {"role": "user", "content": [{"path": str(path)}]}, SETTLED_TICKS
         session = self.app.session(system_prompt=context.system_prompt or None, session_id=context.memory.session_id)
-        session.history += to_messages(context.history, self.app, context.memory)
+        session.history += to_messages(history, self.app, context.memory)
         return session.send(audio=[samples], speak=True, **context.options)
 
     def _play(self, chunk: AudioChunk) -> None:
@@ -162,11 +193,28 @@ class VoiceMode:
             shown = (finished_reply(event, reply.audio, self.uploads, asked_in.memory) if isinstance(event, Finished)
                      else [error_message(str(event))])
             answer = [as_dict(m) for m in shown]
-            # Saved now, into its own chat: the page may show another chat by the time the turn ends,
-            # and the timer that brings turns to the page stops with voice mode.
-            self.save([*self._turn, *answer], asked_in.system_prompt, asked_in.memory)
+            with self._lock:
+                self._answer, self._finished, self._unsettled = answer, True, SETTLED_TICKS
+                chat = self._merged(self._turn_chat)
+            # Saved now, into its own chat as the page last showed it: the page may show another chat
+            # by the time the turn ends, and the timer that brings turns to the page stops with voice mode.
+            self.save(chat, asked_in.system_prompt, asked_in.memory)
+            return
         with self._lock:
-            self._answer, self._chat_changed = answer, True
+            self._answer, self._unsettled = answer, SETTLED_TICKS
+
+    def _merged(self, page: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """`page` (the voice turn's chat, as the page showed it) with the voice turn as made so far in
+        place of what it shows of it: the question and the replies under it, up to the next question.
+        A page that does not show the question yet gets the turn at its end. Held: self._lock."""
+        if self._question is None:  # no question yet, or none could be kept: only an error, at the end
+            return [*page, *self._answer]
+        name = _looks(self._question)
+        at = next((i for i, message in enumerate(page) if _looks(message) == name), len(page))
+        end = at + 1
+        while end < len(page) and page[end]["role"] == "assistant":
+            end += 1
+        return [*page[:at], self._question, *self._answer, *page[end:]]
 
     # Audio ----------------------------------------------------------------------------------
 
@@ -221,37 +269,52 @@ def add_voice_mode(
     memory: gr.State,
     settings: list[gr.Component],
     save: SaveChat,
+    typing: Typing,
 ) -> None:
     """The voice section under the chat. `memory` is the shown chat's; `settings` are the chat's own
     inputs a turn is asked with: system prompt, longest reply, temperature, top-p, voice; `save`
-    saves a finished voice turn's chat."""
+    saves a finished voice turn's chat; `typing` says whether a typed reply streams into a chat."""
     with gr.Accordion("Voice conversation", open=False):
         mode = gr.Radio([HANDS_FREE, PUSH_TO_TALK], value=HANDS_FREE, label="Mode",
                         info="Hands-free: speak, then pause; speaking over a reply stops it. "
                              "Push to talk: record, then stop to ask. Use headphones.")
         microphone = gr.Audio(sources=["microphone"], streaming=True, type="filepath", label="Microphone",
                               elem_id="voice-microphone")
-    voice = gr.State(lambda: VoiceMode(app, uploads, save))
+    voice = gr.State(lambda: VoiceMode(app, uploads, save, typing))
     timer = gr.Timer(DELIVERY_SECONDS, active=False)
 
-    def context(history: list[dict[str, Any]], shown: ChatMemory, system_prompt: str, max_new_tokens: float,
+    def context(history: list[dict[str, Any]] | None, shown: ChatMemory, system_prompt: str, max_new_tokens: float,
                 temperature: float, top_p: float, speaker: str) -> TurnContext:
         options = {"max_new_tokens": int(max_new_tokens), "temperature": temperature, "top_p": top_p, "voice": speaker}
-        return TurnContext(list(history or []), system_prompt, shown, options)
+        return TurnContext(None if history is None else list(history), system_prompt, shown, options)
 
     def start(voice_mode: VoiceMode, chosen: str) -> gr.Timer:
         voice_mode.start_recording(chosen)
         return gr.Timer(active=True)
 
-    def deliver(voice_mode: VoiceMode, shown: ChatMemory) -> tuple[Any, ...]:
-        items, messages, busy = voice_mode.deliver(shown)
+    def deliver(voice_mode: VoiceMode, shown: ChatMemory, page: list[dict[str, Any]]) -> tuple[Any, ...]:
+        items, messages, busy = voice_mode.deliver(shown, page)
         return items, messages, messages, gr.skip() if busy else gr.Timer(active=False)
 
-    inputs = [chat.chatbot, memory, *settings]
     quiet = {"show_progress": "hidden", "api_name": False}
     microphone.start_recording(start, [voice, mode], [timer], **quiet)
-    microphone.stream(lambda v, chunk, chosen, *c: v.hear(chunk, chosen, context(*c)), [voice, microphone, mode, *inputs],
-                      None, stream_every=CHUNK_SECONDS, time_limit=None, **quiet)
-    microphone.stop_recording(lambda v, chosen, *c: v.stop_recording(chosen, context(*c)), [voice, mode, *inputs],
-                              None, **quiet)
-    timer.tick(deliver, [voice, memory], [audio_feed, chat.chatbot, chat.chatbot_state, timer], **quiet)
+    # Ten chunks a second: without the chat, which the timer brings as often while the microphone is on.
+    microphone.stream(lambda v, chunk, chosen, *c: v.hear(chunk, chosen, context(None, *c)),
+                      [voice, microphone, mode, memory, *settings], None, stream_every=CHUNK_SECONDS,
+                      time_limit=None, **quiet)
+    microphone.stop_recording(lambda v, chosen, *c: v.stop_recording(chosen, context(*c)),
+                              [voice, mode, chat.chatbot, memory, *settings], None, **quiet)
+    timer.tick(deliver, [voice, memory, chat.chatbot], [audio_feed, chat.chatbot, chat.chatbot_state, timer], **quiet)
+
+
+def _looks(message: dict[str, Any]) -> tuple[Any, ...]:
+    """What a message shows, in either form a chat holds it (as made here, or as the page sends it
+    back): its role, its files by name (a copy Gradio serves keeps the name), its texts without their
+    white space (the page's are dedented: inspect.cleandoc), its title."""
+    content = message.get("content")
+    blocks = []
+    for block in content if isinstance(content, list) else [content]:
+        path = file_path(block)
+        text = block.get("text", "") if isinstance(block, dict) else str(block or "")
+        blocks.append(Path(path).name if path else "".join(text.split()))
+    return message["role"], blocks, (message.get("metadata") or {}).get("title")
