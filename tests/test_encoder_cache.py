@@ -7,6 +7,7 @@ import os
 import pickle
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import diskcache
@@ -17,6 +18,7 @@ import omni_local.engine.media_encoder as media_encoder
 from samples import clip, picture
 from omni_local.api import OmniLocal
 from omni_local.cache.encoder_cache import BytesOnlyDisk
+from omni_local.cache.folders import keep_compiled_code_in
 from omni_local.prompts import Message, build_prompt
 
 REPO = Path(__file__).resolve().parent.parent
@@ -147,6 +149,21 @@ def test_the_cache_folders_are_private_to_the_user(settings):
         root = Path(settings.cache_dir).expanduser()
         for folder in (root, root / "encoders"):
             assert folder.stat().st_mode & 0o777 == 0o700
+
+
+def test_compiled_code_is_kept_in_a_private_folder_of_the_app_unless_the_user_chose_one(tmp_path, monkeypatch):
+    ours = tmp_path / "app" / "compiled"
+    for unchosen in (None, str(Path(tempfile.gettempdir()) / "torchinductor_someone")):  # unset, torch's default
+        if unchosen is None:
+            monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # restored afterwards
+        else:
+            monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", unchosen)
+        keep_compiled_code_in(ours)
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(ours)
+    assert ours.stat().st_mode & 0o777 == 0o700
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "theirs"))
+    keep_compiled_code_in(ours)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "theirs")
 
 
 # Faults -----------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from typing import TypeVar
 import torch
 
 from omni_local.cache.encoder_cache import EncoderCache, encoder_namespace
+from omni_local.cache.folders import keep_compiled_code_in
 from omni_local.cache.prefix_cache import PrefixCache
 from omni_local.engine.detokenizer import IncrementalDetokenizer
 from omni_local.engine.encoders import Encoders
@@ -65,6 +66,8 @@ class Engine:
     def __init__(self, loaded: LoadedModel, settings: Settings) -> None:
         self.loaded = loaded
         self.settings = settings
+        if settings.compile or (settings.compiled_layers and loaded.device.type == "cuda"):
+            keep_compiled_code_in(settings.cache_path / "compiled")
         thinker = loaded.model.thinker
         self.encoder_cache = _encoder_cache(thinker.model, loaded.processor, settings)
         encoder = MediaEncoder(_encoders(thinker.model, loaded.processor, settings), loaded.processor,
@@ -180,7 +183,8 @@ class Engine:
         prompt = build_prompt(messages, self.loaded.processor)
         limit = self.settings.max_prompt_tokens
         if prompt.num_tokens > limit:
-            raise RequestError(f"the prompt is {prompt.num_tokens} tokens, over the limit of {limit} (max_prompt_tokens)")
+            raise RequestError(f"the prompt is {prompt.num_tokens} tokens, over the limit of {limit} "
+                               "(max_prompt_tokens)")
         return prompt
 
     def _run_turn(self) -> None:
