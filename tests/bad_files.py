@@ -1,19 +1,27 @@
-"""Bad uploads, made on the spot, with the words their error must contain (API, CLI and UI tests)."""
+"""Bad uploads, made on the spot, with the words their error must contain (API, CLI and UI tests),
+and the limits the tests hold uploads to."""
 
 import io
 from pathlib import Path
 
 import numpy as np
+import pytest
 import soundfile
 from PIL import Image
+
+from omni_local.errors import MediaError
+from omni_local.media import MediaLimits, load_audio, load_image
 
 # Limits low enough that small files break them (the tests launch the app with these).
 MAX_IMAGE_PIXELS = 100_000
 MAX_AUDIO_SECONDS = 2.0
+LIMITS = MediaLimits(max_upload_bytes=50 << 20, max_image_pixels=MAX_IMAGE_PIXELS, max_audio_seconds=MAX_AUDIO_SECONDS)
+BAD_FILES = ["truncated png", "text named wav", "zero-byte file", "image over the pixel limit",
+             "clip over the length limit"]
 
 
 def write_bad_files(folder: Path) -> dict[str, tuple[Path, str]]:
-    """name -> (file, a phrase its error message must hold)."""
+    """name (one of BAD_FILES) -> (file, a phrase its error message must hold)."""
     png = io.BytesIO()
     noise = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
     Image.fromarray(noise).save(png, format="PNG")  # noise, so the file is long enough to cut
@@ -37,3 +45,11 @@ def good_image(folder: Path) -> Path:
     path = folder / "good.png"
     Image.new("RGB", (96, 64), (20, 160, 90)).save(path)
     return path
+
+
+def media_error(path: Path) -> str:
+    """What omni_local.media says about the file under LIMITS, read directly."""
+    loader = load_audio if path.suffix == ".wav" else load_image
+    with pytest.raises(MediaError) as error:
+        loader(path, LIMITS)
+    return str(error.value)

@@ -1,4 +1,5 @@
-"""Fixtures shared by the test files: the demo checkpoint, built once per session, and its model.
+"""Fixtures shared by the test files: the demo checkpoint, built once per session, its model and
+the apps on it; bad uploads; and the tests that need a CUDA GPU (marked `cuda`).
 
 The demo runs on the CPU unless OMNI_LOCAL_TEST_DEVICE names another device (`cuda` on a GPU
 machine, where decode steps and short prefills run as CUDA graphs). It runs in float32 on every device: the tests
@@ -10,7 +11,9 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
+from bad_files import write_bad_files
 from omni_local.model import LoadedModel, load_model
 from omni_local.model.demo import ensure_demo_checkpoint
 from omni_local.settings import Settings
@@ -56,3 +59,51 @@ def speaking_app(demo_settings: Settings, demo_checkpoint: Path):
 
     with OmniLocal(demo_settings.replace(speech=True, max_speech_seconds=30.0)) as running:
         yield running
+
+
+@pytest.fixture(scope="module")
+def apps(demo_settings: Settings, demo_checkpoint: Path):
+    """The same model twice: with every cache, and with every cache off."""
+    from omni_local.api import OmniLocal
+
+    off = demo_settings.replace(prefix_cache=False, encoder_cache=False)
+    with OmniLocal(demo_settings) as cached, OmniLocal(off) as uncached:
+        yield cached, uncached
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str]]:
+    """bad_files.py's uploads: name -> (file, a phrase its error message must hold)."""
+    return write_bad_files(tmp_path_factory.mktemp("bad"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (CUDA graphs); skipped where none is visible")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    no_gpu = pytest.mark.skip(reason="CUDA graphs need a CUDA GPU, and none is visible")
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(no_gpu)
+
+
+@pytest.fixture(scope="module")
+def on_gpu(app):
+    """The shared app, for a test that needs the demo on the GPU (OMNI_LOCAL_TEST_DEVICE=cuda)."""
+    if app.engine.runner.device.type != "cuda":
+        pytest.skip("the demo model runs on the CPU: set OMNI_LOCAL_TEST_DEVICE=cuda")
+    return app
+
+
+@pytest.fixture(scope="module")
+def speaking_graphed_and_eager(on_gpu, demo_settings: Settings):
+    """The demo with speech twice: the Talker's steps and Code2Wav's chunks graphed, and eager.
+    Replies stop at 4 s, 50 codec frames: a Talker prompt under the smallest bucket ends past it."""
+    from omni_local.api import OmniLocal
+
+    settings = demo_settings.replace(speech=True, max_speech_seconds=4.0)
+    with OmniLocal(settings) as graphed, OmniLocal(settings.replace(cuda_graphs=False)) as eager:
+        yield graphed, eager

@@ -1,5 +1,5 @@
-"""Media for the tests: recorded speech, and deterministic noise pictures, clips and videos, one per
-seed; and waiting for what happens on another thread."""
+"""Media for the tests: recorded speech and silence, and deterministic noise pictures, clips and
+videos, one per seed; and waiting for what happens on another thread."""
 
 import io
 import time
@@ -14,6 +14,7 @@ from PIL import Image
 # "Hello there. What do you think about the weather today?" spoken by espeak-ng
 # (`espeak-ng -s 150 -w out.wav "..."`, resampled to 16 kHz): 4.0 s.
 SPEECH, _ = soundfile.read(Path(__file__).parent / "data" / "speech.wav", dtype="float32")
+SILENCE = np.zeros(16_000, np.float32)  # 1 s
 
 
 def picture(seed: int, size: tuple[int, int] = (160, 120)) -> Image.Image:

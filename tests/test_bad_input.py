@@ -3,7 +3,7 @@
 import pytest
 from PIL import Image
 
-from bad_files import MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS, good_image, write_bad_files
+from bad_files import BAD_FILES, MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS, good_image
 from omni_local.api import OmniLocal
 from omni_local.errors import MediaError, SettingsError
 from omni_local.settings import load_settings
@@ -16,15 +16,7 @@ def strict_app(demo_settings, demo_checkpoint):
         yield app
 
 
-@pytest.fixture(scope="module")
-def bad_files(tmp_path_factory):
-    return write_bad_files(tmp_path_factory.mktemp("bad"))
-
-
-CASES = ["truncated png", "text named wav", "zero-byte file", "image over the pixel limit", "clip over the length limit"]
-
-
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", BAD_FILES)
 def test_a_bad_upload_is_a_clear_error_and_the_session_serves_on(strict_app, bad_files, tmp_path, case):
     path, phrase = bad_files[case]
     session = strict_app.session(system_prompt="Be brief.")

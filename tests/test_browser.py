@@ -25,9 +25,8 @@ import pytest
 import soundfile
 from PIL import Image
 
+from bad_files import media_error
 from served_app import REPO, ServedApp, served_app
-from omni_local.errors import MediaError
-from omni_local.media import MediaLimits, load_image
 
 try:
     from playwright.sync_api import Browser, Page, sync_playwright
@@ -300,7 +299,7 @@ def test_a_corrupt_image_shows_its_error_in_the_chat_and_the_chat_goes_on(page, 
     error = page.locator("[data-testid=bot]").filter(has_text="Error")
     error.wait_for()
     shot("error")
-    assert _bot_texts(page) == [_media_error(broken)]
+    assert _bot_texts(page) == [media_error(broken)]
     _ask(page, "Are you still there?")
     _wait_for_metrics(page, 1)
     shot("answered")
@@ -486,10 +485,3 @@ def _drop_file(page: "Page", path: Path, mime_type: str) -> None:
     box = _message_box(page)
     for event in ("dragenter", "dragover", "drop"):
         box.dispatch_event(event, {"dataTransfer": transfer})
-
-
-def _media_error(path: Path) -> str:
-    """What omni_local.media says about the file, read directly."""
-    with pytest.raises(MediaError) as error:
-        load_image(path, MediaLimits(max_upload_bytes=50 << 20, max_image_pixels=1 << 24, max_audio_seconds=60))
-    return str(error.value)

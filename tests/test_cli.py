@@ -9,7 +9,7 @@ import pytest
 import soundfile
 
 from samples import video_file
-from bad_files import MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS, good_image, write_bad_files
+from bad_files import BAD_FILES, MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS, good_image, write_bad_files
 from omni_local.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -58,9 +58,7 @@ def test_ask_with_an_unknown_voice_ends_with_one_line_listing_the_voices(flags, 
     assert capsys.readouterr().err.strip() == "error: unknown voice 'Nobody': this model speaks as Aiden, Chelsie, Ethan"
 
 
-@pytest.mark.parametrize(
-    "case", ["truncated png", "text named wav", "zero-byte file", "image over the pixel limit", "clip over the length limit"]
-)
+@pytest.mark.parametrize("case", BAD_FILES)
 def test_a_bad_file_ends_with_one_line_naming_it_and_status_2(flags, tmp_path, capsys, case):
     path, phrase = write_bad_files(tmp_path)[case]
     kind = "--audio" if path.suffix == ".wav" else "--image"

@@ -11,28 +11,17 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from test_speech import send, transformers_speech
+from replies import model_inputs, reference_tokens, send, transformers_speech
 from samples import picture
-from test_thinker_parity import model_inputs, reference_tokens
 from omni_local.api import OmniLocal
 from omni_local.engine.cuda_graphs import SMALLEST_BUCKET, SlotGraphs
 from omni_local.engine.thinker import ThinkerRunner
 from omni_local.prompts import Message, Prompt, build_prompt
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU, and none is visible"
-)
+pytestmark = pytest.mark.cuda
 
 STORY = "The lighthouse keeper counted the ships that passed his rock every night of the year. "
 SONG = "A fisherman sang about the moon and the tide while he mended his nets in the harbour. "
-SPEECH_SECONDS = 4.0  # 50 codec frames: a Talker prompt under the smallest bucket ends past it
-
-
-@pytest.fixture(scope="module")
-def on_gpu(app: OmniLocal) -> OmniLocal:
-    if app.engine.runner.device.type != "cuda":
-        pytest.skip("the demo model runs on the CPU: set OMNI_LOCAL_TEST_DEVICE=cuda")
-    return app
 
 
 def runner(app: OmniLocal, cuda_graphs: bool, slots: int = 2) -> ThinkerRunner:
@@ -42,14 +31,6 @@ def runner(app: OmniLocal, cuda_graphs: bool, slots: int = 2) -> ThinkerRunner:
                           kv.shape.max_tokens, cuda_graphs=cuda_graphs)
     built.warm_up()
     return built
-
-
-@pytest.fixture(scope="module")
-def speaking(on_gpu: OmniLocal, demo_settings):
-    """The demo with speech twice: the Talker's steps graphed, and eager."""
-    settings = demo_settings.replace(speech=True, max_speech_seconds=SPEECH_SECONDS)
-    with OmniLocal(settings) as graphed, OmniLocal(settings.replace(cuda_graphs=False)) as eager:
-        yield graphed, eager
 
 
 def one_turn(app: OmniLocal, text: str) -> Prompt:
@@ -227,14 +208,16 @@ def test_an_image_question_prefilled_by_a_graph_matches_generate(on_gpu):
     assert final.token_ids == reference_tokens(app, [Message("user", parts)])
 
 
-def test_a_spoken_reply_whose_talker_rows_cross_a_bucket_boundary_has_the_codes_of_eager_and_generate(speaking):
-    graphed, eager = speaking
+def test_a_spoken_reply_whose_talker_rows_cross_a_bucket_boundary_has_the_codes_of_eager_and_generate(
+    speaking_graphed_and_eager,
+):
+    graphed, eager = speaking_graphed_and_eager
     assert graphed.engine.speaker.runner.step_graphs is not None
     assert eager.engine.speaker.runner.step_graphs is None
     text = text_under_bucket(graphed, STORY)
-    sessions = [app.session() for app in speaking]
+    sessions = [app.session() for app in (graphed, eager)]
     (final, frames, _, _), (_, eager_frames, _, _) = (
-        send(app, session, text, voice="Chelsie") for app, session in zip(speaking, sessions)
+        send(app, session, text, voice="Chelsie") for app, session in zip((graphed, eager), sessions)
     )
     # The prefill makes the first frame; each later frame is a step that writes the next row.
     last_row = final.speech.talker_prompt + final.speech.frames - 2
@@ -242,6 +225,6 @@ def test_a_spoken_reply_whose_talker_rows_cross_a_bucket_boundary_has_the_codes_
     assert frames == eager_frames
     assert frames == transformers_speech(graphed, [Message("user", [text])], "Chelsie")[1].T.tolist()
     # Turn 2 continues turn 1's Talker rows from the cache, all of its steps in the second bucket.
-    second = [send(app, session, "And then?", voice="Chelsie") for app, session in zip(speaking, sessions)]
+    second = [send(app, session, "And then?", voice="Chelsie") for app, session in zip((graphed, eager), sessions)]
     assert second[0][0].speech.talker_reused > 0
     assert second[0][1] == second[1][1]

@@ -14,14 +14,6 @@ NEW_TOKENS = 6
 TOKEN_BYTES = 2048  # the demo's KV per token: 4 layers x K and V x 2 heads x 32 x float32
 
 
-@pytest.fixture(scope="module")
-def apps(demo_settings, demo_checkpoint):
-    """The same model twice: with every cache, and with every cache off."""
-    off = demo_settings.replace(prefix_cache=False, encoder_cache=False)
-    with OmniLocal(demo_settings) as cached, OmniLocal(off) as uncached:
-        yield cached, uncached
-
-
 class Chat:
     """One conversation held the same way in both apps, each reply checked for equality."""
 

@@ -6,67 +6,25 @@ import time
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
+from replies import GREEDY, NEW_TOKENS, media, send, transformers_speech
 from samples import clip, picture
-from test_thinker_parity import model_inputs
-from omni_local.api import AudioChunk, Finished, OmniLocal, TextDelta
+from omni_local.api import AudioChunk, Finished, OmniLocal
 from omni_local.engine.talker import OPENING_ROWS
 from omni_local.engine.vocoder import AudioStream, Vocoder
 from omni_local.errors import RequestError
 from omni_local.prompts import Message, build_prompt
 
-NEW_TOKENS = 24
 SPEECH_SECONDS = 2.0  # 25 frames: every reply here is cut there (the demo's random Talker rarely ends)
-GREEDY = {"speak": True, "talker_temperature": 0.0}
 
 
 @pytest.fixture(scope="module")
 def apps(demo_settings, demo_checkpoint):
-    """The demo model with speech, twice: with every cache, and with every cache off."""
+    """conftest's `apps` with speech: the demo model twice, with every cache and with every cache off."""
     on = demo_settings.replace(speech=True, max_speech_seconds=SPEECH_SECONDS)
     off = on.replace(prefix_cache=False, encoder_cache=False)
     with OmniLocal(on) as cached, OmniLocal(off) as uncached:
         yield cached, uncached
-
-
-def send(app: OmniLocal, session, text: str, **options) -> tuple[Finished, list[list[int]], np.ndarray, list]:
-    """A reply's final event, codec frames, audio and event order ('T' text, 'A' audio)."""
-    reply = session.send(text, **{"max_new_tokens": NEW_TOKENS, **GREEDY, **options})
-    frames, order = [], []
-    for event in reply:
-        if isinstance(event, AudioChunk):
-            frames += event.frames
-            order.append("A")
-        elif isinstance(event, TextDelta):
-            order.append("T")
-    return reply.result(), frames, reply.audio, order
-
-
-def transformers_speech(app: OmniLocal, messages: list[Message], voice: str) -> tuple[list[int], torch.Tensor]:
-    """Greedy text and codes [groups, frames] from transformers' `generate(return_audio=True)`."""
-    model, engine = app.loaded.model, app.engine
-    prompt = build_prompt(messages, app.loaded.processor)
-    decoded = []
-    original = model.code2wav.chunked_decode
-
-    def keep_codes(codes: torch.Tensor, **kwargs) -> torch.Tensor:
-        decoded.append(codes[0].clone())
-        return original(codes, **kwargs)
-
-    model.code2wav.chunked_decode = keep_codes
-    try:
-        with torch.inference_mode():
-            sequences, _ = model.generate(
-                **model_inputs(app, prompt), speaker=voice,
-                thinker_max_new_tokens=NEW_TOKENS, thinker_do_sample=False,
-                thinker_eos_token_id=sorted(engine.eos_ids), thinker_suppress_tokens=engine.suppressed_ids,
-                talker_do_sample=False, talker_max_new_tokens=engine.speaker.max_frames + 1,
-            )
-    finally:
-        model.code2wav.chunked_decode = original
-    text = [t for t in sequences[0, prompt.num_tokens :].tolist() if t not in engine.eos_ids]
-    return text, decoded[0]
 
 
 def one_decode(code2wav: torch.nn.Module, codes: torch.Tensor) -> np.ndarray:
@@ -80,11 +38,6 @@ CASES = {
     "image": lambda: [picture(1), "What is in this picture?"],
     "audio": lambda: [clip(2), "What did you hear?"],
 }
-
-
-def media(parts: list) -> dict:
-    return {"images": [p for p in parts if isinstance(p, Image.Image)],
-            "audio": [p for p in parts if isinstance(p, np.ndarray)]}
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -1,39 +1,11 @@
 """The engine's own Thinker loop gives exactly the tokens of transformers' `thinker.generate`."""
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
+from replies import NEW_TOKENS, media, model_inputs, reference_tokens
 from samples import clip, picture
-from omni_local.api import OmniLocal
-from omni_local.prompts import Message, Prompt, build_prompt
-
-NEW_TOKENS = 24
-
-
-def model_inputs(app: OmniLocal, prompt: Prompt) -> dict:
-    """`prompt`'s inputs to transformers' generate, on the model's device (which moves only the ids)."""
-    inputs = prompt.model_inputs(app.loaded.processor)
-    return {k: v.to(app.loaded.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-
-
-def reference_tokens(app: OmniLocal, messages: list[Message]) -> list[int]:
-    """Greedy tokens from transformers' own generate, cut at (and without) the end of turn. The engine
-    never lets a reply hold a media placeholder token, so neither may the reference."""
-    prompt = build_prompt(messages, app.loaded.processor)
-    with torch.inference_mode():
-        output = app.loaded.model.thinker.generate(
-            **model_inputs(app, prompt), max_new_tokens=NEW_TOKENS, do_sample=False,
-            suppress_tokens=app.engine.suppressed_ids,
-        )
-    tokens = output[0, prompt.num_tokens :].tolist()
-    eos = set(app.engine.eos_ids)
-    for i, token in enumerate(tokens):
-        if token in eos:
-            return tokens[:i]
-    return tokens
-
+from omni_local.prompts import Message, build_prompt
 
 CASES = {
     "text": lambda: ["Tell me a story about a lighthouse keeper."],
@@ -48,12 +20,7 @@ def test_a_single_turn_matches_transformers_generate(app, case):
     parts = CASES[case]()
     system = Message("system", ["You are a helpful assistant."])
     session = app.session(system_prompt="You are a helpful assistant.")
-    final = session.send(
-        text=parts[-1],
-        images=[p for p in parts if isinstance(p, Image.Image)],
-        audio=[p for p in parts if isinstance(p, np.ndarray)],
-        max_new_tokens=NEW_TOKENS,
-    ).result()
+    final = session.send(text=parts[-1], **media(parts), max_new_tokens=NEW_TOKENS).result()
     assert final.token_ids == reference_tokens(app, [system, Message("user", parts)])
     assert final.token_ids, "the reply must not be empty, or the comparison proves little"
 

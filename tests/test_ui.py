@@ -22,15 +22,13 @@ from gradio_client import Client, handle_file
 from gradio_client.exceptions import AuthenticationError
 from PIL import Image
 
-from bad_files import MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS, write_bad_files
+from bad_files import BAD_FILES, LIMITS, media_error
 from samples import video_file
 from served_app import free_port, running_app
-from omni_local.errors import MediaError
-from omni_local.media import MediaLimits, load_audio, load_image
+from omni_local.media import load_image
 from omni_local.prompts import Message
 from omni_local.ui.history import ERROR_TITLE, to_messages
 
-LIMITS = MediaLimits(max_upload_bytes=50 << 20, max_image_pixels=MAX_IMAGE_PIXELS, max_audio_seconds=MAX_AUDIO_SECONDS)
 METRICS = re.compile(
     r"\[(?P<prompt>\d+) prompt tokens: (?P<computed>\d+) computed, \d+ reused from GPU, \d+ from host "
     r"(\| media: (?P<encoded>\d+) encoded, (?P<from_cache>\d+) from the encoder cache, \d+ in reused KV )?\| "
@@ -184,23 +182,14 @@ def test_stopping_a_reply_stops_the_engine_not_only_the_page(demo_settings, demo
     assert stops == ["cancelled"]
 
 
-@pytest.fixture(scope="module")
-def bad_files(tmp_path_factory):
-    return write_bad_files(tmp_path_factory.mktemp("bad"))
-
-
-BAD_UPLOADS = ["truncated png", "text named wav", "zero-byte file", "image over the pixel limit",
-               "clip over the length limit"]
-
-
-@pytest.mark.parametrize("case", BAD_UPLOADS)
+@pytest.mark.parametrize("case", BAD_FILES)
 def test_a_bad_upload_shows_its_error_in_the_chat_and_the_next_question_is_answered(ui_url, bad_files, case):
     path, phrase = bad_files[case]
     client = Client(ui_url, verbose=False)  # one chat: the failed turn stays in its history
     shown, _ = client.predict({"text": "Look at this.", "files": [handle_file(str(path))]}, "", api_name="/chat")
     assert shown["metadata"] == {"title": ERROR_TITLE}
     assert phrase in shown["content"]
-    assert shown["content"] == _media_error(path)  # word for word what omni_local.media says
+    assert shown["content"] == media_error(path)  # word for word what omni_local.media says
     assert _ask(client, "Are you still there?").reply
 
 
@@ -335,14 +324,6 @@ def _app() -> SimpleNamespace:
 def _file_data(path: Path, mime_type: str) -> dict:
     return {"path": str(path), "url": f"/gradio_api/file={path}", "size": None, "orig_name": None,
             "mime_type": mime_type, "is_stream": False, "meta": {"_type": "gradio.FileData"}}
-
-
-def _media_error(path: Path) -> str:
-    """What omni_local.media says about the file, read directly."""
-    loader = load_audio if path.suffix == ".wav" else load_image
-    with pytest.raises(MediaError) as error:
-        loader(path, LIMITS)
-    return str(error.value)
 
 
 def _png(path: Path, size: tuple[int, int], colour: tuple[int, int, int] = (200, 30, 30)) -> Path:

@@ -58,7 +58,7 @@ def test_a_spoken_reply_that_cannot_be_kept_warns_and_the_reply_goes_on(tmp_path
     import gradio as gr
     import numpy as np
 
-    from omni_local.ui.player import keep_audio
+    from omni_local.ui.history import keep_audio
 
     warnings = []
     monkeypatch.setattr(gr, "Warning", warnings.append)

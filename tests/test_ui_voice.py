@@ -16,9 +16,7 @@ from omni_local.ui.chats import ChatStore
 from omni_local.ui.history import ChatMemory, to_messages
 from omni_local.ui.player import STOP
 from omni_local.ui.voice_mode import HANDS_FREE, PUSH_TO_TALK, TurnContext, VoiceMode
-from samples import SPEECH, wait_for
-
-SILENCE = np.zeros(16_000, np.float32)  # 1 s
+from samples import SILENCE, SPEECH, wait_for
 
 
 def page_chunks(samples: np.ndarray, folder: Path) -> list[str]:

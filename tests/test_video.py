@@ -22,14 +22,6 @@ NEW_TOKENS = 12
 QUESTION = "What happens in this video?"
 
 
-@pytest.fixture(scope="module")
-def apps(demo_settings, demo_checkpoint):
-    """The same model twice: with every cache, and with every cache off."""
-    off = demo_settings.replace(prefix_cache=False, encoder_cache=False)
-    with OmniLocal(demo_settings) as cached, OmniLocal(off) as uncached:
-        yield cached, uncached
-
-
 def transformers_reply(app: OmniLocal, messages: list[Message], text_parts: list[dict]) -> tuple[torch.Tensor, list[int]]:
     """The prompt ids and greedy reply of transformers' own processor and `generate` (the video's
     sound track loaded as its audio, `use_audio_in_video`)."""

@@ -8,14 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from test_speech import send
-from omni_local.api import OmniLocal
+from replies import send
 from omni_local.engine.vocoder import AudioStream, Vocoder
 from omni_local.model import load_model
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU, and none is visible"
-)
+pytestmark = pytest.mark.cuda
 
 # Waveforms on a GPU: cuDNN convolutions run in TF32 and choose their algorithm by length, as in
 # test_speech.py; a padded chunk runs at its graph's length.
@@ -23,11 +20,9 @@ ATOL = 5e-5
 
 
 @pytest.fixture(scope="module")
-def code2wav(demo_settings, demo_checkpoint) -> torch.nn.Module:
-    loaded = load_model(demo_settings.replace(speech=True))
-    if loaded.device.type != "cuda":
-        pytest.skip("the demo model runs on the CPU: set OMNI_LOCAL_TEST_DEVICE=cuda")
-    return loaded.model.code2wav
+def code2wav(on_gpu, demo_settings) -> torch.nn.Module:
+    """Code2Wav of a model loaded with speech, on the GPU (`on_gpu` skips the test elsewhere)."""
+    return load_model(demo_settings.replace(speech=True)).model.code2wav
 
 
 def vocoders(code2wav: torch.nn.Module) -> tuple[Vocoder, Vocoder]:
@@ -72,20 +67,13 @@ def test_a_chunk_longer_than_every_graph_is_a_clear_error(code2wav):
         graphed.graphs.replay(codes)
 
 
-@pytest.fixture(scope="module")
-def speaking(code2wav, demo_settings):
-    """The demo with speech twice: graphs on, and eager."""
-    settings = demo_settings.replace(speech=True, max_speech_seconds=4.0)
-    with OmniLocal(settings) as graphed, OmniLocal(settings.replace(cuda_graphs=False)) as eager:
-        yield graphed, eager
-
-
-def test_a_spoken_reply_with_graphs_on_has_the_frames_and_audio_of_eager(speaking):
-    graphed, eager = speaking
+def test_a_spoken_reply_with_graphs_on_has_the_frames_and_audio_of_eager(speaking_graphed_and_eager):
+    graphed, eager = speaking_graphed_and_eager
     assert graphed.engine.speaker.vocoder.graphs is not None
     assert eager.engine.speaker.vocoder.graphs is None
     (final, frames, audio, _), (_, eager_frames, eager_audio, _) = (
-        send(app, app.session(), "Tell me a story about a lighthouse keeper.", voice="Chelsie") for app in speaking
+        send(app, app.session(), "Tell me a story about a lighthouse keeper.", voice="Chelsie")
+        for app in (graphed, eager)
     )
     assert frames == eager_frames and final.speech.frames == len(frames)
     assert audio.shape == eager_audio.shape

@@ -15,9 +15,7 @@ from omni_local.api import AudioChunk, Finished, OmniLocal, Reply, Session
 from omni_local.audio_devices import AudioDeviceError, Microphone, Speakers, load_sounddevice
 from omni_local.cli import main
 from omni_local.voice import SpeechDetector, SpeechStarted, Utterance, VoiceConversation
-from samples import SPEECH, wait_for
-
-SILENCE = np.zeros(16_000, np.float32)  # 1 s
+from samples import SILENCE, SPEECH, wait_for
 
 
 def in_pieces(samples: np.ndarray, size: int = 1_600) -> list[np.ndarray]:
@@ -45,11 +43,6 @@ def test_speech_without_the_pause_after_it_is_not_a_turn_yet():
     assert [type(e) for e in detect(SPEECH)] == [SpeechStarted]
 
 
-@pytest.fixture
-def app(speaking_app):
-    return speaking_app
-
-
 class Player:
     def __init__(self) -> None:
         self.chunks: list[AudioChunk] = []
@@ -74,9 +67,9 @@ def asking(session: Session, **options: object) -> Callable[[np.ndarray], Reply]
     return lambda samples: session.send(audio=[samples], speak=True, talker_temperature=0.0, **options)
 
 
-def test_an_utterance_is_answered_aloud_and_speaking_over_the_reply_stops_it(app):
+def test_an_utterance_is_answered_aloud_and_speaking_over_the_reply_stops_it(speaking_app):
     player = Player()
-    talk, shown, session = conversation(app, player)
+    talk, shown, session = conversation(speaking_app, player)
     for piece in in_pieces(np.concatenate([SPEECH, SILENCE])):
         talk.hear(piece)
     assert talk.turns == 1
@@ -145,12 +138,12 @@ class FakeSoundDevice:
         return {"default_samplerate": 48_000 if kind == "input" else 44_100}
 
 
-def test_the_desktop_microphone_and_speakers_carry_a_whole_turn(app):
+def test_the_desktop_microphone_and_speakers_carry_a_whole_turn(speaking_app):
     device = FakeSoundDevice(np.concatenate([SILENCE, SPEECH, SILENCE, SILENCE]))
     shown: list = []
     with Speakers(device) as speakers:
-        talk = VoiceConversation(asking(app.session(), max_new_tokens=4), lambda chunk: speakers.play(chunk.samples),
-                                 speakers.stop, show=shown.append)
+        talk = VoiceConversation(asking(speaking_app.session(), max_new_tokens=4),
+                                 lambda chunk: speakers.play(chunk.samples), speakers.stop, show=shown.append)
         with Microphone(device, talk.hear):
             wait_for(lambda: talk.turns == 1, seconds=60)
             wait_for(lambda: any(np.any(block != 0) for block in device.played), seconds=60)

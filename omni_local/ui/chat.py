@@ -23,6 +23,8 @@ from omni_local.ui.chats import ChatStore, SavedChat
 from omni_local.ui.history import (
     AUDIO_SUFFIXES,
     IMAGE_SUFFIXES,
+    REPLY_PREFIX,
+    UTTERANCE_PREFIX,
     VIDEO_SUFFIXES,
     ChatMemory,
     as_dict,
@@ -33,8 +35,8 @@ from omni_local.ui.history import (
     question,
     to_messages,
 )
-from omni_local.ui.player import PLAYER_JS, REPLY_PREFIX, audio_payload
-from omni_local.ui.voice_mode import UTTERANCE_PREFIX, add_voice_mode
+from omni_local.ui.player import PLAYER_JS, audio_payload
+from omni_local.ui.voice_mode import add_voice_mode
 
 
 # Leaving a chat stops its reply as the stop button does (the button's own event cancels

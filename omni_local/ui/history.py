@@ -5,7 +5,7 @@ edit (built into ChatInterface) need nothing from us. The shown chat keeps a `Ch
 session id (the saved chat's id), so every turn continues its own prefix-cache entry, and each
 reply's token ids, so the next prompt holds the reply exactly as generated and its cached KV is
 reused in full. Errors appear as a marked message in the chat and are left out of what the model
-sees.
+sees. The WAV files a chat shows and owns, its spoken replies and voice questions, are written here.
 """
 
 import uuid
@@ -16,21 +16,25 @@ from typing import Any
 
 import gradio as gr
 import numpy as np
+import soundfile
 from PIL import Image
 
 from omni_local.api import OmniLocal
 from omni_local.engine.request import Finished
+from omni_local.engine.vocoder import SAMPLE_RATE as SPEECH_SAMPLE_RATE
 from omni_local.errors import RequestError
 from omni_local.media import load_audio, load_image
 from omni_local.media.video import Video
 from omni_local.prompts import Message, Part
-from omni_local.ui.player import keep_audio
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif"}
 AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".mp3"}
 VIDEO_SUFFIXES = {".mp4", ".webm", ".mov"}
 ERROR_TITLE = "Error"
 SPOKEN_TITLE = "Spoken reply"
+# WAV files the app writes into the uploads folder, files of one chat's own (deleted with it).
+REPLY_PREFIX = "reply-"  # a spoken reply
+UTTERANCE_PREFIX = "voice-"  # a voice question
 # Decoded uploads a chat keeps, the most recently used, so that each turn does not read every
 # earlier file again. Bounded: a long chat of videos would otherwise hold every decoded frame for as
 # long as its page is open. One read back costs a decode; the file is unchanged.
@@ -63,6 +67,24 @@ def finished_reply(event: Finished, audio: np.ndarray, uploads: Path, memory: Ch
         shown.append(gr.ChatMessage(content={"path": str(kept)}, metadata={"title": SPOKEN_TITLE}))
     shown.append(gr.ChatMessage(content=event.metrics_line(), metadata={"title": "Metrics"}))
     return shown
+
+
+def keep_wav(folder: Path, prefix: str, samples: np.ndarray, rate: int, subtype: str) -> Path:
+    """`samples` as a new WAV file in `folder` (the private uploads folder), named `prefix` and a
+    random id. Raises OSError, or RuntimeError: soundfile's report of a failed write (a full disk)."""
+    path = folder / f"{prefix}{uuid.uuid4().hex}.wav"
+    soundfile.write(path, samples, rate, subtype=subtype, format="WAV")
+    return path
+
+
+def keep_audio(folder: Path, samples: np.ndarray) -> Path | None:
+    """A spoken reply as a WAV file in the private uploads folder, for the chat to play again; None
+    (and a warning on the page) if the disk will not take it."""
+    try:
+        return keep_wav(folder, REPLY_PREFIX, samples, SPEECH_SAMPLE_RATE, "PCM_16")
+    except (OSError, RuntimeError) as error:
+        gr.Warning(f"The spoken reply could not be kept to play again: {error}")
+        return None
 
 
 def error_message(text: str) -> gr.ChatMessage:

@@ -9,16 +9,11 @@ a stop item cuts it too (barge-in in voice mode).
 
 import base64
 import time
-import uuid
-from pathlib import Path
 from typing import Any
 
-import gradio as gr
 import numpy as np
-import soundfile
 
 from omni_local.engine.request import AudioChunk
-from omni_local.engine.vocoder import SAMPLE_RATE as SPEECH_SAMPLE_RATE
 
 PLAYER_JS = """
 (payload) => {
@@ -55,7 +50,6 @@ PLAYER_JS = """
 """
 
 STOP: dict[str, Any] = {"stop": True}
-REPLY_PREFIX = "reply-"  # a spoken reply's WAV in the uploads folder: a file of one chat's own
 
 
 def audio_payload(chunk: AudioChunk, index: int) -> dict[str, Any]:
@@ -64,14 +58,3 @@ def audio_payload(chunk: AudioChunk, index: int) -> dict[str, Any]:
     return {"index": index, "rate": chunk.sample_rate, "pcm": base64.b64encode(pcm.tobytes()).decode("ascii"),
             "sent_at": time.time()}  # wall clock, so the page can tell how long the chunk took to reach it
 
-
-def keep_audio(folder: Path, samples: np.ndarray) -> Path | None:
-    """A spoken reply as a WAV file in the private uploads folder, for the chat to play again; None
-    (and a warning on the page) if the disk will not take it."""
-    path = folder / f"{REPLY_PREFIX}{uuid.uuid4().hex}.wav"
-    try:
-        soundfile.write(path, samples, SPEECH_SAMPLE_RATE, subtype="PCM_16", format="WAV")
-    except (OSError, RuntimeError) as error:  # soundfile reports a failed write as RuntimeError
-        gr.Warning(f"The spoken reply could not be kept to play again: {error}")
-        return None
-    return path

@@ -16,7 +16,6 @@ voice turn's chat, ticks leave the chat alone, and the voice turn is put back on
 """
 
 import threading
-import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,14 +30,15 @@ import soxr
 from omni_local.api import AudioChunk, Finished, OmniLocal, Reply, TextDelta
 from omni_local.errors import OmniLocalError, RequestError
 from omni_local.media import SAMPLE_RATE
-from omni_local.ui.history import ChatMemory, as_dict, error_message, file_path, finished_reply, to_messages
+from omni_local.ui.history import (
+    UTTERANCE_PREFIX, ChatMemory, as_dict, error_message, file_path, finished_reply, keep_wav, to_messages,
+)
 from omni_local.ui.player import STOP, audio_payload
 from omni_local.voice import VoiceConversation
 
 HANDS_FREE, PUSH_TO_TALK = "Hands-free", "Push to talk"
 CHUNK_SECONDS = 0.1  # how often the page sends the microphone's audio: the detector's reaction time
 DELIVERY_SECONDS = 0.1  # how often the page fetches the reply's text and audio while it is made
-UTTERANCE_PREFIX = "voice-"  # a voice question's WAV in the uploads folder: a file of one chat's own
 HEARD_PATHS = 64  # chunk paths whose audio is kept, for a chunk arriving again
 # Ticks that must see the page show a finished voice turn, with no typed reply streaming, before it is
 # left to the page: a typed reply's last update can reach the page just after its stream has ended.
@@ -253,12 +253,10 @@ class VoiceMode:
     def _keep_utterance(self, samples: np.ndarray) -> Path:
         """The utterance as a float WAV at 16 kHz in the private uploads folder: the chat shows it,
         and read back after a restart it gives the same samples, so the turn's cached KV matches."""
-        path = self.uploads / f"{UTTERANCE_PREFIX}{uuid.uuid4().hex}.wav"
         try:
-            soundfile.write(path, samples, SAMPLE_RATE, subtype="FLOAT", format="WAV")
-        except (OSError, RuntimeError) as error:  # a full disk; soundfile reports a failed write as RuntimeError
+            return keep_wav(self.uploads, UTTERANCE_PREFIX, samples, SAMPLE_RATE, "FLOAT")
+        except (OSError, RuntimeError) as error:
             raise RequestError(f"the recording could not be kept (is the disk full?): {error}") from None
-        return path
 
 
 def add_voice_mode(

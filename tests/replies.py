@@ -1,0 +1,80 @@
+"""Replies to compare: the engine's, as a session sends them, and transformers' own from `generate`,
+greedy and NEW_TOKENS long (the parity, speech and CUDA graph tests)."""
+
+import numpy as np
+import torch
+from PIL import Image
+
+from omni_local.api import AudioChunk, Finished, OmniLocal, TextDelta
+from omni_local.prompts import Message, Prompt, build_prompt
+
+NEW_TOKENS = 24
+GREEDY = {"speak": True, "talker_temperature": 0.0}  # a spoken reply, its codes greedy too
+
+
+def media(parts: list) -> dict:
+    """A message's pictures and clips, as `Session.send` takes them."""
+    return {"images": [p for p in parts if isinstance(p, Image.Image)],
+            "audio": [p for p in parts if isinstance(p, np.ndarray)]}
+
+
+def send(app: OmniLocal, session, text: str, **options) -> tuple[Finished, list[list[int]], np.ndarray, list]:
+    """A spoken reply's final event, codec frames, audio and event order ('T' text, 'A' audio)."""
+    reply = session.send(text, **{"max_new_tokens": NEW_TOKENS, **GREEDY, **options})
+    frames, order = [], []
+    for event in reply:
+        if isinstance(event, AudioChunk):
+            frames += event.frames
+            order.append("A")
+        elif isinstance(event, TextDelta):
+            order.append("T")
+    return reply.result(), frames, reply.audio, order
+
+
+def model_inputs(app: OmniLocal, prompt: Prompt) -> dict:
+    """`prompt`'s inputs to transformers' generate, on the model's device (which moves only the ids)."""
+    inputs = prompt.model_inputs(app.loaded.processor)
+    return {k: v.to(app.loaded.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+def reference_tokens(app: OmniLocal, messages: list[Message]) -> list[int]:
+    """Greedy tokens from transformers' own generate, cut at (and without) the end of turn. The engine
+    never lets a reply hold a media placeholder token, so neither may the reference."""
+    prompt = build_prompt(messages, app.loaded.processor)
+    with torch.inference_mode():
+        output = app.loaded.model.thinker.generate(
+            **model_inputs(app, prompt), max_new_tokens=NEW_TOKENS, do_sample=False,
+            suppress_tokens=app.engine.suppressed_ids,
+        )
+    tokens = output[0, prompt.num_tokens :].tolist()
+    eos = set(app.engine.eos_ids)
+    for i, token in enumerate(tokens):
+        if token in eos:
+            return tokens[:i]
+    return tokens
+
+
+def transformers_speech(app: OmniLocal, messages: list[Message], voice: str) -> tuple[list[int], torch.Tensor]:
+    """Greedy text and codes [groups, frames] from transformers' `generate(return_audio=True)`."""
+    model, engine = app.loaded.model, app.engine
+    prompt = build_prompt(messages, app.loaded.processor)
+    decoded = []
+    original = model.code2wav.chunked_decode
+
+    def keep_codes(codes: torch.Tensor, **kwargs) -> torch.Tensor:
+        decoded.append(codes[0].clone())
+        return original(codes, **kwargs)
+
+    model.code2wav.chunked_decode = keep_codes
+    try:
+        with torch.inference_mode():
+            sequences, _ = model.generate(
+                **model_inputs(app, prompt), speaker=voice,
+                thinker_max_new_tokens=NEW_TOKENS, thinker_do_sample=False,
+                thinker_eos_token_id=sorted(engine.eos_ids), thinker_suppress_tokens=engine.suppressed_ids,
+                talker_do_sample=False, talker_max_new_tokens=engine.speaker.max_frames + 1,
+            )
+    finally:
+        model.code2wav.chunked_decode = original
+    text = [t for t in sequences[0, prompt.num_tokens :].tolist() if t not in engine.eos_ids]
+    return text, decoded[0]
