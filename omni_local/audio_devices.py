@@ -93,23 +93,26 @@ class Speakers(_Stream):
             raise AudioDeviceError(f"no speakers to play on: {error}") from None
         self._source_rate = source_rate
         # One resampler across a reply's chunks: each chunk alone would be cut off at its edges.
-        self._resampler = soxr.ResampleStream(source_rate, self.rate, 1, dtype="float32")
+        self._resampler = self._new_resampler()
         self._queue: queue.Queue[np.ndarray] = queue.Queue()
         self._current = np.zeros(0, np.float32)
         self._lock = threading.Lock()
 
+    def _new_resampler(self) -> soxr.ResampleStream:
+        return soxr.ResampleStream(self._source_rate, self.rate, 1, dtype="float32")
+
     def play(self, samples: np.ndarray) -> None:
-        self._queue.put(self._resampler.resample_chunk(samples.astype(np.float32)))
+        self._queue.put(self._resampler.resample_chunk(samples.astype(np.float32, copy=False)))
 
     def finish(self) -> None:
         """The reply is complete: play what the resampler still holds (its last few ms), and resample
         the next reply as a new stream."""
         self._queue.put(self._resampler.resample_chunk(np.zeros(0, np.float32), last=True))
-        self._resampler = soxr.ResampleStream(self._source_rate, self.rate, 1, dtype="float32")
+        self._resampler = self._new_resampler()
 
     def stop(self) -> None:
         with self._lock:
-            self._resampler = soxr.ResampleStream(self._source_rate, self.rate, 1, dtype="float32")
+            self._resampler = self._new_resampler()
             self._current = np.zeros(0, np.float32)
             while not self._queue.empty():
                 self._queue.get_nowait()

@@ -50,9 +50,8 @@ class SpeechDetector:
 
         self._vad = VADIterator(_load_vad(), threshold=threshold, sampling_rate=SAMPLE_RATE,
                                 min_silence_duration_ms=silence_ms)
-        self._pending = np.zeros(0, np.float32)
         self._before: deque[np.ndarray] = deque(maxlen=max(1, pre_roll_ms * SAMPLE_RATE // 1000 // CHUNK))
-        self._speech: list[np.ndarray] | None = None  # the utterance so far, while one is going on
+        self.reset()
 
     def feed(self, samples: np.ndarray) -> list[SpeechStarted | Utterance]:
         """What the next stretch of microphone audio (16 kHz mono float32) completes."""
@@ -78,7 +77,8 @@ class SpeechDetector:
     def reset(self) -> None:
         """Forget the stream so far: a new recording starts with no utterance under way."""
         self._vad.reset_states()
-        self._pending, self._speech = np.zeros(0, np.float32), None
+        self._pending = np.zeros(0, np.float32)
+        self._speech: list[np.ndarray] | None = None  # the utterance so far, while one is going on
         self._before.clear()
 
 

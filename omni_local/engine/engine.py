@@ -13,10 +13,9 @@ The host does not wait for a decode step it queues. A step's tokens are chosen o
 next step is queued, so the device computes that step while the host streams the tokens, checks
 for the end of each reply and publishes to the prefix cache. What must be read at once still
 waits for everything queued before it, this turn's step included: a prefill's first token, and a
-spoken reply's codes. A reply that ended at a token was
-computed one step more meanwhile: that step's token is dropped, and the KV row it wrote is not
-counted (`Request.written`). Max-new-tokens and the context's end are known in advance: no step
-is queued past them.
+spoken reply's codes. A reply that ended at a token was computed one step more meanwhile: that
+step's token is dropped, and the KV row it wrote is not counted (`Request.written`).
+Max-new-tokens and the context's end are known in advance: no step is queued past them.
 """
 
 import logging

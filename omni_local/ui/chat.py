@@ -8,6 +8,7 @@ goes on.
 
 import os
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -146,7 +147,7 @@ def build_ui(app: OmniLocal, store: ChatStore | None = None) -> gr.Blocks:
         )
         if voices:
             add_voice_mode(app, uploads, chat, audio_feed, memory, [system, longest, temperature, top_p, voice],
-                           save=lambda history, prompt, m: _keep(store, history, prompt, m), typing=typing.__contains__)
+                           save=partial(_keep, store), typing=typing.__contains__)
         # The shown chat's id, on the page: sent with the messages as the page had them when they
         # changed, while the memory is the server's, which may already be another chat's (see _keep).
         shown_id = gr.Textbox(visible=False)

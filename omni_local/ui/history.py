@@ -51,10 +51,13 @@ class ChatMemory:
 
     def remember(self, path: str, part: Part) -> None:
         """Keep `part`, decoded from `path`, dropping the least recently used past KEPT_MEDIA_BYTES."""
-        self.media.pop(path, None)
+        known = self.media.pop(path, None) is not None
         self.media[path] = part
-        while len(self.media) > 1 and sum(map(_nbytes, self.media.values())) > KEPT_MEDIA_BYTES:
-            del self.media[next(iter(self.media))]
+        if known:
+            return  # used again: now the most recent, and the total is what it was
+        total = sum(map(_nbytes, self.media.values()))
+        while len(self.media) > 1 and total > KEPT_MEDIA_BYTES:
+            total -= _nbytes(self.media.pop(next(iter(self.media))))
 
 
 def finished_reply(event: Finished, audio: np.ndarray, uploads: Path, memory: ChatMemory) -> list[gr.ChatMessage]:
