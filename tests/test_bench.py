@@ -78,3 +78,18 @@ def test_the_bench_smoke_run_times_every_scenario_and_the_cache_rows_compute_onl
     # Time to first audio and real-time factor, cold and on a cached turn (their values checked above).
     spoken = ("spoken reply, first send", "voice chat turn 2")
     assert all("rtf" in rows[scenario, system] for scenario in spoken for system in EXPECTED[scenario])
+
+
+def test_the_decode_step_bench_smoke_run_prints_a_step_time_for_each_batch_and_context(
+    demo_settings, demo_checkpoint, tmp_path
+):
+    done = subprocess.run(
+        [sys.executable, "-m", "omni_local.bench.decode_steps", "--runs", "1", "--device", "cpu",
+         "--demo-dir", str(demo_settings.demo_path), "--cache-dir", str(tmp_path / "cache"),
+         "--gpu-cache-bytes", str(64 << 20), "--max-context-tokens", "1024", "--max-prompt-tokens", "960"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    table = [line for line in done.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [line.split(" | ")[0] for line in table] == ["| 1", "| 2", "| 4", "| 8", "| 16"][: len(table)]
+    assert len(table) >= 2 and all(float(cell) > 0 for line in table for cell in line.strip("| ").split(" | ")[1:])

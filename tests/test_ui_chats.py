@@ -112,12 +112,11 @@ def test_a_change_the_page_made_before_it_opened_another_chat_is_not_saved_as_th
 
 
 def test_a_deleted_chat_is_not_saved_again_by_a_reply_that_finishes_after(tmp_path):
-    from omni_local.ui.chat import ChatMemory, _keep
+    from omni_local.ui.chat import ChatMemory, _delete, _keep
 
     store, memory = ChatStore(tmp_path / "chats"), ChatMemory()
     history = [{"role": "user", "content": ["Hello?"]}]
     _keep(store, history, "", memory)
-    store.delete(memory.session_id)
-    memory.deleted = True
+    _delete(store, tmp_path / "uploads", memory)
     _keep(store, history + [{"role": "assistant", "content": "Hi."}], "", memory)
     assert store.titles() == []
