@@ -31,11 +31,11 @@ from omni_local.ui.history import (
     as_dict,
     decoded_media,
     error_message,
-    file_path,
     finished_reply,
     question,
     to_messages,
 )
+from omni_local.ui.messages import blocks, file_path
 from omni_local.ui.player import PLAYER_JS, audio_payload
 from omni_local.ui.voice_mode import add_voice_mode
 
@@ -220,8 +220,7 @@ def _delete(store: ChatStore, uploads: Path, memory: ChatMemory) -> tuple[Any, .
     questions. Uploads stay: Gradio keeps one file per content, which other chats may show too."""
     saved = store.get(memory.session_id)
     for message in saved.history if saved else []:
-        content = message.get("content")
-        for block in content if isinstance(content, list) else [content]:
+        for block in blocks(message):
             path = Path(file_path(block) or "")
             if path.parent == uploads and path.name.startswith((REPLY_PREFIX, UTTERANCE_PREFIX)):
                 path.unlink(missing_ok=True)

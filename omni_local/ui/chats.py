@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_local.cache.folders import private_folder
+from omni_local.ui.messages import block_text, blocks
 
 TITLE_CHARS = 40
 
@@ -37,10 +38,7 @@ class SavedChat:
 def first_question(history: list[dict[str, Any]]) -> str:
     for message in history:
         if message.get("role") == "user":
-            content = message.get("content")
-            blocks = content if isinstance(content, list) else [content]
-            text = " ".join(b if isinstance(b, str) else b.get("text", "") for b in blocks
-                            if isinstance(b, str) or (isinstance(b, dict) and b.get("type") == "text")).strip()
+            text = " ".join(text for block in blocks(message) if (text := block_text(block)) is not None).strip()
             if text:
                 return text if len(text) <= TITLE_CHARS else text[: TITLE_CHARS - 1] + "…"
     return ""

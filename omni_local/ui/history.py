@@ -26,6 +26,7 @@ from omni_local.errors import RequestError
 from omni_local.media import load_audio, load_image
 from omni_local.media.video import Video
 from omni_local.prompts import Message, Part
+from omni_local.ui.messages import block_text, blocks, file_path
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif"}
 AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".mp3"}
@@ -114,8 +115,8 @@ def to_messages(history: list[dict[str, Any]], app: OmniLocal, memory: ChatMemor
     """
     memory = memory or ChatMemory()
 
-    def parts(content: Any) -> list[Part]:
-        return _parts(content, lambda path: _remembered(path, app, memory))
+    def parts(message: dict[str, Any]) -> list[Part]:
+        return _parts(message, lambda path: _remembered(path, app, memory))
 
     messages: list[Message] = []
     asked: dict[str, Any] | None = None  # the last user entry, until its reply comes
@@ -128,13 +129,13 @@ def to_messages(history: list[dict[str, Any]], app: OmniLocal, memory: ChatMemor
         elif title:
             continue
         elif asked is not None:
-            answer = parts(entry["content"])
+            answer = parts(entry)
             ids = memory.replies.get("".join(p for p in answer if isinstance(p, str)))
-            question_parts = sorted(parts(asked["content"]), key=_send_order)
+            question_parts = sorted(parts(asked), key=_send_order)
             messages += [Message("user", question_parts), Message("assistant", answer, token_ids=ids)]
             asked = None
         elif messages:
-            messages[-1].parts += parts(entry["content"])  # one reply shown as several messages
+            messages[-1].parts += parts(entry)  # one reply shown as several messages
     return messages
 
 
@@ -145,28 +146,15 @@ def _send_order(part: Part) -> int:
     return next((rank for rank, kind in enumerate(kinds) if isinstance(part, kind)), len(kinds))
 
 
-def _parts(content: Any, load: Callable[[str], Part]) -> list[Part]:
-    blocks = content if isinstance(content, list) else [content]
+def _parts(message: dict[str, Any], load: Callable[[str], Part]) -> list[Part]:
     parts: list[Part] = []
-    for block in blocks:
-        path = file_path(block)
+    for block in blocks(message):
+        path, text = file_path(block), block_text(block)
         if path is not None:
             parts.append(load(path))
-        elif isinstance(block, dict) and block.get("type") == "text":
-            parts.append(block["text"])
-        elif isinstance(block, str):
-            parts.append(block)
+        elif text is not None:
+            parts.append(text)
     return parts
-
-
-def file_path(block: Any) -> str | None:
-    if isinstance(block, dict):
-        if block.get("type") == "file":
-            block = block.get("file", block)
-        return block.get("path")
-    if isinstance(block, tuple) and block:
-        return block[0]
-    return None
 
 
 def decoded_media(files: list[Any], app: OmniLocal, memory: ChatMemory) -> dict[str, list[Part]]:

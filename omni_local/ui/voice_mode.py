@@ -31,8 +31,9 @@ from omni_local.api import AudioChunk, Finished, OmniLocal, Reply, TextDelta
 from omni_local.errors import OmniLocalError, RequestError
 from omni_local.media import SAMPLE_RATE
 from omni_local.ui.history import (
-    UTTERANCE_PREFIX, ChatMemory, as_dict, error_message, file_path, finished_reply, keep_wav, to_messages,
+    UTTERANCE_PREFIX, ChatMemory, as_dict, error_message, finished_reply, keep_wav, to_messages,
 )
+from omni_local.ui.messages import block_text, blocks, file_path
 from omni_local.ui.player import STOP, audio_payload
 from omni_local.voice import VoiceConversation
 
@@ -309,10 +310,8 @@ def _looks(message: dict[str, Any]) -> tuple[Any, ...]:
     """What a message shows, in either form a chat holds it (as made here, or as the page sends it
     back): its role, its files by name (a copy Gradio serves keeps the name), its texts without their
     white space (the page's are dedented: inspect.cleandoc), its title."""
-    content = message.get("content")
-    blocks = []
-    for block in content if isinstance(content, list) else [content]:
+    shown = []
+    for block in blocks(message):
         path = file_path(block)
-        text = block.get("text", "") if isinstance(block, dict) else str(block or "")
-        blocks.append(Path(path).name if path else "".join(text.split()))
-    return message["role"], blocks, (message.get("metadata") or {}).get("title")
+        shown.append(Path(path).name if path else "".join((block_text(block) or "").split()))
+    return message["role"], shown, (message.get("metadata") or {}).get("title")
