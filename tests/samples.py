@@ -39,7 +39,8 @@ def video_file(seed: int, seconds: float = 2.0, size: tuple[int, int] = (96, 64)
         video.width, video.height, video.pix_fmt = size[0], size[1], "yuv420p"
         audio = file.add_stream(codecs[1], rate=48_000) if sound else None
         for _ in range(round(seconds * 10)):
-            frame = av.VideoFrame.from_ndarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8), format="rgb24")
+            pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+            frame = av.VideoFrame.from_ndarray(pixels, format="rgb24")
             file.mux(video.encode(frame))
         file.mux(video.encode())
         if audio is not None:

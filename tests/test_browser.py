@@ -39,7 +39,8 @@ ARTIFACTS = REPO / "test-artifacts" / "browser"
 CHROMIUM_ARGS = [
     "--no-sandbox", "--disable-dev-shm-usage",
     # The microphone: Chromium's fake device (its file is given at launch), allowed without asking.
-    "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream", "--autoplay-policy=no-user-gesture-required",
+    "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
+    "--autoplay-policy=no-user-gesture-required",
     # Chromium's own traffic (updates, sync, field trials): without these it tries many connections.
     "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run",
     "--disable-quic",

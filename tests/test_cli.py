@@ -9,7 +9,7 @@ import pytest
 import soundfile
 
 from samples import video_file
-from bad_files import BAD_FILES, MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS, good_image, write_bad_files
+from bad_files import BAD_FILES, MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS, good_image
 from omni_local.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -55,12 +55,13 @@ def test_ask_speak_writes_the_spoken_reply_to_a_wav_file(flags, tmp_path, capsys
 def test_ask_with_an_unknown_voice_ends_with_one_line_listing_the_voices(flags, capsys):
     status = main(["ask", "Hi", "--speak", "--voice", "Nobody", *flags])
     assert status == 2
-    assert capsys.readouterr().err.strip() == "error: unknown voice 'Nobody': this model speaks as Aiden, Chelsie, Ethan"
+    expected = "error: unknown voice 'Nobody': this model speaks as Aiden, Chelsie, Ethan"
+    assert capsys.readouterr().err.strip() == expected
 
 
 @pytest.mark.parametrize("case", BAD_FILES)
-def test_a_bad_file_ends_with_one_line_naming_it_and_status_2(flags, tmp_path, capsys, case):
-    path, phrase = write_bad_files(tmp_path)[case]
+def test_a_bad_file_ends_with_one_line_naming_it_and_status_2(flags, bad_files, capsys, case):
+    path, phrase = bad_files[case]
     kind = "--audio" if path.suffix == ".wav" else "--image"
     status = main(["ask", "What is this?", kind, str(path), *flags])
     err = capsys.readouterr().err.strip()
@@ -76,8 +77,8 @@ def test_an_unknown_settings_key_ends_with_one_line_and_status_2(flags, tmp_path
     assert capsys.readouterr().err.strip() == f"error: {settings_file}: unknown setting 'engine.turbo'"
 
 
-def test_a_real_process_prints_no_traceback_for_a_bad_file(flags, tmp_path):
-    path, phrase = write_bad_files(tmp_path)["truncated png"]
+def test_a_real_process_prints_no_traceback_for_a_bad_file(flags, bad_files):
+    path, phrase = bad_files["truncated png"]
     done = subprocess.run(
         [sys.executable, "-m", "omni_local", "ask", "What?", "--image", str(path), *flags],
         cwd=REPO, capture_output=True, text=True, timeout=300,
@@ -86,8 +87,8 @@ def test_a_real_process_prints_no_traceback_for_a_bad_file(flags, tmp_path):
     assert done.stderr.strip().splitlines() == [f"error: {phrase} (not a readable image)"]
 
 
-def test_chat_holds_a_conversation_with_attachments_and_survives_a_bad_file(flags, tmp_path):
-    bad, _ = write_bad_files(tmp_path)["zero-byte file"]
+def test_chat_holds_a_conversation_with_attachments_and_survives_a_bad_file(flags, bad_files, tmp_path):
+    bad, _ = bad_files["zero-byte file"]
     script = f"Hello\n/image {bad}\nWhat about this?\n/image {good_image(tmp_path)}\nAnd this?\n"
     done = subprocess.run(
         [sys.executable, "-m", "omni_local", "chat", "--max-new-tokens", "4", *flags],

@@ -19,7 +19,7 @@ SPEECH_SECONDS = 2.0  # 25 frames: every reply here is cut there (the demo's ran
 
 
 @pytest.fixture(scope="module")
-def apps(demo_settings, demo_checkpoint):
+def speaking_apps(demo_settings, demo_checkpoint):
     """conftest's `apps` with speech: the demo model twice, with every cache and with every cache off."""
     on = demo_settings.replace(speech=True, max_speech_seconds=SPEECH_SECONDS)
     off = on.replace(prefix_cache=False, encoder_cache=False)
@@ -41,8 +41,8 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_spoken_replies_have_the_codes_and_audio_of_transformers_generate(apps, case):
-    app = apps[1]
+def test_spoken_replies_have_the_codes_and_audio_of_transformers_generate(speaking_apps, case):
+    app = speaking_apps[1]
     parts = CASES[case]()
     final, frames, audio, _ = send(app, app.session(), parts[-1], voice="Chelsie", **media(parts))
     text, codes = transformers_speech(app, [Message("user", parts)], "Chelsie")
@@ -57,8 +57,8 @@ def test_spoken_replies_have_the_codes_and_audio_of_transformers_generate(apps, 
     np.testing.assert_allclose(audio, whole, atol=1e-6 if app.loaded.device.type == "cpu" else 5e-5)
 
 
-def test_chunks_with_less_left_context_than_the_reply_stay_close_to_one_decode(apps):
-    code2wav = apps[0].loaded.model.code2wav
+def test_chunks_with_less_left_context_than_the_reply_stay_close_to_one_decode(speaking_apps):
+    code2wav = speaking_apps[0].loaded.model.code2wav
     frames = torch.randint(0, 64, (120, 4), generator=torch.Generator().manual_seed(0)).tolist()
     vocoder, stream = Vocoder(code2wav, first_chunk=2, chunk=10, left_context=25), AudioStream()
     chunks = []
@@ -78,13 +78,13 @@ def test_chunks_with_less_left_context_than_the_reply_stay_close_to_one_decode(a
     assert np.abs(streamed - whole).max() < 0.02 * np.abs(whole).max()
 
 
-def test_a_chunk_padded_on_the_right_decodes_to_the_samples_of_the_chunk_alone(apps):
+def test_a_chunk_padded_on_the_right_decodes_to_the_samples_of_the_chunk_alone(speaking_apps):
     """What lets a CUDA graph of a longer chunk decode a shorter one: Code2Wav is causal up to its
     right edge, so frames after a chunk change none of its samples, only add their own."""
-    code2wav = apps[0].loaded.model.code2wav
+    code2wav = speaking_apps[0].loaded.model.code2wav
     frames_per_graph, per_frame = 35, int(code2wav.total_upsample)
     codes = torch.randint(0, code2wav.config.codebook_size, (1, code2wav.config.num_quantizers, frames_per_graph),
-                          generator=torch.Generator().manual_seed(1)).to(apps[0].loaded.device)
+                          generator=torch.Generator().manual_seed(1)).to(speaking_apps[0].loaded.device)
     with torch.inference_mode():
         for frames in (1, 2, 13, 34):
             alone = code2wav(codes[..., :frames])
@@ -99,8 +99,9 @@ def test_a_chunk_padded_on_the_right_decodes_to_the_samples_of_the_chunk_alone(a
                 torch.testing.assert_close(wav[..., : alone.shape[-1]], alone, atol=atol, rtol=0)
 
 
-def test_every_chunk_of_a_stream_fits_a_length_graphs_are_captured_for(apps):
-    vocoder, stream = Vocoder(apps[0].loaded.model.code2wav, first_chunk=2, chunk=10, left_context=25), AudioStream()
+def test_every_chunk_of_a_stream_fits_a_length_graphs_are_captured_for(speaking_apps):
+    code2wav = speaking_apps[0].loaded.model.code2wav
+    vocoder, stream = Vocoder(code2wav, first_chunk=2, chunk=10, left_context=25), AudioStream()
     decode, lengths = vocoder.code2wav, []
 
     def recording(codes: torch.Tensor) -> torch.Tensor:
@@ -117,8 +118,8 @@ def test_every_chunk_of_a_stream_fits_a_length_graphs_are_captured_for(apps):
     assert lengths == [2, 6, 14, 24, 34, 35, 35, 32]
 
 
-def test_the_first_audio_arrives_while_the_text_is_still_streaming(apps):
-    app = apps[0]
+def test_the_first_audio_arrives_while_the_text_is_still_streaming(speaking_apps):
+    app = speaking_apps[0]
     final, _, audio, order = send(app, app.session(), "Tell me a story about a lighthouse keeper.", max_new_tokens=40)
     assert final.tokens.generated == 40, "the comparison needs a 40-token reply"
     last_text = len(order) - 1 - order[::-1].index("T")
@@ -128,15 +129,15 @@ def test_the_first_audio_arrives_while_the_text_is_still_streaming(apps):
 
 
 class Chat:
-    """One spoken conversation held the same way in both apps, each reply checked for equality."""
+    """One spoken conversation held the same way in both speaking_apps, each reply checked for equality."""
 
-    def __init__(self, apps, system: str) -> None:
-        self.apps = apps
-        self.sessions = [app.session(system_prompt=system) for app in apps]
+    def __init__(self, speaking_apps, system: str) -> None:
+        self.speaking_apps = speaking_apps
+        self.sessions = [app.session(system_prompt=system) for app in speaking_apps]
 
     def send(self, text: str, **options) -> Finished:
         (on, on_frames, _, _), (off, off_frames, _, _) = (
-            send(app, session, text, **options) for app, session in zip(self.apps, self.sessions)
+            send(app, session, text, **options) for app, session in zip(self.speaking_apps, self.sessions)
         )
         assert on.token_ids == off.token_ids, "the cache changed the text"
         assert on_frames == off_frames, "the cache changed the speech"
@@ -149,8 +150,8 @@ def written(final: Finished) -> int:
     return final.tokens.prompt + final.tokens.generated - (0 if final.stop_reason == "end_of_turn" else 1)
 
 
-def test_a_voice_chat_turn_2_computes_only_its_new_tokens_and_says_the_same(apps):
-    chat = Chat(apps, "You speak.")
+def test_a_voice_chat_turn_2_computes_only_its_new_tokens_and_says_the_same(speaking_apps):
+    chat = Chat(speaking_apps, "You speak.")
     first = chat.send("Hello, who are you?")
     second = chat.send("And what do you like?")
     assert second.tokens.computed == second.tokens.prompt - written(first)
@@ -159,36 +160,36 @@ def test_a_voice_chat_turn_2_computes_only_its_new_tokens_and_says_the_same(apps
 
 
 @pytest.mark.parametrize("kind", ["images", "audio"])
-def test_a_spoken_answer_to_a_known_medium_reuses_it_and_says_the_same(apps, kind):
+def test_a_spoken_answer_to_a_known_medium_reuses_it_and_says_the_same(speaking_apps, kind):
     medium = {kind: [picture(7) if kind == "images" else clip(8)]}
-    Chat(apps, "You look and listen.").send("What is this?", **medium)
-    final = Chat(apps, "You look and listen.").send("Tell me more.", **medium)
+    Chat(speaking_apps, "You look and listen.").send("What is this?", **medium)
+    final = Chat(speaking_apps, "You look and listen.").send("Tell me more.", **medium)
     prompt = build_prompt([Message("system", ["You look and listen."]),
-                           Message("user", [*medium[kind], "Tell me more."])], apps[0].loaded.processor)
+                           Message("user", [*medium[kind], "Tell me more."])], speaking_apps[0].loaded.processor)
     assert final.tokens.reused_gpu >= prompt.media[0].end  # the medium came from the cache, Talker rows too
 
 
-def test_a_known_medium_after_another_system_prompt_is_spoken_as_without_the_cache(apps):
+def test_a_known_medium_after_another_system_prompt_is_spoken_as_without_the_cache(speaking_apps):
     """A medium's Talker rows come from the Thinker's hidden states, which the system prompt before
     it changes: the Talker KV of a chat that sent the same clip after another system prompt must
     not be reused."""
-    Chat(apps, "You look and listen.").send("What is this?", audio=[clip(10)])
-    second = Chat(apps, "You are a pirate who hears everything.").send("What is this?", audio=[clip(10)])
+    Chat(speaking_apps, "You look and listen.").send("What is this?", audio=[clip(10)])
+    second = Chat(speaking_apps, "You are a pirate who hears everything.").send("What is this?", audio=[clip(10)])
     assert second.media.from_cache == 1, "the clip must be known, or this shows nothing"
     # The Thinker prompts part in the system turn, before the first user row: nothing is reused.
     assert second.speech.talker_reused == 0
 
 
-def test_a_text_turn_then_a_spoken_turn_reads_the_rows_the_text_turn_cached(apps):
-    chat = Chat(apps, "You answer.")
+def test_a_text_turn_then_a_spoken_turn_reads_the_rows_the_text_turn_cached(speaking_apps):
+    chat = Chat(speaking_apps, "You answer.")
     first, _ = (session.send("Look at this.", images=[picture(9)], max_new_tokens=NEW_TOKENS).result()
                 for session in chat.sessions)
     second = chat.send("What did you see?")
     assert second.tokens.computed == second.tokens.prompt - written(first)
 
 
-def test_cancel_stops_text_and_speech_at_once_and_sends_only_whole_chunks(apps, monkeypatch):
-    app = apps[0]
+def test_cancel_stops_text_and_speech_at_once_and_sends_only_whole_chunks(speaking_apps, monkeypatch):
+    app = speaking_apps[0]
     speaker, held = app.engine.speaker, {}
     step = speaker.step
 
@@ -201,7 +202,8 @@ def test_cancel_stops_text_and_speech_at_once_and_sends_only_whole_chunks(apps, 
         return chunk
 
     monkeypatch.setattr(speaker, "step", step_then_cancel)
-    held["reply"] = reply = app.session().send("Tell me a story about a lighthouse keeper.", max_new_tokens=NEW_TOKENS, **GREEDY)
+    question = "Tell me a story about a lighthouse keeper."
+    held["reply"] = reply = app.session().send(question, max_new_tokens=NEW_TOKENS, **GREEDY)
     chunks = [event for event in reply if isinstance(event, AudioChunk)]
     final = reply.result()
     assert final.stop_reason == "cancelled" and final.tokens.generated < NEW_TOKENS
@@ -214,9 +216,9 @@ def test_cancel_stops_text_and_speech_at_once_and_sends_only_whole_chunks(apps, 
     assert again.stop_reason != "cancelled" and frames
 
 
-def test_a_sampled_spoken_reply_is_the_same_again_with_its_seed_and_another_seed_differs(apps):
+def test_a_sampled_spoken_reply_is_the_same_again_with_its_seed_and_another_seed_differs(speaking_apps):
     sampled = {"temperature": 0.9, "top_k": 50, "talker_temperature": 0.9, "seed": 7}  # text and speech sampled
-    replies = [send(apps[1], apps[1].session(), "Sing me something.", **options)
+    replies = [send(speaking_apps[1], speaking_apps[1].session(), "Sing me something.", **options)
                for options in (sampled, sampled, {**sampled, "seed": 8})]
     (first, frames, audio, _), (again, frames_again, audio_again, _), (other, other_frames, _, _) = replies
     assert frames, "the reply must speak, or the comparison proves little"
@@ -224,8 +226,8 @@ def test_a_sampled_spoken_reply_is_the_same_again_with_its_seed_and_another_seed
     assert (other.token_ids, other_frames) != (first.token_ids, frames)
 
 
-def test_an_unknown_voice_is_an_error_listing_the_voices_and_the_next_request_is_served(apps):
-    app = apps[0]
+def test_an_unknown_voice_is_an_error_listing_the_voices_and_the_next_request_is_served(speaking_apps):
+    app = speaking_apps[0]
     with pytest.raises(RequestError, match="unknown voice 'Nobody'.*Aiden, Chelsie, Ethan"):
         app.session().send("Hi", speak=True, voice="Nobody")
     assert send(app, app.session(), "Hi", voice="aiden")[1]
@@ -237,7 +239,7 @@ def test_speech_from_an_app_without_the_talker_is_an_error_and_the_next_request_
     assert app.session().send("Hi", max_new_tokens=4).result().token_ids
 
 
-def test_a_reply_without_speech_has_no_audio(apps):
-    reply = apps[0].session().send("Hi", max_new_tokens=4)
+def test_a_reply_without_speech_has_no_audio(speaking_apps):
+    reply = speaking_apps[0].session().send("Hi", max_new_tokens=4)
     final = reply.result()
     assert final.speech is None and reply.audio.size == 0

@@ -247,7 +247,8 @@ def test_a_chat_decodes_each_upload_once_however_many_turns_follow(tmp_path, mon
     import omni_local.ui.history as history_module
 
     reads = []
-    monkeypatch.setattr(history_module, "load_image", lambda path, limits: reads.append(path) or load_image(path, limits))
+    monkeypatch.setattr(history_module, "load_image",
+                        lambda path, limits: reads.append(path) or load_image(path, limits))
     image = _png(tmp_path / "red.png", (64, 48))
     history = [
         {"role": "user", "content": [{"path": str(image)}, "What is this?"]},

@@ -34,7 +34,8 @@ def test_an_unreadable_file_is_skipped_and_a_foreign_id_names_no_file(tmp_path):
 
 
 def test_a_chat_is_titled_by_its_first_question_until_renamed():
-    chat = SavedChat(history=[{"role": "user", "content": [{"path": "/x.png"}, "What colour is the house in this picture?"]}])
+    question = [{"path": "/x.png"}, "What colour is the house in this picture?"]
+    chat = SavedChat(history=[{"role": "user", "content": question}])
     assert chat.shown_title == "What colour is the house in this picture?"[:39] + "…"
     chat.title = "Houses"
     assert chat.shown_title == "Houses"

@@ -22,7 +22,9 @@ NEW_TOKENS = 12
 QUESTION = "What happens in this video?"
 
 
-def transformers_reply(app: OmniLocal, messages: list[Message], text_parts: list[dict]) -> tuple[torch.Tensor, list[int]]:
+def transformers_reply(
+    app: OmniLocal, messages: list[Message], text_parts: list[dict]
+) -> tuple[torch.Tensor, list[int]]:
     """The prompt ids and greedy reply of transformers' own processor and `generate` (the video's
     sound track loaded as its audio, `use_audio_in_video`)."""
     processor = app.loaded.processor
@@ -134,7 +136,8 @@ def test_a_known_video_skips_its_encoders(apps, monkeypatch):
     # cache can spare its encoders.
     final = app.session("Another chat.").send("Describe it.", videos=[video], max_new_tokens=2).result()
     assert calls == []
-    assert (final.media.encoded, final.media.from_cache) == (0, 1) and "1 from the encoder cache" in final.metrics_line()
+    assert (final.media.encoded, final.media.from_cache) == (0, 1)
+    assert "1 from the encoder cache" in final.metrics_line()
 
 
 LIMITS = MediaLimits(max_upload_bytes=50 << 20, max_image_pixels=96 * 64, max_audio_seconds=300, max_video_seconds=3.0)
