@@ -129,15 +129,15 @@ def test_the_first_audio_arrives_while_the_text_is_still_streaming(speaking_apps
 
 
 class Chat:
-    """One spoken conversation held the same way in both speaking_apps, each reply checked for equality."""
+    """One spoken conversation held the same way in both apps, each reply checked for equality."""
 
-    def __init__(self, speaking_apps, system: str) -> None:
-        self.speaking_apps = speaking_apps
-        self.sessions = [app.session(system_prompt=system) for app in speaking_apps]
+    def __init__(self, apps, system: str) -> None:
+        self.apps = apps
+        self.sessions = [app.session(system_prompt=system) for app in apps]
 
     def send(self, text: str, **options) -> Finished:
         (on, on_frames, _, _), (off, off_frames, _, _) = (
-            send(app, session, text, **options) for app, session in zip(self.speaking_apps, self.sessions)
+            send(app, session, text, **options) for app, session in zip(self.apps, self.sessions)
         )
         assert on.token_ids == off.token_ids, "the cache changed the text"
         assert on_frames == off_frames, "the cache changed the speech"

@@ -104,7 +104,7 @@ def test_the_reply_length_setting_reaches_the_engine(ui_url):
 def _spoken_reply(ui_url: str) -> tuple[list, dict[int, dict]]:
     """One spoken reply's outputs and its audio chunks by index. The Talker samples with a fresh seed,
     and the demo's speech sometimes ends within its first chunk (1 reply in 40); such a reply streams
-    nothing to check, so it is asked again (three short replies in a row: 1 in 64,000)."""
+    nothing to check, so it is asked again (three short replies in a row: 1 in 64,000, computed)."""
     for _ in range(3):
         job = Client(ui_url, verbose=False).submit({"text": "Say something.", "files": []}, "", 8, 0.0, 1.0, True,
                                                    "Chelsie", api_name="/chat")
