@@ -455,7 +455,7 @@ def test_opening_or_reloading_the_page_writes_no_file(page, shot, served, open_t
         _reload(page, served)
         shot(f"reloaded-{step}")
     page.wait_for_timeout(1000)  # a write the last load started would have landed by now
-    assert _chat_files(served) == before
+    assert _chat_files(served) == before, "a page load wrote to the chats folder"
 
 
 def test_a_renamed_chat_keeps_its_title_after_reloads(page, shot, served):
