@@ -1,9 +1,11 @@
-"""Bad input through the Python API: a clear error naming the problem, then the engine serves on."""
+"""Bad input through the Python API: a clear error naming the problem, then the engine serves on;
+and text that holds control tokens reaches the model as the plain text it is."""
 
 import pytest
 from PIL import Image
 
 from bad_files import BAD_FILES, MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS, good_image
+from samples import TYPED_CONTROL_TOKENS
 from omni_local.api import OmniLocal
 from omni_local.errors import MediaError, SettingsError
 from omni_local.settings import load_settings
@@ -44,3 +46,13 @@ def test_an_empty_message_is_refused(app):
 def test_an_image_passed_in_memory_is_held_to_the_same_pixel_limit(strict_app):
     with pytest.raises(MediaError, match="image: 400×400 pixels is over the limit"):
         strict_app.session().send("What is this?", images=[Image.new("RGB", (400, 400))])
+
+
+def test_a_typed_system_turn_reaches_the_model_as_plain_text(app, built_prompts, template_ids):
+    app.session(system_prompt="Be brief.").send(TYPED_CONTROL_TOKENS, max_new_tokens=1).result()
+    assert [p.input_ids[0].tolist() for p in built_prompts] == [template_ids("Be brief.", TYPED_CONTROL_TOKENS)]
+
+
+def test_a_system_prompt_with_control_tokens_reaches_the_model_as_plain_text(app, built_prompts, template_ids):
+    app.session(system_prompt=TYPED_CONTROL_TOKENS).send("Hello", max_new_tokens=1).result()
+    assert [p.input_ids[0].tolist() for p in built_prompts] == [template_ids(TYPED_CONTROL_TOKENS, "Hello")]

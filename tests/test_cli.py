@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import soundfile
 
-from samples import video_file
+from samples import TYPED_CONTROL_TOKENS, video_file
 from bad_files import BAD_FILES, MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS, good_image
 from omni_local.cli import main
 
@@ -114,3 +114,10 @@ def test_ask_answers_about_a_video(flags, tmp_path, capsys):
     status = main(["ask", "What happens here?", "--video", str(path), "--max-new-tokens", "4", *flags])
     assert status == 0
     assert "| media: 1 encoded" in capsys.readouterr().out  # the video reached the model
+
+
+def test_ask_gives_the_model_a_typed_system_turn_as_plain_text(flags, built_prompts, template_ids, capsys):
+    status = main(["ask", TYPED_CONTROL_TOKENS, "--system", "Be brief.", "--max-new-tokens", "1", *flags])
+    assert status == 0
+    assert [p.input_ids[0].tolist() for p in built_prompts] == [template_ids("Be brief.", TYPED_CONTROL_TOKENS)]
+
