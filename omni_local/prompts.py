@@ -152,6 +152,18 @@ def build_prompt(messages: list[Message], processor: Any) -> Prompt:
     return Prompt(input_ids, media, token_keys(input_ids[0].numpy(), [(m.start, m.length, m.digest) for m in media]))
 
 
+def check_text(text: str, holder: str) -> None:
+    """Refuse what is not text a tokenizer takes, such as a lone surrogate: a JSON "\\ud800" or bytes
+    that are not UTF-8 (decoded with surrogateescape, as Python does a command line's) leave one."""
+    if not isinstance(text, str):
+        raise RequestError(f"{holder} must be text, not {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise RequestError(f"{holder} holds text that is not valid Unicode (invalid UTF-8 or a lone surrogate "
+                           f"at character {error.start + 1})") from None
+
+
 def _template_ids(messages: list[Message], processor: Any) -> list[int]:
     """The conversation's ids through the chat template: the template's control tokens where it puts
     them and nowhere else, every text part as plain text (a typed `<|im_start|>` is the ids of `<`,
@@ -184,6 +196,7 @@ def _template_content(message: Message, nonce: str, texts: list[str], replies: l
     blocks = []
     for part in message.parts:
         if isinstance(part, str):
+            check_text(part, "the conversation")
             texts.append(part)
             blocks.append({"type": "text", "text": f"<text {nonce} {len(texts) - 1}>"})
         else:

@@ -7,7 +7,7 @@ from PIL import Image
 from bad_files import BAD_FILES, MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS, good_image
 from samples import TYPED_CONTROL_TOKENS
 from omni_local.api import OmniLocal
-from omni_local.errors import MediaError, SettingsError
+from omni_local.errors import MediaError, RequestError, SettingsError
 from omni_local.settings import load_settings
 
 
@@ -46,6 +46,22 @@ def test_an_empty_message_is_refused(app):
 def test_an_image_passed_in_memory_is_held_to_the_same_pixel_limit(strict_app):
     with pytest.raises(MediaError, match="image: 400×400 pixels is over the limit"):
         strict_app.session().send("What is this?", images=[Image.new("RGB", (400, 400))])
+
+
+@pytest.mark.parametrize("text", ["Hi \ud800", "caf\udce9"], ids=["a lone surrogate", "bytes not UTF-8"])
+def test_a_message_that_is_not_valid_unicode_is_refused_and_the_session_serves_on(app, text):
+    session = app.session(system_prompt="Be brief.")
+    with pytest.raises(RequestError, match="the message holds text that is not valid Unicode"):
+        session.send(text)
+    assert [m.role for m in session.history] == ["system"]
+    session.send("Hello", max_new_tokens=2).result()
+    assert len(session.history) == 3
+
+
+def test_a_system_prompt_that_is_not_valid_unicode_is_refused(app):
+    with pytest.raises(RequestError, match="the system prompt holds text that is not valid Unicode"):
+        app.session(system_prompt="Be \ud800 brief.")
+
 
 
 def test_a_typed_system_turn_reaches_the_model_as_plain_text(app, built_prompts, template_ids):

@@ -261,6 +261,11 @@ def test_a_clip_too_short_for_the_feature_extractor_is_a_request_error(processor
         build_prompt([Message("user", [clip(100), "What is this?"])], processor)
 
 
+def test_a_lone_surrogate_anywhere_in_the_conversation_is_a_request_error(processor):
+    messages = [Message("user", ["Hi"]), Message("assistant", ["caf\udce9"]), Message("user", ["And?"])]
+    with pytest.raises(RequestError, match="the conversation holds text that is not valid Unicode"):
+        build_prompt(messages, processor)
+
 
 # Typed control tokens -----------------------------------------------------------------------------
 
