@@ -23,12 +23,13 @@ def main() -> int:
         keep_uploads_private(settings)
         from omni_local.api import OmniLocal
         from omni_local.ui.chat import build_ui
+        from omni_local.ui.layout import PAGE_CSS
 
         app = OmniLocal(settings)
     except OmniLocalError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    build_ui(app).launch(**options)
+    build_ui(app).launch(**options, css=PAGE_CSS)
     return 0
 
 

@@ -32,7 +32,7 @@ from omni_local.media import SAMPLE_RATE, MediaLimits, check_duration, load_audi
 from omni_local.media.video import Video, load_video
 from omni_local.model.loader import LoadedModel, load_model
 from omni_local.model.workarounds import video_supported
-from omni_local.prompts import Message, Part
+from omni_local.prompts import Message, Part, check_text
 from omni_local.settings import Settings, load_settings
 
 __all__ = ["OmniLocal", "Session", "Reply", "TextDelta", "AudioChunk", "Finished", "OmniLocalError"]
@@ -97,6 +97,8 @@ class Session:
     def __init__(self, app: "OmniLocal", system_prompt: str | None, session_id: str | None = None) -> None:
         self._app = app
         self.id = session_id or uuid.uuid4().hex  # the prefix cache keeps one entry per id
+        if system_prompt is not None:
+            check_text(system_prompt, "the system prompt")
         self.history: list[Message] = [Message("system", [system_prompt])] if system_prompt else []
         self._pending: Reply | None = None
 
@@ -117,6 +119,7 @@ class Session:
 
         A reply still streaming in this session is waited for first (cancel it to cut it short).
         """
+        check_text(text, "the message")
         limits = self._app.limits
         parts: list[Part] = [_image(item, limits) for item in images]
         parts += [_audio(item, limits) for item in audio]

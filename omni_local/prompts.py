@@ -19,6 +19,7 @@ from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import _get_fe
 from omni_local.cache.digests import media_digest, token_keys
 from omni_local.errors import RequestError
 from omni_local.media.video import Video
+from omni_local.template_tokens import TemplateIds
 
 Role = Literal["system", "user", "assistant"]
 Part = str | Image.Image | np.ndarray | Video  # text, an RGB image, 16 kHz mono float32 samples, a video
@@ -126,7 +127,7 @@ class Prompt:
 
 def build_prompt(messages: list[Message], processor: Any) -> Prompt:
     """Tokenize a conversation ending in a user turn, with its images and clips in order."""
-    pieces = _tokenize_around_replies(messages, processor)
+    pieces = _template_ids(messages, processor)
     parts = [p for m in messages for p in m.parts if not isinstance(p, str)]
     tokenizer = processor.tokenizer
     pad_ids = {tokenizer.convert_tokens_to_ids(processor.image_token): "image",
@@ -140,8 +141,8 @@ def build_prompt(messages: list[Message], processor: Any) -> Prompt:
             ids.append(token)
             continue
         if len(media) == len(parts):
-            raise RequestError("the conversation's text holds a media placeholder with no image, audio or video "
-                               "behind it")
+            raise RequestError("the chat template put a media placeholder where the conversation has no image, "
+                               "audio or video")
         before, item, placeholders, after = _media_item(parts[len(media)], kind, len(ids), processor)
         media.append(item)
         ids += before + placeholders + after
@@ -151,34 +152,53 @@ def build_prompt(messages: list[Message], processor: Any) -> Prompt:
     return Prompt(input_ids, media, token_keys(input_ids[0].numpy(), [(m.start, m.length, m.digest) for m in media]))
 
 
-def _tokenize_around_replies(messages: list[Message], processor: Any) -> list[int]:
-    """The rendered template's ids, with each earlier reply's own ids spliced in where it stands."""
-    # Each such reply stands in the rendered text as a marker with a random nonce, which no user
-    # text can forge; the text is cut at the markers and the reply's ids go between the pieces.
+def check_text(text: str, holder: str) -> None:
+    """Refuse what is not text a tokenizer takes, such as a lone surrogate: a JSON "\\ud800" or bytes
+    that are not UTF-8 (decoded with surrogateescape, as Python does a command line's) leave one."""
+    if not isinstance(text, str):
+        raise RequestError(f"{holder} must be text, not {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise RequestError(f"{holder} holds text that is not valid Unicode (invalid UTF-8 or a lone surrogate "
+                           f"at character {error.start + 1})") from None
+
+
+def _template_ids(messages: list[Message], processor: Any) -> list[int]:
+    """The conversation's ids through the chat template: the template's control tokens where it puts
+    them and nowhere else, every text part as plain text (a typed `<|im_start|>` is the ids of `<`,
+    `|`, ...), and each earlier reply with token ids as those very ids."""
+    # Each text part and such reply stands in the rendered text as a marker with a random nonce, which
+    # no template holds by chance: what lies between markers is the template's own text.
     nonce = secrets.token_hex(8)
-    chat, replies = [], []
-    for m in messages:
-        if m.role == "assistant" and m.token_ids is not None:
-            marker = f"<reply {nonce} {len(replies)}>"
-            chat.append({"role": m.role, "content": [{"type": "text", "text": marker}]})
-            replies.append(m.token_ids)
+    texts: list[str] = []
+    replies: list[list[int]] = []
+    chat = [{"role": m.role, "content": _template_content(m, nonce, texts, replies)} for m in messages]
+    rendered = processor.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    segments = re.split(f"<(text|reply) {nonce} (\\d+)>", rendered)
+    ids = TemplateIds(processor.tokenizer)
+    ids.template(segments[0])
+    for kind, index, template in zip(segments[1::3], segments[2::3], segments[3::3]):
+        if kind == "text":
+            ids.text(texts[int(index)])
         else:
-            chat.append({"role": m.role, "content": _template_content(m)})
-    text = processor.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-    ids: list[int] = []
-    for i, segment in enumerate(re.split(f"<reply {nonce} (\\d+)>", text)):
-        if i % 2:
-            ids += replies[int(segment)]
-        elif segment:
-            ids += processor.tokenizer(segment, add_special_tokens=False)["input_ids"]
-    return ids
+            ids.exact(replies[int(index)])
+        ids.template(template)
+    return ids.finish()
 
 
-def _template_content(message: Message) -> list[dict[str, Any]]:
+def _template_content(message: Message, nonce: str, texts: list[str], replies: list[list[int]]) -> list[dict]:
+    """The message's content blocks for the template, its text and a reply's ids left in `texts` and
+    `replies` with a marker in their place."""
+    if message.role == "assistant" and message.token_ids is not None:
+        replies.append(message.token_ids)
+        return [{"type": "text", "text": f"<reply {nonce} {len(replies) - 1}>"}]
     blocks = []
     for part in message.parts:
         if isinstance(part, str):
-            blocks.append({"type": "text", "text": part})
+            check_text(part, "the conversation")
+            texts.append(part)
+            blocks.append({"type": "text", "text": f"<text {nonce} {len(texts) - 1}>"})
         else:
             blocks.append({"type": _kind(part)})
     return blocks

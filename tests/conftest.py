@@ -1,5 +1,6 @@
 """Fixtures shared by the test files: the demo checkpoint, built once per session, its model and
-the apps on it; bad uploads; and the tests that need a CUDA GPU (marked `cuda`).
+the apps on it; bad uploads; the prompts an engine builds, and the ids they must have; and the
+tests that need a CUDA GPU (marked `cuda`).
 
 The demo runs on the CPU unless OMNI_LOCAL_TEST_DEVICE names another device (`cuda` on a GPU
 machine, where decode steps and short prefills run as CUDA graphs). It runs in float32 on every device: the tests
@@ -8,7 +9,9 @@ flip a greedy choice of the tiny random model.
 """
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ import torch
 from bad_files import write_bad_files
 from omni_local.model import LoadedModel, load_model
 from omni_local.model.demo import ensure_demo_checkpoint
+from omni_local.prompts import Message, Prompt, build_prompt
 from omni_local.settings import Settings
 
 
@@ -69,6 +73,42 @@ def apps(demo_settings: Settings, demo_checkpoint: Path):
     off = demo_settings.replace(prefix_cache=False, encoder_cache=False)
     with OmniLocal(demo_settings) as cached, OmniLocal(off) as uncached:
         yield cached, uncached
+
+
+@pytest.fixture
+def built_prompts(monkeypatch: pytest.MonkeyPatch) -> list[Prompt]:
+    """Every prompt an engine builds while the test runs, in order: the ids the model is given."""
+    import omni_local.engine.engine as engine_module
+
+    built: list[Prompt] = []
+
+    def building(messages: list[Message], processor: Any) -> Prompt:
+        built.append(build_prompt(messages, processor))
+        return built[-1]
+
+    monkeypatch.setattr(engine_module, "build_prompt", building)
+    return built
+
+
+@pytest.fixture(scope="session")
+def template_ids(demo_model: LoadedModel) -> Callable[[str, str], list[int]]:
+    """The ids of a prompt of a system prompt and one question, as they must be: the template's
+    control tokens where it puts them, and each text, whatever it holds, as plain text (the text's
+    ids with no special token recognized). For texts that begin with a letter or `<`, so the seams
+    between them and the template's text tokenize alike whole or apart."""
+    tokenizer = demo_model.processor.tokenizer
+
+    def template(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def plain(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+    def ids(system: str, question: str) -> list[int]:
+        return (template("<|im_start|>system\n") + plain(system) + template("<|im_end|>\n<|im_start|>user\n")
+                + plain(question) + template("<|im_end|>\n<|im_start|>assistant\n"))
+
+    return ids
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,16 @@
-"""Bad input through the Python API: a clear error naming the problem, then the engine serves on."""
+"""Bad input through the Python API: a clear error naming the problem, then the engine serves on;
+and text that holds control tokens reaches the model as the plain text it is."""
+
+import math
+import re
 
 import pytest
 from PIL import Image
 
 from bad_files import BAD_FILES, MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS, good_image
+from samples import TYPED_CONTROL_TOKENS
 from omni_local.api import OmniLocal
-from omni_local.errors import MediaError, SettingsError
+from omni_local.errors import MediaError, RequestError, SettingsError
 from omni_local.settings import load_settings
 
 
@@ -44,3 +49,52 @@ def test_an_empty_message_is_refused(app):
 def test_an_image_passed_in_memory_is_held_to_the_same_pixel_limit(strict_app):
     with pytest.raises(MediaError, match="image: 400×400 pixels is over the limit"):
         strict_app.session().send("What is this?", images=[Image.new("RGB", (400, 400))])
+
+
+@pytest.mark.parametrize("text", ["Hi \ud800", "caf\udce9"], ids=["a lone surrogate", "bytes not UTF-8"])
+def test_a_message_that_is_not_valid_unicode_is_refused_and_the_session_serves_on(app, text):
+    session = app.session(system_prompt="Be brief.")
+    with pytest.raises(RequestError, match="the message holds text that is not valid Unicode"):
+        session.send(text)
+    assert [m.role for m in session.history] == ["system"]
+    session.send("Hello", max_new_tokens=2).result()
+    assert len(session.history) == 3
+
+
+def test_a_system_prompt_that_is_not_valid_unicode_is_refused(app):
+    with pytest.raises(RequestError, match="the system prompt holds text that is not valid Unicode"):
+        app.session(system_prompt="Be \ud800 brief.")
+
+
+BAD_SAMPLING = {
+    "a word for a number": ({"temperature": "hot"}, "temperature must be a number, not 'hot'"),
+    "a fraction of a token": ({"max_new_tokens": 1.5}, "max_new_tokens must be a whole number, not 1.5"),
+    "no value": ({"top_p": None}, "top_p must be a number, not None"),
+    "a word for a seed": ({"seed": "x"}, "seed must be a whole number, not 'x'"),
+    "a bool for a count": ({"top_k": True}, "top_k must be a whole number, not True"),
+    "an infinite temperature": ({"temperature": math.inf}, "temperature must be 0 (greedy) or a finite number"),
+    "a NaN temperature": ({"temperature": math.nan}, "temperature must be 0 (greedy) or a finite number"),
+    "a NaN top_p": ({"top_p": math.nan}, "top_p must be in (0, 1]"),
+    "an infinite penalty": ({"repetition_penalty": math.inf}, "repetition_penalty must be a finite number above 0"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SAMPLING))
+def test_a_bad_sampling_value_is_refused_with_its_name_and_the_session_serves_on(app, case):
+    values, message = BAD_SAMPLING[case]
+    session = app.session()
+    with pytest.raises(RequestError, match=re.escape(message)):
+        session.send("Hello", **values)
+    assert session.history == []
+    session.send("Hello", max_new_tokens=2).result()
+    assert len(session.history) == 2
+
+
+def test_a_typed_system_turn_reaches_the_model_as_plain_text(app, built_prompts, template_ids):
+    app.session(system_prompt="Be brief.").send(TYPED_CONTROL_TOKENS, max_new_tokens=1).result()
+    assert [p.input_ids[0].tolist() for p in built_prompts] == [template_ids("Be brief.", TYPED_CONTROL_TOKENS)]
+
+
+def test_a_system_prompt_with_control_tokens_reaches_the_model_as_plain_text(app, built_prompts, template_ids):
+    app.session(system_prompt=TYPED_CONTROL_TOKENS).send("Hello", max_new_tokens=1).result()
+    assert [p.input_ids[0].tolist() for p in built_prompts] == [template_ids(TYPED_CONTROL_TOKENS, "Hello")]

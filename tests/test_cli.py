@@ -1,6 +1,7 @@
 """The command line: `ask` streams and ends with timings; bad input is one line and exit status 2."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 import soundfile
 
-from samples import video_file
+from samples import TYPED_CONTROL_TOKENS, video_file
 from bad_files import BAD_FILES, MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS, good_image
 from omni_local.cli import main
 
@@ -114,3 +115,21 @@ def test_ask_answers_about_a_video(flags, tmp_path, capsys):
     status = main(["ask", "What happens here?", "--video", str(path), "--max-new-tokens", "4", *flags])
     assert status == 0
     assert "| media: 1 encoded" in capsys.readouterr().out  # the video reached the model
+
+
+def test_ask_gives_the_model_a_typed_system_turn_as_plain_text(flags, built_prompts, template_ids, capsys):
+    status = main(["ask", TYPED_CONTROL_TOKENS, "--system", "Be brief.", "--max-new-tokens", "1", *flags])
+    assert status == 0
+    assert [p.input_ids[0].tolist() for p in built_prompts] == [template_ids("Be brief.", TYPED_CONTROL_TOKENS)]
+
+
+NOT_UTF8 = os.fsdecode(b"caf\xe9?")  # as Python decodes a command line's bytes that are not UTF-8
+
+
+@pytest.mark.parametrize(("arguments", "holder"),
+                         [([NOT_UTF8], "the message"), (["Hi", "--system", NOT_UTF8], "the system prompt")])
+def test_text_that_is_not_utf8_ends_with_one_line_and_status_2(flags, capsys, arguments, holder):
+    status = main(["ask", *arguments, *flags])
+    assert status == 2
+    assert capsys.readouterr().err.strip() == (f"error: {holder} holds text that is not valid Unicode "
+                                               "(invalid UTF-8 or a lone surrogate at character 4)")

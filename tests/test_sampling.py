@@ -1,8 +1,11 @@
 """The sampler chooses a whole batch's tokens on the device: greedy rows as argmax, sampled rows from
 their own filtered distribution with their own random numbers, its filters as transformers' own."""
 
+import json
 import math
+import re
 
+import numpy as np
 import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
@@ -60,17 +63,29 @@ def test_suppressed_tokens_are_never_chosen_even_when_they_score_best():
     assert {draw(sampled, scores, [0], [i])[0] for i in range(100)} == {0, 2}
 
 
+@pytest.mark.parametrize(("temperature", "row", "value"),
+                         [(1.0, "temperature", math.inf), (0.0, "penalty", 0.0), (1.0, "penalty", 0.0)])
+def test_suppressed_tokens_stay_out_whatever_a_rows_parameters_do_to_the_scores(temperature, row, value):
+    # Values SamplingParams refuses, set on the row itself: -inf / inf and -inf * 0 are NaN, which
+    # argmax would pick, so the suppression must come after them and rest on no parameter's value.
+    scores = torch.tensor([[0.0, 9.0, 1.0, 8.0]])
+    table = started([SamplingParams(temperature=temperature)], prompt=(1, 3), suppressed=[1, 3], vocab=4)
+    getattr(table.rows, row)[0] = value
+    assert {draw(table, scores, [0], [i])[0] for i in range(50)} <= {0, 2}
+
+
 def test_every_hash_gives_a_uniform_number_strictly_inside_0_and_1_so_the_noise_stays_finite():
     uniform = _uniform(torch.tensor([0, 1, 2**31, 2**32 - 2, 2**32 - 1]))
     assert ((uniform > 0) & (uniform < 1)).all() and torch.isfinite(-torch.log(-torch.log(uniform))).all()
 
 
 def test_filtered_out_tokens_are_never_drawn_in_many_draws():
-    n, scores = 20_000, logits(3)
-    table = started([SamplingParams(temperature=0.9, top_k=50, top_p=0.8)] * n, suppressed=list(range(150, VOCAB)))
+    n, scores, temperature = 20_000, logits(3), 0.9
+    table = started([SamplingParams(temperature=temperature, top_k=50, top_p=0.8)] * n,
+                    suppressed=list(range(150, VOCAB)))
     picks = torch.tensor(draw(table, scores.expand(n, -1), list(range(n)), [0] * n))
-    kept = torch.isfinite(_filtered(scores.index_fill(0, torch.arange(150, VOCAB), float("-inf"))[None],
-                                    table.rows.select(torch.tensor([0]))))[0]
+    suppressed = (scores / temperature).index_fill(0, torch.arange(150, VOCAB), float("-inf"))
+    kept = torch.isfinite(_filtered(suppressed[None], table.rows.select(torch.tensor([0]))))[0]
     assert kept[picks].all() and len(set(picks.tolist())) == kept.sum()
 
 
@@ -167,11 +182,31 @@ def test_the_one_row_sampler_draws_what_a_slot_with_its_seed_draws():
     assert [one.next_token(row) for row in rows] == [draw(table, row[None], [0], [i])[0] for i, row in enumerate(rows)]
 
 
+def test_a_top_k_beyond_the_vocabulary_is_no_limit():
+    huge = started([SamplingParams(temperature=1.0, top_k=10**30)])
+    unlimited = started([SamplingParams(temperature=1.0)])
+    rows = [logits(i) for i in range(10)]
+    assert [draw(huge, row[None], [0], [i]) for i, row in enumerate(rows)] == \
+        [draw(unlimited, row[None], [0], [i]) for i, row in enumerate(rows)]
+
+
 @pytest.mark.parametrize(
     ("values", "message"),
     [({"temperature": -1}, "temperature"), ({"top_k": -2}, "top_k"), ({"max_new_tokens": 0}, "max_new_tokens"),
-     ({"repetition_penalty": 0}, "repetition_penalty")],
+     ({"repetition_penalty": 0}, "repetition_penalty"),
+     # Finite numbers, but not as the device keeps them (float32): there they are infinite, or 0.
+     ({"temperature": 1e39}, "temperature must be 0 (greedy) or a finite number above 0"),
+     ({"repetition_penalty": 1e-50}, "repetition_penalty must be a finite number above 0"),
+     ({"top_p": 1e-50}, "top_p must be in (0, 1]"),
+     ({"max_new_tokens": 4.0}, "max_new_tokens must be a whole number, not 4.0"),
+     ({"temperature": [1]}, "temperature must be a number, not [1]")],
 )
 def test_invalid_sampling_values_are_refused_with_their_name(values, message):
-    with pytest.raises(RequestError, match=message):
+    with pytest.raises(RequestError, match=re.escape(message)):
         SamplingParams(**values)
+
+
+def test_numpy_numbers_are_kept_as_plain_python_numbers_a_result_can_be_written_as_json():
+    params = SamplingParams(max_new_tokens=np.int64(3), temperature=np.float32(0.5), seed=np.uint64(7))
+    assert (params.max_new_tokens, params.temperature, params.seed) == (3, 0.5, 7)
+    assert json.dumps([params.max_new_tokens, params.temperature, params.seed]) == "[3, 0.5, 7]"

@@ -68,6 +68,54 @@ def test_with_credentials_the_ui_asks_for_them(demo_settings, demo_checkpoint, t
         assert _ask(Client(url, auth=("ada", "lovelace"), verbose=False), "Hello").reply
 
 
+def test_with_logins_nobody_lists_opens_renames_or_deletes_another_users_chats(demo_settings, demo_checkpoint,
+                                                                             tmp_path):
+    credentials = tmp_path / "users"
+    credentials.write_text("ada:lovelace\nalan:turing\n")
+    credentials.chmod(0o600)
+    with running_app(demo_settings, tmp_path, "--ui-credentials-file", str(credentials)) as url:
+        ada = Client(url, auth=("ada", "lovelace"), verbose=False)
+        _ask(ada, "Ada's secret plan")
+        ada_chats = dict(ada.predict(api_name="/new_chat")[2]["choices"])
+        alan = Client(url, auth=("alan", "turing"), verbose=False)
+        assert alan.predict(api_name="/new_chat")[2]["choices"] == []
+        history, *_ = alan.predict(ada_chats["Ada's secret plan"], api_name="/open_chat")
+        assert history == []  # her chat's id opens a new, empty chat for him
+        alan.predict("Mine now", api_name="/rename_chat")
+        alan.predict(api_name="/delete_chat")
+        _ask(alan, "Alan's own question")
+        assert set(dict(ada.predict(api_name="/new_chat")[2]["choices"])) == {"Ada's secret plan"}
+        history, *_ = ada.predict(ada_chats["Ada's secret plan"], api_name="/open_chat")
+        assert "Ada's secret plan" in str(history[0]["content"])
+
+
+def test_two_tabs_stream_their_replies_at_the_same_time(ui_url):
+    first, second = Client(ui_url, verbose=False), Client(ui_url, verbose=False)
+    long_reply = {"text": "Count to one thousand.", "files": []}
+    streaming = first.submit(long_reply, "", 2000, 0.0, 1.0, api_name="/chat")
+    _wait_for_output(streaming)
+    other = second.submit({"text": "Hello?", "files": []}, "", 4, 0.0, 1.0, api_name="/chat")
+    _wait_for_output(other)
+    assert not streaming.done(), "the second tab's reply waited for the first tab's to end"
+    streaming.cancel()
+
+
+def test_a_chat_changed_in_another_tab_refuses_this_tabs_send_and_keeps_the_other_tabs_turn(ui_url):
+    first = Client(ui_url, verbose=False)
+    _ask(first, "Shared chat")
+    chat_id = dict(first.predict(api_name="/new_chat")[2]["choices"])["Shared chat"]
+    first.predict(chat_id, api_name="/open_chat")
+    second = Client(ui_url, verbose=False)
+    second.predict(chat_id, api_name="/open_chat")  # the same chat in a second tab
+    _ask(first, "Asked in the first tab")
+    refused, *_ = second.predict({"text": "Asked in the second tab", "files": []}, "", api_name="/chat")
+    assert refused["metadata"]["title"] == ERROR_TITLE and "another tab" in refused["content"]
+    history, *_ = second.predict(chat_id, api_name="/open_chat")  # opened again, it has both of the first tab's
+    asked = [str(m["content"]) for m in history if m["role"] == "user"]
+    assert len(asked) == 2 and "Asked in the first tab" in asked[1]
+    assert _ask(second, "Now from the second tab").reply  # and goes on from there
+
+
 def test_the_ui_listens_on_the_loopback_address_and_nowhere_else(ui_url):
     port = int(ui_url.rstrip("/").rsplit(":", 1)[1])
     if not Path("/proc/net/tcp").exists():
@@ -82,7 +130,7 @@ def test_a_reply_streams_in_growing_parts_and_ends_with_the_reply_and_its_metric
     job = Client(ui_url, verbose=False).submit(
         {"text": "Tell me a story about a lighthouse keeper.", "files": []}, "", api_name="/chat"
     )
-    outputs = [shown for shown, _ in job]  # the chat, and the audio feed (unused without speech)
+    outputs = [shown for shown, *_ in job]  # the chat; the audio feed (unused without speech) and context use
     *partials, final = outputs
     assert len(partials) >= 3 and all(isinstance(p, str) for p in partials)
     assert all(later.startswith(earlier) for earlier, later in zip(partials, partials[1:]))
@@ -96,7 +144,7 @@ def test_a_reply_streams_in_growing_parts_and_ends_with_the_reply_and_its_metric
 
 def test_the_reply_length_setting_reaches_the_engine(ui_url):
     client = Client(ui_url, verbose=False)
-    (_, metrics), _ = client.predict({"text": "Tell me a story.", "files": []}, "", 3, 0.0, 1.0, api_name="/chat")
+    (_, metrics), *_ = client.predict({"text": "Tell me a story.", "files": []}, "", 3, 0.0, 1.0, api_name="/chat")
     counts = METRICS.fullmatch(metrics["content"])
     assert counts["generated"] == "3" and counts["stop"] == "max_new_tokens"
 
@@ -109,7 +157,7 @@ def _spoken_reply(ui_url: str) -> tuple[list, dict[int, dict]]:
         job = Client(ui_url, verbose=False).submit({"text": "Say something.", "files": []}, "", 8, 0.0, 1.0, True,
                                                    "Chelsie", api_name="/chat")
         outputs = list(job)
-        chunks = {feed["index"]: feed for _, feed in outputs if isinstance(feed, dict) and "pcm" in feed}
+        chunks = {feed["index"]: feed for _, feed, _ in outputs if isinstance(feed, dict) and "pcm" in feed}
         if len(chunks) >= 2:
             break
     return outputs, chunks
@@ -197,7 +245,7 @@ def test_stopping_a_reply_stops_the_engine_not_only_the_page(demo_settings, demo
 def test_a_bad_upload_shows_its_error_in_the_chat_and_the_next_question_is_answered(ui_url, bad_files, case):
     path, phrase = bad_files[case]
     client = Client(ui_url, verbose=False)  # one chat: the failed turn stays in its history
-    shown, _ = client.predict({"text": "Look at this.", "files": [handle_file(str(path))]}, "", api_name="/chat")
+    shown, *_ = client.predict({"text": "Look at this.", "files": [handle_file(str(path))]}, "", api_name="/chat")
     assert shown["metadata"] == {"title": ERROR_TITLE}
     assert phrase in shown["content"]
     assert shown["content"] == media_error(path)  # word for word what omni_local.media says
@@ -310,7 +358,7 @@ class _Answer:
 def _ask(client: Client, text: str, upload: Path | None = None) -> _Answer:
     """One turn in `client`'s chat; fails unless it got a reply and its metrics (no error)."""
     files = [handle_file(str(upload))] if upload else []
-    result, _ = client.predict({"text": text, "files": files}, "", api_name="/chat")
+    result, *_ = client.predict({"text": text, "files": files}, "", api_name="/chat")
     assert isinstance(result, list), f"expected a reply and its metrics, got {result!r}"
     reply, metrics = result
     assert not reply["metadata"] and metrics["metadata"]["title"] == "Metrics"
@@ -319,6 +367,13 @@ def _ask(client: Client, text: str, upload: Path | None = None) -> _Answer:
     return _Answer(reply=reply["content"], prompt_tokens=int(counts["prompt"]),
                    generated_tokens=int(counts["generated"]), computed_tokens=int(counts["computed"]),
                    stop_reason=counts["stop"])
+
+
+def _wait_for_output(job, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not job.outputs():
+        assert time.monotonic() < deadline and not job.done(), "the reply never started"
+        time.sleep(0.05)
 
 
 def _assert_one_answered_image_turn(messages: list[Message]) -> None:
@@ -380,8 +435,8 @@ def test_chats_are_kept_apart_switched_renamed_deleted_and_survive_a_restart(dem
     with running_app(demo_settings, tmp_path) as url:
         client = Client(url, verbose=False)
         first = _ask(client, "Hello there")
-        history, system_prompt, chooser, title = client.predict(api_name="/new_chat")
-        assert (history, system_prompt, title) == ([], "", "")
+        history, system_prompt, chooser, title, context = client.predict(api_name="/new_chat")
+        assert (history, system_prompt, title, context) == ([], "", "", "")
         _ask(client, "A second chat")
         chats = dict(client.predict(api_name="/new_chat")[2]["choices"])
         assert set(chats) == {"Hello there", "A second chat"}
@@ -393,11 +448,12 @@ def test_chats_are_kept_apart_switched_renamed_deleted_and_survive_a_restart(dem
         assert follow_up.computed_tokens == follow_up.prompt_tokens - cached
     with running_app(demo_settings, tmp_path) as url:  # a restart of the app
         client = Client(url, verbose=False)
-        history, _, chooser, _ = client.predict(chats["Hello there"], api_name="/open_chat")
+        history, _, chooser, _, context = client.predict(chats["Hello there"], api_name="/open_chat")
+        assert re.fullmatch(r"Context: \d+ of 8,192 tokens", context)
         assert len([m for m in history if m["role"] == "user"]) == 2
         renamed = dict(client.predict("Greetings", api_name="/rename_chat")["choices"])
         assert renamed == {"Greetings": chats["Hello there"], "A second chat": chats["A second chat"]}
-        _, _, chooser, _ = client.predict(api_name="/delete_chat")
+        _, _, chooser, *_ = client.predict(api_name="/delete_chat")
         assert dict(chooser["choices"]) == {"A second chat": chats["A second chat"]}
 
 

@@ -2,7 +2,9 @@
 
 import pytest
 
-from omni_local.ui.chats import ChatStore, SavedChat, first_question
+from omni_local.ui.chats import ChatShelves, ChatStore, SavedChat, first_question
+from omni_local.ui.history import ChatMemory
+from omni_local.ui.sidebar import ChatChangedElsewhere, clear, delete, keep
 
 
 def test_a_saved_chat_comes_back_whole_and_the_most_recent_is_listed_first(tmp_path):
@@ -45,13 +47,11 @@ def test_a_chat_is_titled_by_its_first_question_until_renamed():
 def test_a_chat_that_cannot_be_saved_warns_and_the_chat_goes_on(tmp_path, monkeypatch):
     import gradio as gr
 
-    from omni_local.ui.chat import ChatMemory, _keep
-
     store = ChatStore(tmp_path / "chats")
     warnings = []
     monkeypatch.setattr(gr, "Warning", warnings.append)
     monkeypatch.setattr(store, "save", lambda chat: (_ for _ in ()).throw(OSError(28, "No space left on device")))
-    _keep(store, [{"role": "user", "content": ["Hi"]}], "", ChatMemory())
+    keep(store, [{"role": "user", "content": ["Hi"]}], "", ChatMemory())
     assert warnings == ["This chat could not be saved: No space left on device"]
 
 
@@ -69,8 +69,6 @@ def test_a_spoken_reply_that_cannot_be_kept_warns_and_the_reply_goes_on(tmp_path
 
 
 def test_deleting_a_chat_deletes_its_spoken_replies_and_voice_questions_but_not_uploads(tmp_path):
-    from omni_local.ui.chat import ChatMemory, _delete
-
     uploads = tmp_path / "uploads"
     (uploads / "1f2e").mkdir(parents=True)
     files = {name: uploads / name for name in ("voice-1.wav", "reply-1.wav", "1f2e/photo.png")}
@@ -84,7 +82,7 @@ def test_deleting_a_chat_deletes_its_spoken_replies_and_voice_questions_but_not_
         {"role": "user", "content": [{"path": str(files["1f2e/photo.png"])}, "What is this?"]},
     ])
     store.save(chat)
-    _delete(store, uploads, ChatMemory(session_id=chat.id))
+    delete(store, uploads, ChatMemory(session_id=chat.id))
     assert store.get(chat.id) is None
     assert [name for name, path in files.items() if path.exists()] == ["1f2e/photo.png"]
 
@@ -101,23 +99,102 @@ def test_listing_the_chats_reads_no_file_and_follows_saves_and_deletes(tmp_path,
 
 
 def test_a_change_the_page_made_before_it_opened_another_chat_is_not_saved_as_that_chat(tmp_path):
-    from omni_local.ui.chat import ChatMemory, _keep
-
     store, left, opened = ChatStore(tmp_path / "chats"), ChatMemory(), ChatMemory()
     history = [{"role": "user", "content": ["Count to a thousand."]}]
-    _keep(store, history, "", left, shown_id=left.session_id)  # the first question of a new chat is saved
-    _keep(store, history + [{"role": "assistant", "content": "One, two"}], "", opened, shown_id=left.session_id)
+    keep(store, history, "", left, shown_id=left.session_id)  # the first question of a new chat is saved
+    keep(store, history + [{"role": "assistant", "content": "One, two"}], "", opened, shown_id=left.session_id)
     assert [chat_id for _, chat_id in store.titles()] == [left.session_id]
-    _keep(store, [{"role": "user", "content": ["Hello?"]}], "", opened, shown_id=opened.session_id)
+    keep(store, [{"role": "user", "content": ["Hello?"]}], "", opened, shown_id=opened.session_id)
     assert store.get(opened.session_id).history == [{"role": "user", "content": ["Hello?"]}]
 
 
 def test_a_deleted_chat_is_not_saved_again_by_a_reply_that_finishes_after(tmp_path):
-    from omni_local.ui.chat import ChatMemory, _delete, _keep
-
     store, memory = ChatStore(tmp_path / "chats"), ChatMemory()
     history = [{"role": "user", "content": ["Hello?"]}]
-    _keep(store, history, "", memory)
-    _delete(store, tmp_path / "uploads", memory)
-    _keep(store, history + [{"role": "assistant", "content": "Hi."}], "", memory)
+    keep(store, history, "", memory)
+    delete(store, tmp_path / "uploads", memory)
+    keep(store, history + [{"role": "assistant", "content": "Hi."}], "", memory)
     assert store.titles() == []
+
+
+@pytest.mark.parametrize("fields", [
+    {"history": "oops"},
+    {"history": [{"role": "system", "content": "x"}]},
+    {"history": [["user", "hi"]]},
+    {"replies": {"Hi.": "1, 2"}},
+    {"replies": {"Hi.": [1.5]}},
+    {"title": 7},
+    {"updated": "yesterday"},
+    {"no_such_field": 1},
+])
+def test_a_saved_chat_of_the_wrong_shape_is_skipped_with_a_warning_and_the_others_load(tmp_path, fields, caplog):
+    import json
+
+    good = SavedChat(history=[{"role": "user", "content": ["Fine"]}])
+    ChatStore(tmp_path / "chats").save(good)
+    bad = {**{k: v for k, v in vars(SavedChat()).items()}, **fields}
+    (tmp_path / "chats" / f"{bad['id']}.json").write_text(json.dumps(bad))
+    store = ChatStore(tmp_path / "chats")  # what the UI opens at start-up
+    assert [chat.id for chat in store.all()] == [good.id] and store.titles() == [("Fine", good.id)]
+    assert store.get(bad["id"]) is None
+    assert any("saved chat" in record.message and "skipped" in record.message for record in caplog.records)
+
+
+def test_a_title_is_the_first_question_on_one_line_and_a_voice_chat_is_named_by_its_time(tmp_path):
+    two_lines = SavedChat(history=[{"role": "user", "content": ["What is\nthis  thing?"]}])
+    assert two_lines.shown_title == "What is this thing?"
+    utterance = {"path": str(tmp_path / "voice-1f2e.wav")}
+    spoken = SavedChat(history=[{"role": "user", "content": [utterance]}], created=0.0)
+    assert spoken.shown_title.startswith("Voice chat, ") and spoken.shown_title[-5:-3].isdigit()
+
+
+def test_a_page_that_missed_another_tabs_save_cannot_save_over_it(tmp_path):
+    store = ChatStore(tmp_path / "chats")
+    first_tab = ChatMemory()
+    keep(store, [{"role": "user", "content": ["Hi"]}], "", first_tab)
+    second_tab = ChatMemory(session_id=first_tab.session_id, revision=first_tab.revision)
+    asked_in_first = [{"role": "user", "content": ["Hi"]}, {"role": "assistant", "content": "Hello."},
+                      {"role": "user", "content": ["How are you?"]}]
+    keep(store, asked_in_first, "", first_tab)
+    with pytest.raises(ChatChangedElsewhere):
+        keep(store, [{"role": "user", "content": ["Hi"]}, {"role": "user", "content": ["Other"]}], "", second_tab)
+    assert store.get(first_tab.session_id).history == asked_in_first
+
+
+def test_with_logins_each_user_has_a_chats_folder_of_their_own(tmp_path):
+    shelves = ChatShelves(tmp_path / "chats")
+    ada, alan = shelves.of("ada"), shelves.of("alan")
+    chat = SavedChat(history=[{"role": "user", "content": ["Secret"]}])
+    ada.save(chat)
+    assert alan.titles() == [] and alan.get(chat.id) is None
+    assert shelves.of(None).titles() == [] and shelves.of("ada") is ada
+    assert ada.folder.parent == tmp_path / "chats" and ada.folder.stat().st_mode & 0o777 == 0o700
+    assert "ada" not in ada.folder.name  # named by a digest: any user name, never a path
+
+
+def test_a_cleared_chat_is_not_kept_and_its_files_go(tmp_path):
+    store, uploads = ChatStore(tmp_path / "chats"), tmp_path / "uploads"
+    uploads.mkdir()
+    spoken = uploads / "reply-1.wav"
+    spoken.write_bytes(b"x")
+    memory = ChatMemory()
+    keep(store, [{"role": "user", "content": ["Hi"]}, {"role": "assistant", "content": [{"path": str(spoken)}]}],
+         "", memory)
+    clear(store, uploads, memory)
+    assert store.titles() == [] and not spoken.exists()
+    keep(store, [{"role": "user", "content": ["Again"]}], "", memory)  # the page goes on in the emptied chat
+    assert store.get(memory.session_id).history == [{"role": "user", "content": ["Again"]}]
+
+
+def test_a_failed_save_leaves_no_staging_file_and_the_chat_as_it_was(tmp_path, monkeypatch):
+    import json as json_module
+
+    store = ChatStore(tmp_path / "chats")
+    chat = SavedChat(history=[{"role": "user", "content": ["Kept"]}])
+    store.save(chat)
+    monkeypatch.setattr(json_module, "dump", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left")))
+    chat.history = [{"role": "user", "content": ["Lost"]}]
+    with pytest.raises(OSError):
+        store.save(chat)
+    assert [p.name for p in store.folder.iterdir()] == [f"{chat.id}.json"]
+    assert store.get(chat.id).history == [{"role": "user", "content": ["Kept"]}] and store.get(chat.id).revision == 1

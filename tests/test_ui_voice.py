@@ -11,7 +11,7 @@ import pytest
 import soundfile
 import soxr
 
-from omni_local.ui.chat import _keep
+from omni_local.ui.sidebar import keep
 from omni_local.ui.chats import ChatStore
 from omni_local.ui.history import ChatMemory, to_messages
 from omni_local.ui.player import STOP
@@ -41,7 +41,7 @@ def chats(tmp_path) -> ChatStore:
 def voice(speaking_app, chats, tmp_path) -> VoiceMode:
     uploads = tmp_path / "uploads"
     uploads.mkdir()
-    return VoiceMode(speaking_app, uploads, lambda history, prompt, memory: _keep(chats, history, prompt, memory))
+    return VoiceMode(speaking_app, uploads, lambda history, prompt, memory: keep(chats, history, prompt, memory))
 
 
 def asked_in(memory: ChatMemory, history: list | None = None, max_new_tokens: int = 6) -> TurnContext:
@@ -79,7 +79,7 @@ class Page:
     def show(self, chat: list) -> None:
         sent = json.loads(self.chatbot.postprocess(chat).model_dump_json())
         self.chat = self.chatbot.preprocess(self.chatbot.data_model(root=sent))
-        _keep(self.chats, self.chat, "", self.memory)
+        keep(self.chats, self.chat, "", self.memory)
 
     def tick(self, voice: VoiceMode) -> bool:
         """One tick of voice mode's timer; whether it goes on ticking."""
@@ -250,7 +250,7 @@ def voice_beside_typing(speaking_app, chats, tmp_path) -> tuple[VoiceMode, set[s
     """Voice mode told which chats a typed reply streams into (the set), a new chat, and its page."""
     uploads, typing = tmp_path / "uploads", set()
     uploads.mkdir()
-    voice = VoiceMode(speaking_app, uploads, lambda history, prompt, m: _keep(chats, history, prompt, m),
+    voice = VoiceMode(speaking_app, uploads, lambda history, prompt, m: keep(chats, history, prompt, m),
                       typing.__contains__)
     memory = ChatMemory()
     return voice, typing, memory, Page(chats, memory)

@@ -10,6 +10,9 @@ a value back from the device: the Thinker's decode steps hand their tokens to th
 and the engine reads them one step late.
 """
 
+import math
+import numbers
+import reprlib
 from dataclasses import dataclass, fields
 from typing import TypeVar
 
@@ -19,6 +22,7 @@ from omni_local.engine.host_copies import to_device
 from omni_local.errors import RequestError
 
 _LOW32 = 0xFFFFFFFF
+_WHOLE = {"max_new_tokens", "top_k", "seed"}
 T = TypeVar("T", int, torch.Tensor)
 
 
@@ -32,12 +36,21 @@ class SamplingParams:
     seed: int | None = None  # None: a fresh random seed, reported in the result
 
     def __post_init__(self) -> None:
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if field.name != "seed" or value is not None:  # no seed: a fresh one
+                object.__setattr__(self, field.name, _number(field.name, value, whole=field.name in _WHOLE))
+        # The ranges hold for the values as the device keeps them, in float32, where 1e39 is infinite
+        # and 1e-50 is 0. A NaN fails every comparison.
+        temperature, top_p, penalty = torch.tensor(
+            [self.temperature, self.top_p, self.repetition_penalty], dtype=torch.float32
+        ).tolist()
         checks = [
             (self.max_new_tokens >= 1, "max_new_tokens must be at least 1"),
-            (self.temperature >= 0, "temperature must be 0 (greedy) or more"),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (0 <= temperature < math.inf, "temperature must be 0 (greedy) or a finite number above 0"),
+            (0 < top_p <= 1, "top_p must be in (0, 1]"),
             (self.top_k >= 0, "top_k must be 0 (off) or more"),
-            (self.repetition_penalty > 0, "repetition_penalty must be above 0"),
+            (0 < penalty < math.inf, "repetition_penalty must be a finite number above 0"),
         ]
         for ok, message in checks:
             if not ok:
@@ -101,7 +114,7 @@ class SlotSampler:
         """Give `slot`'s row to a new request: its parameters, its seed, its prompt's ids as seen."""
         rows = self.rows
         rows.temperature[slot] = params.temperature
-        rows.top_k[slot] = params.top_k
+        rows.top_k[slot] = min(params.top_k, rows.seen.shape[1])  # any more is the whole vocabulary
         rows.top_p[slot] = params.top_p
         rows.penalty[slot] = params.repetition_penalty
         rows.seen[slot] = False
@@ -121,12 +134,17 @@ class SlotSampler:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, batch: SampleBatch) -> torch.Tensor:
-        """The tokens [B] chosen from `logits` [B, vocab] float32, on the device: suppressed ids
-        out, repeats penalised, then the best (greedy rows, exactly as argmax picks it, ties to the
-        first) or a draw (the others)."""
+        """The tokens [B] chosen from `logits` [B, vocab] float32, on the device: repeats penalised,
+        sampled rows over their temperature, suppressed ids out, then the best (greedy rows, exactly
+        as argmax picks it, ties to the first) or a draw (the others)."""
         rows = self.rows.select(batch.slots)
-        scores = logits if self.suppressed is None else logits.index_fill(1, self.suppressed, float("-inf"))
-        scores = _penalize_repeats(scores, rows.seen, rows.penalty)
+        scores = _penalize_repeats(logits, rows.seen, rows.penalty)
+        if batch.sampling:  # a greedy row's scores stay as they are (over 1)
+            scores = scores / torch.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]
+        # Suppressed after all arithmetic, so a suppressed id's -inf stays -inf whatever the row holds:
+        # before it, -inf / inf or -inf * 0 would make it a NaN, which argmax picks.
+        if self.suppressed is not None:
+            scores = scores.index_fill(1, self.suppressed, float("-inf"))
         tokens = scores.argmax(dim=-1)
         if batch.sampling:
             drawn = (_filtered(scores, rows) + _gumbel(batch.keys, self._token_keys)).argmax(dim=-1)
@@ -159,6 +177,14 @@ class Sampler:
         return int(token[0])
 
 
+def _number(name: str, value: object, whole: bool) -> int | float:
+    """`value` as a plain int (`whole`) or float; a string, a bool or a fraction where a whole
+    number belongs is refused."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral if whole else numbers.Real):
+        raise RequestError(f"{name} must be {'a whole number' if whole else 'a number'}, not {reprlib.repr(value)}")
+    return int(value) if whole else float(value)
+
+
 def _penalize_repeats(scores: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
     # The CTRL rule, as transformers applies it: shrink the scores of tokens already present. A
     # penalty of 1 changes nothing (x * 1 and x / 1 are x exactly).
@@ -167,13 +193,11 @@ def _penalize_repeats(scores: torch.Tensor, seen: torch.Tensor, penalty: torch.T
 
 
 def _filtered(scores: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
-    """`scores` [B, vocab] over each row's temperature, -inf outside its top-k, then outside its
-    top-p, as transformers' warpers keep them: ties with the k-th best stay; a token goes once the
-    mass before it reaches top_p, and the best always stays."""
-    vocab = scores.shape[-1]
-    temperature = torch.where(rows.temperature > 0, rows.temperature, 1.0)  # a greedy row's result is unused
-    ordered, order = (scores / temperature[:, None]).sort(dim=-1, descending=True)
-    k = torch.where(rows.top_k > 0, rows.top_k, vocab).clamp(max=vocab)
+    """`scores` [B, vocab] (already over each row's temperature), -inf outside its top-k, then
+    outside its top-p, as transformers' warpers keep them: ties with the k-th best stay; a token goes
+    once the mass before it reaches top_p, and the best always stays."""
+    ordered, order = scores.sort(dim=-1, descending=True)
+    k = torch.where(rows.top_k > 0, rows.top_k, scores.shape[-1])
     ordered = ordered.masked_fill(ordered < ordered.gather(1, k[:, None] - 1), float("-inf"))
     probs = ordered.softmax(dim=-1)
     tail = (probs.cumsum(dim=-1) - probs >= rows.top_p[:, None]) & (rows.top_p < 1)[:, None]

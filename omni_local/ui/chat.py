@@ -1,14 +1,17 @@
 """The chat UI: a Gradio 6 ChatInterface over the engine, a sidebar of saved chats, voice mode.
 
-How the shown chat becomes the model's conversation is history.py; spoken replies play through
-player.py; the voice conversation is voice_mode.py. Chats are saved as they change (chats.py) and
-come back after a reload or a restart. Errors appear as a marked message in the chat, and the chat
-goes on.
+The page's parts are laid out in layout.py; this module answers messages and wires the parts'
+events. How the shown chat becomes the model's conversation is history.py; saving and the
+sidebar's actions are sidebar.py; spoken replies play through player.py; the voice conversation is
+voice_mode.py. A chat is saved when its question is asked and as its reply streams, so a crash or a
+reload loses nothing typed. Errors appear as a marked message in the chat, and the chat goes on.
 """
 
 import os
+import threading
+import time
 from collections.abc import Iterator
-from functools import partial
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,17 +19,13 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # offline and privat
 
 import gradio as gr
 
-from omni_local.api import OmniLocal
+from omni_local.api import OmniLocal, Reply
 from omni_local.cache.folders import private_folder
 from omni_local.engine.request import AudioChunk, Finished, TextDelta
-from omni_local.errors import OmniLocalError
-from omni_local.ui.chats import ChatStore, SavedChat
+from omni_local.errors import OmniLocalError, RequestError
+from omni_local.ui import sidebar
+from omni_local.ui.chats import ChatShelves, ChatStore
 from omni_local.ui.history import (
-    AUDIO_SUFFIXES,
-    IMAGE_SUFFIXES,
-    REPLY_PREFIX,
-    UTTERANCE_PREFIX,
-    VIDEO_SUFFIXES,
     ChatMemory,
     as_dict,
     decoded_media,
@@ -35,200 +34,258 @@ from omni_local.ui.history import (
     question,
     to_messages,
 )
+from omni_local.ui.layout import CLOSE_SIDEBAR_ON_PHONES_JS, Page, context_use, lay_out
 from omni_local.ui.messages import blocks, file_path
 from omni_local.ui.player import PLAYER_JS, audio_payload
 from omni_local.ui.voice_mode import add_voice_mode
 
-
 # Leaving a chat stops its reply as the stop button does (the button's own event cancels
 # ChatInterface's): a reply still streaming would otherwise end in the chat the page shows next.
 STOP_STREAMING_REPLY_JS = "() => { document.querySelector('.multimodal-textbox button.stop-button')?.click(); }"
+# The page asks before Delete; the answer is the event's first input (an API client's is yes). A
+# reply still streaming in the deleted chat stops.
+CONFIRM_DELETE_JS = (
+    "(yes, ...rest) => { const sure = confirm('Delete this chat?'); "
+    "if (sure) document.querySelector('.multimodal-textbox button.stop-button')?.click(); return [sure, ...rest]; }"
+)
+SAVE_EVERY_S = 1.0  # how often a streaming reply's text so far is saved
+STOP_WAIT_S = 30.0  # how long the stop button waits for the stopped reply's last event
 
 
-def build_ui(app: OmniLocal, store: ChatStore | None = None) -> gr.Blocks:
-    """The chat page: the chat itself, a sidebar of saved chats (`store`, by default in
-    `<cache_dir>/chats`) and, when the app has the Talker, voice mode."""
-    store = store or ChatStore(app.settings.cache_path / "chats")
-    uploads = private_folder(app.settings.cache_path / "uploads")
-    voices = sorted(name.capitalize() for name in app.engine.speaker.runner.voices) if app.engine.speaker else []
-    # Session ids of the chats a typed reply is streaming into: voice mode leaves such a chat to the
-    # reply's stream until it ends (voice_mode.py).
-    typing: set[str] = set()
+@dataclass
+class Turn:
+    """A typed turn while its reply streams; `shown` is the chat as saved once it ended."""
 
-    def respond(
-        message: dict[str, Any],
-        history: list[dict[str, Any]],
-        system_prompt: str,
-        memory: ChatMemory,
-        max_new_tokens: float,
-        temperature: float,
-        top_p: float,
-        speak: bool,
-        voice: str,
-    ) -> Iterator[tuple[Any, Any]]:
-        """Yields (what the chat shows, the next audio chunk for the page's player or gr.skip())."""
+    reply: Reply
+    ended: threading.Event = field(default_factory=threading.Event)
+    shown: list[dict[str, Any]] | None = None
+    context: str = ""  # the context use once it ended
+
+
+class ChatTurns:
+    """The chat's answers: each message asked in the engine, streamed to the page, saved."""
+
+    def __init__(self, app: OmniLocal, shelves: ChatShelves, uploads: Path) -> None:
+        self.app, self.shelves, self.uploads = app, shelves, uploads
+        # Session ids of the chats a typed reply is streaming into: voice mode leaves such a chat to the
+        # reply's stream until it ends (voice_mode.py).
+        self.typing: set[str] = set()
+
+    def store(self, memory: ChatMemory, request: gr.Request | None) -> ChatStore:
+        """The logged-in user's chats (the request says who; a page's memory keeps it for voice turns)."""
+        memory.user = getattr(request, "username", None)
+        return self.shelves.of(memory.user)
+
+    def respond(self, message: dict[str, Any] | str, history: list[dict[str, Any]], system_prompt: str,
+                memory: ChatMemory, max_new_tokens: float, temperature: float, top_p: float, speak: bool,
+                voice: str, request: gr.Request) -> Iterator[tuple[Any, Any, Any]]:
+        """Yields (what the chat shows, the next audio chunk for the page's player or gr.skip(), the
+        context use or gr.skip())."""
+        store = self.store(memory, request)
+        if isinstance(message, str):  # an edited question: Gradio gives its new text alone
+            message = edited_question(message, history, store.get(memory.session_id))
+        asked = [*history, question(message)]
+        if not self._save(store, asked, system_prompt, memory):  # the question is kept before it is answered
+            yield error_message(sidebar.CHANGED_ELSEWHERE), gr.skip(), gr.skip()
+            return
         try:
-            session = app.session(system_prompt=system_prompt or None, session_id=memory.session_id)
-            session.history += to_messages(history, app, memory)
+            session = self.app.session(system_prompt=system_prompt or None, session_id=memory.session_id)
+            session.history += to_messages(history, self.app, memory)
             options = {"max_new_tokens": int(max_new_tokens), "temperature": temperature, "top_p": top_p}
             if speak:
                 options |= {"speak": True, "voice": voice}
-            media = decoded_media(message.get("files") or [], app, memory)
+            media = decoded_media(message.get("files") or [], self.app, memory)
             reply = session.send(message.get("text") or "", **media, **options)
         except OmniLocalError as error:
-            yield error_message(str(error)), gr.skip()
+            self._save(store, [*asked, as_dict(error_message(str(error)))], system_prompt, memory)
+            yield error_message(str(error)), gr.skip(), gr.skip()
             return
-        text, chunks, update = "", 0, None
-        typing.add(memory.session_id)
+        turn = memory.turn = Turn(reply)
+        self.typing.add(memory.session_id)
         try:
-            for event in reply:
-                if memory.left:  # its chat is no longer shown: the reply stops (finally, below), unsaved
+            yield from self._stream(turn, store, asked, system_prompt, memory)
+        finally:
+            self.typing.discard(memory.session_id)
+            if not reply.done:  # the stop button (or leaving the chat) closed this generator
+                reply.cancel()  # the engine stops too, and the reply's last event says where
+                self._end(turn, store, asked, system_prompt, memory, _last_event(reply))
+            turn.ended.set()
+
+    def _stream(self, turn: Turn, store: ChatStore, asked: list[dict[str, Any]], system_prompt: str,
+                memory: ChatMemory) -> Iterator[tuple[Any, Any, Any]]:
+        text, chunks, saved_at = "", 0, time.monotonic()
+        try:
+            for event in turn.reply:
+                if memory.left:  # its chat is no longer shown: the reply stops (in respond), saved in its own
                     return
+                update: tuple[Any, Any, Any] | None = None
                 if isinstance(event, TextDelta):
                     text += event.text
-                    update = text, gr.skip()
+                    update = text, gr.skip(), gr.skip()
+                    if time.monotonic() - saved_at > SAVE_EVERY_S:
+                        self._save(store, [*asked, {"role": "assistant", "content": text}], system_prompt, memory)
+                        saved_at = time.monotonic()
                 elif isinstance(event, AudioChunk):
-                    update = text, audio_payload(event, chunks)
+                    update = text, audio_payload(event, chunks), gr.skip()
                     chunks += 1
                 elif isinstance(event, Finished):
-                    shown = finished_reply(event, reply.audio, uploads, memory)
-                    _keep(store, [*history, question(message), *map(as_dict, shown)], system_prompt, memory)
-                    update = shown, gr.skip()
-                if not memory.left:  # the page may have opened another chat meanwhile: not there
+                    update = self._end(turn, store, asked, system_prompt, memory, event), gr.skip(), turn.context
+                if update is not None and not memory.left:  # the page may have opened another chat meanwhile
                     yield update
         except OmniLocalError as error:
+            self._save(store, [*asked, as_dict(error_message(str(error)))], system_prompt, memory)
             if not memory.left:
-                yield error_message(str(error)), gr.skip()
-        finally:
-            typing.discard(memory.session_id)
-            reply.cancel()  # the stop button closes this generator: stop the engine's work too
+                yield error_message(str(error)), gr.skip(), gr.skip()
 
-    textbox = gr.MultimodalTextbox(
-        file_types=sorted(IMAGE_SUFFIXES | AUDIO_SUFFIXES | VIDEO_SUFFIXES),
-        file_count="multiple",
-        sources=["upload", "microphone"],
-        placeholder="Ask something, or drop an image, audio or video file here",
-        stop_btn=True,  # a custom textbox keeps its own (off by default): ChatInterface's is ignored
-    )
-    with gr.Blocks(title="omni_local") as ui:
-        memory = gr.State(lambda: ChatMemory())
-        # Each spoken chunk as it comes; the page plays it at once (Web Audio, below).
-        audio_feed = gr.JSON(visible=False)
-        # Rendered by ChatInterface, under "Additional inputs"; voice mode asks with them too.
-        system = gr.Textbox(label="System prompt", lines=2, render=False)
-        # A reply can use whatever the context leaves after the prompt.
-        longest = gr.Slider(1, app.settings.max_context_tokens, value=app.settings.max_new_tokens, step=1,
-                            label="Longest reply (tokens)", render=False)
-        temperature = gr.Slider(0.0, 2.0, value=app.settings.temperature, step=0.05,
-                                label="Temperature (0 is greedy)", render=False)
-        top_p = gr.Slider(0.05, 1.0, value=app.settings.top_p, step=0.05, label="Top-p", render=False)
-        speak = gr.Checkbox(value=False, render=False, interactive=bool(voices),
-                            label="Speak replies" if voices else "Speak replies (start the app with --speech true)")
-        # An unknown voice is the engine's clear error, like any request's.
-        voice = gr.Dropdown(voices, value=app.settings.voice, label="Voice", allow_custom_value=True, render=False)
-        with gr.Sidebar(label="Chats", open=True):
-            new_chat = gr.Button("New chat", variant="primary")
-            # Any saved chat's id is accepted (a page or API client opened before it was saved
-            # has not been sent it as a choice); an unknown one opens a new chat.
-            chooser = gr.Dropdown(label="Chats", choices=[], allow_custom_value=True)
-            title = gr.Textbox(label="Title", placeholder="Rename this chat")
-            with gr.Row():
-                rename = gr.Button("Rename", size="sm")
-                delete = gr.Button("Delete", size="sm", variant="stop")
-        chat = gr.ChatInterface(
-            respond,
-            multimodal=True,
-            textbox=textbox,
-            additional_inputs=[system, memory, longest, temperature, top_p, speak, voice],
-            additional_outputs=[audio_feed],
-            title="omni_local",
-            editable=True,
-            api_name="chat",
-        )
-        if voices:
-            add_voice_mode(app, uploads, chat, audio_feed, memory, [system, longest, temperature, top_p, voice],
-                           save=partial(_keep, store), typing=typing.__contains__)
-        # The shown chat's id, on the page: sent with the messages as the page had them when they
-        # changed, while the memory is the server's, which may already be another chat's (see _keep).
-        shown_id = gr.Textbox(visible=False)
-        # The shown messages, and ChatInterface's own copy its API endpoint answers from.
-        shown = [chat.chatbot, chat.chatbot_state, system, memory, chooser, title]
-        audio_feed.change(None, [audio_feed], None, js=PLAYER_JS)
-        chat.chatbot.change(lambda history, prompt, page_id, m: _keep(store, history, prompt, m, page_id),
-                            [chat.chatbot, system, shown_id, memory], [chooser],
-                            trigger_mode="always_last", show_progress="hidden", api_name=False)
-        opened = [
-            chooser.input(lambda chat_id, leaving: _switch(store, store.get(chat_id), leaving), [chooser, memory],
-                          shown, api_name="open_chat"),
-            new_chat.click(lambda leaving: _switch(store, None, leaving), [memory], shown, api_name="new_chat"),
-            delete.click(lambda m: _delete(store, uploads, m), [memory], shown, api_name="delete_chat"),
-            ui.load(lambda: _show(store, store.latest()), None, shown, api_name=False),
-        ]
-        for event in opened:  # kept out of the API's outputs: an id the page needs, not the client
-            event.then(lambda m: m.session_id, [memory], [shown_id], show_progress="hidden", api_name=False)
-        for leave in (chooser.input, new_chat.click, delete.click):  # a reply still streaming stops
-            leave(None, None, None, js=STOP_STREAMING_REPLY_JS)
-        rename.click(lambda text, m: _rename(store, text, m), [title, memory], [chooser], api_name="rename_chat")
-    return ui
+    def _end(self, turn: Turn, store: ChatStore, asked: list[dict[str, Any]], system_prompt: str,
+             memory: ChatMemory, final: Finished | None) -> list[gr.ChatMessage]:
+        """The ended turn's reply as shown and saved: its text, its speech and its metrics (which
+        say a stopped reply was stopped); its token ids are kept for the next turn's prompt."""
+        if final is None:  # it failed as it was stopped: what streamed is all there is
+            return []
+        reply = finished_reply(final, turn.reply.audio, self.uploads, memory)
+        turn.shown = [*asked, *map(as_dict, reply)]
+        self._save(store, turn.shown, system_prompt, memory, _context_tokens(final))
+        turn.context = context_use(self.app, _context_tokens(final))
+        return reply
 
-
-def _keep(store: ChatStore, history: list[dict[str, Any]], system_prompt: str, memory: ChatMemory,
-          shown_id: str = "") -> Any:
-    """Save the chat (not before its first question, nor once deleted): after each answer, and as
-    the page changes it (undo, edit, a streamed update); the list then shows it first. `shown_id` is
-    the chat the page showed with `history` ("" before the page has one): a change the page made
-    before it opened another chat can arrive after the memory became the other chat's, and must not
-    be saved as that chat."""
-    if not history or memory.deleted or (shown_id and shown_id != memory.session_id):
-        return gr.update()
-    saved = store.get(memory.session_id) or SavedChat(id=memory.session_id)
-    kept = (saved.history, saved.system_prompt, saved.replies)
-    saved.history, saved.system_prompt, saved.replies = history, system_prompt or "", dict(memory.replies)
-    # Unchanged when the page echoes an answer the chat already saved: no second write.
-    if kept != (saved.history, saved.system_prompt, saved.replies):
+    def _save(self, store: ChatStore, history: list[dict[str, Any]], system_prompt: str, memory: ChatMemory,
+              context_tokens: int | None = None) -> bool:
+        """Save the turn's chat; False if another tab changed it since this page saw it."""
         try:
-            store.save(saved)
-        except OSError as error:  # a full or read-only disk: the chat goes on, unsaved, and says so
-            gr.Warning(f"This chat could not be saved: {error.strerror or error}")
-    return _chooser(store, saved.id)
+            sidebar.keep(store, history, system_prompt, memory, context_tokens)
+            return True
+        except sidebar.ChatChangedElsewhere:
+            return False
+
+    def stopped(self, memory: ChatMemory) -> tuple[Any, Any, Any]:
+        """The stop button: the reply stops, and the page shows the chat as saved, its metrics
+        marked stopped (ChatInterface's own stop only closes the reply's stream)."""
+        turn = memory.turn
+        if turn is None:
+            return gr.skip(), gr.skip(), gr.skip()
+        turn.reply.cancel()
+        turn.ended.wait(STOP_WAIT_S)
+        if turn.shown is None or memory.left:
+            return gr.skip(), gr.skip(), gr.skip()
+        return turn.shown, turn.shown, turn.context
 
 
-def _show(store: ChatStore, saved: SavedChat | None) -> tuple[Any, ...]:
-    """The page for `saved`, or a new empty chat: its messages, system prompt, memory (its id is
-    its cache session), the list and its title."""
-    saved = saved or SavedChat()
-    memory = ChatMemory(session_id=saved.id, replies=dict(saved.replies))
-    return saved.history, saved.history, saved.system_prompt, memory, _chooser(store, saved.id), saved.title
+def edited_question(text: str, history: list[dict[str, Any]], saved: Any) -> dict[str, Any]:
+    """An edited question as a message: its new text, and the files it had (the page's edit gives
+    the text alone). The question stood at `len(history)` in the chat as saved before the edit."""
+    original = saved.history[len(history)] if saved and len(saved.history) > len(history) else {}
+    files = [path for block in blocks(original) if (path := file_path(block))] if original.get("role") == "user" else []
+    return {"text": text, "files": files}
 
 
-def _switch(store: ChatStore, saved: SavedChat | None, leaving: ChatMemory) -> tuple[Any, ...]:
-    """The page for `saved` (or a new chat), instead of the chat whose memory is `leaving`."""
-    leaving.left = True
-    return _show(store, saved)
+def _last_event(reply: Reply) -> Finished | None:
+    try:
+        return reply.result()
+    except RequestError:
+        return None
 
 
-def _rename(store: ChatStore, text: str, memory: ChatMemory) -> Any:
-    saved = store.get(memory.session_id)
-    if saved is not None:
-        saved.title = text.strip()
-        store.save(saved)
-    return _chooser(store, memory.session_id)
+def _context_tokens(final: Finished) -> int:
+    return final.tokens.prompt + final.tokens.generated
 
 
-def _delete(store: ChatStore, uploads: Path, memory: ChatMemory) -> tuple[Any, ...]:
-    """Delete the shown chat, and the files the app wrote for it: its spoken replies and voice
-    questions. Uploads stay: Gradio keeps one file per content, which other chats may show too."""
-    saved = store.get(memory.session_id)
-    for message in saved.history if saved else []:
-        for block in blocks(message):
-            path = Path(file_path(block) or "")
-            if path.parent == uploads and path.name.startswith((REPLY_PREFIX, UTTERANCE_PREFIX)):
-                path.unlink(missing_ok=True)
-    store.delete(memory.session_id)
-    memory.deleted = True  # a reply or voice turn still finishing does not save it again
-    return _switch(store, store.latest(), memory)
+def build_ui(app: OmniLocal, chats_folder: Path | None = None) -> gr.Blocks:
+    """The chat page: the chat itself, a sidebar of saved chats (in `chats_folder`, by default
+    `<cache_dir>/chats`; a folder of its own for each user with a login) and, when the app has the
+    Talker, voice mode."""
+    shelves = ChatShelves(chats_folder or app.settings.cache_path / "chats")
+    uploads = private_folder(app.settings.cache_path / "uploads")
+    voices = sorted(name.capitalize() for name in app.engine.speaker.runner.voices) if app.engine.speaker else []
+    turns = ChatTurns(app, shelves, uploads)
+    page = lay_out(app, turns.respond, voices)
+    with page.ui:
+        _wire_chat(page, turns)
+        _wire_sidebar(page, turns, uploads)
+        if voices:
+            def save_voice_turn(history: list[dict[str, Any]], system_prompt: str, memory: ChatMemory) -> None:
+                try:
+                    sidebar.keep(shelves.of(memory.user), history, system_prompt, memory)
+                except sidebar.ChatChangedElsewhere:
+                    gr.Warning(sidebar.CHANGED_ELSEWHERE)
+
+            add_voice_mode(app, uploads, page.chat, page.audio_feed, page.memory, page.settings,
+                           save=save_voice_turn, typing=turns.typing.__contains__)
+    # Each chat a reply of its own at once, up to the chats the engine decodes together; more wait
+    # in Gradio's queue (Gradio's default is one event of a kind at a time, for every user).
+    page.ui.queue(default_concurrency_limit=app.engine.runner.kv.slots)
+    return page.ui
 
 
-def _chooser(store: ChatStore, selected: str) -> Any:
-    choices = store.titles()
-    return gr.update(choices=choices, value=selected if any(chat_id == selected for _, chat_id in choices) else None)
+def _wire_chat(page: Page, turns: ChatTurns) -> None:
+    """The chat's own events beyond ChatInterface's: speech to the player, stop, undo, clear."""
+    chat = page.chat
+    page.audio_feed.change(None, [page.audio_feed], None, js=PLAYER_JS)
+    chat.textbox.stop(turns.stopped, [page.memory], [chat.chatbot, chat.chatbot_state, page.context_use],
+                      show_progress="hidden", api_name=False)
+
+    def undone(history: list[dict[str, Any]], system_prompt: str, shown_id: str, memory: ChatMemory,
+               request: gr.Request) -> Any:
+        # ChatInterface's own undo, applied here to the chat as the page had it before.
+        kept, _ = chat._pop_last_user_message(history)  # noqa: SLF001 - the same rule, so page and file agree
+        store = turns.store(memory, request)
+        if not kept:
+            return sidebar.clear(store, turns.uploads, memory)
+        try:
+            return sidebar.keep(store, kept, system_prompt, memory, shown_id=shown_id)
+        except sidebar.ChatChangedElsewhere:
+            gr.Warning(sidebar.CHANGED_ELSEWHERE)
+            return gr.update()
+
+    chat.chatbot.undo(undone, [chat.chatbot, page.system, page.shown_id, page.memory], [page.chooser],
+                      show_progress="hidden", api_name=False)
+    def cleared(memory: ChatMemory, request: gr.Request) -> tuple[Any, str]:
+        return sidebar.clear(turns.store(memory, request), turns.uploads, memory), ""
+
+    chat.chatbot.clear(cleared, [page.memory], [page.chooser, page.context_use], show_progress="hidden",
+                       api_name=False)
+
+
+def _wire_sidebar(page: Page, turns: ChatTurns, uploads: Path) -> None:
+    """Open, new, delete, rename, and the page's start: each shows a chat of the logged-in user's."""
+    chat = page.chat
+    shown = [chat.chatbot, chat.chatbot_state, page.system, page.memory, page.chooser, page.title, page.context_use]
+
+    def showing(view: tuple[Any, ...]) -> tuple[Any, ...]:
+        *rest, tokens = view
+        return (*rest, context_use(turns.app, tokens))
+
+    def open_chat(chat_id: str, leaving: ChatMemory, request: gr.Request) -> tuple[Any, ...]:
+        store = turns.store(leaving, request)
+        return showing(sidebar.switch(store, store.get(chat_id), leaving))
+
+    def new_chat(leaving: ChatMemory, request: gr.Request) -> tuple[Any, ...]:
+        return showing(sidebar.switch(turns.store(leaving, request), None, leaving))
+
+    def delete_chat(confirmed: bool, memory: ChatMemory, request: gr.Request) -> tuple[Any, ...]:
+        if not confirmed:
+            return tuple(gr.skip() for _ in shown)
+        return showing(sidebar.delete(turns.store(memory, request), uploads, memory))
+
+    def start(request: gr.Request) -> tuple[Any, ...]:
+        user = getattr(request, "username", None)
+        store = turns.shelves.of(user)
+        return showing(sidebar.show(store, store.latest(), user))
+
+    def rename_chat(text: str, memory: ChatMemory, request: gr.Request) -> Any:
+        return sidebar.rename(turns.store(memory, request), text, memory)
+
+    confirmed = gr.Checkbox(value=True, visible=False)  # the page's answer to "Delete this chat?"
+    opened = [
+        page.chooser.input(open_chat, [page.chooser, page.memory], shown, api_name="open_chat"),
+        page.new_chat.click(new_chat, [page.memory], shown, api_name="new_chat"),
+        page.delete.click(delete_chat, [confirmed, page.memory], shown, api_name="delete_chat", js=CONFIRM_DELETE_JS),
+        page.ui.load(start, None, shown, api_name=False),
+    ]
+    for event in opened:  # kept out of the API's outputs: an id the page needs, not the client
+        event.then(lambda m: m.session_id, [page.memory], [page.shown_id], show_progress="hidden", api_name=False)
+    for leave in (page.chooser.input, page.new_chat.click):  # a reply still streaming stops
+        leave(None, None, None, js=STOP_STREAMING_REPLY_JS, api_name=False)
+    for narrow in (page.ui.load, page.new_chat.click):
+        narrow(None, None, None, js=CLOSE_SIDEBAR_ON_PHONES_JS, api_name=False)
+    page.rename.click(rename_chat, [page.title, page.memory], [page.chooser], api_name="rename_chat")

@@ -4,11 +4,15 @@ page and a restart of the app.
 A chat keeps what the page shows (Gradio's messages, with the paths of uploads, which stay in the
 private uploads folder), its system prompt, its title, and each reply's token ids: the next turn's
 prompt then holds every reply exactly as generated, and the chat's id is its prefix-cache session,
-so its KV is continued in place. JSON only: nothing read from disk is ever unpickled.
+so its KV is continued in place. JSON only: nothing read from disk is ever unpickled. With a login,
+each user's chats are a folder of their own (`ChatShelves`): nobody lists or opens another's.
 """
 
+import hashlib
 import json
+import logging
 import os
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -16,9 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from omni_local.cache.folders import private_folder
-from omni_local.ui.messages import block_text, blocks
+from omni_local.ui.messages import block_text, blocks, file_path
 
 TITLE_CHARS = 40
+UTTERANCE_PREFIX = "voice-"  # a voice question's WAV file, which the app writes (history.py)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -27,31 +34,44 @@ class SavedChat:
     title: str = ""  # empty until the first question (or a rename) names it
     system_prompt: str = ""
     history: list[dict[str, Any]] = field(default_factory=list)  # Gradio's messages
-    replies: dict[str, list[int]] = field(default_factory=dict)  # reply text -> its token ids
+    replies: dict[str, list[int]] = field(default_factory=dict)  # reply text, stripped -> its token ids
     updated: float = field(default_factory=time.time)
+    created: float = field(default_factory=time.time)
+    revision: int = 0  # saves so far: a page that saw an older one has missed another tab's change
+    context_tokens: int = 0  # prompt and reply tokens of the last turn: how full the context is
 
     @property
     def shown_title(self) -> str:
-        return self.title or first_question(self.history) or "New chat"
+        return self.title or first_question(self.history) or self._voice_title() or "New chat"
+
+    def _voice_title(self) -> str:
+        """"Voice chat, 14:05" for a chat that began with a recording and no text."""
+        spoken = any(Path(file_path(block) or "").name.startswith(UTTERANCE_PREFIX)
+                     for message in self.history[:1] for block in blocks(message))
+        return f"Voice chat, {time.strftime('%H:%M', time.localtime(self.created))}" if spoken else ""
 
 
 def first_question(history: list[dict[str, Any]]) -> str:
+    """The first words of the first typed question, on one line, cut to TITLE_CHARS."""
     for message in history:
         if message.get("role") == "user":
-            text = " ".join(text for block in blocks(message) if (text := block_text(block)) is not None).strip()
+            words = " ".join(text for block in blocks(message) if (text := block_text(block)) is not None).split()
+            text = " ".join(words)
             if text:
                 return text if len(text) <= TITLE_CHARS else text[: TITLE_CHARS - 1] + "…"
     return ""
 
 
 class ChatStore:
-    """The chats of one app: it alone writes the folder while it runs."""
+    """The chats of one user of one app: it alone writes the folder while it runs."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = private_folder(folder)
-        # Each chat's shown title and last use, for the sidebar's list. The page saves a chat at each
-        # streamed update of a reply; reading every file there instead cost 20 ms per update with
-        # 100 chats (2-core CPU), most of it parsing JSON under the GIL the engine's thread needs.
+        # Guards a chat's revision between reading and writing it: two tabs may save one chat at once.
+        self.lock = threading.Lock()
+        # Each chat's shown title and last use, for the sidebar's list. The page saves a chat as a
+        # reply streams; reading every file there instead cost 20 ms per save with 100 chats (2-core
+        # CPU), most of it parsing JSON under the GIL the engine's thread needs.
         self._index = {chat.id: (chat.shown_title, chat.updated) for chat in self.all()}
 
     def all(self) -> list[SavedChat]:
@@ -73,14 +93,22 @@ class ChatStore:
         return self._read(self._path(chat_id)) if chat_id.isalnum() else None
 
     def save(self, chat: SavedChat) -> None:
+        """Write `chat`, one revision on. Raises OSError (a full or read-only disk); the chat's file
+        is then as it was."""
         chat.updated = time.time()
+        chat.revision += 1
         path = self._path(chat.id)
         staging = path.with_suffix(".tmp")
         # Written beside it and renamed into place: a crash never leaves half a chat.
-        descriptor = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(descriptor, "w", encoding="utf-8") as file:
-            json.dump(asdict(chat), file)
-        os.replace(staging, path)
+        try:
+            descriptor = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+                json.dump(asdict(chat), file)
+            os.replace(staging, path)
+        except OSError:
+            chat.revision -= 1
+            staging.unlink(missing_ok=True)  # a disk that filled up mid-write keeps no half file
+            raise
         self._index[chat.id] = (chat.shown_title, chat.updated)
 
     def delete(self, chat_id: str) -> None:
@@ -94,7 +122,60 @@ class ChatStore:
 
     @staticmethod
     def _read(path: Path) -> SavedChat | None:
+        """The chat in `path`, or None, with a warning, if the file is not one of ours: unreadable,
+        not JSON, or JSON of another shape. One bad file must not stop the app or hide the others."""
         try:
-            return SavedChat(**json.loads(path.read_text(encoding="utf-8")))
-        except (OSError, ValueError, TypeError):
+            fields = json.loads(path.read_text(encoding="utf-8"))
+            chat = SavedChat(**fields)
+            problem = _shape_problem(chat)
+        except FileNotFoundError:
             return None
+        except (OSError, ValueError, TypeError) as error:
+            problem = str(error)
+        if problem:
+            log.warning("saved chat %s skipped: %s", path.name, problem)
+            return None
+        chat.replies = {text.strip(): ids for text, ids in chat.replies.items()}  # older files kept them unstripped
+        return chat
+
+
+def _shape_problem(chat: SavedChat) -> str:
+    """What is wrong with a chat read from disk, or "" if it has the shape the app writes."""
+    texts = (chat.id, chat.title, chat.system_prompt)
+    if not all(isinstance(text, str) for text in texts) or not chat.id.isalnum():
+        return "its id, title or system prompt is not text"
+    if not isinstance(chat.history, list) or not all(
+        isinstance(message, dict) and message.get("role") in ("user", "assistant") and "content" in message
+        for message in chat.history
+    ):
+        return "its history is not a list of messages"
+    if not isinstance(chat.replies, dict) or not all(
+        isinstance(text, str) and isinstance(ids, list) and all(type(token) is int for token in ids)
+        for text, ids in chat.replies.items()
+    ):
+        return "its replies are not texts with token ids"
+    numbers = (chat.updated, chat.created, chat.revision, chat.context_tokens)
+    if not all(isinstance(number, (int, float)) and not isinstance(number, bool) for number in numbers):
+        return "its times or counts are not numbers"
+    return ""
+
+
+class ChatShelves:
+    """Every user's chats. Without a login there is one user, whose chats are `root` itself; with
+    one, each user's are a folder under it named by a digest of the name (any name, no path in it)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._stores: dict[str | None, ChatStore] = {}
+        self._lock = threading.Lock()
+
+    def of(self, user: str | None) -> ChatStore:
+        with self._lock:
+            if user not in self._stores:
+                folder = self.root if user is None else self.root / f"user-{_digest(user)}"
+                self._stores[user] = ChatStore(folder)
+            return self._stores[user]
+
+
+def _digest(user: str) -> str:
+    return hashlib.sha256(user.encode("utf-8", "surrogatepass")).hexdigest()

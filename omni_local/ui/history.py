@@ -26,6 +26,7 @@ from omni_local.errors import RequestError
 from omni_local.media import load_audio, load_image
 from omni_local.media.video import Video
 from omni_local.prompts import Message, Part
+from omni_local.ui.chats import UTTERANCE_PREFIX
 from omni_local.ui.messages import block_text, blocks, file_path
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif"}
@@ -34,8 +35,7 @@ VIDEO_SUFFIXES = {".mp4", ".webm", ".mov"}
 ERROR_TITLE = "Error"
 SPOKEN_TITLE = "Spoken reply"
 # WAV files the app writes into the uploads folder, files of one chat's own (deleted with it).
-REPLY_PREFIX = "reply-"  # a spoken reply
-UTTERANCE_PREFIX = "voice-"  # a voice question
+REPLY_PREFIX = "reply-"  # a spoken reply; a voice question's is chats.UTTERANCE_PREFIX
 # Decoded uploads a chat keeps, the most recently used, so that each turn does not read every
 # earlier file again. Bounded: a long chat of videos would otherwise hold every decoded frame for as
 # long as its page is open. One read back costs a decode; the file is unchanged.
@@ -45,10 +45,13 @@ KEPT_MEDIA_BYTES = 512 << 20
 @dataclass
 class ChatMemory:
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    replies: dict[str, list[int]] = field(default_factory=dict)  # reply text -> its token ids
+    replies: dict[str, list[int]] = field(default_factory=dict)  # reply text (see reply_key) -> its token ids
     media: dict[str, Part] = field(default_factory=dict)  # upload path -> decoded, the most recently used last
     left: bool = False  # the page has opened another chat: this one's reply must not show there
     deleted: bool = False  # the chat was deleted: nothing saves it again
+    revision: int = 0  # the saved chat's revision this page has: an older one means another tab changed it
+    user: str | None = None  # who is logged in (None without a login): whose chats folder this chat is in
+    turn: Any = None  # the typed turn streaming in this page, if any (chat.py's Turn)
 
     def remember(self, path: str, part: Part) -> None:
         """Keep `part`, decoded from `path`, dropping the least recently used past KEPT_MEDIA_BYTES."""
@@ -64,13 +67,19 @@ class ChatMemory:
 def finished_reply(event: Finished, audio: np.ndarray, uploads: Path, memory: ChatMemory) -> list[gr.ChatMessage]:
     """A finished reply as the chat shows it: its text, its speech (kept in `uploads`, to play
     again) and its metrics. Its token ids are remembered for the next turn's prompt."""
-    memory.replies[event.text] = event.token_ids
+    memory.replies[reply_key(event.text)] = event.token_ids
     shown = [gr.ChatMessage(content=event.text)]
     kept = keep_audio(uploads, audio) if audio.size else None
     if kept is not None:
         shown.append(gr.ChatMessage(content={"path": str(kept)}, metadata={"title": SPOKEN_TITLE}))
     shown.append(gr.ChatMessage(content=event.metrics_line(), metadata={"title": "Metrics"}))
     return shown
+
+
+def reply_key(text: str) -> str:
+    """A reply's text as the page gives it back: the page trims a message's leading and trailing
+    whitespace, and a reply that kept it would otherwise miss its token ids, and its cached KV."""
+    return text.strip()
 
 
 def keep_wav(folder: Path, prefix: str, samples: np.ndarray, rate: int, subtype: str) -> Path:
@@ -130,7 +139,7 @@ def to_messages(history: list[dict[str, Any]], app: OmniLocal, memory: ChatMemor
             continue
         elif asked is not None:
             answer = parts(entry)
-            ids = memory.replies.get("".join(p for p in answer if isinstance(p, str)))
+            ids = memory.replies.get(reply_key("".join(p for p in answer if isinstance(p, str))))
             question_parts = sorted(parts(asked), key=_send_order)
             messages += [Message("user", question_parts), Message("assistant", answer, token_ids=ids)]
             asked = None

@@ -1,0 +1,105 @@
+"""The saved chats behind the page: saving the shown chat, and the sidebar's open, new, rename,
+clear and delete. Only a person's action writes: asking (chat.py), undo, clear, rename, delete;
+opening or reloading the page never does."""
+
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+
+from omni_local.ui.chats import UTTERANCE_PREFIX, ChatStore, SavedChat
+from omni_local.ui.history import REPLY_PREFIX, ChatMemory
+from omni_local.ui.messages import blocks, file_path
+
+CHANGED_ELSEWHERE = ("This chat was changed in another tab or window since this page opened it. Open it again "
+                     "from the list to go on (your message is still in the box above to copy).")
+
+
+class ChatChangedElsewhere(Exception):
+    """The saved chat has a revision this page has not seen: saving would lose another tab's turn."""
+
+
+def keep(store: ChatStore, history: list[dict[str, Any]], system_prompt: str, memory: ChatMemory,
+         context_tokens: int | None = None, shown_id: str = "") -> Any:
+    """Save the shown chat (not before its first question, nor once deleted); the list then shows
+    it first. `shown_id` is the chat the page showed with `history` ("" if not known): a change the
+    page made before it opened another chat can arrive after the memory became the other chat's,
+    and must not be saved as that chat. Raises ChatChangedElsewhere if another tab saved it since
+    this page last did; a disk that will not take it is a warning, and the chat goes on."""
+    if not history or memory.deleted or (shown_id and shown_id != memory.session_id):
+        return gr.update()
+    with store.lock:
+        saved = store.get(memory.session_id) or SavedChat(id=memory.session_id)
+        if saved.revision != memory.revision:
+            raise ChatChangedElsewhere()
+        kept = (saved.history, saved.system_prompt, saved.replies, saved.context_tokens)
+        saved.history, saved.system_prompt, saved.replies = history, system_prompt or "", dict(memory.replies)
+        if context_tokens is not None:
+            saved.context_tokens = context_tokens
+        # Unchanged when an update repeats what the chat already saved: no second write.
+        if kept != (saved.history, saved.system_prompt, saved.replies, saved.context_tokens):
+            try:
+                store.save(saved)
+                memory.revision = saved.revision
+            except OSError as error:  # a full or read-only disk: the chat goes on, unsaved, and says so
+                gr.Warning(f"This chat could not be saved: {error.strerror or error}")
+    return chooser(store, saved.id)
+
+
+def show(store: ChatStore, saved: SavedChat | None, user: str | None) -> tuple[Any, ...]:
+    """The page for `saved`, or a new empty chat: its messages (twice: the page's and
+    ChatInterface's copy), system prompt, memory (its id is its cache session), the list, its title
+    and its context use."""
+    saved = saved or SavedChat()
+    memory = ChatMemory(session_id=saved.id, replies=dict(saved.replies), revision=saved.revision, user=user)
+    return (saved.history, saved.history, saved.system_prompt, memory, chooser(store, saved.id), saved.title,
+            saved.context_tokens)
+
+
+def switch(store: ChatStore, saved: SavedChat | None, leaving: ChatMemory) -> tuple[Any, ...]:
+    """The page for `saved` (or a new chat), instead of the chat whose memory is `leaving`."""
+    leaving.left = True
+    return show(store, saved, leaving.user)
+
+
+def rename(store: ChatStore, text: str, memory: ChatMemory) -> Any:
+    with store.lock:
+        saved = store.get(memory.session_id)
+        if saved is not None:
+            saved.title = text.strip()
+            store.save(saved)
+            memory.revision = saved.revision
+    return chooser(store, memory.session_id)
+
+
+def clear(store: ChatStore, uploads: Path, memory: ChatMemory) -> Any:
+    """The shown chat emptied by the page's trash icon: an empty chat is not kept, so its file and
+    the files the app wrote for it go, and the page goes on in it as a new chat."""
+    forget(store, uploads, memory)
+    memory.replies.clear()
+    memory.revision = 0
+    return chooser(store, memory.session_id)
+
+
+def delete(store: ChatStore, uploads: Path, memory: ChatMemory) -> tuple[Any, ...]:
+    """Delete the shown chat and its files, then show the most recent other chat."""
+    forget(store, uploads, memory)
+    memory.deleted = True  # a reply or voice turn still finishing does not save it again
+    return switch(store, store.latest(), memory)
+
+
+def forget(store: ChatStore, uploads: Path, memory: ChatMemory) -> None:
+    """Delete the saved chat and the files the app wrote for it: its spoken replies and voice
+    questions. Uploads stay: Gradio keeps one file per content, which other chats may show too."""
+    saved = store.get(memory.session_id)
+    for message in saved.history if saved else []:
+        for block in blocks(message):
+            path = Path(file_path(block) or "")
+            if path.parent == uploads and path.name.startswith((REPLY_PREFIX, UTTERANCE_PREFIX)):
+                path.unlink(missing_ok=True)
+    store.delete(memory.session_id)
+
+
+def chooser(store: ChatStore, selected: str) -> Any:
+    choices = store.titles()
+    return gr.update(choices=choices, value=selected if any(chat_id == selected for _, chat_id in choices) else None)
