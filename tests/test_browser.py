@@ -533,12 +533,20 @@ def test_the_context_use_shows_after_a_reply(page, shot):
     assert re.search(rf"Context: [\d,]+ of {MAX_CONTEXT_TOKENS:,} tokens", context_use.inner_text())
 
 
-def test_a_two_line_first_question_is_titled_with_a_space_between_its_lines(page, shot):
+def test_a_new_chat_is_listed_by_its_first_question_once_asked(page, shot):
+    _ask(page, "List me, please")
+    _wait_for_metrics(page, 1)
+    _wait_until(page, lambda: _shown_title(page) == "List me, please",
+                lambda: f"the list shows {_shown_title(page)!r} for the chat")
+    shot("listed")
+
+
+def test_a_two_line_first_question_is_titled_with_a_space_between_its_lines(page, shot, served):
     _ask(page, "Two lines\nof question")
     _wait_for_metrics(page, 1)
-    _wait_until(page, lambda: _shown_title(page) == "Two lines of question",
-                lambda: f"the chat is titled {_shown_title(page)!r}")
+    _reload(page, served)  # the page's start-up lists the saved chats, this one (the latest) chosen
     shot("titled")
+    assert _shown_title(page) == "Two lines of question"
 
 
 def test_two_tabs_on_different_chats_stream_at_the_same_time(page, shot, open_tab):
