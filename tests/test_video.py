@@ -11,6 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
+from chats import Chat, common_prefix, written
 from samples import clip, picture, video_file
 from omni_local.api import OmniLocal
 from omni_local.errors import MediaError
@@ -20,6 +21,7 @@ from omni_local.prompts import Message, build_prompt, video_grid
 
 NEW_TOKENS = 12
 QUESTION = "What happens in this video?"
+SYSTEM = "You watch videos."
 
 
 def transformers_reply(
@@ -88,40 +90,25 @@ def test_a_silent_clip_gets_a_silent_track_so_every_video_is_laid_out_alike(apps
     assert video.audio.size == round(video.seconds * 16_000)
 
 
-class Chat:
-    """One conversation held the same way in both apps, each reply checked for equality."""
-
-    def __init__(self, apps) -> None:
-        self.apps = apps
-        self.sessions = [app.session(system_prompt="You watch videos.") for app in apps]
-
-    def send(self, text: str, **media):
-        on, off = (s.send(text, max_new_tokens=NEW_TOKENS, **media).result() for s in self.sessions)
-        assert on.token_ids == off.token_ids, "the cache changed an answer"
-        assert off.tokens.computed == off.tokens.prompt
-        return on
-
-
 def test_the_same_video_with_a_new_question_computes_only_the_new_question(apps):
     video = apps[0].read_video(video_file(8))
-    Chat(apps).send(QUESTION, videos=[video])
-    chat = Chat(apps)
-    before = build_prompt([Message("system", ["You watch videos."]), Message("user", [video, QUESTION])],
+    Chat(apps, SYSTEM, NEW_TOKENS).send(QUESTION, videos=[video])
+    chat = Chat(apps, SYSTEM, NEW_TOKENS)
+    before = build_prompt([Message("system", [SYSTEM]), Message("user", [video, QUESTION])],
                           apps[0].loaded.processor)
-    ids = build_prompt([Message("system", ["You watch videos."]), Message("user", [video, "Who is in it?"])],
+    ids = build_prompt([Message("system", [SYSTEM]), Message("user", [video, "Who is in it?"])],
                        apps[0].loaded.processor)
     final = chat.send("Who is in it?", videos=[video])
-    shared = int(np.flatnonzero(before.input_ids[0, :ids.num_tokens] != ids.input_ids[0, :before.num_tokens])[0])
+    shared = common_prefix(before.input_ids[0].tolist(), ids.input_ids[0].tolist())
     assert final.tokens.computed == ids.num_tokens - shared
     assert shared > ids.media[0].end  # the whole video, frames and sound, came from the cache
 
 
 def test_a_video_chat_turn_2_computes_only_turn_2(apps):
-    chat = Chat(apps)
+    chat = Chat(apps, SYSTEM, NEW_TOKENS)
     first = chat.send(QUESTION, videos=[apps[0].read_video(video_file(9))])
     second = chat.send("And then?")
-    written = first.tokens.prompt + first.tokens.generated - (0 if first.stop_reason == "end_of_turn" else 1)
-    assert second.tokens.computed == second.tokens.prompt - written
+    assert second.tokens.computed == second.tokens.prompt - written(first)
 
 
 def test_a_known_video_skips_its_encoders(apps, monkeypatch):
