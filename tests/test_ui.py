@@ -136,6 +136,7 @@ def test_an_uploaded_image_reaches_the_model_and_gets_a_reply(ui_url, tmp_path):
     assert with_image.prompt_tokens > text_only.prompt_tokens
 
 
+@pytest.mark.torchvision
 def test_an_uploaded_video_reaches_the_model_and_a_follow_up_computes_only_its_new_tokens(ui_url, tmp_path):
     clip = tmp_path / "clip.mp4"
     clip.write_bytes(video_file(3))

@@ -17,6 +17,7 @@ from omni_local.api import OmniLocal
 from omni_local.errors import MediaError
 from omni_local.media.limits import MediaLimits
 from omni_local.media.video import Video, load_video
+from omni_local.model import workarounds
 from omni_local.prompts import Message, build_prompt, video_grid
 
 NEW_TOKENS = 12
@@ -58,6 +59,7 @@ CASES = {
 }
 
 
+@pytest.mark.torchvision
 @pytest.mark.parametrize("case", CASES)
 def test_a_video_question_has_the_prompt_and_reply_of_transformers(apps, case):
     app = apps[1]
@@ -84,12 +86,14 @@ def test_mov_and_webm_are_read_too(container):
     assert video.frames.shape[0] == 4 and video.audio is not None
 
 
+@pytest.mark.torchvision
 def test_a_silent_clip_gets_a_silent_track_so_every_video_is_laid_out_alike(apps):
     video = apps[0].read_video(video_file(7, sound=False))
     assert video.audio is not None and not video.audio.any()
     assert video.audio.size == round(video.seconds * 16_000)
 
 
+@pytest.mark.torchvision
 def test_the_same_video_with_a_new_question_computes_only_the_new_question(apps):
     video = apps[0].read_video(video_file(8))
     Chat(apps, SYSTEM, NEW_TOKENS).send(QUESTION, videos=[video])
@@ -104,6 +108,7 @@ def test_the_same_video_with_a_new_question_computes_only_the_new_question(apps)
     assert shared > ids.media[0].end  # the whole video, frames and sound, came from the cache
 
 
+@pytest.mark.torchvision
 def test_a_video_chat_turn_2_computes_only_turn_2(apps):
     chat = Chat(apps, SYSTEM, NEW_TOKENS)
     first = chat.send(QUESTION, videos=[apps[0].read_video(video_file(9))])
@@ -111,6 +116,7 @@ def test_a_video_chat_turn_2_computes_only_turn_2(apps):
     assert second.tokens.computed == second.tokens.prompt - written(first)
 
 
+@pytest.mark.torchvision
 def test_a_known_video_skips_its_encoders(apps, monkeypatch):
     app = apps[0]
     video = app.read_video(video_file(10))
@@ -146,6 +152,7 @@ def test_a_bad_video_is_read_as_a_clear_media_error(data, phrase):
         load_video(data(), LIMITS, fps=2.0, name="clip.mp4")
 
 
+@pytest.mark.torchvision
 def test_a_bad_video_through_the_api_is_a_media_error_naming_the_file_and_the_next_question_is_served(
     apps, tmp_path
 ):
@@ -155,6 +162,20 @@ def test_a_bad_video_through_the_api_is_a_media_error_naming_the_file_and_the_ne
     with pytest.raises(MediaError, match="broken.mp4: not a readable video file"):
         session.send(QUESTION, videos=[path])
     assert session.send("Hello", max_new_tokens=2).result().token_ids
+
+
+def test_without_torchvision_a_video_is_refused_saying_so_and_images_are_still_answered(
+    demo_settings, demo_checkpoint, monkeypatch, tmp_path
+):
+    # The app `load_processor` loads where torchvision is missing, whether or not it is missing here.
+    monkeypatch.setattr(workarounds, "is_torchvision_available", lambda: False)
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(video_file(15))
+    with OmniLocal(demo_settings) as app:
+        session = app.session()
+        with pytest.raises(MediaError, match="video input needs torchvision, which is not installed here"):
+            session.send(QUESTION, videos=[path])
+        assert session.send("What is this?", images=[picture(16)], max_new_tokens=2).result().token_ids
 
 
 def _sound_only_file() -> bytes:
@@ -168,6 +189,7 @@ def _sound_only_file() -> bytes:
     return out.getvalue()
 
 
+@pytest.mark.torchvision
 @pytest.mark.parametrize("shape", [(4, 64, 96), (20, 360, 640), (8, 1080, 1920), (6, 40, 500), (200, 64, 64)], ids=str)
 def test_the_grid_a_prompt_is_built_with_is_the_video_processors(demo_model, shape):
     # The prompt is built from the frames' shape alone; the pixels come later, from the processor.
