@@ -1,6 +1,7 @@
 """Fixtures shared by the test files: the demo checkpoint, built once per session, its model and
 the apps on it; bad uploads; the prompts an engine builds, and the ids they must have; and the
-tests that need a CUDA GPU (marked `cuda`).
+tests that need a CUDA GPU (marked `cuda`) or torchvision (marked `torchvision`), skipped, saying
+why, where it is missing.
 
 The demo runs on the CPU unless OMNI_LOCAL_TEST_DEVICE names another device (`cuda` on a GPU
 machine, where decode steps and short prefills run as CUDA graphs). It runs in float32 on every device: the tests
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from transformers.utils import is_torchvision_available
 
 from bad_files import write_bad_files
 from omni_local.model import LoadedModel, load_model
@@ -119,15 +121,21 @@ def bad_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path,
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (CUDA graphs); skipped where none is visible")
+    config.addinivalue_line("markers", "torchvision: reads a video, which needs torchvision; skipped without it")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
-    no_gpu = pytest.mark.skip(reason="CUDA graphs need a CUDA GPU, and none is visible")
+    missing = {}  # marker -> the skip for a test that has it
+    if not torch.cuda.is_available():
+        missing["cuda"] = pytest.mark.skip(reason="CUDA graphs need a CUDA GPU, and none is visible")
+    # The check `load_processor` makes: without torchvision the app refuses every video.
+    if not is_torchvision_available():
+        missing["torchvision"] = pytest.mark.skip(
+            reason="video needs torchvision (transformers' video processor), which is not installed")
     for item in items:
-        if item.get_closest_marker("cuda"):
-            item.add_marker(no_gpu)
+        for marker, skip in missing.items():
+            if item.get_closest_marker(marker):
+                item.add_marker(skip)
 
 
 @pytest.fixture(scope="module")

@@ -109,6 +109,7 @@ def test_app_py_refuses_an_unknown_settings_key_with_one_line_and_status_2(tmp_p
     assert done.stderr.strip() == f"error: {settings_file}: unknown setting 'ui.ui_colour'"
 
 
+@pytest.mark.torchvision
 def test_ask_answers_about_a_video(flags, tmp_path, capsys):
     path = tmp_path / "clip.webm"
     path.write_bytes(video_file(1, container="webm"))

@@ -23,6 +23,7 @@ from gradio_client.exceptions import AuthenticationError
 from PIL import Image
 
 from bad_files import BAD_FILES, LIMITS, media_error
+from chats import written_tokens
 from samples import video_file
 from served_app import free_port, running_app
 from omni_local.media import load_image
@@ -183,6 +184,7 @@ def test_an_uploaded_image_reaches_the_model_and_gets_a_reply(ui_url, tmp_path):
     assert with_image.prompt_tokens > text_only.prompt_tokens
 
 
+@pytest.mark.torchvision
 def test_an_uploaded_video_reaches_the_model_and_a_follow_up_computes_only_its_new_tokens(ui_url, tmp_path):
     clip = tmp_path / "clip.mp4"
     clip.write_bytes(video_file(3))
@@ -190,7 +192,7 @@ def test_an_uploaded_video_reaches_the_model_and_a_follow_up_computes_only_its_n
     first = _ask(client, "What happens in this video?", clip)
     assert first.reply and first.prompt_tokens > 200  # frames and sound track
     follow_up = _ask(client, "And then?")
-    cached = first.prompt_tokens + first.generated_tokens - (0 if first.stop_reason == "end_of_turn" else 1)
+    cached = written_tokens(first.prompt_tokens, first.generated_tokens, first.stop_reason)
     assert follow_up.computed_tokens == follow_up.prompt_tokens - cached
 
 
@@ -207,7 +209,7 @@ def test_a_follow_up_in_the_same_chat_computes_only_its_new_tokens(ui_url, tmp_p
     follow_up = _ask(client, "Is there anything else?")
     # The first turn's prompt and reply are in the cache as generated (the last sampled token is
     # computed only when the reply did not end on its own).
-    cached = first.prompt_tokens + first.generated_tokens - (0 if first.stop_reason == "end_of_turn" else 1)
+    cached = written_tokens(first.prompt_tokens, first.generated_tokens, first.stop_reason)
     assert follow_up.computed_tokens == follow_up.prompt_tokens - cached
 
 
@@ -444,7 +446,7 @@ def test_chats_are_kept_apart_switched_renamed_deleted_and_survive_a_restart(dem
         history, *_ = client.predict(chats["Hello there"], api_name="/open_chat")
         assert history[0]["role"] == "user" and "Hello there" in str(history[0]["content"])
         follow_up = _ask(client, "And then?")
-        cached = first.prompt_tokens + first.generated_tokens - (0 if first.stop_reason == "end_of_turn" else 1)
+        cached = written_tokens(first.prompt_tokens, first.generated_tokens, first.stop_reason)
         assert follow_up.computed_tokens == follow_up.prompt_tokens - cached
     with running_app(demo_settings, tmp_path) as url:  # a restart of the app
         client = Client(url, verbose=False)
