@@ -38,7 +38,7 @@ from omni_local.engine.detokenizer import IncrementalDetokenizer
 from omni_local.engine.encoders import Encoders
 from omni_local.engine.host_copies import Readback
 from omni_local.engine.media_encoder import MediaEncoder
-from omni_local.engine.request import AudioChunk, Failed, Finished, Request, StopReason, TextDelta
+from omni_local.engine.request import AudioChunk, ContextUse, Failed, Finished, Request, StopReason, TextDelta
 from omni_local.engine.sampling import SamplingParams, SlotSampler
 from omni_local.engine.speech import Speaker, SpeechParams
 from omni_local.engine.talker import TalkerRows
@@ -332,7 +332,7 @@ class Engine:
         speech = request.spoken.report(request.submitted_at) if request.spoken is not None else None
         self._end_speech(request)
         request.events.put(Finished(request.streamed, reply_ids, reason, counts, request.timings(), request.seed,
-                                    speech, request.media))
+                                    ContextUse(self.settings.max_context_tokens), speech, request.media))
         request.ended = True
 
     def _fail(self, request: Request, message: str) -> None:
