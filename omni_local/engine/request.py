@@ -59,6 +59,8 @@ class ContextUse:
     """How much a request may hold, for a caller to show a turn's use of it ("702 of 8,192 tokens")."""
 
     size: int  # tokens of prompt and reply together a request may hold (max_context_tokens)
+    prompt_limit: int  # the longest prompt (max_prompt_tokens)
+    turns_left_out: int = 0  # the chat's earliest turns, left out of the prompt to fit prompt_limit
 
 
 @dataclass(frozen=True)
@@ -79,10 +81,11 @@ class Finished:
         return self.tokens.prompt + self.tokens.generated
 
     def metrics_line(self) -> str:
-        """One line for people (the CLI and the UI show it): how fast, what the caches supplied, and
-        why the reply ended where that is news."""
+        """One line for people (the CLI and the UI show it): how fast, what the caches supplied, what
+        the prompt left out, and why the reply ended where that is news."""
         parts = (_speed(self.timings), _reuse(self.tokens), _counted(self.tokens.generated, "reply token"),
-                 _media(self.media), _speech(self.speech), _STOP_WORDS.get(self.stop_reason, ""))
+                 _media(self.media), _speech(self.speech), _left_out(self.context),
+                 _STOP_WORDS.get(self.stop_reason, ""))
         return " · ".join(part for part in parts if part)
 
 
@@ -111,6 +114,12 @@ def _speech(s: SpeechReport | None) -> str:
         return ""
     return (f"{s.audio_s:.1f} s of speech ({s.voice}), first audio {_duration(s.first_audio_s)}, "
             f"real-time factor {s.real_time_factor:.2f}")
+
+
+def _left_out(c: ContextUse) -> str:
+    if not c.turns_left_out:
+        return ""
+    return f"{_counted(c.turns_left_out, 'earlier turn')} left out to fit {c.prompt_limit:,} tokens"
 
 
 def _duration(seconds: float) -> str:
@@ -154,6 +163,7 @@ class Request:
     computed: int = 0  # prompt tokens this request computed
     reused: tuple[int, int] = (0, 0)  # prompt tokens whose KV came from the device, from host memory
     media: MediaCounts = field(default_factory=MediaCounts)
+    turns_left_out: int = 0  # the chat's earliest turns the prompt leaves out, to fit max_prompt_tokens
     written: int = 0  # tokens of prompt-then-reply whose KV is in the slot, of accepted tokens only
     output_ids: list[int] = field(default_factory=list)  # the reply's tokens the host has accepted
     launched: int = 0  # reply tokens chosen on the device: the accepted ones and one of a step not read yet
