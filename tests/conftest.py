@@ -11,6 +11,7 @@ flip a greedy choice of the tiny random model.
 
 import os
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -68,13 +69,23 @@ def speaking_app(demo_settings: Settings, demo_checkpoint: Path):
 
 
 @pytest.fixture(scope="module")
-def apps(demo_settings: Settings, demo_checkpoint: Path):
-    """The same model twice: with every cache, and with every cache off."""
+def make_apps(demo_checkpoint: Path):
+    """`make_apps(settings)`: the same model twice on `settings`, with every cache and with every cache
+    off; closed after the test file."""
     from omni_local.api import OmniLocal
 
-    off = demo_settings.replace(prefix_cache=False, encoder_cache=False)
-    with OmniLocal(demo_settings) as cached, OmniLocal(off) as uncached:
-        yield cached, uncached
+    with ExitStack() as opened:
+        def make(settings: Settings) -> tuple[OmniLocal, OmniLocal]:
+            off = settings.replace(prefix_cache=False, encoder_cache=False)
+            return opened.enter_context(OmniLocal(settings)), opened.enter_context(OmniLocal(off))
+
+        yield make
+
+
+@pytest.fixture(scope="module")
+def apps(demo_settings: Settings, make_apps):
+    """The same model twice: with every cache, and with every cache off."""
+    return make_apps(demo_settings)
 
 
 @pytest.fixture

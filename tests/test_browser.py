@@ -46,7 +46,7 @@ CHROMIUM_ARGS = [
     "--disable-quic",
 ]
 STEP_TIMEOUT_MS = 60_000  # any one step: a reply, an upload, a page load (the CPU is shared)
-METRICS = re.compile(r"\[\d+ prompt tokens: .* \| \d+ generated \| .*\]")
+METRICS = re.compile(r"TTFT .* prompt tokens from cache.* · [\d,]+ reply tokens?")
 # The demo model's greedy reply to this does not end on its own for thousands of tokens.
 ENDLESS_QUESTION = "Count to one thousand."
 FIRST_SOUND_LIMIT_S = 0.5

@@ -31,11 +31,13 @@ from omni_local.prompts import Message
 from omni_local.ui.history import ERROR_TITLE, to_messages
 
 METRICS = re.compile(
-    r"\[(?P<prompt>\d+) prompt tokens: (?P<computed>\d+) computed, \d+ reused from GPU, \d+ from host "
-    r"(\| media: (?P<encoded>\d+) encoded, (?P<from_cache>\d+) from the encoder cache, \d+ in reused KV )?\| "
-    r"(?P<generated>\d+) generated \| "
-    r"queue [\d.]+ ms, TTFT [\d.]+ ms, [\d.]+ tokens/s \| (?P<stop>end_of_turn|max_new_tokens)\]"
+    r"TTFT [\d.,]+ m?s( \(queued [\d.,]+ m?s\))?( · [\d.,]+ tok/s)? · "
+    r"(?P<reused>[\d,]+) of (?P<prompt>[\d,]+) prompt tokens from cache( \([\d,]+ from host memory\))? · "
+    r"(?P<generated>[\d,]+) reply tokens?"
+    r"( · media: (?P<encoded>\d+) encoded, (?P<from_cache>\d+) from the encoder cache, \d+ in the cached prompt)?"
+    r"( · (?P<stop>reply length limit reached))?"
 )
+STOP_REASONS = {None: "end_of_turn", "reply length limit reached": "max_new_tokens"}  # as the line says them
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +149,7 @@ def test_the_reply_length_setting_reaches_the_engine(ui_url):
     client = Client(ui_url, verbose=False)
     (_, metrics), *_ = client.predict({"text": "Tell me a story.", "files": []}, "", 3, 0.0, 1.0, api_name="/chat")
     counts = METRICS.fullmatch(metrics["content"])
-    assert counts["generated"] == "3" and counts["stop"] == "max_new_tokens"
+    assert counts["generated"] == "3" and counts["stop"] == "reply length limit reached"
 
 
 def _spoken_reply(ui_url: str) -> tuple[list, dict[int, dict]]:
@@ -366,9 +368,9 @@ def _ask(client: Client, text: str, upload: Path | None = None) -> _Answer:
     assert not reply["metadata"] and metrics["metadata"]["title"] == "Metrics"
     counts = METRICS.fullmatch(metrics["content"])
     assert counts, metrics["content"]
-    return _Answer(reply=reply["content"], prompt_tokens=int(counts["prompt"]),
-                   generated_tokens=int(counts["generated"]), computed_tokens=int(counts["computed"]),
-                   stop_reason=counts["stop"])
+    prompt, reused, generated = (int(counts[name].replace(",", "")) for name in ("prompt", "reused", "generated"))
+    return _Answer(reply=reply["content"], prompt_tokens=prompt, generated_tokens=generated,
+                   computed_tokens=prompt - reused, stop_reason=STOP_REASONS[counts["stop"]])
 
 
 def _wait_for_output(job, seconds: float = 60) -> None:

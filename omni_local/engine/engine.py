@@ -34,18 +34,19 @@ import torch
 from omni_local.cache.encoder_cache import EncoderCache, encoder_namespace
 from omni_local.cache.folders import keep_compiled_code_in
 from omni_local.cache.prefix_cache import PrefixCache
+from omni_local.engine.context_window import fit_prompt
 from omni_local.engine.detokenizer import IncrementalDetokenizer
 from omni_local.engine.encoders import Encoders
 from omni_local.engine.host_copies import Readback
 from omni_local.engine.media_encoder import MediaEncoder
-from omni_local.engine.request import AudioChunk, Failed, Finished, Request, StopReason, TextDelta
+from omni_local.engine.request import AudioChunk, ContextUse, Failed, Finished, Request, StopReason, TextDelta
 from omni_local.engine.sampling import SamplingParams, SlotSampler
 from omni_local.engine.speech import Speaker, SpeechParams
 from omni_local.engine.talker import TalkerRows
 from omni_local.engine.thinker import ThinkerRunner
 from omni_local.errors import OmniLocalError, RequestError
 from omni_local.model.loader import LoadedModel, media_markup_token_ids, thinker_eos_token_ids
-from omni_local.prompts import Message, Prompt, build_prompt
+from omni_local.prompts import Message, Prompt
 from omni_local.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -162,7 +163,7 @@ class Engine:
             request = self._waiting[0]
             try:
                 if request.prompt is None:
-                    request.prompt = self._build_prompt(request.messages)
+                    request.prompt, request.turns_left_out = self._build_prompt(request.messages)
                 request.claim = self.cache.claim(request.session, request.prompt, self.cache.match(request.prompt))
             except Exception as error:  # noqa: BLE001 - one request's failure must not stop the worker
                 self._waiting.popleft()
@@ -178,13 +179,9 @@ class Engine:
             request.started_at = time.perf_counter()
             self._running.append(request)
 
-    def _build_prompt(self, messages: list[Message]) -> Prompt:
-        prompt = build_prompt(messages, self.loaded.processor)
-        limit = self.settings.max_prompt_tokens
-        if prompt.num_tokens > limit:
-            raise RequestError(f"the prompt is {prompt.num_tokens} tokens, over the limit of {limit} "
-                               "(max_prompt_tokens)")
-        return prompt
+    def _build_prompt(self, messages: list[Message]) -> tuple[Prompt, int]:
+        """The prompt, within max_prompt_tokens, and how many of the chat's earliest turns it leaves out."""
+        return fit_prompt(messages, self.loaded.processor, self.settings.max_prompt_tokens)
 
     def _run_turn(self) -> None:
         """One prefill; one decode step of the requests decoding, queued before the step of the turn
@@ -331,8 +328,9 @@ class Engine:
         counts = request.counts(generated=len(reply_ids))
         speech = request.spoken.report(request.submitted_at) if request.spoken is not None else None
         self._end_speech(request)
+        context = ContextUse(self.settings.max_context_tokens, self.settings.max_prompt_tokens, request.turns_left_out)
         request.events.put(Finished(request.streamed, reply_ids, reason, counts, request.timings(), request.seed,
-                                    speech, request.media))
+                                    context, speech, request.media))
         request.ended = True
 
     def _fail(self, request: Request, message: str) -> None:
