@@ -91,7 +91,7 @@ def apps(demo_settings: Settings, make_apps):
 @pytest.fixture
 def built_prompts(monkeypatch: pytest.MonkeyPatch) -> list[Prompt]:
     """Every prompt an engine builds while the test runs, in order: the ids the model is given."""
-    import omni_local.engine.engine as engine_module
+    import omni_local.engine.context_window as context_window
 
     built: list[Prompt] = []
 
@@ -99,7 +99,7 @@ def built_prompts(monkeypatch: pytest.MonkeyPatch) -> list[Prompt]:
         built.append(build_prompt(messages, processor))
         return built[-1]
 
-    monkeypatch.setattr(engine_module, "build_prompt", building)
+    monkeypatch.setattr(context_window, "build_prompt", building)
     return built
 
 
