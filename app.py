@@ -24,11 +24,11 @@ def main() -> int:
         from omni_local.api import OmniLocal
         from omni_local.ui.chat import build_ui
 
-        app = OmniLocal(settings)
+        ui = build_ui(OmniLocal(settings))
     except OmniLocalError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    build_ui(app).launch(**options)
+    ui.launch(**options)
     return 0
 
 

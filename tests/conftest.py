@@ -1,5 +1,5 @@
 """Fixtures shared by the test files: the demo checkpoint, built once per session, its model and
-the apps on it; bad uploads; and the tests that need a CUDA GPU (marked `cuda`).
+the apps on it; bad uploads; a small disk to fill up; and the tests that need a CUDA GPU (marked `cuda`).
 
 The demo runs on the CPU unless OMNI_LOCAL_TEST_DEVICE names another device (`cuda` on a GPU
 machine, where decode steps and short prefills run as CUDA graphs). It runs in float32 on every device: the tests
@@ -8,6 +8,8 @@ flip a greedy choice of the tiny random model.
 """
 
 import os
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -69,6 +71,18 @@ def apps(demo_settings: Settings, demo_checkpoint: Path):
     off = demo_settings.replace(prefix_cache=False, encoder_cache=False)
     with OmniLocal(demo_settings) as cached, OmniLocal(off) as uncached:
         yield cached, uncached
+
+
+@pytest.fixture
+def mountable(tmp_path: Path) -> Iterator[Path]:
+    """A small tmpfs folder, to fill up or make read-only (needs root's mount, as on CI)."""
+    folder = tmp_path / "mnt"
+    folder.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(folder)]
+    if os.geteuid() != 0 or subprocess.run(mount, capture_output=True).returncode != 0:
+        pytest.skip("a full or read-only folder is made with mount, which needs root")
+    yield folder
+    subprocess.run(["umount", "--lazy", str(folder)], check=False)
 
 
 @pytest.fixture(scope="module")
