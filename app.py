@@ -7,6 +7,7 @@ Serving beyond this machine needs `--ui-host ADDRESS --ui-credentials-file FILE`
 import argparse
 import sys
 
+from omni_local.cache.folders import keep_new_files_private
 from omni_local.errors import OmniLocalError
 from omni_local.model.loader import quiet_library_logs
 from omni_local.settings import add_settings_arguments, settings_from_arguments
@@ -33,4 +34,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    keep_new_files_private()
     sys.exit(main())

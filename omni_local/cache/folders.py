@@ -13,6 +13,17 @@ from pathlib import Path
 
 from omni_local.errors import SettingsError
 
+# What an entry point sets once: every file and folder the process creates from then on is closed to
+# others (0600 and 0700 where 0644 and 0755 would be), also those that libraries create with default
+# modes (Gradio's upload folders, diskcache's files and folders, the demo model's files, torch's).
+PRIVATE_UMASK = 0o077
+
+
+def keep_new_files_private() -> None:
+    """For a program's entry point (app.py, `python -m omni_local`), not for the library: the umask
+    belongs to the whole process, and a library that changed it would surprise the program using it."""
+    os.umask(PRIVATE_UMASK)
+
 
 def make_folders(path: Path) -> None:
     """`path` and the folders on the way to it, each one it creates at mode 0700 (never wider: the
