@@ -78,6 +78,14 @@ def test_the_cli_refuses_a_read_only_cache_folder_with_one_line_and_status_2(rea
     assert line.startswith(f"error: cannot write the demo model to '{read_only_folder / 'demo'}': ")
 
 
+def test_app_py_refuses_a_gpu_cache_too_small_for_any_model_before_loading_one():
+    done = run_app("--gpu-cache-bytes", "1", "--model", "/nonexistent")
+    assert done.returncode == 2
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("error: setting 'gpu_cache_bytes' (1) is below the 32,768 bytes")
+    assert "/nonexistent" not in line  # the missing checkpoint was never reached
+
+
 def _quick_demo(folder: Path) -> None:
     """Stands in for the demo's builder (seconds of work) where only its folders matter."""
     marker = {"builder_version": demo.BUILDER_VERSION}
