@@ -78,9 +78,12 @@ class ChatStore:
         staging = path.with_suffix(".tmp")
         # Written beside it and renamed into place: a crash never leaves half a chat.
         descriptor = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(descriptor, "w", encoding="utf-8") as file:
-            json.dump(asdict(chat), file)
-        os.replace(staging, path)
+        try:
+            with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+                json.dump(asdict(chat), file)
+            os.replace(staging, path)
+        finally:
+            staging.unlink(missing_ok=True)  # renamed away, or half written (a full disk): never left behind
         self._index[chat.id] = (chat.shown_title, chat.updated)
 
     def delete(self, chat_id: str) -> None:
