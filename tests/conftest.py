@@ -1,7 +1,7 @@
 """Fixtures shared by the test files: the demo checkpoint, built once per session, its model and
-the apps on it; bad uploads; the prompts an engine builds, and the ids they must have; and the
-tests that need a CUDA GPU (marked `cuda`) or torchvision (marked `torchvision`), skipped, saying
-why, where it is missing.
+the apps on it; bad uploads; the prompts an engine builds, and the ids they must have; a small disk
+to fill up; and the tests that need a CUDA GPU (marked `cuda`) or torchvision (marked
+`torchvision`), skipped, saying why, where it is missing.
 
 The demo runs on the CPU unless OMNI_LOCAL_TEST_DEVICE names another device (`cuda` on a GPU
 machine, where decode steps and short prefills run as CUDA graphs). It runs in float32 on every device: the tests
@@ -10,7 +10,8 @@ flip a greedy choice of the tiny random model.
 """
 
 import os
-from collections.abc import Callable
+import subprocess
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,18 @@ def template_ids(demo_model: LoadedModel) -> Callable[[str, str], list[int]]:
                 + plain(question) + template("<|im_end|>\n<|im_start|>assistant\n"))
 
     return ids
+
+
+@pytest.fixture
+def mountable(tmp_path: Path) -> Iterator[Path]:
+    """A small tmpfs folder, to fill up or make read-only (needs root's mount, as on CI)."""
+    folder = tmp_path / "mnt"
+    folder.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(folder)]
+    if os.geteuid() != 0 or subprocess.run(mount, capture_output=True).returncode != 0:
+        pytest.skip("a full or read-only folder is made with mount, which needs root")
+    yield folder
+    subprocess.run(["umount", "--lazy", str(folder)], check=False)
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from omni_local.cache.folders import private_folder
+from omni_local.errors import SettingsError
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +157,7 @@ def _open_disk(folder: Path, size_limit: int) -> diskcache.Cache | None:
         return diskcache.Cache(
             str(folder), disk=BytesOnlyDisk, size_limit=size_limit, eviction_policy="least-recently-used"
         )
-    except (OSError, sqlite3.Error) as error:
+    except (OSError, sqlite3.Error, SettingsError) as error:  # SettingsError: no folder, or not the user's alone
         log.warning("encoder disk cache turned off: cannot open %s (%s); encoder outputs are kept in memory only",
                     folder, error)
         return None
