@@ -17,7 +17,7 @@ MAX_IMAGE_PIXELS = 100_000
 MAX_AUDIO_SECONDS = 2.0
 LIMITS = MediaLimits(max_upload_bytes=50 << 20, max_image_pixels=MAX_IMAGE_PIXELS, max_audio_seconds=MAX_AUDIO_SECONDS)
 BAD_FILES = ["truncated png", "text named wav", "zero-byte file", "image over the pixel limit",
-             "clip over the length limit"]
+             "clip over the length limit", "wav of NaN samples"]
 
 
 def write_bad_files(folder: Path) -> dict[str, tuple[Path, str]]:
@@ -38,6 +38,8 @@ def write_bad_files(folder: Path) -> dict[str, tuple[Path, str]]:
     made["image over the pixel limit"] = (folder / "huge.png", "huge.png: 400×400 pixels is over the limit")
     soundfile.write(folder / "long.wav", np.zeros(16_000 * 3, dtype=np.float32), 16_000)
     made["clip over the length limit"] = (folder / "long.wav", "long.wav: 3.0 s is over the limit of 2 s")
+    soundfile.write(folder / "nan.wav", np.full(16_000, np.nan, dtype=np.float32), 16_000, subtype="FLOAT")
+    made["wav of NaN samples"] = (folder / "nan.wav", "nan.wav: the clip holds NaN or infinite samples")
     return made
 
 

@@ -14,7 +14,7 @@ import av
 import numpy as np
 
 from omni_local.errors import MediaError
-from omni_local.media.audio import SAMPLE_RATE
+from omni_local.media.audio import SAMPLE_RATE, check_samples
 from omni_local.media.limits import MediaLimits, tenths
 from omni_local.media.upload import read_upload
 
@@ -63,6 +63,8 @@ def load_video(
             raise MediaError(f"{upload.name}: the file is truncated or corrupt (not a readable video)") from None
     if not frames:
         raise MediaError(f"{upload.name}: the video stream has no frames")
+    if audio is not None:
+        check_samples(upload.name, audio, "the sound track")
     # The sampled frames span the clip, so their count over its length is what places them in time.
     sampled_fps = len(picked) * native_fps / max(total, 1)
     return Video(np.stack(frames), sampled_fps, audio)
