@@ -74,19 +74,19 @@ def test_audio_given_as_bytes_loads_like_a_file(tmp_path):
 
 
 def test_integer_samples_are_scaled_into_minus_one_to_one(tmp_path):
-    extremes = np.array([[32767], [-32768], [0]], dtype=np.int16)
+    extremes = np.tile(np.array([[32767], [-32768], [0]], dtype=np.int16), (100, 1))  # 300 samples: long enough
     path = write(tmp_path / "loud.wav", extremes, SAMPLE_RATE, "PCM_16")
 
     samples = load_audio(path, LIMITS)
 
-    assert samples.tolist() == pytest.approx([32767 / 32768, -1.0, 0.0])
+    assert samples.tolist() == pytest.approx([32767 / 32768, -1.0, 0.0] * 100)
 
 
 def test_channels_are_averaged_into_one(tmp_path):
-    left_and_right = np.tile([0.5, 0.25], (100, 1))
+    left_and_right = np.tile([0.5, 0.25], (300, 1))
     path = write(tmp_path / "stereo.wav", left_and_right, SAMPLE_RATE, "FLOAT")
 
-    assert load_audio(path, LIMITS) == pytest.approx(np.full(100, 0.375))
+    assert load_audio(path, LIMITS) == pytest.approx(np.full(300, 0.375))
 
 
 def test_a_clip_over_the_length_limit_is_refused_from_its_header(tmp_path, monkeypatch):
@@ -194,6 +194,21 @@ def test_a_resampled_clip_holding_nan_is_refused_too(tmp_path):
         load_audio(path, LIMITS)
 
 
+def test_a_wav_cut_short_after_its_header_is_refused_naming_the_file(tmp_path):
+    whole = write(tmp_path / "whole.wav", sine(SAMPLE_RATE, 1), SAMPLE_RATE, "PCM_16").read_bytes()
+    (tmp_path / "cut.wav").write_bytes(whole[:100])  # the 44-byte header and 28 samples
+
+    message = "cut.wav: the clip is too short for the model (28 samples, under 13 ms)"
+    with pytest.raises(MediaError, match=exactly(message)):
+        load_audio(tmp_path / "cut.wav", LIMITS)
+
+
+def test_the_shortest_clip_the_audio_encoder_takes_is_accepted(tmp_path):
+    path = write(tmp_path / "click.wav", np.zeros((201, 1)), SAMPLE_RATE, "PCM_16")
+
+    assert len(load_audio(path, LIMITS)) == 201
+
+
 def test_a_videos_sound_track_of_nan_samples_is_refused_naming_the_file():
     track = np.zeros(SAMPLE_RATE, np.float32)
     track[:100] = np.nan
@@ -218,8 +233,9 @@ def test_a_videos_clean_float_sound_track_is_read():
          "audio: the clip holds NaN or infinite samples (corrupt audio)"),
         ((sine(SAMPLE_RATE, 1)[:, 0] * 65_534).astype(np.int16),
          "audio: the clip's samples reach 32,767, far outside [-1, 1] (corrupt or wrongly scaled audio)"),
+        (np.zeros(100, np.float32), "audio: the clip is too short for the model (100 samples, under 13 ms)"),
     ],
-    ids=["NaN", "16-bit values"],
+    ids=["NaN", "16-bit values", "too short"],
 )
 def test_samples_given_to_the_api_are_held_to_the_same_checks_as_a_file(app, samples, message):
     session = app.session()

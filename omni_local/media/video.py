@@ -15,6 +15,7 @@ import numpy as np
 
 from omni_local.errors import MediaError
 from omni_local.media.audio import SAMPLE_RATE, check_samples
+from omni_local.media.image import check_shape
 from omni_local.media.limits import MediaLimits, tenths
 from omni_local.media.upload import read_upload
 
@@ -99,12 +100,13 @@ def _check_limits(name: str, container: av.container.InputContainer, stream: av.
             f"{name}: {tenths(seconds, up=True)} s is over the limit of "
             f"{tenths(limits.max_video_seconds, up=False)} s (max_video_seconds)"
         )
-    pixels = stream.codec_context.width * stream.codec_context.height
-    if pixels > limits.max_image_pixels:
+    width, height = stream.codec_context.width, stream.codec_context.height
+    if width * height > limits.max_image_pixels:
         raise MediaError(
-            f"{name}: frames of {stream.codec_context.width}x{stream.codec_context.height} are over the limit "
-            f"of {limits.max_image_pixels:,} pixels (max_image_pixels)"
+            f"{name}: frames of {width}x{height} are over the limit of {limits.max_image_pixels:,} pixels "
+            "(max_image_pixels)"
         )
+    check_shape(name, width, height, "each frame")
 
 
 def _sample(total: int, native_fps: float, fps: float, min_frames: int, max_frames: int) -> np.ndarray:
