@@ -1,30 +1,42 @@
-"""Rows a chat does not own never reach its attention, even where a CUDA graph reads a whole
-bucket of rows past the chat's end: each chat gives exactly the tokens of an app that never held
-bad rows.
+"""A request whose logits are not numbers (NaN or infinity) fails alone with a clear message, its KV
+is scrubbed, and no other chat, nor its own next turn, ever reads a row of it: each gives exactly
+the tokens of an app that never saw it. Rows a chat does not own never reach its attention, even
+where a CUDA graph reads a whole bucket of rows past the chat's end.
 
 The tests marked `cuda` run with OMNI_LOCAL_TEST_DEVICE=cuda, with CUDA graphs on; the others run on
 any device.
 """
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from unittest.mock import patch
 
+import numpy as np
 import pytest
 import torch
 
+from samples import clip
 from omni_local.api import OmniLocal
+from omni_local.cache.prefix_cache import PrefixCache
 from omni_local.engine.cuda_graphs import SMALLEST_BUCKET
+from omni_local.engine.engine import NOT_A_NUMBER
 from omni_local.engine.kv_store import GraphedSlotWriter, KVStore
 from omni_local.engine.thinker import ThinkerRunner
+from omni_local.errors import RequestError
 from omni_local.prompts import Message, build_prompt
 
 TOKEN_BYTES = 2 << 10  # the demo's KV per token (conftest)
 REPLY_TOKENS = 12
-# Each test's own questions: a prompt an earlier test left in the cache would be reused, not computed.
+HEARD = "What do you hear?"
+# Each test's own questions and sound: a prompt an earlier test left in the cache would be reused,
+# not computed (and a poisoned one would not reach the encoder).
 EAGER_CHATS = ["Tell me about lighthouses.", "What do fishermen sing?", "Describe the harbour at night.",
                "Name a bird of the sea."]
+GRAPHED_CHATS = ["Why is the sea salty?", "How deep is the harbour?", "Who keeps the lighthouse?",
+                 "When does the tide turn?"]
 MORE_CHATS = ["What do gulls eat?", "Where do the boats go in winter?", "How old is the pier?"]
+BESIDE = ["Tell me a story about a whale.", "Tell me a story about a crab.", "And about an octopus?"]
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +58,13 @@ def full_replies(twins, monkeypatch):
         monkeypatch.setattr(app.engine, "eos_ids", set())
 
 
+def audio_encoder_gives_nan(app: OmniLocal):
+    """Meanwhile, the audio encoder's outputs are NaN: a fault uploads can no longer cause."""
+    encoders = app.engine.runner.encoder.encoders
+    real = encoders.audio
+    return patch.object(encoders, "audio", lambda *inputs: real(*inputs) * float("nan"))
+
+
 @contextmanager
 def slots_allocated(kv: KVStore) -> Iterator[list[int]]:
     """The slots `kv` hands out meanwhile, in order."""
@@ -63,6 +82,86 @@ def slots_allocated(kv: KVStore) -> Iterator[list[int]]:
 
 def reply(app: OmniLocal, session, text: str, **media) -> list[int]:
     return session.send(text, max_new_tokens=REPLY_TOKENS, **media).result().token_ids
+
+
+def clean_chats(app: OmniLocal, first_session, texts: list[str], sound: np.ndarray) -> list[list[int]]:
+    """The replies after the poisoned turn: its chat's next turn (`texts[0]`), a new session for
+    each other text (with two slots, each takes one a chat before it held), then the poisoned turn's
+    `sound` asked about again in a new session."""
+    replies = [reply(app, first_session, texts[0])]
+    replies += [reply(app, app.session(), text) for text in texts[1:]]
+    return [*replies, reply(app, app.session(), HEARD, audio=[sound])]
+
+
+def poison_then_chat(poisoned: OmniLocal, texts: list[str], sound: np.ndarray
+                     ) -> tuple[str, int, list[int], list[list[int]]]:
+    """The error of a turn asking about `sound` while the audio encoder gives NaN, the slot it held
+    (checked zeroed once it failed), then the slots handed out and the replies of `clean_chats`."""
+    kv, session = poisoned.engine.runner.kv, poisoned.session()
+    with slots_allocated(kv) as handed, audio_encoder_gives_nan(poisoned), pytest.raises(RequestError) as error:
+        reply(poisoned, session, HEARD, audio=[sound])
+    slot = handed[0]
+    assert all(not layer[slot].any() for layer in kv.keys + kv.values), "the poisoned rows must be zeroed"
+    with slots_allocated(kv) as handed:
+        replies = clean_chats(poisoned, session, texts, sound)
+    return str(error.value), slot, handed, replies
+
+
+def test_a_chat_whose_logits_are_not_numbers_fails_alone_and_every_chat_after_it_gets_a_clean_apps_replies(
+    twins, full_replies
+):
+    poisoned, clean = twins
+
+    message, slot, handed, replies = poison_then_chat(poisoned, EAGER_CHATS, clip(11))
+
+    assert message == NOT_A_NUMBER
+    assert slot in handed, "the poisoned chat's slot must go to a chat after it"
+    assert replies == clean_chats(clean, clean.session(), EAGER_CHATS, clip(11))
+    assert all(len(tokens) == REPLY_TOKENS for tokens in replies)
+
+
+def test_a_request_whose_logits_turn_to_nan_while_decoding_beside_another_fails_alone(twins, full_replies):
+    poisoned, clean = twins
+    kv, runner = poisoned.engine.runner.kv, poisoned.engine.runner
+    real, batches = runner.decode, []
+
+    def decode_turning_the_second_chat_nan(slots, *args):
+        """The decode steps' logits; the second chat's are NaN from the engine's fourth step on (the
+        chat's third), while the first chat, a turn ahead, still decodes beside it."""
+        logits = real(slots, *args)
+        batches.append(len(slots))
+        if len(handed) == 2 and handed[1] in slots and len(batches) >= 4:
+            with torch.inference_mode():
+                logits[slots.index(handed[1])] = float("nan")
+        return logits
+
+    steady, failing = poisoned.session(), poisoned.session()
+    with slots_allocated(kv) as handed, patch.object(runner, "decode", decode_turning_the_second_chat_nan):
+        replies = [steady.send(BESIDE[0], max_new_tokens=REPLY_TOKENS),
+                   failing.send(BESIDE[1], max_new_tokens=REPLY_TOKENS)]
+        with pytest.raises(RequestError, match=re.escape(NOT_A_NUMBER)):
+            replies[1].result()
+        steady_tokens = replies[0].result().token_ids
+
+    assert max(batches) == 2, "the chats must decode together"
+    assert steady_tokens == reply(clean, clean.session(), BESIDE[0])
+    assert not any(layer[handed[1]].any() for layer in kv.keys + kv.values), "the failed chat's rows must be zeroed"
+    assert reply(poisoned, failing, BESIDE[2]) == reply(clean, clean.session(), BESIDE[2])
+
+
+def test_a_scrubbed_slot_is_zeroed_and_its_sessions_entry_dropped_even_where_rows_start_uninitialised(twins):
+    app = twins[0]
+    store = KVStore(app.engine.runner.kv.shape, slots=1, dtype=torch.float32, device=torch.device("cpu"))
+    cache = PrefixCache(store, host_budget_bytes=0, enabled=True)
+    prompt = build_prompt([Message("user", ["Hello."])], app.loaded.processor)
+    claim = cache.claim("chat", prompt, cache.match(prompt))
+    for layer in store.keys + store.values:
+        layer[claim.entry.slot].fill_(float("nan"))
+
+    cache.discard(claim)
+
+    assert "chat" not in cache.entries and store.free_slots == 1
+    assert all(not layer[0].any() for layer in store.keys + store.values)
 
 
 @torch.inference_mode()
@@ -101,6 +200,23 @@ def graphed_twins(twins):
         pytest.skip("the demo model runs on the CPU: set OMNI_LOCAL_TEST_DEVICE=cuda")
     assert all(app.engine.runner.decode_graphs is not None for app in twins), "CUDA graphs must be on"
     return poisoned, clean
+
+
+@pytest.mark.cuda
+def test_with_cuda_graphs_a_poisoned_chat_leaves_every_chat_in_a_slot_after_it_equal_to_a_clean_apps(
+    graphed_twins, full_replies
+):
+    poisoned, clean = graphed_twins
+
+    runner = poisoned.engine.runner
+    with patch.object(runner.decode_graphs, "replay", wraps=runner.decode_graphs.replay) as decodes, \
+            patch.object(runner.prefill_graphs, "replay", wraps=runner.prefill_graphs.replay) as prefills:
+        message, slot, handed, replies = poison_then_chat(poisoned, GRAPHED_CHATS, clip(12))
+
+    assert message == NOT_A_NUMBER
+    assert decodes.call_count and prefills.call_count, "the chats must run through the graphs"
+    assert handed.count(slot) >= 2, "the poisoned chat's slot must go to new sessions after it"
+    assert replies == clean_chats(clean, clean.session(), GRAPHED_CHATS, clip(12))
 
 
 @pytest.mark.cuda

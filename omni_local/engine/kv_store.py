@@ -78,10 +78,11 @@ class KVStore:
     def allocate(self) -> int | None:
         return self._free.pop() if self._free else None
 
-    def release(self, slot: int) -> None:
-        """Give `slot` back; its rows are zeroed first if the store keeps free slots zeroed."""
+    def release(self, slot: int, scrub: bool = False) -> None:
+        """Give `slot` back; its rows are zeroed first if the store keeps free slots zeroed, or if
+        `scrub` (its holder's rows are not numbers and must never be read again)."""
         assert 0 <= slot < self.slots and slot not in self._free, f"slot {slot} is not held"
-        if self.zeroed:
+        if self.zeroed or scrub:
             # Once per hand-over, queued after every forward that wrote the slot, never inside a decode
             # step: 768 MiB for a full-size Thinker slot of 8,192 rows, well under a millisecond of an
             # H200's memory bandwidth.
