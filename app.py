@@ -7,6 +7,7 @@ Serving beyond this machine needs `--ui-host ADDRESS --ui-credentials-file FILE`
 import argparse
 import sys
 
+from omni_local.cache.folders import keep_new_files_private
 from omni_local.errors import OmniLocalError
 from omni_local.model.loader import quiet_library_logs
 from omni_local.settings import add_settings_arguments, settings_from_arguments
@@ -25,13 +26,14 @@ def main() -> int:
         from omni_local.ui.chat import build_ui
         from omni_local.ui.layout import PAGE_CSS
 
-        app = OmniLocal(settings)
+        ui = build_ui(OmniLocal(settings))
     except OmniLocalError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    build_ui(app).launch(**options, css=PAGE_CSS)
+    ui.launch(**options, css=PAGE_CSS)
     return 0
 
 
 if __name__ == "__main__":
+    keep_new_files_private()
     sys.exit(main())

@@ -29,6 +29,7 @@ from omni_local.engine.sampling import SamplingParams
 from omni_local.engine.speech import SpeechParams
 from omni_local.errors import MediaError, OmniLocalError, RequestError
 from omni_local.media import SAMPLE_RATE, MediaLimits, check_duration, load_audio, load_image, prepare_image
+from omni_local.media.audio import check_samples
 from omni_local.media.video import Video, load_video
 from omni_local.model.loader import LoadedModel, load_model
 from omni_local.model.workarounds import video_supported
@@ -216,5 +217,7 @@ def _image(item: ImageInput, limits: MediaLimits) -> Image.Image:
 def _audio(item: AudioInput, limits: MediaLimits) -> np.ndarray:
     if isinstance(item, np.ndarray):
         check_duration("audio", item.size / SAMPLE_RATE, limits)
-        return item.astype(np.float32).reshape(-1)
+        samples = item.astype(np.float32).reshape(-1)
+        check_samples("audio", samples)  # as a file's are: a NaN would make every output of the model NaN
+        return samples
     return load_audio(item, limits)

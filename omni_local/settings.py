@@ -112,6 +112,22 @@ class Settings:
                 f"setting 'max_prompt_tokens' ({self.max_prompt_tokens}) must be below "
                 f"'max_context_tokens' ({self.max_context_tokens}), to leave room for a reply"
             )
+        if self.ui_port > 65535:
+            raise SettingsError(f"setting 'ui_port' must be a port number, 1 to 65535, got {self.ui_port}")
+        if self.gpu_cache_bytes < self.min_gpu_cache_bytes:
+            raise SettingsError(
+                f"setting 'gpu_cache_bytes' ({self.gpu_cache_bytes:,}) is below the {self.min_gpu_cache_bytes:,} bytes "
+                f"that one conversation of 'max_context_tokens' ({self.max_context_tokens}) takes with any model: "
+                "raise the first or lower the second"
+            )
+
+    @property
+    def min_gpu_cache_bytes(self) -> int:
+        """The least KV one conversation needs, known before the model is: a key and a value per token
+        (one layer, head and channel at the least) in the narrowest dtype the setting allows. The
+        model's own size, checked once it is loaded, is larger (about 96 KiB per token for Qwen3-Omni)."""
+        itemsize = 4 if self.dtype == "float32" else 2  # 'auto' may be bfloat16
+        return self.max_context_tokens * 2 * itemsize
 
     @property
     def cache_path(self) -> Path:

@@ -17,7 +17,8 @@ MAX_IMAGE_PIXELS = 100_000
 MAX_AUDIO_SECONDS = 2.0
 LIMITS = MediaLimits(max_upload_bytes=50 << 20, max_image_pixels=MAX_IMAGE_PIXELS, max_audio_seconds=MAX_AUDIO_SECONDS)
 BAD_FILES = ["truncated png", "text named wav", "zero-byte file", "image over the pixel limit",
-             "clip over the length limit"]
+             "clip over the length limit", "wav of NaN samples", "wav cut short after its header",
+             "image too narrow for the model"]
 
 
 def write_bad_files(folder: Path) -> dict[str, tuple[Path, str]]:
@@ -38,6 +39,14 @@ def write_bad_files(folder: Path) -> dict[str, tuple[Path, str]]:
     made["image over the pixel limit"] = (folder / "huge.png", "huge.png: 400×400 pixels is over the limit")
     soundfile.write(folder / "long.wav", np.zeros(16_000 * 3, dtype=np.float32), 16_000)
     made["clip over the length limit"] = (folder / "long.wav", "long.wav: 3.0 s is over the limit of 2 s")
+    soundfile.write(folder / "nan.wav", np.full(16_000, np.nan, dtype=np.float32), 16_000, subtype="FLOAT")
+    made["wav of NaN samples"] = (folder / "nan.wav", "nan.wav: the clip holds NaN or infinite samples")
+    whole = io.BytesIO()
+    soundfile.write(whole, np.zeros(16_000, dtype=np.int16), 16_000, format="WAV")
+    (folder / "cut.wav").write_bytes(whole.getvalue()[:100])  # the header and 28 samples
+    made["wav cut short after its header"] = (folder / "cut.wav", "cut.wav: the clip is too short for the model")
+    Image.new("RGB", (1000, 4), (200, 40, 40)).save(folder / "strip.png")
+    made["image too narrow for the model"] = (folder / "strip.png", "strip.png: the image is 1000×4 pixels, too narrow")
     return made
 
 

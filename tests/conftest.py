@@ -1,6 +1,7 @@
 """Fixtures shared by the test files: the demo checkpoint, built once per session, its model and
-the apps on it; bad uploads; the prompts an engine builds, and the ids they must have; and the
-tests that need a CUDA GPU (marked `cuda`).
+the apps on it; bad uploads; the prompts an engine builds, and the ids they must have; a small disk
+to fill up; and the tests that need a CUDA GPU (marked `cuda`) or torchvision (marked
+`torchvision`), skipped, saying why, where it is missing.
 
 The demo runs on the CPU unless OMNI_LOCAL_TEST_DEVICE names another device (`cuda` on a GPU
 machine, where decode steps and short prefills run as CUDA graphs). It runs in float32 on every device: the tests
@@ -9,12 +10,15 @@ flip a greedy choice of the tiny random model.
 """
 
 import os
-from collections.abc import Callable
+import subprocess
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from transformers.utils import is_torchvision_available
 
 from bad_files import write_bad_files
 from omni_local.model import LoadedModel, load_model
@@ -66,19 +70,29 @@ def speaking_app(demo_settings: Settings, demo_checkpoint: Path):
 
 
 @pytest.fixture(scope="module")
-def apps(demo_settings: Settings, demo_checkpoint: Path):
-    """The same model twice: with every cache, and with every cache off."""
+def make_apps(demo_checkpoint: Path):
+    """`make_apps(settings)`: the same model twice on `settings`, with every cache and with every cache
+    off; closed after the test file."""
     from omni_local.api import OmniLocal
 
-    off = demo_settings.replace(prefix_cache=False, encoder_cache=False)
-    with OmniLocal(demo_settings) as cached, OmniLocal(off) as uncached:
-        yield cached, uncached
+    with ExitStack() as opened:
+        def make(settings: Settings) -> tuple[OmniLocal, OmniLocal]:
+            off = settings.replace(prefix_cache=False, encoder_cache=False)
+            return opened.enter_context(OmniLocal(settings)), opened.enter_context(OmniLocal(off))
+
+        yield make
+
+
+@pytest.fixture(scope="module")
+def apps(demo_settings: Settings, make_apps):
+    """The same model twice: with every cache, and with every cache off."""
+    return make_apps(demo_settings)
 
 
 @pytest.fixture
 def built_prompts(monkeypatch: pytest.MonkeyPatch) -> list[Prompt]:
     """Every prompt an engine builds while the test runs, in order: the ids the model is given."""
-    import omni_local.engine.engine as engine_module
+    import omni_local.engine.context_window as context_window
 
     built: list[Prompt] = []
 
@@ -86,7 +100,7 @@ def built_prompts(monkeypatch: pytest.MonkeyPatch) -> list[Prompt]:
         built.append(build_prompt(messages, processor))
         return built[-1]
 
-    monkeypatch.setattr(engine_module, "build_prompt", building)
+    monkeypatch.setattr(context_window, "build_prompt", building)
     return built
 
 
@@ -111,6 +125,18 @@ def template_ids(demo_model: LoadedModel) -> Callable[[str, str], list[int]]:
     return ids
 
 
+@pytest.fixture
+def mountable(tmp_path: Path) -> Iterator[Path]:
+    """A small tmpfs folder, to fill up or make read-only (needs root's mount, as on CI)."""
+    folder = tmp_path / "mnt"
+    folder.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(folder)]
+    if os.geteuid() != 0 or subprocess.run(mount, capture_output=True).returncode != 0:
+        pytest.skip("a full or read-only folder is made with mount, which needs root")
+    yield folder
+    subprocess.run(["umount", "--lazy", str(folder)], check=False)
+
+
 @pytest.fixture(scope="module")
 def bad_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str]]:
     """bad_files.py's uploads: name -> (file, a phrase its error message must hold)."""
@@ -119,15 +145,21 @@ def bad_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path,
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (CUDA graphs); skipped where none is visible")
+    config.addinivalue_line("markers", "torchvision: reads a video, which needs torchvision; skipped without it")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
-    no_gpu = pytest.mark.skip(reason="CUDA graphs need a CUDA GPU, and none is visible")
+    missing = {}  # marker -> the skip for a test that has it
+    if not torch.cuda.is_available():
+        missing["cuda"] = pytest.mark.skip(reason="CUDA graphs need a CUDA GPU, and none is visible")
+    # The check `load_processor` makes: without torchvision the app refuses every video.
+    if not is_torchvision_available():
+        missing["torchvision"] = pytest.mark.skip(
+            reason="video needs torchvision (transformers' video processor), which is not installed")
     for item in items:
-        if item.get_closest_marker("cuda"):
-            item.add_marker(no_gpu)
+        for marker, skip in missing.items():
+            if item.get_closest_marker(marker):
+                item.add_marker(skip)
 
 
 @pytest.fixture(scope="module")

@@ -32,21 +32,21 @@ def clip(seed: int, seconds: float = 1.5) -> np.ndarray:
 
 
 def video_file(seed: int, seconds: float = 2.0, size: tuple[int, int] = (96, 64), sound: bool = True,
-               container: str = "mp4") -> bytes:
+               container: str = "mp4", frames: bool = True) -> bytes:
     """A clip of noise frames at 10 fps (and a noise sound track), encoded in `container` (mp4,
-    mov or webm) with codecs PyAV's own FFmpeg has."""
+    mov or webm) with codecs PyAV's own FFmpeg has. Without `frames`, a file of sound alone."""
     codecs = {"mp4": ("mpeg4", "aac"), "mov": ("mpeg4", "aac"), "webm": ("libvpx", "libopus")}[container]
     rng = np.random.default_rng(seed)
     out = io.BytesIO()
     with av.open(out, "w", format=container) as file:
-        video = file.add_stream(codecs[0], rate=10)
-        video.width, video.height, video.pix_fmt = size[0], size[1], "yuv420p"
+        video = file.add_stream(codecs[0], rate=10) if frames else None
         audio = file.add_stream(codecs[1], rate=48_000) if sound else None
-        for _ in range(round(seconds * 10)):
-            pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-            frame = av.VideoFrame.from_ndarray(pixels, format="rgb24")
-            file.mux(video.encode(frame))
-        file.mux(video.encode())
+        if video is not None:
+            video.width, video.height, video.pix_fmt = size[0], size[1], "yuv420p"
+            for _ in range(round(seconds * 10)):
+                pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+                file.mux(video.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+            file.mux(video.encode())
         if audio is not None:
             samples = (rng.standard_normal((1, round(seconds * 48_000))) * 0.1).astype(np.float32)
             frame = av.AudioFrame.from_ndarray(samples, format="flt", layout="mono")

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from transformers.utils import is_torchvision_available
+
 REPO = Path(__file__).resolve().parent.parent
 CACHE_ON, CACHE_OFF = "omni_local, cache on", "omni_local, cache off"
 EVERY = (CACHE_ON, CACHE_OFF, "transformers")
@@ -22,8 +24,9 @@ EXPECTED = {  # scenario -> the systems that time it
     "text chat turn 2, c16": CONCURRENT,
     "shared 2,084-token system prompt, new question": EVERY,
     "first image 480x640 after restart": EVERY,
-    "video 10 s, first send": FIRST_SEND,
-    "same video 10 s, new question": EVERY,
+    # The bench leaves video out where torchvision is missing, as the app refuses it there.
+    **({"video 10 s, first send": FIRST_SEND, "same video 10 s, new question": EVERY}
+       if is_torchvision_available() else {}),
     "spoken reply, first send": FIRST_SEND,
     "voice chat turn 2": EVERY,
 }

@@ -48,8 +48,9 @@ CHROMIUM_ARGS = [
     "--disable-quic",
 ]
 STEP_TIMEOUT_MS = 60_000  # any one step: a reply, an upload, a page load (the CPU is shared)
-# A finished reply's metrics note: only the part of it every finished reply shows.
-METRICS = re.compile(r"TTFT \d+ ms")
+# A finished (or stopped) reply's metrics note, by its one part every such note shows: its time to
+# first token, "TTFT 3.2 ms", "TTFT 17 ms" or "TTFT 1.2 s" (a slow CPU).
+METRICS = re.compile(r"TTFT [\d.,]+ m?s\b")
 DESKTOP = {"width": 1280, "height": 900}
 PHONE = {"width": 390, "height": 844}
 MAX_CONTEXT_TOKENS = 8192  # the served app's, given on its command line

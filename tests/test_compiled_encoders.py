@@ -132,6 +132,7 @@ def video_inputs(processor, *seconds: float) -> tuple[torch.Tensor, torch.Tensor
     return encoded["pixel_values_videos"], encoded["video_grid_thw"]
 
 
+@pytest.mark.torchvision
 def test_eager_videos_are_bit_identical_to_transformers(eager, thinker_model, processor):
     pixels, grid = video_inputs(processor, 2.0)
     merged, deepstack = eager.images(pixels, grid)
@@ -142,6 +143,7 @@ def test_eager_videos_are_bit_identical_to_transformers(eager, thinker_model, pr
         assert torch.equal(ours, torch.cat(theirs))  # each level: one tensor per video
 
 
+@pytest.mark.torchvision
 def test_compiled_videos_match_eager_and_no_frame_count_recompiles(compiled, eager, processor):
     # Attention runs per frame (a segment each), so more frames are only more segments and tokens.
     before = compiled_graphs()

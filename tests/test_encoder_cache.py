@@ -235,7 +235,7 @@ def test_a_size_limit_smaller_than_one_entry_warns_once_and_answers_stay_right(s
 
 def test_a_corrupt_database_file_turns_the_disk_tier_off_with_one_warning(settings, caplog):
     folder = Path(settings.cache_dir) / "encoders"
-    folder.mkdir(parents=True)
+    folder.mkdir(mode=0o700, parents=True)  # private, as the app's own folders must be
     (folder / "cache.db").write_bytes(b"this is not an SQLite database" * 100)
     with OmniLocal(settings.replace(encoder_cache=False)) as off:
         expected = ask(off, "What?", images=[picture(15)])
@@ -244,18 +244,6 @@ def test_a_corrupt_database_file_turns_the_disk_tier_off_with_one_warning(settin
         assert ask(app, "What?", images=[picture(15)]) == expected
         assert ask(app, "What?", images=[picture(15)]) == expected
     assert len([w for w in warnings_from(caplog) if "turned off" in w]) == 1
-
-
-@pytest.fixture
-def mountable(tmp_path):
-    """A small tmpfs folder, to fill up or make read-only (needs root's mount, as on CI)."""
-    folder = tmp_path / "mnt"
-    folder.mkdir()
-    mount = ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(folder)]
-    if os.geteuid() != 0 or subprocess.run(mount, capture_output=True).returncode != 0:
-        pytest.skip("a full or read-only folder is made with mount, which needs root")
-    yield folder
-    subprocess.run(["umount", "--lazy", str(folder)], check=False)
 
 
 def test_a_disk_that_fills_up_turns_the_disk_tier_off_with_one_warning(settings, mountable, caplog):

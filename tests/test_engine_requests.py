@@ -121,7 +121,8 @@ def test_the_step_queued_after_a_reply_ended_leaves_no_token_and_no_counted_kv_r
 
 def test_a_prompt_over_the_limit_fails_with_a_clear_error_and_the_engine_serves_on(demo_settings):
     with OmniLocal(demo_settings.replace(max_prompt_tokens=40)) as app:
-        with pytest.raises(RequestError, match=r"the prompt is \d+ tokens, over the limit of 40 \(max_prompt_tokens\)"):
+        with pytest.raises(RequestError, match=r"this message and the system prompt alone are [\d,]+ tokens, over the "
+                                               r"limit of 40 \(max_prompt_tokens\)"):
             app.session().send("word " * 100).result()
         assert app.session().send("Hi", max_new_tokens=3).result().tokens.generated == 3
 

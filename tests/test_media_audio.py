@@ -1,14 +1,19 @@
+import io
 import re
 from pathlib import Path
 
+import av
 import numpy as np
 import pytest
 import soundfile
 
 from omni_local.errors import MediaError
 from omni_local.media import SAMPLE_RATE, MediaLimits, load_audio
+from omni_local.media.video import load_video
 
 LIMITS = MediaLimits(max_upload_bytes=50 << 20, max_image_pixels=4096 * 4096, max_audio_seconds=300.0)
+VIDEO_LIMITS = MediaLimits(max_upload_bytes=50 << 20, max_image_pixels=4096 * 4096, max_audio_seconds=300.0,
+                           max_video_seconds=10.0)
 
 
 def exactly(message: str) -> str:
@@ -69,19 +74,19 @@ def test_audio_given_as_bytes_loads_like_a_file(tmp_path):
 
 
 def test_integer_samples_are_scaled_into_minus_one_to_one(tmp_path):
-    extremes = np.array([[32767], [-32768], [0]], dtype=np.int16)
+    extremes = np.tile(np.array([[32767], [-32768], [0]], dtype=np.int16), (100, 1))  # 300 samples: long enough
     path = write(tmp_path / "loud.wav", extremes, SAMPLE_RATE, "PCM_16")
 
     samples = load_audio(path, LIMITS)
 
-    assert samples.tolist() == pytest.approx([32767 / 32768, -1.0, 0.0])
+    assert samples.tolist() == pytest.approx([32767 / 32768, -1.0, 0.0] * 100)
 
 
 def test_channels_are_averaged_into_one(tmp_path):
-    left_and_right = np.tile([0.5, 0.25], (100, 1))
+    left_and_right = np.tile([0.5, 0.25], (300, 1))
     path = write(tmp_path / "stereo.wav", left_and_right, SAMPLE_RATE, "FLOAT")
 
-    assert load_audio(path, LIMITS) == pytest.approx(np.full(100, 0.375))
+    assert load_audio(path, LIMITS) == pytest.approx(np.full(300, 0.375))
 
 
 def test_a_clip_over_the_length_limit_is_refused_from_its_header(tmp_path, monkeypatch):
@@ -146,3 +151,113 @@ def test_an_upload_over_the_size_limit_is_refused(tmp_path):
 def test_bytes_without_a_name_are_called_upload_in_errors():
     with pytest.raises(MediaError, match=r"^upload: not an audio file"):
         load_audio(b"not sound at all", LIMITS)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["NaN", "infinity", "minus infinity"])
+def test_a_float_wav_holding_a_sample_that_is_not_a_number_is_refused_naming_the_file(tmp_path, bad):
+    samples = sine(SAMPLE_RATE, 1)
+    samples[100] = bad
+    path = write(tmp_path / "speech.wav", samples, SAMPLE_RATE, "FLOAT")
+
+    message = "speech.wav: the clip holds NaN or infinite samples (corrupt audio)"
+    with pytest.raises(MediaError, match=exactly(message)):
+        load_audio(path, LIMITS)
+
+
+def test_a_double_wav_beyond_float32s_range_is_refused_as_infinite(tmp_path):
+    path = write(tmp_path / "speech.wav", np.full((1000, 1), 1e300), SAMPLE_RATE, "DOUBLE")
+
+    with pytest.raises(MediaError, match=r"^speech\.wav: the clip holds NaN or infinite samples"):
+        load_audio(path, LIMITS)
+
+
+def test_a_float_wav_of_16_bit_values_is_refused_as_far_outside_full_scale(tmp_path):
+    path = write(tmp_path / "loud.wav", sine(SAMPLE_RATE, 1) * 65_534, SAMPLE_RATE, "FLOAT")  # peaks at 32,767
+
+    message = "loud.wav: the clip's samples reach 32,767, far outside [-1, 1] (corrupt or wrongly scaled audio)"
+    with pytest.raises(MediaError, match=exactly(message)):
+        load_audio(path, LIMITS)
+
+
+def test_a_float_wav_peaking_a_little_above_full_scale_is_kept_as_it_is(tmp_path):
+    path = write(tmp_path / "hot.wav", sine(SAMPLE_RATE, 1) * 4, SAMPLE_RATE, "FLOAT")  # peaks at 2, +6 dB
+
+    assert float(np.abs(load_audio(path, LIMITS)).max()) == pytest.approx(2.0)
+
+
+def test_a_resampled_clip_holding_nan_is_refused_too(tmp_path):
+    samples = sine(44_100, 2)
+    samples[5000, 1] = np.nan
+    path = write(tmp_path / "stereo.wav", samples, 44_100, "FLOAT")
+
+    with pytest.raises(MediaError, match=r"^stereo\.wav: the clip holds NaN"):
+        load_audio(path, LIMITS)
+
+
+def test_a_wav_cut_short_after_its_header_is_refused_naming_the_file(tmp_path):
+    whole = write(tmp_path / "whole.wav", sine(SAMPLE_RATE, 1), SAMPLE_RATE, "PCM_16").read_bytes()
+    (tmp_path / "cut.wav").write_bytes(whole[:100])  # the 44-byte header and 28 samples
+
+    message = "cut.wav: the clip is too short for the model (28 samples, under 13 ms)"
+    with pytest.raises(MediaError, match=exactly(message)):
+        load_audio(tmp_path / "cut.wav", LIMITS)
+
+
+def test_the_shortest_clip_the_audio_encoder_takes_is_accepted(tmp_path):
+    path = write(tmp_path / "click.wav", np.zeros((201, 1)), SAMPLE_RATE, "PCM_16")
+
+    assert len(load_audio(path, LIMITS)) == 201
+
+
+def test_a_videos_sound_track_of_nan_samples_is_refused_naming_the_file():
+    track = np.zeros(SAMPLE_RATE, np.float32)
+    track[:100] = np.nan
+
+    message = "film.mov: the sound track holds NaN or infinite samples (corrupt audio)"
+    with pytest.raises(MediaError, match=exactly(message)):
+        load_video(video_with_float_track(track), VIDEO_LIMITS, fps=2.0, name="film.mov")
+
+
+def test_a_videos_clean_float_sound_track_is_read():
+    track = sine(SAMPLE_RATE, 1)[:, 0].astype(np.float32)
+
+    video = load_video(video_with_float_track(track), VIDEO_LIMITS, fps=2.0, name="film.mov")
+
+    assert video.audio == pytest.approx(track, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("samples", "message"),
+    [
+        (np.full(SAMPLE_RATE, np.nan, np.float32),
+         "audio: the clip holds NaN or infinite samples (corrupt audio)"),
+        ((sine(SAMPLE_RATE, 1)[:, 0] * 65_534).astype(np.int16),
+         "audio: the clip's samples reach 32,767, far outside [-1, 1] (corrupt or wrongly scaled audio)"),
+        (np.zeros(100, np.float32), "audio: the clip is too short for the model (100 samples, under 13 ms)"),
+    ],
+    ids=["NaN", "16-bit values", "too short"],
+)
+def test_samples_given_to_the_api_are_held_to_the_same_checks_as_a_file(app, samples, message):
+    session = app.session()
+
+    with pytest.raises(MediaError, match=exactly(message)):
+        session.send("What do you hear?", audio=[samples])
+    assert session.history == []
+
+
+def video_with_float_track(track: np.ndarray) -> bytes:
+    """A MOV of ten black frames whose sound track is `track` (16 kHz mono), kept as raw floats."""
+    out = io.BytesIO()
+    with av.open(out, "w", format="mov") as file:
+        video = file.add_stream("mpeg4", rate=10)
+        video.width, video.height, video.pix_fmt = 64, 64, "yuv420p"
+        audio = file.add_stream("pcm_f32le", rate=SAMPLE_RATE)
+        black = av.VideoFrame.from_ndarray(np.zeros((64, 64, 3), np.uint8), format="rgb24")
+        for _ in range(10):
+            file.mux(video.encode(black))
+        file.mux(video.encode())
+        sound = av.AudioFrame.from_ndarray(track[None], format="flt", layout="mono")
+        sound.sample_rate = SAMPLE_RATE
+        file.mux(audio.encode(sound))
+        file.mux(audio.encode())
+    return out.getvalue()

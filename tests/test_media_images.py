@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFile
 
+from samples import video_file
 from omni_local.errors import MediaError, SettingsError
-from omni_local.media import MediaLimits, load_image
+from omni_local.media import MediaLimits, load_image, prepare_image
+from omni_local.media.video import load_video
 from omni_local.settings import Settings
 
 LIMITS = MediaLimits(max_upload_bytes=50 << 20, max_image_pixels=4096 * 4096, max_audio_seconds=300.0)
@@ -258,3 +260,30 @@ def test_a_decompression_bomb_under_a_generous_limit_names_pillows_limit(tmp_pat
 
     with pytest.raises(MediaError, match=r"^bomb\.png: the image is over Pillow's safety limit of [\d,]+ pixels$"):
         load_image(path, generous)
+
+
+def test_an_image_too_narrow_for_the_model_is_refused_naming_the_file(tmp_path):
+    path = write(Image.new("RGB", (1000, 4), TEAL), tmp_path / "banner.png")
+
+    message = "banner.png: the image is 1000×4 pixels, too narrow for the model (one side at most 200 times the other)"
+    with pytest.raises(MediaError, match=exactly(message)):
+        load_image(path, LIMITS)
+
+
+def test_an_image_whose_sides_are_exactly_200_to_1_is_accepted(tmp_path):
+    path = write(Image.new("RGB", (4, 800), TEAL), tmp_path / "ribbon.png")
+
+    assert load_image(path, LIMITS).size == (4, 800)
+
+
+def test_an_image_in_memory_too_narrow_for_the_model_is_refused_as_image():
+    with pytest.raises(MediaError, match=r"^image: the image is 2×401 pixels, too narrow for the model"):
+        prepare_image(Image.new("RGB", (2, 401)), LIMITS)
+
+
+def test_a_video_whose_frames_are_too_narrow_for_the_model_is_refused_naming_the_file():
+    data = video_file(3, size=(1000, 4), sound=False)
+
+    message = "strip.mp4: each frame is 1000×4 pixels, too narrow for the model (one side at most 200 times the other)"
+    with pytest.raises(MediaError, match=exactly(message)):
+        load_video(data, LIMITS, fps=2.0, name="strip.mp4")

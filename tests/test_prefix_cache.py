@@ -6,50 +6,18 @@ import random
 
 import pytest
 
+from chats import Chat, common_prefix, written
 from samples import clip, picture
-from omni_local.api import Finished, OmniLocal, Session
+from omni_local.api import OmniLocal, Session
 from omni_local.prompts import Message, build_prompt
 
-NEW_TOKENS = 6
 TOKEN_BYTES = 2048  # the demo's KV per token: 4 layers x K and V x 2 heads x 32 x float32
-
-
-class Chat:
-    """One conversation held the same way in both apps, each reply checked for equality."""
-
-    def __init__(self, apps, system: str | None = None) -> None:
-        self.cached, self.uncached = (app.session(system_prompt=system) for app in apps)
-
-    def send(self, text: str, **media) -> Finished:
-        on = self.cached.send(text, max_new_tokens=NEW_TOKENS, **media).result()
-        off = self.uncached.send(text, max_new_tokens=NEW_TOKENS, **media).result()
-        assert on.token_ids == off.token_ids, "the cache changed an answer"
-        assert off.tokens.computed == off.tokens.prompt
-        return on
-
-    def edit_from(self, turn: int) -> None:
-        """Drop history from user turn `turn` (0-based) on, as editing that message does."""
-        for session in (self.cached, self.uncached):
-            first_user = 1 if session.history and session.history[0].role == "system" else 0
-            del session.history[first_user + 2 * turn :]
-
-
-def written(final: Finished) -> int:
-    """Tokens of prompt-then-reply whose KV the request left: the last sampled token is never fed."""
-    return final.tokens.prompt + final.tokens.generated - (0 if final.stop_reason == "end_of_turn" else 1)
 
 
 def ids_of(app: OmniLocal, session: Session, text: str, **media) -> list[int]:
     """The ids the next `send(text, **media)` of `session` will prompt with."""
     parts = [*media.get("images", []), *media.get("audio", []), text]
     return build_prompt([*session.history, Message("user", parts)], app.loaded.processor).input_ids[0].tolist()
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 @pytest.mark.parametrize("kind", ["images", "audio"])

@@ -60,11 +60,22 @@ def test_a_key_in_the_wrong_table_is_an_error_naming_the_right_one(tmp_path):
         ("[model]\nspeech = 1", "'speech' must be true or false, got 1"),
         ('[model]\ndtype = "int4"', "'dtype' must be one of 'auto', 'float32', 'bfloat16', 'float16'"),
         ("[ui]\nui_port = 0", "'ui_port' must be positive"),
+        ("[ui]\nui_port = 70000", "'ui_port' must be a port number, 1 to 65535, got 70000"),
     ],
 )
 def test_a_value_of_the_wrong_type_is_an_error_saying_what_was_expected(tmp_path, line, message):
     with pytest.raises(SettingsError, match=message):
         load_settings(write(tmp_path, line + "\n"))
+
+
+@pytest.mark.parametrize(("dtype", "least"), [("auto", 32768), ("bfloat16", 32768), ("float32", 65536)])
+def test_a_gpu_cache_too_small_for_one_conversation_of_any_model_is_refused(dtype, least):
+    # 8,192 tokens, each a key and a value of 2 bytes (bfloat16, which 'auto' may pick) or 4, at the least
+    with pytest.raises(SettingsError, match=rf"'gpu_cache_bytes' \(1\) is below the {least:,} bytes that one"):
+        Settings(gpu_cache_bytes=1, dtype=dtype)
+    with pytest.raises(SettingsError, match="gpu_cache_bytes"):
+        Settings(gpu_cache_bytes=least - 1, dtype=dtype)
+    assert Settings(gpu_cache_bytes=least, dtype=dtype).gpu_cache_bytes == least
 
 
 def test_invalid_toml_is_an_error_naming_the_file(tmp_path):

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+from chats import SpokenChat, written
 from replies import GREEDY, NEW_TOKENS, media, send, transformers_speech
 from samples import clip, picture
-from omni_local.api import AudioChunk, Finished, OmniLocal
+from omni_local.api import AudioChunk, OmniLocal
 from omni_local.engine.talker import OPENING_ROWS
 from omni_local.engine.vocoder import AudioStream, Vocoder
 from omni_local.errors import RequestError
@@ -128,30 +129,8 @@ def test_the_first_audio_arrives_while_the_text_is_still_streaming(speaking_apps
     assert final.speech.real_time_factor > 0 and "real-time factor" in final.metrics_line()
 
 
-class Chat:
-    """One spoken conversation held the same way in both apps, each reply checked for equality."""
-
-    def __init__(self, apps, system: str) -> None:
-        self.apps = apps
-        self.sessions = [app.session(system_prompt=system) for app in apps]
-
-    def send(self, text: str, **options) -> Finished:
-        (on, on_frames, _, _), (off, off_frames, _, _) = (
-            send(app, session, text, **options) for app, session in zip(self.apps, self.sessions)
-        )
-        assert on.token_ids == off.token_ids, "the cache changed the text"
-        assert on_frames == off_frames, "the cache changed the speech"
-        assert off.tokens.computed == off.tokens.prompt and off.speech.talker_reused == 0
-        return on
-
-
-def written(final: Finished) -> int:
-    """Tokens of prompt-then-reply whose KV the request left: the last sampled token is never fed."""
-    return final.tokens.prompt + final.tokens.generated - (0 if final.stop_reason == "end_of_turn" else 1)
-
-
 def test_a_voice_chat_turn_2_computes_only_its_new_tokens_and_says_the_same(speaking_apps):
-    chat = Chat(speaking_apps, "You speak.")
+    chat = SpokenChat(speaking_apps, "You speak.")
     first = chat.send("Hello, who are you?")
     second = chat.send("And what do you like?")
     assert second.tokens.computed == second.tokens.prompt - written(first)
@@ -162,8 +141,8 @@ def test_a_voice_chat_turn_2_computes_only_its_new_tokens_and_says_the_same(spea
 @pytest.mark.parametrize("kind", ["images", "audio"])
 def test_a_spoken_answer_to_a_known_medium_reuses_it_and_says_the_same(speaking_apps, kind):
     medium = {kind: [picture(7) if kind == "images" else clip(8)]}
-    Chat(speaking_apps, "You look and listen.").send("What is this?", **medium)
-    final = Chat(speaking_apps, "You look and listen.").send("Tell me more.", **medium)
+    SpokenChat(speaking_apps, "You look and listen.").send("What is this?", **medium)
+    final = SpokenChat(speaking_apps, "You look and listen.").send("Tell me more.", **medium)
     prompt = build_prompt([Message("system", ["You look and listen."]),
                            Message("user", [*medium[kind], "Tell me more."])], speaking_apps[0].loaded.processor)
     assert final.tokens.reused_gpu >= prompt.media[0].end  # the medium came from the cache, Talker rows too
@@ -173,15 +152,15 @@ def test_a_known_medium_after_another_system_prompt_is_spoken_as_without_the_cac
     """A medium's Talker rows come from the Thinker's hidden states, which the system prompt before
     it changes: the Talker KV of a chat that sent the same clip after another system prompt must
     not be reused."""
-    Chat(speaking_apps, "You look and listen.").send("What is this?", audio=[clip(10)])
-    second = Chat(speaking_apps, "You are a pirate who hears everything.").send("What is this?", audio=[clip(10)])
+    SpokenChat(speaking_apps, "You look and listen.").send("What is this?", audio=[clip(10)])
+    second = SpokenChat(speaking_apps, "You are a pirate who hears everything.").send("What is this?", audio=[clip(10)])
     assert second.media.from_cache == 1, "the clip must be known, or this shows nothing"
     # The Thinker prompts part in the system turn, before the first user row: nothing is reused.
     assert second.speech.talker_reused == 0
 
 
 def test_a_text_turn_then_a_spoken_turn_reads_the_rows_the_text_turn_cached(speaking_apps):
-    chat = Chat(speaking_apps, "You answer.")
+    chat = SpokenChat(speaking_apps, "You answer.")
     first, _ = (session.send("Look at this.", images=[picture(9)], max_new_tokens=NEW_TOKENS).result()
                 for session in chat.sessions)
     second = chat.send("What did you see?")

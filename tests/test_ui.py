@@ -23,6 +23,7 @@ from gradio_client.exceptions import AuthenticationError
 from PIL import Image
 
 from bad_files import BAD_FILES, LIMITS, media_error
+from chats import written_tokens
 from samples import video_file
 from served_app import free_port, running_app
 from omni_local.media import load_image
@@ -30,11 +31,13 @@ from omni_local.prompts import Message
 from omni_local.ui.history import ERROR_TITLE, to_messages
 
 METRICS = re.compile(
-    r"\[(?P<prompt>\d+) prompt tokens: (?P<computed>\d+) computed, \d+ reused from GPU, \d+ from host "
-    r"(\| media: (?P<encoded>\d+) encoded, (?P<from_cache>\d+) from the encoder cache, \d+ in reused KV )?\| "
-    r"(?P<generated>\d+) generated \| "
-    r"queue [\d.]+ ms, TTFT [\d.]+ ms, [\d.]+ tokens/s \| (?P<stop>end_of_turn|max_new_tokens)\]"
+    r"TTFT [\d.,]+ m?s( \(queued [\d.,]+ m?s\))?( · [\d.,]+ tok/s)? · "
+    r"(?P<reused>[\d,]+) of (?P<prompt>[\d,]+) prompt tokens from cache( \([\d,]+ from host memory\))? · "
+    r"(?P<generated>[\d,]+) reply tokens?"
+    r"( · media: (?P<encoded>\d+) encoded, (?P<from_cache>\d+) from the encoder cache, \d+ in the cached prompt)?"
+    r"( · (?P<stop>reply length limit reached))?"
 )
+STOP_REASONS = {None: "end_of_turn", "reply length limit reached": "max_new_tokens"}  # as the line says them
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +149,7 @@ def test_the_reply_length_setting_reaches_the_engine(ui_url):
     client = Client(ui_url, verbose=False)
     (_, metrics), *_ = client.predict({"text": "Tell me a story.", "files": []}, "", 3, 0.0, 1.0, api_name="/chat")
     counts = METRICS.fullmatch(metrics["content"])
-    assert counts["generated"] == "3" and counts["stop"] == "max_new_tokens"
+    assert counts["generated"] == "3" and counts["stop"] == "reply length limit reached"
 
 
 def _spoken_reply(ui_url: str) -> tuple[list, dict[int, dict]]:
@@ -183,6 +186,7 @@ def test_an_uploaded_image_reaches_the_model_and_gets_a_reply(ui_url, tmp_path):
     assert with_image.prompt_tokens > text_only.prompt_tokens
 
 
+@pytest.mark.torchvision
 def test_an_uploaded_video_reaches_the_model_and_a_follow_up_computes_only_its_new_tokens(ui_url, tmp_path):
     clip = tmp_path / "clip.mp4"
     clip.write_bytes(video_file(3))
@@ -190,7 +194,7 @@ def test_an_uploaded_video_reaches_the_model_and_a_follow_up_computes_only_its_n
     first = _ask(client, "What happens in this video?", clip)
     assert first.reply and first.prompt_tokens > 200  # frames and sound track
     follow_up = _ask(client, "And then?")
-    cached = first.prompt_tokens + first.generated_tokens - (0 if first.stop_reason == "end_of_turn" else 1)
+    cached = written_tokens(first.prompt_tokens, first.generated_tokens, first.stop_reason)
     assert follow_up.computed_tokens == follow_up.prompt_tokens - cached
 
 
@@ -207,7 +211,7 @@ def test_a_follow_up_in_the_same_chat_computes_only_its_new_tokens(ui_url, tmp_p
     follow_up = _ask(client, "Is there anything else?")
     # The first turn's prompt and reply are in the cache as generated (the last sampled token is
     # computed only when the reply did not end on its own).
-    cached = first.prompt_tokens + first.generated_tokens - (0 if first.stop_reason == "end_of_turn" else 1)
+    cached = written_tokens(first.prompt_tokens, first.generated_tokens, first.stop_reason)
     assert follow_up.computed_tokens == follow_up.prompt_tokens - cached
 
 
@@ -364,9 +368,9 @@ def _ask(client: Client, text: str, upload: Path | None = None) -> _Answer:
     assert not reply["metadata"] and metrics["metadata"]["title"] == "Metrics"
     counts = METRICS.fullmatch(metrics["content"])
     assert counts, metrics["content"]
-    return _Answer(reply=reply["content"], prompt_tokens=int(counts["prompt"]),
-                   generated_tokens=int(counts["generated"]), computed_tokens=int(counts["computed"]),
-                   stop_reason=counts["stop"])
+    prompt, reused, generated = (int(counts[name].replace(",", "")) for name in ("prompt", "reused", "generated"))
+    return _Answer(reply=reply["content"], prompt_tokens=prompt, generated_tokens=generated,
+                   computed_tokens=prompt - reused, stop_reason=STOP_REASONS[counts["stop"]])
 
 
 def _wait_for_output(job, seconds: float = 60) -> None:
@@ -444,7 +448,7 @@ def test_chats_are_kept_apart_switched_renamed_deleted_and_survive_a_restart(dem
         history, *_ = client.predict(chats["Hello there"], api_name="/open_chat")
         assert history[0]["role"] == "user" and "Hello there" in str(history[0]["content"])
         follow_up = _ask(client, "And then?")
-        cached = first.prompt_tokens + first.generated_tokens - (0 if first.stop_reason == "end_of_turn" else 1)
+        cached = written_tokens(first.prompt_tokens, first.generated_tokens, first.stop_reason)
         assert follow_up.computed_tokens == follow_up.prompt_tokens - cached
     with running_app(demo_settings, tmp_path) as url:  # a restart of the app
         client = Client(url, verbose=False)

@@ -2,24 +2,25 @@
 `generate` read them, a resent video is answered from the cache with the same tokens, and a bad
 file is a clear error."""
 
-import io
 import re
 
-import av
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
+from chats import Chat, common_prefix, written
 from samples import clip, picture, video_file
 from omni_local.api import OmniLocal
 from omni_local.errors import MediaError
 from omni_local.media.limits import MediaLimits
 from omni_local.media.video import Video, load_video
+from omni_local.model import workarounds
 from omni_local.prompts import Message, build_prompt, video_grid
 
 NEW_TOKENS = 12
 QUESTION = "What happens in this video?"
+SYSTEM = "You watch videos."
 
 
 def transformers_reply(
@@ -56,6 +57,7 @@ CASES = {
 }
 
 
+@pytest.mark.torchvision
 @pytest.mark.parametrize("case", CASES)
 def test_a_video_question_has_the_prompt_and_reply_of_transformers(apps, case):
     app = apps[1]
@@ -82,48 +84,37 @@ def test_mov_and_webm_are_read_too(container):
     assert video.frames.shape[0] == 4 and video.audio is not None
 
 
+@pytest.mark.torchvision
 def test_a_silent_clip_gets_a_silent_track_so_every_video_is_laid_out_alike(apps):
     video = apps[0].read_video(video_file(7, sound=False))
     assert video.audio is not None and not video.audio.any()
     assert video.audio.size == round(video.seconds * 16_000)
 
 
-class Chat:
-    """One conversation held the same way in both apps, each reply checked for equality."""
-
-    def __init__(self, apps) -> None:
-        self.apps = apps
-        self.sessions = [app.session(system_prompt="You watch videos.") for app in apps]
-
-    def send(self, text: str, **media):
-        on, off = (s.send(text, max_new_tokens=NEW_TOKENS, **media).result() for s in self.sessions)
-        assert on.token_ids == off.token_ids, "the cache changed an answer"
-        assert off.tokens.computed == off.tokens.prompt
-        return on
-
-
+@pytest.mark.torchvision
 def test_the_same_video_with_a_new_question_computes_only_the_new_question(apps):
     video = apps[0].read_video(video_file(8))
-    Chat(apps).send(QUESTION, videos=[video])
-    chat = Chat(apps)
-    before = build_prompt([Message("system", ["You watch videos."]), Message("user", [video, QUESTION])],
+    Chat(apps, SYSTEM, NEW_TOKENS).send(QUESTION, videos=[video])
+    chat = Chat(apps, SYSTEM, NEW_TOKENS)
+    before = build_prompt([Message("system", [SYSTEM]), Message("user", [video, QUESTION])],
                           apps[0].loaded.processor)
-    ids = build_prompt([Message("system", ["You watch videos."]), Message("user", [video, "Who is in it?"])],
+    ids = build_prompt([Message("system", [SYSTEM]), Message("user", [video, "Who is in it?"])],
                        apps[0].loaded.processor)
     final = chat.send("Who is in it?", videos=[video])
-    shared = int(np.flatnonzero(before.input_ids[0, :ids.num_tokens] != ids.input_ids[0, :before.num_tokens])[0])
+    shared = common_prefix(before.input_ids[0].tolist(), ids.input_ids[0].tolist())
     assert final.tokens.computed == ids.num_tokens - shared
     assert shared > ids.media[0].end  # the whole video, frames and sound, came from the cache
 
 
+@pytest.mark.torchvision
 def test_a_video_chat_turn_2_computes_only_turn_2(apps):
-    chat = Chat(apps)
+    chat = Chat(apps, SYSTEM, NEW_TOKENS)
     first = chat.send(QUESTION, videos=[apps[0].read_video(video_file(9))])
     second = chat.send("And then?")
-    written = first.tokens.prompt + first.tokens.generated - (0 if first.stop_reason == "end_of_turn" else 1)
-    assert second.tokens.computed == second.tokens.prompt - written
+    assert second.tokens.computed == second.tokens.prompt - written(first)
 
 
+@pytest.mark.torchvision
 def test_a_known_video_skips_its_encoders(apps, monkeypatch):
     app = apps[0]
     video = app.read_video(video_file(10))
@@ -148,7 +139,7 @@ LIMITS = MediaLimits(max_upload_bytes=50 << 20, max_image_pixels=96 * 64, max_au
     [
         (lambda: video_file(11)[:2000], "not a readable video file (MP4, WebM or MOV expected; or truncated)"),
         (lambda: b"not a video at all" * 100, "not a readable video file"),
-        (lambda: _sound_only_file(), "has no video stream"),
+        (lambda: video_file(16, frames=False), "has no video stream"),
         (lambda: video_file(12, seconds=4.0), "4.1 s is over the limit of 3 s (max_video_seconds)"),
         (lambda: video_file(13, size=(128, 64)), "over the limit of 6,144 pixels (max_image_pixels)"),
     ],
@@ -159,6 +150,7 @@ def test_a_bad_video_is_read_as_a_clear_media_error(data, phrase):
         load_video(data(), LIMITS, fps=2.0, name="clip.mp4")
 
 
+@pytest.mark.torchvision
 def test_a_bad_video_through_the_api_is_a_media_error_naming_the_file_and_the_next_question_is_served(
     apps, tmp_path
 ):
@@ -170,17 +162,21 @@ def test_a_bad_video_through_the_api_is_a_media_error_naming_the_file_and_the_ne
     assert session.send("Hello", max_new_tokens=2).result().token_ids
 
 
-def _sound_only_file() -> bytes:
-    out = io.BytesIO()
-    with av.open(out, "w", format="mp4") as file:
-        stream = file.add_stream("aac", rate=48_000)
-        frame = av.AudioFrame.from_ndarray(np.zeros((1, 48_000), np.float32), format="flt", layout="mono")
-        frame.sample_rate = 48_000
-        file.mux(stream.encode(frame))
-        file.mux(stream.encode())
-    return out.getvalue()
+def test_without_torchvision_a_video_is_refused_saying_so_and_images_are_still_answered(
+    demo_settings, demo_checkpoint, monkeypatch, tmp_path
+):
+    # The app `load_processor` loads where torchvision is missing, whether or not it is missing here.
+    monkeypatch.setattr(workarounds, "is_torchvision_available", lambda: False)
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(video_file(15))
+    with OmniLocal(demo_settings) as app:
+        session = app.session()
+        with pytest.raises(MediaError, match="video input needs torchvision, which is not installed here"):
+            session.send(QUESTION, videos=[path])
+        assert session.send("What is this?", images=[picture(16)], max_new_tokens=2).result().token_ids
 
 
+@pytest.mark.torchvision
 @pytest.mark.parametrize("shape", [(4, 64, 96), (20, 360, 640), (8, 1080, 1920), (6, 40, 500), (200, 64, 64)], ids=str)
 def test_the_grid_a_prompt_is_built_with_is_the_video_processors(demo_model, shape):
     # The prompt is built from the frames' shape alone; the pixels come later, from the processor.

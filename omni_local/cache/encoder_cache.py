@@ -22,6 +22,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from omni_local.cache.folders import private_folder
+from omni_local.errors import SettingsError
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,15 @@ class EncoderCache:
         self._remember(key, output)
         self._write_disk(key, output)
 
+    def discard(self, digest: bytes) -> None:
+        """Forget the output for `digest`, in memory and on disk."""
+        key = self._key(digest)
+        output = self._memory.pop(key, None)
+        if output is not None:
+            self._memory_bytes -= _size(output)
+        if self._disk is not None:
+            self._delete_on_disk(key.hex())
+
     def close(self) -> None:
         """Close the calling thread's connection to the disk tier (diskcache keeps one per thread)."""
         if self._disk is not None:
@@ -88,12 +98,12 @@ class EncoderCache:
         return blake3.blake3(self.namespace + digest).digest()
 
     def _remember(self, key: bytes, output: EncoderOutput) -> None:
-        size = sum(t.numel() * t.element_size() for t in output.values())
+        size = _size(output)
         if size > self.memory_budget or key in self._memory:
             return
         while self._memory_bytes + size > self.memory_budget:
             _, evicted = self._memory.popitem(last=False)
-            self._memory_bytes -= sum(t.numel() * t.element_size() for t in evicted.values())
+            self._memory_bytes -= _size(evicted)
         self._memory[key] = output
         self._memory_bytes += size
 
@@ -135,11 +145,14 @@ class EncoderCache:
 
     def _drop_damaged(self, name: str, error: Exception) -> None:
         log.warning("encoder disk cache: dropped a damaged entry (%s); it is computed again", error)
+        self._delete_on_disk(name)
+        return None
+
+    def _delete_on_disk(self, name: str) -> None:
         try:
             self._disk.delete(name)
-        except (OSError, sqlite3.Error) as delete_error:
-            self._disable_disk(f"removing a damaged entry failed ({delete_error})")
-        return None
+        except (OSError, sqlite3.Error) as error:
+            self._disable_disk(f"removing an entry failed ({error})")
 
     def _disable_disk(self, why: str) -> None:
         log.warning("encoder disk cache turned off: %s; encoder outputs are kept in memory only", why)
@@ -150,13 +163,17 @@ class EncoderCache:
         self._disk = None
 
 
+def _size(output: EncoderOutput) -> int:
+    return sum(t.numel() * t.element_size() for t in output.values())
+
+
 def _open_disk(folder: Path, size_limit: int) -> diskcache.Cache | None:
     try:
         private_folder(folder)
         return diskcache.Cache(
             str(folder), disk=BytesOnlyDisk, size_limit=size_limit, eviction_policy="least-recently-used"
         )
-    except (OSError, sqlite3.Error) as error:
+    except (OSError, sqlite3.Error, SettingsError) as error:  # SettingsError: no folder, or not the user's alone
         log.warning("encoder disk cache turned off: cannot open %s (%s); encoder outputs are kept in memory only",
                     folder, error)
         return None

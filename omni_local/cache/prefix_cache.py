@@ -144,6 +144,17 @@ class PrefixCache:
         if not self.enabled and entry.pins == 0:
             self._drop(entry)
 
+    def discard(self, claim: Claim) -> None:
+        """Release `claim` and forget what its request wrote: its outputs were not numbers, so its
+        rows must reach no attention again. The slot's rows are zeroed and the session's entry is
+        dropped (its next turn starts afresh). No other entry holds a copy of them: a request
+        publishes its prompt's rows only once its first token's logits are checked, and its
+        reply's only when it ends."""
+        entry = claim.entry
+        entry.pins -= 1
+        assert entry.pins == 0, "a session's entry is held by one request at a time"
+        self._drop(entry, scrub=True)
+
     # Memory ---------------------------------------------------------------------------------
 
     def make_room(self) -> None:
@@ -192,9 +203,9 @@ class PrefixCache:
         self._drop(oldest)
         return True
 
-    def _drop(self, entry: Entry) -> None:
+    def _drop(self, entry: Entry, scrub: bool = False) -> None:
         if entry.slot is not None:
-            self.kv.release(entry.slot)
+            self.kv.release(entry.slot, scrub=scrub)
         entry.slot, entry.host = None, None
         if self.entries.get(entry.session) is entry:
             del self.entries[entry.session]

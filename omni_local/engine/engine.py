@@ -16,6 +16,12 @@ waits for everything queued before it, this turn's step included: a prefill's fi
 spoken reply's codes. A reply that ended at a token was computed one step more meanwhile: that
 step's token is dropped, and the KV row it wrote is not counted (`Request.written`).
 Max-new-tokens and the context's end are known in advance: no step is queued past them.
+
+Logits that are not numbers (a NaN or an infinity: a corrupt input, the model overflowing) come
+from KV that would make every output attending to it NaN too. Whether each row of logits is all
+numbers is computed on the device beside its token and read with it, so the check costs no wait;
+a request whose logits are not all numbers fails alone, and its KV is scrubbed
+(`PrefixCache.discard`).
 """
 
 import logging
@@ -34,31 +40,33 @@ import torch
 from omni_local.cache.encoder_cache import EncoderCache, encoder_namespace
 from omni_local.cache.folders import keep_compiled_code_in
 from omni_local.cache.prefix_cache import PrefixCache
+from omni_local.engine.context_window import fit_prompt
 from omni_local.engine.detokenizer import IncrementalDetokenizer
 from omni_local.engine.encoders import Encoders
 from omni_local.engine.host_copies import Readback
 from omni_local.engine.media_encoder import MediaEncoder
-from omni_local.engine.request import AudioChunk, Failed, Finished, Request, StopReason, TextDelta
+from omni_local.engine.request import AudioChunk, ContextUse, Failed, Finished, Request, StopReason, TextDelta
 from omni_local.engine.sampling import SamplingParams, SlotSampler
 from omni_local.engine.speech import Speaker, SpeechParams
 from omni_local.engine.talker import TalkerRows
 from omni_local.engine.thinker import ThinkerRunner
 from omni_local.errors import OmniLocalError, RequestError
 from omni_local.model.loader import LoadedModel, media_markup_token_ids, thinker_eos_token_ids
-from omni_local.prompts import Message, Prompt, build_prompt
+from omni_local.prompts import Message, Prompt
 from omni_local.settings import Settings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+NOT_A_NUMBER = "the model's output was not a number (NaN or infinity): this request's input may be corrupt"
 
 
 @dataclass(frozen=True)
 class DecodeStep:
     """A decode step queued on the device and not read yet: its requests, and their next tokens on
-    their way to the host."""
+    their way to the host, with whether their logits were numbers (`_chosen_and_finite`)."""
 
     requests: list[Request]
-    tokens: Readback
+    chosen: Readback
 
 
 class Engine:
@@ -162,7 +170,7 @@ class Engine:
             request = self._waiting[0]
             try:
                 if request.prompt is None:
-                    request.prompt = self._build_prompt(request.messages)
+                    request.prompt, request.turns_left_out = self._build_prompt(request.messages)
                 request.claim = self.cache.claim(request.session, request.prompt, self.cache.match(request.prompt))
             except Exception as error:  # noqa: BLE001 - one request's failure must not stop the worker
                 self._waiting.popleft()
@@ -178,13 +186,9 @@ class Engine:
             request.started_at = time.perf_counter()
             self._running.append(request)
 
-    def _build_prompt(self, messages: list[Message]) -> Prompt:
-        prompt = build_prompt(messages, self.loaded.processor)
-        limit = self.settings.max_prompt_tokens
-        if prompt.num_tokens > limit:
-            raise RequestError(f"the prompt is {prompt.num_tokens} tokens, over the limit of {limit} "
-                               "(max_prompt_tokens)")
-        return prompt
+    def _build_prompt(self, messages: list[Message]) -> tuple[Prompt, int]:
+        """The prompt, within max_prompt_tokens, and how many of the chat's earliest turns it leaves out."""
+        return fit_prompt(messages, self.loaded.processor, self.settings.max_prompt_tokens)
 
     def _run_turn(self) -> None:
         """One prefill; one decode step of the requests decoding, queued before the step of the turn
@@ -237,9 +241,12 @@ class Engine:
         logits = self.runner.prefill(request.slot, request.prepared)
         self.sampler.start(request.slot, request.params, request.seed, prompt.input_ids[0])
         # The first token is read at once: speech starts from it, and it ends the time to first token.
-        token = int(self.sampler.sample(logits[None], self.sampler.batch([request.slot], [0]))[0])
+        tokens = self.sampler.sample(logits[None], self.sampler.batch([request.slot], [0]))
+        (token,), (finite,) = _chosen_and_finite(tokens, logits[None]).tolist()
         request.launched = 1
         request.computed = prompt.num_tokens - start
+        if not finite:
+            return self._fail_poisoned(request)  # before its rows are published: nobody may read them
         request.written = prompt.num_tokens
         self.cache.publish(request.claim, prompt, [], request.written)
         if request.cancelled.is_set():
@@ -263,7 +270,7 @@ class Engine:
         indices = [r.prompt.num_tokens + r.launched - 1 for r in requests]
         logits = self.runner.decode(slots, self.sampler.inputs(batch), indices,
                                     [r.prepared.rope_delta for r in requests])
-        step = DecodeStep(requests, Readback(self.sampler.sample(logits, batch)))
+        step = DecodeStep(requests, Readback(_chosen_and_finite(self.sampler.sample(logits, batch), logits)))
         for request in requests:
             request.launched += 1
         return step
@@ -272,10 +279,14 @@ class Engine:
         """Accept the tokens of the step queued in the turn before (the device computes this turn's
         meanwhile). A request that ended since (at its previous token, cancelled, failed) drops its
         token: the step was one too many for it, and the KV row it wrote is not counted. A failure
-        fails the step's requests; one of a request's own token, that request only."""
-        tokens = self._guarded(step.requests, step.tokens.tolist) or []
-        for request, token in zip(step.requests, tokens):
+        fails the step's requests; one of a request's own token (its logits not numbers, say), that
+        request only."""
+        tokens, finite = self._guarded(step.requests, step.chosen.tolist) or ([], [])
+        for request, token, numbers in zip(step.requests, tokens, finite):
             if request.ended or request.text_done:
+                continue
+            if not numbers:
+                self._fail_poisoned(request)
                 continue
             request.written += 1  # the row of the token the step read
             if request.cancelled.is_set():
@@ -331,9 +342,22 @@ class Engine:
         counts = request.counts(generated=len(reply_ids))
         speech = request.spoken.report(request.submitted_at) if request.spoken is not None else None
         self._end_speech(request)
+        context = ContextUse(self.settings.max_context_tokens, self.settings.max_prompt_tokens, request.turns_left_out)
         request.events.put(Finished(request.streamed, reply_ids, reason, counts, request.timings(), request.seed,
-                                    speech, request.media))
+                                    context, speech, request.media))
         request.ended = True
+
+    def _fail_poisoned(self, request: Request) -> None:
+        """`request`'s logits were not numbers: it fails alone. Its KV would make whatever attends
+        to it NaN, its session's next turn included: the slot's rows are zeroed and the session's
+        cache entry dropped. The encoder outputs of its media after the cached prefix are dropped
+        too, so a fault in them is not kept (on disk, even) for the next prompt that holds them."""
+        claim = request.claim
+        self.runner.encoder.forget([m for m in request.prompt.media if m.start >= claim.start])
+        self.cache.discard(claim)
+        request.claim = None
+        self._slots_blocked = False
+        self._fail(request, NOT_A_NUMBER)
 
     def _fail(self, request: Request, message: str) -> None:
         if not request.text_done:
@@ -346,6 +370,12 @@ class Engine:
         if request.spoken is not None:
             self.speaker.end(request.spoken)
             request.spoken.done = True
+
+
+def _chosen_and_finite(tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """[2, B] on the device: the tokens [B] chosen from `logits` [B, vocab], and under each a 1 if
+    its row of logits is all numbers, a 0 if it holds a NaN or an infinity."""
+    return torch.stack([tokens, logits.isfinite().all(dim=-1).long()])
 
 
 def current_device(device: torch.device) -> AbstractContextManager:

@@ -50,10 +50,14 @@ class KVStore:
     ) -> None:
         self.shape, self.slots, self.dtype, self.device = shape, slots, dtype, device
         size = (slots, shape.kv_heads, shape.max_tokens, shape.head_dim)
-        # Attention reads rows [0, end) only, so rows are never read before written and are left
-        # uninitialised (on the CPU, untouched pages cost no memory). `zeroed` is for graphed decode
-        # steps and prefills, which read a whole bucket of rows and mask those past each new token: a
-        # zero attention weight does not cancel a NaN in garbage.
+        # Eager attention reads rows [0, end) of its own slot only, so rows are never read before
+        # written and are left uninitialised (on the CPU, untouched pages cost no memory). Graphed
+        # decode steps and prefills read a whole bucket of rows and mask those past each new token,
+        # but a zero attention weight does not cancel a NaN or an infinity (0 × NaN is NaN): one
+        # chat's bad rows, past the end of the next chat in its slot, would poison that chat's every
+        # output. So with `zeroed` every free slot holds zeros (from here, and again whenever a slot is
+        # given back), and a slot's rows past its holder's end are zeros or its own session's.
+        self.zeroed = zeroed
         make = torch.zeros if zeroed else torch.empty
         self.keys = [make(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
         self.values = [make(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
@@ -65,8 +69,7 @@ class KVStore:
 
     @property
     def allocated_bytes(self) -> int:
-        tensors = self.keys + self.values + ([self.talker_rows] if self.talker_rows is not None else [])
-        return sum(t.nbytes for t in tensors)
+        return sum(t.nbytes for t in self._slot_tensors())
 
     @property
     def free_slots(self) -> int:
@@ -75,8 +78,16 @@ class KVStore:
     def allocate(self) -> int | None:
         return self._free.pop() if self._free else None
 
-    def release(self, slot: int) -> None:
+    def release(self, slot: int, scrub: bool = False) -> None:
+        """Give `slot` back; its rows are zeroed first if the store keeps free slots zeroed, or if
+        `scrub` (its holder's rows are not numbers and must never be read again)."""
         assert 0 <= slot < self.slots and slot not in self._free, f"slot {slot} is not held"
+        if self.zeroed or scrub:
+            # Once per hand-over, queued after every forward that wrote the slot, never inside a decode
+            # step: 768 MiB for a full-size Thinker slot of 8,192 rows, well under a millisecond of an
+            # H200's memory bandwidth.
+            for tensor in self._slot_tensors():
+                tensor[slot].zero_()
         self._free.append(slot)
 
     def view(self, slot: int, start: int) -> "SlotWriter":
@@ -111,6 +122,10 @@ class KVStore:
 
     def _pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return list(zip(self.keys, self.values))
+
+    def _slot_tensors(self) -> list[torch.Tensor]:
+        """Every tensor with a slot as its first dimension."""
+        return self.keys + self.values + ([self.talker_rows] if self.talker_rows is not None else [])
 
 
 class SlotWriter:
@@ -151,7 +166,8 @@ class GraphedSlotWriter:
     token's output is wanted) are device tensors read when the graph replays, so one graph serves
     every slot and position. `update` hands back each slot's first `rows` rows (the graph's bucket),
     not the filled length, whose size a graph cannot change; the mask hides the rows after each new
-    token.
+    token, which is enough only because those rows hold numbers: zeros, or the session's own (a
+    store for graphs keeps its free slots zeroed).
     """
 
     def __init__(self, store: KVStore, slots: torch.Tensor, indices: torch.Tensor, last: torch.Tensor,

@@ -39,6 +39,13 @@ class MediaEncoder:
                     cache.put(media[i].digest, output)
         return outputs, len(missing)
 
+    def forget(self, media: list[MediaItem]) -> None:
+        """Drop the cache's outputs for `media`: a request that read them gave logits that are not
+        numbers, so they are not to be trusted (each is encoded again when next needed)."""
+        if self.cache is not None:
+            for item in media:
+                self.cache.discard(item.digest)
+
     def _encode(self, media: list[MediaItem]) -> list[EncoderOutput]:
         inputs = preprocess(media, self.processor)
         images = iter(self._frames(inputs["pixel_values"], inputs["image_grid_thw"], [m for m in media if m.is_image])

@@ -84,7 +84,7 @@ class TalkerRunner:
         self.dtype = self.talker.codec_head.weight.dtype
         shape = KVShape(text.num_hidden_layers, text.num_key_value_heads, text.head_dim, max_tokens)
         # The Talker's own step is a decode step like the Thinker's (about 41 ms eager at full size,
-        # 5 ms graphed): SlotGraphs, whose buckets read rows not yet written, so they start zeroed.
+        # 5 ms graphed): SlotGraphs, whose buckets read rows past each new token, so free slots are zeroed.
         self._capture_steps = cuda_graphs and graphable(self.stack.config, self.device)
         self.kv = KVStore(shape, slots, self.dtype, self.device, zeroed=self._capture_steps)
         self.step_graphs: SlotGraphs | None = None  # set once captured, by warm_up

@@ -15,12 +15,19 @@ SAMPLE_RATE = 16_000
 # libsndfile's names; WAVEX and RF64 are WAV files with extended headers.
 ACCEPTED_FORMATS = ("WAV", "WAVEX", "RF64", "FLAC", "OGG", "MP3")
 _EXPECTED = "WAV, FLAC, OGG or MP3 expected"
+# The audio encoder's mel window (400 samples, centred on each hop) needs more than half its width.
+MIN_SAMPLES = 201
+# Sound at full scale is within [-1, 1]; a float file may peak above it (float formats keep what an
+# integer one would clip), but not 16 times over (+24 dB): such numbers are corrupt data or the wrong
+# scale (16-bit values saved as floats reach 32,768), not sound the encoder was made for.
+MAX_PEAK = 16.0
 
 
 def load_audio(source: str | Path | bytes, limits: MediaLimits, name: str | None = None) -> np.ndarray:
     """The clip as float32 samples in [-1, 1] (for integer formats), mono, at 16 kHz; shape (samples,).
 
-    Raises `MediaError` for a missing, empty, oversized, unsupported, corrupt or zero-length file.
+    Raises `MediaError` for a missing, empty, oversized, unsupported, corrupt or too short file, and
+    for samples that are not sound (see `check_samples`).
     """
     upload = read_upload(source, limits, name)
     try:
@@ -42,9 +49,26 @@ def load_audio(source: str | Path | bytes, limits: MediaLimits, name: str | None
     if rate != SAMPLE_RATE:
         mono = soxr.resample(mono, rate, SAMPLE_RATE)
     # Checked after resampling: a clip of a few samples at a high rate can come out empty.
-    if len(mono) == 0:
-        raise MediaError(f"{upload.name}: the clip has no audio (zero samples)")
+    check_samples(upload.name, mono)
     return np.ascontiguousarray(mono, dtype=np.float32)
+
+
+def check_samples(name: str, samples: np.ndarray, what: str = "the clip") -> None:
+    """Refuse 16 kHz mono samples the audio encoder cannot take: none, too few for its window (a
+    file cut short after its header holds a few), or numbers that are not sound: NaN, infinite, or
+    far outside [-1, 1]. A NaN makes the model's every output NaN."""
+    if len(samples) == 0:
+        raise MediaError(f"{name}: {what} has no audio (zero samples)")
+    if len(samples) < MIN_SAMPLES:
+        count = f"{len(samples)} sample{'s' if len(samples) > 1 else ''}"
+        raise MediaError(f"{name}: {what} is too short for the model ({count}, under 13 ms)")
+    if not np.isfinite(samples).all():
+        raise MediaError(f"{name}: {what} holds NaN or infinite samples (corrupt audio)")
+    peak = float(np.abs(samples).max())
+    if peak > MAX_PEAK:
+        shown = f"{peak:,.0f}" if peak < 1e9 else f"{peak:.1e}"
+        raise MediaError(f"{name}: {what}'s samples reach {shown}, far outside [-1, 1] "
+                         "(corrupt or wrongly scaled audio)")
 
 
 def check_duration(name: str, seconds: float, limits: MediaLimits) -> None:

@@ -15,6 +15,9 @@ from omni_local.media.upload import read_upload
 ACCEPTED_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF")
 _EXPECTED = "PNG, JPEG, WebP, BMP or GIF expected"
 _SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I")
+# The vision processor's resize (transformers' `smart_resize`) refuses a picture whose long side is
+# more than this many times its short side; refused here instead, where the file's name is known.
+MAX_ASPECT_RATIO = 200
 
 
 def load_image(source: str | Path | bytes, limits: MediaLimits, name: str | None = None) -> Image.Image:
@@ -49,6 +52,14 @@ def check_size(name: str, width: int, height: int, limits: MediaLimits) -> None:
             f"{name}: {width}×{height} pixels is over the limit of {limits.max_image_pixels:,} pixels "
             "(max_image_pixels)"
         )
+    check_shape(name, width, height)
+
+
+def check_shape(name: str, width: int, height: int, what: str = "the image") -> None:
+    """Refuse a picture too narrow for the model."""
+    if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+        raise MediaError(f"{name}: {what} is {width}×{height} pixels, too narrow for the model "
+                         f"(one side at most {MAX_ASPECT_RATIO} times the other)")
 
 
 def _open(name: str, data: bytes, limits: MediaLimits) -> Image.Image:

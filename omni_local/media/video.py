@@ -14,7 +14,8 @@ import av
 import numpy as np
 
 from omni_local.errors import MediaError
-from omni_local.media.audio import SAMPLE_RATE
+from omni_local.media.audio import SAMPLE_RATE, check_samples
+from omni_local.media.image import check_shape
 from omni_local.media.limits import MediaLimits, tenths
 from omni_local.media.upload import read_upload
 
@@ -63,6 +64,8 @@ def load_video(
             raise MediaError(f"{upload.name}: the file is truncated or corrupt (not a readable video)") from None
     if not frames:
         raise MediaError(f"{upload.name}: the video stream has no frames")
+    if audio is not None:
+        check_samples(upload.name, audio, "the sound track")
     # The sampled frames span the clip, so their count over its length is what places them in time.
     sampled_fps = len(picked) * native_fps / max(total, 1)
     return Video(np.stack(frames), sampled_fps, audio)
@@ -97,12 +100,13 @@ def _check_limits(name: str, container: av.container.InputContainer, stream: av.
             f"{name}: {tenths(seconds, up=True)} s is over the limit of "
             f"{tenths(limits.max_video_seconds, up=False)} s (max_video_seconds)"
         )
-    pixels = stream.codec_context.width * stream.codec_context.height
-    if pixels > limits.max_image_pixels:
+    width, height = stream.codec_context.width, stream.codec_context.height
+    if width * height > limits.max_image_pixels:
         raise MediaError(
-            f"{name}: frames of {stream.codec_context.width}x{stream.codec_context.height} are over the limit "
-            f"of {limits.max_image_pixels:,} pixels (max_image_pixels)"
+            f"{name}: frames of {width}x{height} are over the limit of {limits.max_image_pixels:,} pixels "
+            "(max_image_pixels)"
         )
+    check_shape(name, width, height, "each frame")
 
 
 def _sample(total: int, native_fps: float, fps: float, min_frames: int, max_frames: int) -> np.ndarray:

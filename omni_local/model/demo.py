@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
 from transformers import (
     GenerationConfig,
@@ -23,7 +24,8 @@ from transformers import (
 )
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-from omni_local.cache.folders import private_folder
+from omni_local.cache.folders import make_folders
+from omni_local.errors import CheckpointError
 from omni_local.model.chat_template import CHAT_TEMPLATE
 from omni_local.model.workarounds import init_talker_experts
 
@@ -109,19 +111,38 @@ def ensure_demo_checkpoint(path: Path) -> Path:
     path = Path(path)
     if _is_current(path):
         return path
-    private_folder(path.parent)
+    try:
+        _check_replaceable(path)
+        make_folders(path.parent)  # only what it creates is made private: the parent may be a shared folder
+        _build(path)
+    except (OSError, SafetensorError) as error:  # safetensors reports a full disk as its own error
+        reason = error.strerror if isinstance(error, OSError) else str(error)
+        raise CheckpointError(f"cannot write the demo model to '{path}': {reason}") from None
+    return path
+
+
+def _build(path: Path) -> None:
     # Built beside the target and renamed into place, so a crash never leaves half a checkpoint.
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
     try:
         _write_checkpoint(staging)
         if _is_current(path):  # another process finished first
-            return path
+            return
         if path.exists():
             shutil.rmtree(path)
         os.replace(staging, path)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return path
+
+
+def _check_replaceable(path: Path) -> None:
+    """A folder that is there already is replaced only if it is a demo of another version, or empty:
+    `demo_dir` pointed at a folder of the user's own must never delete it."""
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"demo_dir '{path}' is a file: choose a new or empty folder")
+    if path.is_dir() and not (path / MARKER_FILE).exists() and any(path.iterdir()):
+        raise CheckpointError(f"demo_dir '{path}' holds files that are not a demo model: "
+                              "choose a new or empty folder")
 
 
 def _is_current(path: Path) -> bool:

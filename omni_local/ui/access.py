@@ -3,30 +3,46 @@
 By default the UI listens on 127.0.0.1 only. Serving beyond this machine is an explicit choice:
 `ui_host` set to another address, and `ui_credentials_file` naming a private file (mode 0600) of
 `user:password` lines, which Gradio then asks for. Uploads are kept in the app's own private
-folder (`<cache_dir>/uploads`, mode 0700), not the system's shared temporary folder.
+folder (`<cache_dir>/uploads`, mode 0700), not the system's shared temporary folder; an upload the
+disk has no room for is refused in words, and leaves nothing behind.
 """
 
+import errno
 import ipaddress
+import logging
 import os
 from pathlib import Path
 from typing import Any
+
+from starlette.middleware import Middleware
+from starlette.responses import PlainTextResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omni_local.cache.folders import private_folder
 from omni_local.errors import SettingsError
 from omni_local.settings import Settings
 
+log = logging.getLogger(__name__)
+
 
 def keep_uploads_private(settings: Settings) -> Path:
     """Point Gradio's upload folder at the app's private one; call before Gradio is imported."""
-    folder = private_folder(settings.cache_path / "uploads")
+    folder = private_folder(upload_folder(settings))
     os.environ["GRADIO_TEMP_DIR"] = str(folder)
     return folder
 
 
+def upload_folder(settings: Settings) -> Path:
+    return settings.cache_path / "uploads"
+
+
 def launch_options(settings: Settings) -> dict[str, Any]:
-    """`launch()` arguments: the address, port and upload limit, and credentials when needed."""
-    options: dict[str, Any] = {"server_name": settings.ui_host, "server_port": settings.ui_port,
-                               "max_file_size": settings.max_upload_bytes}
+    """`launch()` arguments: the address, port and upload limit, credentials when needed, and the
+    handling of failed uploads."""
+    options: dict[str, Any] = {
+        "server_name": settings.ui_host, "server_port": settings.ui_port, "max_file_size": settings.max_upload_bytes,
+        "app_kwargs": {"middleware": [Middleware(UploadFaults, folder=upload_folder(settings))]},
+    }
     if settings.ui_credentials_file:
         options["auth"] = read_credentials(Path(settings.ui_credentials_file).expanduser())
     elif not is_loopback(settings.ui_host):
@@ -58,3 +74,46 @@ def read_credentials(path: Path) -> list[tuple[str, str]]:
     if not pairs or any(len(pair) != 2 or not all(pair) for pair in pairs):
         raise SettingsError(f"ui_credentials_file '{path}' must hold 'user:password' lines")
     return pairs
+
+
+class UploadFaults:
+    """Around Gradio's upload route, which writes each file into the upload folder as `tmp...` and
+    renames it into a subfolder once complete. A disk error while it writes (a full disk, above all)
+    would end in a bare "Internal Server Error" and leave the partial file taking up the disk; here
+    the page gets the reason in words (it shows "HTTP 507: ..."), and the partial files go."""
+
+    def __init__(self, app: ASGIApp, folder: Path) -> None:
+        self.app, self.folder = app, folder
+        self._uploading = 0  # uploads being written; all of them run on the server's one event loop
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].endswith("/gradio_api/upload"):
+            await self.app(scope, receive, send)
+            return
+        answered = False
+
+        async def watched(message: Message) -> None:
+            nonlocal answered
+            answered = answered or message["type"] == "http.response.start"
+            await send(message)
+
+        self._uploading += 1
+        try:
+            await self.app(scope, receive, watched)
+        except OSError as error:
+            if answered:
+                raise
+            if self._uploading == 1:  # no other upload is writing one of them
+                self._remove_partial_files()
+            reason = error.strerror or str(error)
+            log.warning("an upload failed: %s", reason)
+            full = error.errno in (errno.ENOSPC, errno.EDQUOT)
+            await PlainTextResponse(f"the file could not be saved: {reason}",
+                                    status_code=507 if full else 500)(scope, receive, send)
+        finally:
+            self._uploading -= 1
+
+    def _remove_partial_files(self) -> None:
+        for path in self.folder.glob("tmp*"):  # tempfile's names; complete uploads are in subfolders
+            if path.is_file():
+                path.unlink(missing_ok=True)
