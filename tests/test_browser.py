@@ -121,9 +121,10 @@ def browser(tmp_path_factory) -> Iterator["Browser"]:
 
 
 @pytest.fixture
-def open_tab(browser, served) -> Iterator[Callable[..., "Page"]]:
+def open_tab(browser, served, artifacts) -> Iterator[Callable[..., "Page"]]:
     """open_tab(viewport) opens the chat page in a fresh tab (its own context, as another browser
-    would be; microphone allowed) and waits for its start-up; the tabs close after the test."""
+    would be; microphone allowed) and waits for its start-up; the tabs close after the test, each
+    shown last as test-artifacts/browser/<test>/last-tab-N.png (what a failed step left)."""
     opened = []
 
     def open_one(viewport: dict[str, int] = DESKTOP) -> "Page":
@@ -147,7 +148,8 @@ def open_tab(browser, served) -> Iterator[Callable[..., "Page"]]:
         return tab
 
     yield open_one
-    for context, refused, errors in opened:
+    for number, (context, refused, errors) in enumerate(opened, 1):
+        context.pages[0].screenshot(path=artifacts / f"last-tab-{number}.png", full_page=True)
         context.close()
         assert not refused, f"the page asked for something outside this machine: {refused}"
         assert not errors, f"the page's scripts failed: {errors}"
@@ -260,13 +262,16 @@ def test_the_stop_button_stops_a_reply_and_the_next_question_is_answered(page, s
     assert _bot_texts(page) == stopped and stopped[1:] == [note]  # the partial reply stays, marked, and no more
     assert cpu_used < 0.5, f"the app used {cpu_used:.2f} s of CPU in the 2 s after the stop: still generating"
     _set_longest_reply(page, 24)
-    finished = _metrics_shown(page)  # the stopped note may show its TTFT too
     asked = time.monotonic()
     _ask(page, "Are you still there?")
-    _wait_for_metrics(page, finished + 1)
+    metrics = _wait_for_answer(page)
     answered_s = time.monotonic() - asked
     shot("next-answered")
     assert answered_s < 15, f"the next reply took {answered_s:.1f} s"
+    assert note in _bot_texts(page), "the stopped reply's note went from the page when the next question was asked"
+    cached, prompt = (int(n.replace(",", "")) for n in re.search(r"([\d,]+) of ([\d,]+) prompt", metrics).groups())
+    # The stopped reply's tokens are reused: the new question's own tokens (about 20) are computed.
+    assert prompt - cached <= 32, f"the next turn computed the stopped reply again: {metrics}"
 
 
 def test_a_reply_still_streaming_when_a_new_chat_is_opened_stays_out_of_it(page, shot, served):
@@ -560,7 +565,7 @@ def test_two_tabs_on_different_chats_stream_at_the_same_time(page, shot, open_ta
     _wait_for_reply_to_start(other)
     shot("first-tab")
     shot("second-tab", tab=other)
-    assert not _metrics_shown(page), "the first tab's reply had ended before the second tab's began"
+    assert not any(map(METRICS.search, _bot_texts(page))), "the first tab's reply had ended before the second's began"
     _stop(page)
     _wait_for_metrics(other, 1)
 
@@ -633,6 +638,20 @@ def _wait_for_metrics(page: "Page", count: int) -> str:
     """Wait until `count` replies have ended (each ends with its metrics); the last metrics line."""
     page.wait_for_function(f"([pattern, count]) => {{ {METRICS_COUNT_JS} return metricsCount(pattern) >= count; }}",
                            arg=[METRICS.pattern, count])
+    return _last_metrics(page)
+
+
+def _wait_for_answer(page: "Page") -> str:
+    """Wait until the last question's reply has ended (its metrics show under it); the metrics line."""
+    page.wait_for_function(f"""([pattern]) => {{
+      const messages = [...document.querySelectorAll('[data-testid=user], [data-testid=bot]')];
+      const asked = messages.findLastIndex((message) => message.dataset.testid === 'user');
+      return messages.slice(asked + 1).some((message) => new RegExp(pattern).test(message.getAttribute('aria-label')));
+    }}""", arg=[METRICS.pattern])
+    return _last_metrics(page)
+
+
+def _last_metrics(page: "Page") -> str:
     return [text for text in _bot_texts(page) if METRICS.search(text)][-1]
 
 
@@ -725,10 +744,6 @@ def _drop_file(page: "Page", path: Path, mime_type: str) -> None:
 
 def _wait_for_reply_to_start(page: "Page") -> None:
     page.wait_for_function("() => document.querySelector('[data-testid=bot]')?.innerText.length > 0")
-
-
-def _metrics_shown(page: "Page") -> int:
-    return sum(bool(METRICS.search(text)) for text in _bot_texts(page))
 
 
 def _wait_for_note(page: "Page", title: str, text: str) -> str:
