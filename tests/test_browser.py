@@ -17,8 +17,9 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ import soundfile
 from PIL import Image
 
 from bad_files import media_error
+from omni_local.ui.messages import block_text, blocks
 from served_app import REPO, ServedApp, served_app
 
 try:
@@ -46,9 +48,15 @@ CHROMIUM_ARGS = [
     "--disable-quic",
 ]
 STEP_TIMEOUT_MS = 60_000  # any one step: a reply, an upload, a page load (the CPU is shared)
-METRICS = re.compile(r"TTFT .* prompt tokens from cache.* · [\d,]+ reply tokens?")
+# A finished (or stopped) reply's metrics note, by its one part every such note shows: its time to
+# first token, "TTFT 3.2 ms", "TTFT 17 ms" or "TTFT 1.2 s" (a slow CPU).
+METRICS = re.compile(r"TTFT [\d.,]+ m?s\b")
+DESKTOP = {"width": 1280, "height": 900}
+PHONE = {"width": 390, "height": 844}
+MAX_CONTEXT_TOKENS = 8192  # the served app's, given on its command line
 # The demo model's greedy reply to this does not end on its own for thousands of tokens.
 ENDLESS_QUESTION = "Count to one thousand."
+LONG_REPLY_TOKENS = 2000  # with ENDLESS_QUESTION, a reply of about 10 s, if nothing stopped it
 FIRST_SOUND_LIMIT_S = 0.5
 
 # A function body run in the page: the <audio> elements under `root`, inside shadow roots too
@@ -63,6 +71,11 @@ const audioElements = (root) => {
   walk(root);
   return found;
 };
+"""
+# A function body run in the page: how many bot messages hold a finished reply's metrics.
+METRICS_COUNT_JS = """
+const metricsCount = (pattern) => [...document.querySelectorAll('[data-testid=bot]')].filter(
+  (message) => new RegExp(pattern).test(message.getAttribute('aria-label'))).length;
 """
 # Before the page's own scripts: when the page's Web Audio player (omni_local/ui/player.py)
 # schedules each buffer, in the page's clock, so the test can tell when it reaches the speakers.
@@ -80,7 +93,8 @@ AudioBufferSourceNode.prototype.start = function (when = 0, ...rest) {
 @pytest.fixture(scope="module")
 def served(demo_settings, demo_checkpoint, tmp_path_factory) -> Iterator[ServedApp]:
     # An utterance is the speech and the pause around it: over the 2 s the other UI tests allow.
-    with served_app(demo_settings, tmp_path_factory.mktemp("browser"), "--max-audio-seconds", "10") as app:
+    with served_app(demo_settings, tmp_path_factory.mktemp("browser"), "--max-audio-seconds", "10",
+                    "--max-context-tokens", str(MAX_CONTEXT_TOKENS)) as app:
         yield app
 
 
@@ -107,29 +121,44 @@ def browser(tmp_path_factory) -> Iterator["Browser"]:
 
 
 @pytest.fixture
-def page(browser, served) -> Iterator["Page"]:
-    """A fresh tab (its own context, microphone allowed) on the chat page, showing a new chat."""
-    context = browser.new_context(viewport={"width": 1280, "height": 900}, permissions=["microphone"])
-    context.set_default_timeout(STEP_TIMEOUT_MS)
-    refused, errors = [], []
+def open_tab(browser, served) -> Iterator[Callable[..., "Page"]]:
+    """open_tab(viewport) opens the chat page in a fresh tab (its own context, as another browser
+    would be; microphone allowed) and waits for its start-up; the tabs close after the test."""
+    opened = []
 
-    def only_this_machine(route):
-        if route.request.url.startswith("http://127.0.0.1:"):
-            route.continue_()
-        else:
-            refused.append(route.request.url)
-            route.abort()
+    def open_one(viewport: dict[str, int] = DESKTOP) -> "Page":
+        context = browser.new_context(viewport=viewport, permissions=["microphone"])
+        context.set_default_timeout(STEP_TIMEOUT_MS)
+        refused, errors = [], []
 
-    context.route("**/*", only_this_machine)
-    context.add_init_script(RECORD_AUDIO_STARTS_JS)
-    tab = context.new_page()
-    tab.on("pageerror", lambda error: errors.append(str(error)))
-    _open(tab, served)
+        def only_this_machine(route):
+            if route.request.url.startswith("http://127.0.0.1:"):
+                route.continue_()
+            else:
+                refused.append(route.request.url)
+                route.abort()
+
+        context.route("**/*", only_this_machine)
+        context.add_init_script(RECORD_AUDIO_STARTS_JS)
+        tab = context.new_page()
+        tab.on("pageerror", lambda error: errors.append(str(error)))
+        opened.append((context, refused, errors))
+        _open(tab, served)
+        return tab
+
+    yield open_one
+    for context, refused, errors in opened:
+        context.close()
+        assert not refused, f"the page asked for something outside this machine: {refused}"
+        assert not errors, f"the page's scripts failed: {errors}"
+
+
+@pytest.fixture
+def page(open_tab) -> "Page":
+    """A tab on the chat page, showing a new chat."""
+    tab = open_tab()
     _new_chat(tab)
-    yield tab
-    context.close()
-    assert not refused, f"the page asked for something outside this machine: {refused}"
-    assert not errors, f"the page's scripts failed: {errors}"
+    return tab
 
 
 @pytest.fixture
@@ -142,13 +171,14 @@ def artifacts(request) -> Path:
 
 
 @pytest.fixture
-def shot(page, artifacts) -> Callable[[str], None]:
-    """shot("step") writes the page as it is now to test-artifacts/browser/<test>/NN-step.png."""
+def shot(page, artifacts) -> Callable[..., None]:
+    """shot("step") writes the page (or `tab`, another one) as it is now to
+    test-artifacts/browser/<test>/NN-step.png."""
     folder, count = artifacts, iter(range(1, 100))
 
-    def take(step: str) -> None:
-        page.wait_for_timeout(300)  # Gradio draws a finished message's folded parts a moment later
-        page.screenshot(path=folder / f"{next(count):02d}-{step}.png", full_page=True)
+    def take(step: str, tab: "Page" = page) -> None:
+        tab.wait_for_timeout(300)  # Gradio draws a finished message's folded parts a moment later
+        tab.screenshot(path=folder / f"{next(count):02d}-{step}.png", full_page=True)
 
     return take
 
@@ -215,26 +245,25 @@ def test_a_recorded_question_gets_a_spoken_reply_that_plays_as_it_streams_and_ag
 
 
 def test_the_stop_button_stops_a_reply_and_the_next_question_is_answered(page, shot, served):
-    _set_longest_reply(page, 4000)  # a reply of about 20 s, if nothing stopped it
+    _set_longest_reply(page, LONG_REPLY_TOKENS)
     _ask(page, ENDLESS_QUESTION)
-    page.wait_for_function("() => document.querySelector('[data-testid=bot]')?.innerText.length > 0")
+    _wait_for_reply_to_start(page)
     page.wait_for_timeout(500)
     shot("streaming")
     assert not _bot_texts(page)[1:], "the reply ended before it could be stopped"
-    # Every streamed update redraws the button, so Playwright's click never finds it still: a direct click.
-    page.get_by_role("button", name="Stop", exact=True).dispatch_event("click")
-    page.get_by_role("button", name="Submit", exact=True).wait_for()
+    note = _stop(page)
     stopped = _bot_texts(page)
     cpu_before = served.cpu_seconds()
     page.wait_for_timeout(2000)
     cpu_used = served.cpu_seconds() - cpu_before
     shot("stopped")
-    assert _bot_texts(page) == stopped and len(stopped) == 1  # no more text, and no metrics: it ended early
+    assert _bot_texts(page) == stopped and stopped[1:] == [note]  # the partial reply stays, marked, and no more
     assert cpu_used < 0.5, f"the app used {cpu_used:.2f} s of CPU in the 2 s after the stop: still generating"
     _set_longest_reply(page, 24)
+    finished = _metrics_shown(page)  # the stopped note may show its TTFT too
     asked = time.monotonic()
     _ask(page, "Are you still there?")
-    _wait_for_metrics(page, 1)
+    _wait_for_metrics(page, finished + 1)
     answered_s = time.monotonic() - asked
     shot("next-answered")
     assert answered_s < 15, f"the next reply took {answered_s:.1f} s"
@@ -244,7 +273,7 @@ def test_a_reply_still_streaming_when_a_new_chat_is_opened_stays_out_of_it(page,
     question = "Count to one thousand, and then on."  # its own question: this test's chats are told apart by it
     _set_longest_reply(page, 600)  # a few seconds of reply
     _ask(page, question)
-    page.wait_for_function("() => document.querySelector('[data-testid=bot]')?.innerText.length > 0")
+    _wait_for_reply_to_start(page)
     _new_chat(page)
     page.wait_for_timeout(4000)  # long enough for the other chat's reply to have gone on, and ended
     shot("new-chat")
@@ -354,6 +383,206 @@ def test_hands_free_voice_mode_answers_a_spoken_question_aloud_in_the_chat(page,
     assert window_chunks_in_order(page)
 
 
+def test_one_chat_walked_through_every_action_is_saved_as_the_page_shows_it_after_each_step(page, shot, served):
+    earlier = _chat_files(served)
+
+    def saved_as_shown(step: str) -> None:
+        shot(step)
+        _wait_until_saved_as_shown(page, served, earlier)
+
+    _ask(page, "Walk: the first question")
+    _wait_for_metrics(page, 1)
+    saved_as_shown("asked")
+    _ask(page, "Walk: the second question")
+    _wait_for_metrics(page, 2)
+    saved_as_shown("asked-again")
+    _answered_again(page, lambda: _edit_last_question(page, "Walk: the second question, edited"))
+    assert [text for who, text in _messages(page) if who == "user"][-1] == "Walk: the second question, edited"
+    saved_as_shown("edited")
+    _answered_again(page, lambda: page.get_by_role("button", name="Retry").click())
+    saved_as_shown("retried")
+    page.get_by_role("button", name="Undo").click()
+    page.wait_for_function("() => document.querySelectorAll('[data-testid=user]').length === 1")
+    saved_as_shown("undone")
+    _set_longest_reply(page, LONG_REPLY_TOKENS)
+    _ask(page, ENDLESS_QUESTION)
+    _wait_for_reply_to_start(page)
+    _stop(page)
+    saved_as_shown("stopped")
+    _set_longest_reply(page, 24)
+    _clear(page)
+    saved_as_shown("cleared")  # no file: an empty chat is not kept
+    _ask(page, "Walk: after the clear")
+    _wait_for_metrics(page, 1)
+    saved_as_shown("asked-after-clear")
+    _rename(page, "Walk, renamed")
+    _wait_until(page, lambda: [chat["title"] for chat in _saved_chats(served, earlier)] == ["Walk, renamed"],
+                lambda: f"the renamed chat was not saved with its title: {_saved_chats(served, earlier)}")
+    saved_as_shown("renamed")
+    _reload(page, served)
+    saved_as_shown("reloaded")
+    assert _shown_title(page) == "Walk, renamed"
+    assert _delete_chat(page, accept=True) == "confirm: Delete this chat?"
+    _wait_until(page, lambda: "Walk, renamed" not in _shown_title(page), "the deleted chat is still shown")
+    shot("deleted")
+    assert _saved_chats(served, earlier) == []
+    latest = _latest_saved(served)
+    assert _messages(page) == (_as_shown(latest["history"]) if latest else [])  # the most recent other chat
+
+
+def test_an_edited_question_gets_a_reply_and_the_chat_goes_on(page, shot, served):
+    earlier = _chat_files(served)
+    _ask(page, "Edit me: what is a lighthouse?")
+    _wait_for_metrics(page, 1)
+    shot("asked")
+    _answered_again(page, lambda: _edit_last_question(page, "Edited: what is a lighthouse keeper?"))
+    shot("edited")
+    _ask(page, "And after the edit?")  # the message box works again
+    _wait_for_metrics(page, 2)
+    shot("asked-after-edit")
+    assert [text for who, text in _messages(page) if who == "user"] == [
+        "Edited: what is a lighthouse keeper?", "And after the edit?"]
+    _wait_until_saved_as_shown(page, served, earlier)  # the edited question, and its reply
+
+
+def test_opening_or_reloading_the_page_writes_no_file(page, shot, served, open_tab):
+    earlier = _chat_files(served)
+    _ask(page, "Reload me")
+    _wait_for_metrics(page, 1)
+    _wait_until_saved_as_shown(page, served, earlier)
+    before = _chat_files(served)
+    for step in range(4):  # a copy was written on some loads only (about one in three)
+        shot(f"opened-{step}", tab=open_tab())
+        _reload(page, served)
+        shot(f"reloaded-{step}")
+    page.wait_for_timeout(1000)  # a write the last load started would have landed by now
+    assert _chat_files(served) == before, "a page load wrote to the chats folder"
+
+
+def test_a_renamed_chat_keeps_its_title_after_reloads(page, shot, served):
+    _ask(page, "Name me")
+    _wait_for_metrics(page, 1)
+    _rename(page, "The renamed chat")
+    _wait_until(page, lambda: _shown_title(page) == "The renamed chat", "the list never showed the new title")
+    for step in range(3):
+        _reload(page, served)
+        shot(f"reloaded-{step}")
+        assert _shown_title(page) == "The renamed chat"
+        assert [text for who, text in _messages(page) if who == "user"] == ["Name me"]
+
+
+def test_a_cleared_chat_does_not_come_back_after_a_reload(page, shot, served):
+    earlier = _chat_files(served)
+    question = "Clear me away"
+    _ask(page, question)
+    _wait_for_metrics(page, 1)
+    _wait_until_saved_as_shown(page, served, earlier)
+    _clear(page)
+    shot("cleared")
+    _wait_until_saved_as_shown(page, served, earlier)  # its file is gone
+    _reload(page, served)
+    shot("reloaded")
+    assert all(question not in text for _, text in _messages(page))
+    assert all(question not in json.dumps(chat["history"]) for chat in _saved_chats(served))
+
+
+def test_delete_asks_first_and_only_a_yes_deletes_the_chat(page, shot, served):
+    earlier = _chat_files(served)
+    _ask(page, "Delete me, if you are sure")
+    _wait_for_metrics(page, 1)
+    _wait_until_saved_as_shown(page, served, earlier)
+    shown, saved = _messages(page), _chat_files(served)
+    assert _delete_chat(page, accept=False) == "confirm: Delete this chat?"
+    page.wait_for_timeout(1000)  # a delete would have reached the app and come back by now
+    shot("kept")
+    assert _messages(page) == shown and _chat_files(served) == saved
+    assert _delete_chat(page, accept=True) == "confirm: Delete this chat?"
+    _wait_until(page, lambda: not _saved_chats(served, earlier), "the deleted chat's file is still there")
+    page.wait_for_function("(text) => ![...document.querySelectorAll('[data-testid=user]')].some("
+                           "(message) => message.innerText.includes(text))", arg="Delete me, if you are sure")
+    shot("deleted")
+
+
+def test_on_a_phone_the_message_box_is_free_to_use_at_start_and_after_a_new_chat(page, shot, open_tab):
+    phone = open_tab(PHONE)
+    shot("start", tab=phone)
+    _assert_message_box_uncovered(phone)
+    phone.get_by_role("button", name="Toggle Sidebar").click()
+    _new_chat(phone)
+    shot("new-chat", tab=phone)
+    _assert_message_box_uncovered(phone)
+    _ask(phone, "Hello from a phone")
+    _wait_for_metrics(phone, 1)
+    shot("answered", tab=phone)
+
+
+def test_the_header_says_which_model_runs_and_that_speech_is_on(page, shot):
+    header = page.locator("#omni-header")
+    shot("header")
+    assert "demo model: random weights, replies are noise" in header.inner_text()
+    assert "speech on" in header.inner_text()
+
+
+def test_the_context_use_shows_after_a_reply(page, shot):
+    context_use = page.locator("#context-use")
+    assert context_use.inner_text().strip() == ""  # a new chat
+    _ask(page, "How full is the context?")
+    _wait_for_metrics(page, 1)
+    page.wait_for_function("(text) => document.querySelector('#context-use')?.innerText.includes(text)",
+                           arg=f"of {MAX_CONTEXT_TOKENS:,} tokens")
+    shot("answered")
+    assert re.search(rf"Context: [\d,]+ of {MAX_CONTEXT_TOKENS:,} tokens", context_use.inner_text())
+
+
+def test_a_new_chat_is_listed_by_its_first_question_once_asked(page, shot):
+    _ask(page, "List me, please")
+    _wait_for_metrics(page, 1)
+    _wait_until(page, lambda: _shown_title(page) == "List me, please",
+                lambda: f"the list shows {_shown_title(page)!r} for the chat")
+    shot("listed")
+
+
+def test_a_two_line_first_question_is_titled_with_a_space_between_its_lines(page, shot, served):
+    _ask(page, "Two lines\nof question")
+    _wait_for_metrics(page, 1)
+    _reload(page, served)  # the page's start-up lists the saved chats, this one (the latest) chosen
+    shot("titled")
+    assert _shown_title(page) == "Two lines of question"
+
+
+def test_two_tabs_on_different_chats_stream_at_the_same_time(page, shot, open_tab):
+    other = open_tab()
+    _new_chat(other)
+    _set_longest_reply(page, LONG_REPLY_TOKENS)
+    _ask(page, ENDLESS_QUESTION)
+    _wait_for_reply_to_start(page)
+    _ask(other, "Are you there too?")
+    _wait_for_reply_to_start(other)
+    shot("first-tab")
+    shot("second-tab", tab=other)
+    assert not _metrics_shown(page), "the first tab's reply had ended before the second tab's began"
+    _stop(page)
+    _wait_for_metrics(other, 1)
+
+
+def test_a_chat_changed_in_another_tab_refuses_this_tabs_send_and_keeps_the_other_tabs_turn(page, shot, open_tab,
+                                                                                              served):
+    earlier = _chat_files(served)
+    _ask(page, "Shared chat: the first question")
+    _wait_for_metrics(page, 1)
+    other = open_tab()  # its start-up shows the most recent chat: this one
+    other.wait_for_function("(text) => document.querySelector('[data-testid=user]')?.innerText.includes(text)",
+                            arg="Shared chat: the first question")
+    _ask(page, "Shared chat: the first tab asks again")
+    _wait_for_metrics(page, 2)
+    _ask(other, "Shared chat: the second tab asks")
+    refusal = _wait_for_note(other, "Error", "another tab")
+    shot("first-tab")
+    shot("second-tab", tab=other)
+    assert "chang" in refusal
+    _wait_until_saved_as_shown(page, served, earlier)  # the first tab's two turns, none lost
+
+
 def window_chunks_in_order(page: "Page") -> bool:
     """The page's player got the reply's chunks numbered 0, 1, ... (a voice turn may have been cut
     by the next one, which starts again at 0)."""
@@ -365,8 +594,17 @@ def window_chunks_in_order(page: "Page") -> bool:
 
 
 def _open(page: "Page", served: ServedApp) -> None:
-    """Load the chat page, and wait for its start-up event: it shows the latest saved chat, if any."""
     page.goto(served.url)
+    _wait_for_start(page, served)
+
+
+def _reload(page: "Page", served: ServedApp) -> None:
+    page.reload()
+    _wait_for_start(page, served)
+
+
+def _wait_for_start(page: "Page", served: ServedApp) -> None:
+    """Wait for the page's start-up event: it shows the latest saved chat, if any."""
     _message_box(page).wait_for()
     if any((served.cache_dir / "chats").glob("*.json")):
         page.wait_for_function("() => [...document.querySelectorAll('input')].some("
@@ -393,11 +631,8 @@ def _ask(page: "Page", text: str) -> None:
 
 def _wait_for_metrics(page: "Page", count: int) -> str:
     """Wait until `count` replies have ended (each ends with its metrics); the last metrics line."""
-    page.wait_for_function(
-        "([pattern, count]) => [...document.querySelectorAll('[data-testid=bot]')].filter("
-        "(message) => new RegExp(pattern).test(message.getAttribute('aria-label'))).length >= count",
-        arg=[METRICS.pattern, count],
-    )
+    page.wait_for_function(f"([pattern, count]) => {{ {METRICS_COUNT_JS} return metricsCount(pattern) >= count; }}",
+                           arg=[METRICS.pattern, count])
     return [text for text in _bot_texts(page) if METRICS.search(text)][-1]
 
 
@@ -486,3 +721,138 @@ def _drop_file(page: "Page", path: Path, mime_type: str) -> None:
     box = _message_box(page)
     for event in ("dragenter", "dragover", "drop"):
         box.dispatch_event(event, {"dataTransfer": transfer})
+
+
+def _wait_for_reply_to_start(page: "Page") -> None:
+    page.wait_for_function("() => document.querySelector('[data-testid=bot]')?.innerText.length > 0")
+
+
+def _metrics_shown(page: "Page") -> int:
+    return sum(bool(METRICS.search(text)) for text in _bot_texts(page))
+
+
+def _wait_for_note(page: "Page", title: str, text: str) -> str:
+    """Wait until a bot message titled `title` (a folded note: "Metrics", "Error") holds `text`; its text."""
+    note = page.locator("[data-testid=bot]").filter(has=page.locator(".title", has_text=title)).filter(has_text=text)
+    note.last.wait_for(state="attached")
+    return re.sub(r"^\w+'s message: ", "", note.last.get_attribute("aria-label"))
+
+
+def _stop(page: "Page") -> str:
+    """Stop the reply streaming now; the "stopped" metrics note it ends with."""
+    # Every streamed update redraws the button, so Playwright's click never finds it still: a direct click.
+    page.get_by_role("button", name="Stop", exact=True).dispatch_event("click")
+    page.get_by_role("button", name="Submit", exact=True).wait_for()
+    return _wait_for_note(page, "Metrics", "stopped")
+
+
+def _answered_again(page: "Page", action: Callable[[], None]) -> None:
+    """Do `action` (an edit, a retry) and wait until it took the last reply away and a new one ended
+    (which may read as the old one did: watched in the page, so that no step is missed)."""
+    page.evaluate(f"""([pattern]) => {{
+      {METRICS_COUNT_JS}
+      const before = metricsCount(pattern);
+      let taken = false;
+      window.omniLocalAnsweredAgain = false;
+      const timer = setInterval(() => {{
+        const now = metricsCount(pattern);
+        taken ||= now < before;
+        if (taken && now >= before) {{ window.omniLocalAnsweredAgain = true; clearInterval(timer); }}
+      }}, 10);
+    }}""", [METRICS.pattern])
+    action()
+    page.wait_for_function("() => window.omniLocalAnsweredAgain")
+
+
+def _edit_last_question(page: "Page", text: str) -> None:
+    """The pencil on the last question, its new text, and the tick that confirms it."""
+    page.locator("[data-testid=user]").last.hover()
+    page.get_by_role("button", name="Edit").last.click()
+    page.locator("textarea.edit-textarea").fill(text)
+    page.locator(".message-buttons").get_by_role("button", name="Submit").click()
+
+
+def _clear(page: "Page") -> None:
+    """The chat's trash icon."""
+    page.get_by_role("button", name="Clear").click()
+    page.wait_for_function("() => !document.querySelector('[data-testid=user], [data-testid=bot]')")
+
+
+def _rename(page: "Page", title: str) -> None:
+    page.get_by_label("Title", exact=True).fill(title)
+    page.get_by_role("button", name="Rename").click()
+
+
+def _shown_title(page: "Page") -> str:
+    return page.get_by_label("Chats", exact=True).input_value()
+
+
+def _delete_chat(page: "Page", accept: bool) -> str:
+    """Press Delete and answer the page's question (yes when `accept`); the question, as "type: message"."""
+    asked = []
+
+    def answer(dialog) -> None:
+        asked.append(f"{dialog.type}: {dialog.message}")
+        dialog.accept() if accept else dialog.dismiss()
+
+    page.once("dialog", answer)
+    page.get_by_role("button", name="Delete").click()
+    _wait_until(page, lambda: asked, "Delete asked nothing")
+    return asked[0]
+
+
+def _assert_message_box_uncovered(page: "Page") -> None:
+    """The message box is on screen, and what lies at its centre is the box (no sidebar over it)."""
+    box = _message_box(page)
+    box.wait_for()
+    on_top = box.evaluate("""(box) => {
+      const r = box.getBoundingClientRect();
+      const onScreen = r.top >= 0 && r.left >= 0 && r.bottom <= innerHeight && r.right <= innerWidth;
+      const hit = document.elementFromPoint(r.left + r.width / 2, r.top + r.height / 2);
+      return {onScreen, hit: hit ? hit.outerHTML.slice(0, 120) : null, inBox: !!hit && box.contains(hit)};
+    }""")
+    assert on_top["onScreen"] and on_top["inBox"], f"the message box is covered or off screen: {on_top}"
+
+
+def _chat_files(served: ServedApp) -> dict[str, int]:
+    """The saved chats' files: name -> modification time (ns)."""
+    return {path.name: path.stat().st_mtime_ns for path in (served.cache_dir / "chats").glob("*.json")}
+
+
+def _saved_chats(served: ServedApp, earlier: Iterable[str] = ()) -> list[dict[str, Any]]:
+    """The saved chats, but those in files named in `earlier`."""
+    skip = set(earlier)
+    return [json.loads(path.read_text()) for path in sorted((served.cache_dir / "chats").glob("*.json"))
+            if path.name not in skip]
+
+
+def _latest_saved(served: ServedApp) -> dict[str, Any] | None:
+    return max(_saved_chats(served), key=lambda chat: chat["updated"], default=None)
+
+
+def _as_shown(history: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """A saved chat's messages as `_messages` reads them from the page: (who, text) per text."""
+    return [("user" if message["role"] == "user" else "bot", text)
+            for message in history for block in blocks(message) if (text := block_text(block)) is not None]
+
+
+def _wait_until_saved_as_shown(page: "Page", served: ServedApp, earlier: Iterable[str]) -> None:
+    """Wait until the chats folder holds the shown chat as the page shows it: one file (besides
+    those named in `earlier`, from before the test) for a chat with messages, none for an empty one."""
+    def saved() -> list[list[tuple[str, str]]]:
+        return [_as_shown(chat["history"]) for chat in _saved_chats(served, earlier)]
+
+    def shown() -> list[list[tuple[str, str]]]:
+        return [messages] if (messages := _messages(page)) else []
+
+    _wait_until(page, lambda: saved() == shown(),
+                lambda: f"the chats folder holds {saved()}, where the page shows {shown()}")
+
+
+def _wait_until(page: "Page", condition: Callable[[], Any], failure: str | Callable[[], str]) -> None:
+    """Wait (STEP_TIMEOUT_MS at most) until `condition()` holds, for what lies outside the page."""
+    deadline = time.monotonic() + STEP_TIMEOUT_MS / 1000
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(failure() if callable(failure) else failure)
+        page.wait_for_timeout(200)
