@@ -25,8 +25,8 @@ def test_an_upload_the_disk_has_no_room_for_is_refused_in_words_and_leaves_nothi
         assert [path.name for path in (cache / "uploads").iterdir() if path.is_file()] == []
         # The disk has its room back: the next upload and its question go through.
         upload = handle_file(str(good_image(tmp_path)))
-        (reply, _), _ = Client(app.url, verbose=False).predict({"text": "What is this?", "files": [upload]}, "",
-                                                                api_name="/chat")
+        (reply, _), *_ = Client(app.url, verbose=False).predict({"text": "What is this?", "files": [upload]}, "",
+                                                                 api_name="/chat")
         assert reply["content"] and not reply["metadata"]
 
 

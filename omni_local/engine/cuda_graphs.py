@@ -61,8 +61,8 @@ class SlotGraphs:
 
     A call with fewer sequences than its batch bucket is padded with copies of its first sequence
     (their writes are that sequence's own, the same values to the same rows); a shorter prefill with
-    tokens after its own, written to the rows after its end, which nothing has read yet and the next
-    write there replaces.
+    zero inputs after its own, written to the rows after its end, which later steps read only masked
+    and the next write there replaces.
     """
 
     def __init__(self, forward: SlotForward, store: KVStore, input_like: torch.Tensor, slot: int,
@@ -114,6 +114,9 @@ class SlotGraphs:
         pad = batch - count
         self._input[:count, :length].copy_(x)
         self._input[count:batch, :length].copy_(x[:1].expand(pad, *x.shape[1:]))
+        # The padding tokens' inputs are zeros, never an earlier call's: their KV rows lie past the
+        # chat's end, inside the buckets later steps read (masked), so they must be numbers.
+        self._input[:batch, length:padded].zero_()
         self._positions[:, :count, :length].copy_(positions)
         self._positions[:, count:batch, :length].copy_(positions[:, :1].expand(-1, pad, -1))
         # A padded prefill's extra tokens take the last real position: any valid one would do.

@@ -225,9 +225,11 @@ def _wire_chat(page: Page, turns: ChatTurns) -> None:
                       show_progress="hidden", api_name=False)
 
     def undone(history: list[dict[str, Any]], system_prompt: str, shown_id: str, memory: ChatMemory,
-               request: gr.Request) -> Any:
-        # ChatInterface's own undo, applied here to the chat as the page had it before.
-        kept, _ = chat._pop_last_user_message(history)  # noqa: SLF001 - the same rule, so page and file agree
+               undo: gr.UndoData, request: gr.Request) -> Any:
+        # The chat up to the undone question. The page may send the chat from before ChatInterface's
+        # own undo or from after it (its handler runs first, unqueued): cutting at the index is right for both.
+        index = undo.index[0] if isinstance(undo.index, (list, tuple)) else undo.index
+        kept = history[:index]
         store = turns.store(memory, request)
         if not kept:
             return sidebar.clear(store, turns.uploads, memory)
