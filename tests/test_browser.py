@@ -12,6 +12,7 @@ downloads browsers from a host these machines cannot reach.
 """
 
 import base64
+import inspect
 import json
 import os
 import re
@@ -54,7 +55,8 @@ METRICS = re.compile(r"TTFT [\d.,]+ m?s\b")
 DESKTOP = {"width": 1280, "height": 900}
 PHONE = {"width": 390, "height": 844}
 MAX_CONTEXT_TOKENS = 8192  # the served app's, given on its command line
-# The demo model's greedy reply to this does not end on its own for thousands of tokens.
+# The demo model's greedy reply to this, as a chat's first question, does not end on its own for
+# thousands of tokens; nor does the next reply, when that one was cut short by the length limit.
 ENDLESS_QUESTION = "Count to one thousand."
 LONG_REPLY_TOKENS = 2000  # with ENDLESS_QUESTION, a reply of about 10 s, if nothing stopped it
 FIRST_SOUND_LIMIT_S = 0.5
@@ -77,6 +79,19 @@ METRICS_COUNT_JS = """
 const metricsCount = (pattern) => [...document.querySelectorAll('[data-testid=bot]')].filter(
   (message) => new RegExp(pattern).test(message.getAttribute('aria-label'))).length;
 """
+# A function body run in the page: the last question's text, and the bot messages under it.
+LAST_TURN_JS = """
+const lastTurn = () => {
+  const messages = [...document.querySelectorAll('[data-testid=user], [data-testid=bot]')];
+  const asked = messages.findLastIndex((message) => message.dataset.testid === 'user');
+  return {question: messages[asked]?.getAttribute('aria-label').replace(/^user's message: /, ''),
+          replies: messages.slice(asked + 1)};
+};
+"""
+# Run in the page: whether the last question's reply has ended (its metrics note shows under it).
+ANSWERED_JS = f"""([pattern]) => {{ {LAST_TURN_JS}
+  return lastTurn().replies.some((message) => new RegExp(pattern).test(message.getAttribute('aria-label')));
+}}"""
 # Before the page's own scripts: when the page's Web Audio player (omni_local/ui/player.py)
 # schedules each buffer, in the page's clock, so the test can tell when it reaches the speakers.
 RECORD_AUDIO_STARTS_JS = """
@@ -246,14 +261,14 @@ def test_a_recorded_question_gets_a_spoken_reply_that_plays_as_it_streams_and_ag
     shot("playing-again")
 
 
-@pytest.mark.xfail(reason="passes alone here; failed once in a loaded fresh-clone run, not yet looked at (issue 15, open)", strict=False)
+@pytest.mark.xfail(reason="under load the stopped reply's note goes from the page when the next question is asked, and "
+                          "that turn computes the stopped reply again (issue 15, open)", strict=False)
 def test_the_stop_button_stops_a_reply_and_the_next_question_is_answered(page, shot, served):
     _set_longest_reply(page, LONG_REPLY_TOKENS)
     _ask(page, ENDLESS_QUESTION)
-    _wait_for_reply_to_start(page)
+    _wait_for_reply_to_start(page, ENDLESS_QUESTION)
     page.wait_for_timeout(500)
     shot("streaming")
-    assert not _bot_texts(page)[1:], "the reply ended before it could be stopped"
     note = _stop(page)
     stopped = _bot_texts(page)
     cpu_before = served.cpu_seconds()
@@ -279,7 +294,7 @@ def test_a_reply_still_streaming_when_a_new_chat_is_opened_stays_out_of_it(page,
     question = "Count to one thousand, and then on."  # its own question: this test's chats are told apart by it
     _set_longest_reply(page, 600)  # a few seconds of reply
     _ask(page, question)
-    _wait_for_reply_to_start(page)
+    _wait_for_reply_to_start(page, question)
     _new_chat(page)
     page.wait_for_timeout(4000)  # long enough for the other chat's reply to have gone on, and ended
     shot("new-chat")
@@ -389,7 +404,6 @@ def test_hands_free_voice_mode_answers_a_spoken_question_aloud_in_the_chat(page,
     assert window_chunks_in_order(page)
 
 
-@pytest.mark.xfail(reason="the stopped note does not show after an undo earlier in the same chat (issue 15, open)", strict=False)
 def test_one_chat_walked_through_every_action_is_saved_as_the_page_shows_it_after_each_step(page, shot, served):
     earlier = _chat_files(served)
 
@@ -397,7 +411,7 @@ def test_one_chat_walked_through_every_action_is_saved_as_the_page_shows_it_afte
         shot(step)
         _wait_until_saved_as_shown(page, served, earlier)
 
-    _ask(page, "Walk: the first question")
+    _ask(page, ENDLESS_QUESTION)  # its reply cut at 24 tokens, mid-count
     _wait_for_metrics(page, 1)
     saved_as_shown("asked")
     _ask(page, "Walk: the second question")
@@ -412,8 +426,8 @@ def test_one_chat_walked_through_every_action_is_saved_as_the_page_shows_it_afte
     page.wait_for_function("() => document.querySelectorAll('[data-testid=user]').length === 1")
     saved_as_shown("undone")
     _set_longest_reply(page, LONG_REPLY_TOKENS)
-    _ask(page, ENDLESS_QUESTION)
-    _wait_for_reply_to_start(page)
+    _ask(page, "Keep counting.")  # after the first reply, cut mid-count, the count goes on
+    _wait_for_reply_to_start(page, "Keep counting.")
     _stop(page)
     saved_as_shown("stopped")
     _set_longest_reply(page, 24)
@@ -541,7 +555,8 @@ def test_the_context_use_shows_after_a_reply(page, shot):
     assert re.search(rf"Context: [\d,]+ of {MAX_CONTEXT_TOKENS:,} tokens", context_use.inner_text())
 
 
-@pytest.mark.xfail(reason="failed in the fresh-clone run, not yet looked at (issue 15, open)", strict=False)
+@pytest.mark.xfail(reason="the list shows a new chat only after a reload or another chat is opened (issue 15, open)",
+                   strict=False)
 def test_a_new_chat_is_listed_by_its_first_question_once_asked(page, shot):
     _ask(page, "List me, please")
     _wait_for_metrics(page, 1)
@@ -558,15 +573,16 @@ def test_a_two_line_first_question_is_titled_with_a_space_between_its_lines(page
     assert _shown_title(page) == "Two lines of question"
 
 
-@pytest.mark.xfail(reason="failed in the fresh-clone run, not yet looked at; the API test of the same passes (issue 15, open)", strict=False)
+@pytest.mark.xfail(reason="failed in the fresh-clone run, not yet looked at; the API test of the same passes "
+                          "(issue 15, open)", strict=False)
 def test_two_tabs_on_different_chats_stream_at_the_same_time(page, shot, open_tab):
     other = open_tab()
     _new_chat(other)
     _set_longest_reply(page, LONG_REPLY_TOKENS)
     _ask(page, ENDLESS_QUESTION)
-    _wait_for_reply_to_start(page)
+    _wait_for_reply_to_start(page, ENDLESS_QUESTION)
     _ask(other, "Are you there too?")
-    _wait_for_reply_to_start(other)
+    _wait_for_reply_to_start(other, "Are you there too?")
     shot("first-tab")
     shot("second-tab", tab=other)
     assert not any(map(METRICS.search, _bot_texts(page))), "the first tab's reply had ended before the second's began"
@@ -647,11 +663,7 @@ def _wait_for_metrics(page: "Page", count: int) -> str:
 
 def _wait_for_answer(page: "Page") -> str:
     """Wait until the last question's reply has ended (its metrics show under it); the metrics line."""
-    page.wait_for_function(f"""([pattern]) => {{
-      const messages = [...document.querySelectorAll('[data-testid=user], [data-testid=bot]')];
-      const asked = messages.findLastIndex((message) => message.dataset.testid === 'user');
-      return messages.slice(asked + 1).some((message) => new RegExp(pattern).test(message.getAttribute('aria-label')));
-    }}""", arg=[METRICS.pattern])
+    page.wait_for_function(ANSWERED_JS, arg=[METRICS.pattern])
     return _last_metrics(page)
 
 
@@ -746,8 +758,11 @@ def _drop_file(page: "Page", path: Path, mime_type: str) -> None:
         box.dispatch_event(event, {"dataTransfer": transfer})
 
 
-def _wait_for_reply_to_start(page: "Page") -> None:
-    page.wait_for_function("() => document.querySelector('[data-testid=bot]')?.innerText.length > 0")
+def _wait_for_reply_to_start(page: "Page", question: str) -> None:
+    """Wait until `question`, asked last, has the start of its reply under it."""
+    page.wait_for_function(f"""([question]) => {{ {LAST_TURN_JS} const turn = lastTurn();
+      return turn.question === question && turn.replies.some((message) => message.innerText.length > 0); }}""",
+                           arg=[question])
 
 
 def _wait_for_note(page: "Page", title: str, text: str) -> str:
@@ -759,6 +774,7 @@ def _wait_for_note(page: "Page", title: str, text: str) -> str:
 
 def _stop(page: "Page") -> str:
     """Stop the reply streaming now; the "stopped" metrics note it ends with."""
+    assert not page.evaluate(ANSWERED_JS, [METRICS.pattern]), "the reply ended before it could be stopped"
     # Every streamed update redraws the button, so Playwright's click never finds it still: a direct click.
     page.get_by_role("button", name="Stop", exact=True).dispatch_event("click")
     page.get_by_role("button", name="Submit", exact=True).wait_for()
@@ -850,8 +866,10 @@ def _latest_saved(served: ServedApp) -> dict[str, Any] | None:
 
 
 def _as_shown(history: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    """A saved chat's messages as `_messages` reads them from the page: (who, text) per text."""
-    return [("user" if message["role"] == "user" else "bot", text)
+    """A saved chat's messages as `_messages` reads them from the page: (who, text) per text. Gradio's
+    Chatbot shows each text through inspect.cleandoc (tabs expanded, the first line's leading space
+    dropped), so that is how the page shows a saved text, after a reload too."""
+    return [("user" if message["role"] == "user" else "bot", inspect.cleandoc(text))
             for message in history for block in blocks(message) if (text := block_text(block)) is not None]
 
 
