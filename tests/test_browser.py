@@ -14,6 +14,7 @@ downloads browsers from a host these machines cannot reach.
 import base64
 import inspect
 import json
+import mimetypes
 import os
 import re
 import shutil
@@ -28,7 +29,7 @@ import soundfile
 from PIL import Image
 
 from bad_files import media_error
-from omni_local.ui.messages import block_text, blocks
+from omni_local.ui.messages import block_text, blocks, file_path
 from served_app import REPO, ServedApp, served_app
 
 try:
@@ -866,11 +867,19 @@ def _latest_saved(served: ServedApp) -> dict[str, Any] | None:
 
 
 def _as_shown(history: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    """A saved chat's messages as `_messages` reads them from the page: (who, text) per text. Gradio's
-    Chatbot shows each text through inspect.cleandoc (tabs expanded, the first line's leading space
-    dropped), so that is how the page shows a saved text, after a reload too."""
-    return [("user" if message["role"] == "user" else "bot", inspect.cleandoc(text))
-            for message in history for block in blocks(message) if (text := block_text(block)) is not None]
+    """A saved chat's messages as `_messages` reads them from the page: (who, text) per block."""
+    return [("user" if message["role"] == "user" else "bot", _block_as_shown(block))
+            for message in history for block in blocks(message)]
+
+
+def _block_as_shown(block: Any) -> str:
+    """Gradio's Chatbot shows a text through inspect.cleandoc (tabs expanded, the first line's
+    leading space dropped), and labels a sound, a picture or a film by its kind."""
+    text = block_text(block)
+    if text is not None:
+        return inspect.cleandoc(text)
+    kind, _ = mimetypes.guess_type(file_path(block) or "")
+    return f"a component of type {(kind or 'unknown').split('/')[0]}"
 
 
 def _wait_until_saved_as_shown(page: "Page", served: ServedApp, earlier: Iterable[str]) -> None:
