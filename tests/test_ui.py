@@ -160,7 +160,7 @@ def _spoken_reply(ui_url: str) -> tuple[list, dict[int, dict]]:
         job = Client(ui_url, verbose=False).submit({"text": "Say something.", "files": []}, "", 8, 0.0, 1.0, True,
                                                    "Chelsie", api_name="/chat")
         outputs = list(job)
-        chunks = {feed["index"]: feed for _, feed, _ in outputs if isinstance(feed, dict) and "pcm" in feed}
+        chunks = {feed["index"]: feed for _, feed, *_ in outputs if isinstance(feed, dict) and "pcm" in feed}
         if len(chunks) >= 2:
             break
     return outputs, chunks

@@ -1,12 +1,13 @@
 """A typed turn of the chat page, below Gradio: asked, streamed, stopped, edited and saved
 (ui/chat.py's ChatTurns on the shared demo app)."""
 
+import inspect
 import json
 
 import pytest
 
 from samples import picture
-from omni_local.ui.chat import ChatTurns
+from omni_local.ui.chat import ChatTurns, with_ended_turn
 from omni_local.ui.chats import ChatShelves
 from omni_local.ui.history import ChatMemory, reply_key, to_messages
 
@@ -88,3 +89,24 @@ def _prompt_and_cached(metrics: str) -> tuple[int, int]:
         return int(readable[2].replace(",", "")), int(readable[1].replace(",", ""))
     old = re.search(r"(\d+) prompt tokens: (\d+) computed", metrics)
     return int(old[1]), int(old[1]) - int(old[2])
+
+
+def test_a_reply_the_page_cleans_as_a_docstring_keeps_its_token_ids(app):
+    made = "\tHello,\n\t  there.\n\n"
+    memory = ChatMemory(replies={reply_key(made): [21, 22]})
+    page = [{"role": "user", "content": ["Hi"]}, {"role": "assistant", "content": inspect.cleandoc(made)}]
+    assert to_messages(page, app, memory)[1].token_ids == [21, 22]
+
+
+def test_the_next_turn_after_a_stop_reads_the_stopped_turn_as_saved_whatever_the_page_kept_of_it(turns):
+    memory = ChatMemory()
+    stream = turns.respond({"text": "Count to one thousand.", "files": []}, [], memory=memory, **OPTIONS)
+    for _ in range(3):
+        shown = next(stream)[0]
+    stream.close()
+    # The page kept the question (in its own form) and the reply as far as it had streamed, no note.
+    page = [{"role": "user", "content": [{"type": "text", "text": "Count to one thousand."}]},
+            {"role": "assistant", "content": shown}]
+    assert with_ended_turn(page, memory.turn) == memory.turn.shown == saved(turns, memory)["history"]
+    edited = page[:0]  # an edit or an undo took the turn away: the page's chat is kept as it is
+    assert with_ended_turn(edited, memory.turn) == edited

@@ -27,6 +27,7 @@ from omni_local.ui import sidebar
 from omni_local.ui.chats import ChatShelves, ChatStore
 from omni_local.ui.history import (
     ChatMemory,
+    reply_key,
     as_dict,
     decoded_media,
     error_message,
@@ -35,7 +36,7 @@ from omni_local.ui.history import (
     to_messages,
 )
 from omni_local.ui.layout import CLOSE_SIDEBAR_ON_PHONES_JS, Page, context_use, lay_out
-from omni_local.ui.messages import blocks, file_path
+from omni_local.ui.messages import block_text, blocks, file_path
 from omni_local.ui.player import PLAYER_JS, audio_payload
 from omni_local.ui.voice_mode import add_voice_mode
 
@@ -57,6 +58,7 @@ class Turn:
     """A typed turn while its reply streams; `shown` is the chat as saved once it ended."""
 
     reply: Reply
+    asked: int  # messages of the chat up to and with the turn's question
     ended: threading.Event = field(default_factory=threading.Event)
     shown: list[dict[str, Any]] | None = None
     context: str = ""  # the context use once it ended
@@ -78,16 +80,18 @@ class ChatTurns:
 
     def respond(self, message: dict[str, Any] | str, history: list[dict[str, Any]], system_prompt: str,
                 memory: ChatMemory, max_new_tokens: float, temperature: float, top_p: float, speak: bool,
-                voice: str, request: gr.Request) -> Iterator[tuple[Any, Any, Any]]:
-        """Yields (what the chat shows, the next audio chunk for the page's player or gr.skip(), the
-        context use or gr.skip())."""
+                voice: str, request: gr.Request) -> Iterator[tuple[Any, ...]]:
+        """Yields updates (chat.py's `_update`): what the chat shows, the next audio chunk for the
+        page's player, the context use, the list of chats."""
         store = self.store(memory, request)
+        history = with_ended_turn(history, memory.turn)
         if isinstance(message, str):  # an edited question: Gradio gives its new text alone
             message = edited_question(message, history, store.get(memory.session_id))
         asked = [*history, question(message)]
         if not self._save(store, asked, system_prompt, memory):  # the question is kept before it is answered
-            yield error_message(sidebar.CHANGED_ELSEWHERE), gr.skip(), gr.skip()
+            yield _update(error_message(sidebar.CHANGED_ELSEWHERE))
             return
+        listed = sidebar.chooser(store, memory.session_id)  # a new chat is in the list once asked
         try:
             session = self.app.session(system_prompt=system_prompt or None, session_id=memory.session_id)
             session.history += to_messages(history, self.app, memory)
@@ -98,12 +102,12 @@ class ChatTurns:
             reply = session.send(message.get("text") or "", **media, **options)
         except OmniLocalError as error:
             self._save(store, [*asked, as_dict(error_message(str(error)))], system_prompt, memory)
-            yield error_message(str(error)), gr.skip(), gr.skip()
+            yield _update(error_message(str(error)), chats=listed)
             return
-        turn = memory.turn = Turn(reply)
+        turn = memory.turn = Turn(reply, len(asked))
         self.typing.add(memory.session_id)
         try:
-            yield from self._stream(turn, store, asked, system_prompt, memory)
+            yield from self._stream(turn, store, asked, system_prompt, memory, listed)
         finally:
             self.typing.discard(memory.session_id)
             if not reply.done:  # the stop button (or leaving the chat) closed this generator
@@ -112,30 +116,31 @@ class ChatTurns:
             turn.ended.set()
 
     def _stream(self, turn: Turn, store: ChatStore, asked: list[dict[str, Any]], system_prompt: str,
-                memory: ChatMemory) -> Iterator[tuple[Any, Any, Any]]:
+                memory: ChatMemory, listed: Any) -> Iterator[tuple[Any, ...]]:
         text, chunks, saved_at = "", 0, time.monotonic()
         try:
             for event in turn.reply:
                 if memory.left:  # its chat is no longer shown: the reply stops (in respond), saved in its own
                     return
-                update: tuple[Any, Any, Any] | None = None
+                update: tuple[Any, ...] | None = None
                 if isinstance(event, TextDelta):
                     text += event.text
-                    update = text, gr.skip(), gr.skip()
+                    update = _update(text, chats=listed)
                     if time.monotonic() - saved_at > SAVE_EVERY_S:
                         self._save(store, [*asked, {"role": "assistant", "content": text}], system_prompt, memory)
                         saved_at = time.monotonic()
                 elif isinstance(event, AudioChunk):
-                    update = text, audio_payload(event, chunks), gr.skip()
+                    update = _update(text, audio=audio_payload(event, chunks))
                     chunks += 1
                 elif isinstance(event, Finished):
-                    update = self._end(turn, store, asked, system_prompt, memory, event), gr.skip(), turn.context
+                    reply = self._end(turn, store, asked, system_prompt, memory, event)
+                    update = _update(reply, context=turn.context, chats=listed)
                 if update is not None and not memory.left:  # the page may have opened another chat meanwhile
                     yield update
         except OmniLocalError as error:
             self._save(store, [*asked, as_dict(error_message(str(error)))], system_prompt, memory)
             if not memory.left:
-                yield error_message(str(error)), gr.skip(), gr.skip()
+                yield _update(error_message(str(error)), chats=listed)
 
     def _end(self, turn: Turn, store: ChatStore, asked: list[dict[str, Any]], system_prompt: str,
              memory: ChatMemory, final: Finished | None) -> list[gr.ChatMessage]:
@@ -162,13 +167,39 @@ class ChatTurns:
         """The stop button: the reply stops, and the page shows the chat as saved, its metrics
         marked stopped (ChatInterface's own stop only closes the reply's stream)."""
         turn = memory.turn
-        if turn is None:
+        if turn is None or turn.ended.is_set():  # no reply streams (leaving a chat presses stop too)
             return gr.skip(), gr.skip(), gr.skip()
         turn.reply.cancel()
         turn.ended.wait(STOP_WAIT_S)
         if turn.shown is None or memory.left:
             return gr.skip(), gr.skip(), gr.skip()
         return turn.shown, turn.shown, turn.context
+
+
+def _update(chat: Any, audio: Any = None, context: Any = None, chats: Any = None) -> tuple[Any, ...]:
+    """One update of the chat's outputs (ChatInterface's, then its additional ones: the player's
+    feed, the context use, the list of chats); None leaves an output as it is."""
+    return tuple(gr.skip() if value is None else value for value in (chat, audio, context, chats))
+
+
+def with_ended_turn(history: list[dict[str, Any]], turn: Turn | None) -> list[dict[str, Any]]:
+    """The page's chat with its last turn as this page saved it, if the page still shows that turn:
+    a stopped reply's page copy can lack its "stopped" note, or the text the stream had not yet
+    shown, and the saved form is what the reply's token ids (and the file) hold."""
+    if turn is None or turn.shown is None:
+        return history
+    asked, page = turn.shown[:turn.asked], history[:turn.asked]
+    answered = all(message.get("role") == "assistant" for message in history[turn.asked:])
+    return turn.shown if answered and list(map(_as_shown, page)) == list(map(_as_shown, asked)) else history
+
+
+def _as_shown(message: dict[str, Any]) -> tuple[str, tuple[str | None, ...]]:
+    """A message as the page renders it: its role, and each block's text (as Gradio cleans it) or
+    file name, whichever form the message holds them in."""
+    return message.get("role", ""), tuple(
+        reply_key(text) if (text := block_text(block)) is not None else Path(file_path(block) or "").name
+        for block in blocks(message)
+    )
 
 
 def edited_question(text: str, history: list[dict[str, Any]], saved: Any) -> dict[str, Any]:

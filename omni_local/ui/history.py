@@ -8,6 +8,7 @@ reused in full. Errors appear as a marked message in the chat and are left out o
 sees. The WAV files a chat shows and owns, its spoken replies and voice questions, are written here.
 """
 
+import inspect
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -77,9 +78,10 @@ def finished_reply(event: Finished, audio: np.ndarray, uploads: Path, memory: Ch
 
 
 def reply_key(text: str) -> str:
-    """A reply's text as the page gives it back: the page trims a message's leading and trailing
-    whitespace, and a reply that kept it would otherwise miss its token ids, and its cached KV."""
-    return text.strip()
+    """A reply's text as the page gives it back: Gradio's chatbot cleans each text as a docstring
+    (`inspect.cleandoc`: tabs expanded, indentation and the ends' blank lines removed), and a reply
+    looked up by its text as made would otherwise miss its token ids, and its cached KV."""
+    return inspect.cleandoc(text).strip()
 
 
 def keep_wav(folder: Path, prefix: str, samples: np.ndarray, rate: int, subtype: str) -> Path:

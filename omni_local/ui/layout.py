@@ -85,7 +85,7 @@ def lay_out(app: OmniLocal, respond: Callable, voices: list[str]) -> Page:
             multimodal=True,
             textbox=textbox,
             additional_inputs=[system, memory, longest, temperature, top_p, speak, voice],
-            additional_outputs=[audio_feed, context_use],
+            additional_outputs=[audio_feed, context_use, chooser],
             editable=True,
             fill_height=True,
             api_name="chat",
