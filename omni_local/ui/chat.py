@@ -24,6 +24,7 @@ from omni_local.cache.folders import private_folder
 from omni_local.engine.request import AudioChunk, Finished, TextDelta
 from omni_local.errors import OmniLocalError, RequestError
 from omni_local.ui import sidebar
+from omni_local.ui.access import upload_folder
 from omni_local.ui.chats import ChatShelves, ChatStore
 from omni_local.ui.history import (
     ChatMemory,
@@ -226,7 +227,7 @@ def build_ui(app: OmniLocal, chats_folder: Path | None = None) -> gr.Blocks:
     `<cache_dir>/chats`; a folder of its own for each user with a login) and, when the app has the
     Talker, voice mode."""
     shelves = ChatShelves(chats_folder or app.settings.cache_path / "chats")
-    uploads = private_folder(app.settings.cache_path / "uploads")
+    uploads = private_folder(upload_folder(app.settings))
     voices = sorted(name.capitalize() for name in app.engine.speaker.runner.voices) if app.engine.speaker else []
     turns = ChatTurns(app, shelves, uploads)
     page = lay_out(app, turns.respond, voices)
