@@ -5,6 +5,7 @@ import torch
 
 from replies import NEW_TOKENS, media, model_inputs, reference_tokens
 from samples import clip, picture
+from omni_local.api import OmniLocal
 from omni_local.prompts import Message, build_prompt
 
 CASES = {
@@ -53,9 +54,16 @@ def test_greedy_with_a_repetition_penalty_matches_transformers_generate(app):
     assert final.token_ids == expected
 
 
-def test_an_image_prefill_given_its_deepstack_features_dense_computes_what_the_masked_one_does(app):
+def test_an_image_prefill_given_its_deepstack_features_dense_computes_what_the_masked_one_does(demo_settings,
+                                                                                               demo_checkpoint):
     """The prefill graphs take DeepStack features as dense rows, zero but at the visual tokens; adding
-    zero elsewhere must change nothing, so the graphed prefill of an image computes the eager one."""
+    zero elsewhere must change nothing, so the graphed prefill of an image computes the eager one.
+    Its own app: it takes two KV slots, which the shared app's cached chats may all hold."""
+    with OmniLocal(demo_settings) as app:
+        _dense_and_masked_prefills_agree(app)
+
+
+def _dense_and_masked_prefills_agree(app: OmniLocal) -> None:
     runner = app.engine.runner
     prompt = build_prompt([Message("user", [picture(1), "What is in this picture?"])], app.loaded.processor)
     prepared = runner.prepare(prompt, 0, remember=False)

@@ -63,6 +63,7 @@ class Turn:
     ended: threading.Event = field(default_factory=threading.Event)
     shown: list[dict[str, Any]] | None = None
     context: str = ""  # the context use once it ended
+    stopped: bool = False  # it ended cancelled, and the stop button has yet to show it so
 
 
 class ChatTurns:
@@ -151,6 +152,7 @@ class ChatTurns:
             return []
         reply = finished_reply(final, turn.reply.audio, self.uploads, memory)
         turn.shown = [*asked, *map(as_dict, reply)]
+        turn.stopped = final.stop_reason == "cancelled"
         self._save(store, turn.shown, system_prompt, memory, _context_tokens(final))
         turn.context = context_use(self.app, _context_tokens(final))
         return reply
@@ -168,12 +170,15 @@ class ChatTurns:
         """The stop button: the reply stops, and the page shows the chat as saved, its metrics
         marked stopped (ChatInterface's own stop only closes the reply's stream)."""
         turn = memory.turn
-        if turn is None or turn.ended.is_set():  # no reply streams (leaving a chat presses stop too)
+        if turn is None:
             return gr.skip(), gr.skip(), gr.skip()
         turn.reply.cancel()
         turn.ended.wait(STOP_WAIT_S)
-        if turn.shown is None or memory.left:
+        # Shown once, and only a stopped turn: stop is also pressed with nothing streaming (leaving a
+        # chat does it), and a turn that ended on its own is already on the page.
+        if not turn.stopped or memory.left:
             return gr.skip(), gr.skip(), gr.skip()
+        turn.stopped = False
         return turn.shown, turn.shown, turn.context
 
 
