@@ -585,9 +585,6 @@ def test_two_tabs_on_different_chats_stream_at_the_same_time(page, shot, open_ta
     _wait_for_metrics(other, 1)
 
 
-@pytest.mark.xfail(reason="in about 1 run of 4 the second tab, opened on the chat by the page's start-up, sends "
-                          "with a fresh chat's memory and is saved as a new chat, not refused; the other tab's turn "
-                          "is kept (issue 15, open; the gradio_client test of the same refusal passes)", strict=False)
 def test_a_chat_changed_in_another_tab_refuses_this_tabs_send_and_keeps_the_other_tabs_turn(page, shot, open_tab,
                                                                                               served):
     earlier = _chat_files(served)

@@ -198,3 +198,21 @@ def test_a_failed_save_leaves_no_staging_file_and_the_chat_as_it_was(tmp_path, m
         store.save(chat)
     assert [p.name for p in store.folder.iterdir()] == [f"{chat.id}.json"]
     assert store.get(chat.id).history == [{"role": "user", "content": ["Kept"]}] and store.get(chat.id).revision == 1
+
+
+def test_each_page_gets_a_new_chat_memory_of_its_own_and_no_start_up_event_of_gradios_sets_it(app, tmp_path):
+    import copy
+
+    import gradio as gr
+
+    from omni_local.ui.chat import build_ui
+
+    default = ChatMemory()
+    pages = [copy.deepcopy(default) for _ in range(2)]  # what gr.State does for each page
+    assert len({default.session_id, *(page.session_id for page in pages)}) == 3
+    used = ChatMemory(replies={"Hi.": [1]}, revision=3)
+    assert copy.deepcopy(used) == used
+    memories = [block for block in build_ui(app, tmp_path / "chats").blocks.values()
+                if isinstance(block, gr.State) and isinstance(block.value, ChatMemory)]
+    # Gradio would set a callable default in a page-load event of its own, racing the page's start-up.
+    assert len(memories) == 1 and memories[0].load_event_to_attach is None

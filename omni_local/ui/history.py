@@ -11,7 +11,7 @@ sees. The WAV files a chat shows and owns, its spoken replies and voice question
 import inspect
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,16 @@ class ChatMemory:
     revision: int = 0  # the saved chat's revision this page has: an older one means another tab changed it
     user: str | None = None  # who is logged in (None without a login): whose chats folder this chat is in
     turn: Any = None  # the typed turn streaming in this page, if any (chat.py's Turn)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "ChatMemory":
+        """A new chat's memory copies to another new chat's, of its own id: gr.State deep-copies its
+        default for each page (a callable default would be called instead, but Gradio does that in a
+        page-load event of its own, which can end after the page's start-up event has set the
+        memory of the chat it shows, and the page then saved that chat's next turn as a new chat).
+        A memory in use is never copied by Gradio; its copy shares the decoded media and turn."""
+        if self == ChatMemory(session_id=self.session_id):
+            return ChatMemory()
+        return replace(self, replies=dict(self.replies), media=dict(self.media))
 
     def remember(self, path: str, part: Part) -> None:
         """Keep `part`, decoded from `path`, dropping the least recently used past KEPT_MEDIA_BYTES."""

@@ -56,7 +56,7 @@ def lay_out(app: OmniLocal, respond: Callable, voices: list[str]) -> Page:
     )
     with gr.Blocks(title=f"omni_local · {model_name(app)}", fill_height=True) as ui:
         gr.Markdown(header(app), elem_id="omni-header")
-        memory = gr.State(lambda: ChatMemory())
+        memory = gr.State(ChatMemory())  # each page's own (ChatMemory.__deepcopy__)
         audio_feed = gr.JSON(visible=False)
         # Rendered by ChatInterface, under "Additional inputs"; voice mode asks with them too.
         system = gr.Textbox(label="System prompt", lines=2, render=False)
