@@ -28,7 +28,6 @@ from omni_local.ui.access import upload_folder
 from omni_local.ui.chats import ChatShelves, ChatStore
 from omni_local.ui.history import (
     ChatMemory,
-    reply_key,
     as_dict,
     decoded_media,
     error_message,
@@ -37,7 +36,7 @@ from omni_local.ui.history import (
     to_messages,
 )
 from omni_local.ui.layout import CLOSE_SIDEBAR_ON_PHONES_JS, Page, context_use, lay_out
-from omni_local.ui.messages import block_text, blocks, file_path
+from omni_local.ui.messages import blocks, file_path, looks
 from omni_local.ui.player import PLAYER_JS, audio_payload
 from omni_local.ui.voice_mode import add_voice_mode
 
@@ -196,16 +195,7 @@ def with_ended_turn(history: list[dict[str, Any]], turn: Turn | None) -> list[di
         return history
     asked, page = turn.shown[:turn.asked], history[:turn.asked]
     answered = all(message.get("role") == "assistant" for message in history[turn.asked:])
-    return turn.shown if answered and list(map(_as_shown, page)) == list(map(_as_shown, asked)) else history
-
-
-def _as_shown(message: dict[str, Any]) -> tuple[str, tuple[str | None, ...]]:
-    """A message as the page renders it: its role, and each block's text (as Gradio cleans it) or
-    file name, whichever form the message holds them in."""
-    return message.get("role", ""), tuple(
-        reply_key(text) if (text := block_text(block)) is not None else Path(file_path(block) or "").name
-        for block in blocks(message)
-    )
+    return turn.shown if answered and list(map(looks, page)) == list(map(looks, asked)) else history
 
 
 def edited_question(text: str, history: list[dict[str, Any]], saved: Any) -> dict[str, Any]:

@@ -27,7 +27,6 @@ from omni_local.errors import RequestError
 from omni_local.media import load_audio, load_image
 from omni_local.media.video import Video
 from omni_local.prompts import Message, Part
-from omni_local.ui.chats import UTTERANCE_PREFIX
 from omni_local.ui.messages import block_text, blocks, file_path
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif"}

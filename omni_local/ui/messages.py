@@ -2,6 +2,7 @@
 dict with a path, a typed block, a tuple), or a list of such blocks, as made here or as the page
 sends it back. The chat, its store and voice mode all read messages through these."""
 
+from pathlib import Path
 from typing import Any
 
 
@@ -29,3 +30,14 @@ def file_path(block: Any) -> str | None:
     if isinstance(block, tuple) and block:
         return block[0]
     return None
+
+
+def looks(message: dict[str, Any]) -> tuple[Any, ...]:
+    """What a message shows, in either form a chat holds it (as made here, or as the page sends it
+    back): its role, its files by name (a copy Gradio serves keeps the name), its texts without their
+    white space (the page's are dedented: inspect.cleandoc), its title."""
+    shown = []
+    for block in blocks(message):
+        path = file_path(block)
+        shown.append(Path(path).name if path else "".join((block_text(block) or "").split()))
+    return message["role"], shown, (message.get("metadata") or {}).get("title")

@@ -30,10 +30,9 @@ import soxr
 from omni_local.api import AudioChunk, Finished, OmniLocal, Reply, TextDelta
 from omni_local.errors import OmniLocalError, RequestError
 from omni_local.media import SAMPLE_RATE
-from omni_local.ui.history import (
-    UTTERANCE_PREFIX, ChatMemory, as_dict, error_message, finished_reply, keep_wav, to_messages,
-)
-from omni_local.ui.messages import block_text, blocks, file_path
+from omni_local.ui.chats import UTTERANCE_PREFIX
+from omni_local.ui.history import ChatMemory, as_dict, error_message, finished_reply, keep_wav, to_messages
+from omni_local.ui.messages import looks
 from omni_local.ui.player import STOP, audio_payload
 from omni_local.voice import VoiceConversation
 
@@ -145,7 +144,7 @@ class VoiceMode:
             chat = gr.skip()
             if same_chat and self._unsettled and not self.typing(shown.session_id):
                 merged = self._merged(page)
-                if list(map(_looks, merged)) != list(map(_looks, page)):
+                if list(map(looks, merged)) != list(map(looks, page)):
                     # An error alone (no question was kept) has nothing to mark its place: shown once.
                     chat, self._unsettled = merged, SETTLED_TICKS if self._question is not None else 0
                 elif self._finished:
@@ -210,8 +209,8 @@ class VoiceMode:
         A page that does not show the question yet gets the turn at its end. Held: self._lock."""
         if self._question is None:  # no question yet, or none could be kept: only an error, at the end
             return [*page, *self._answer]
-        name = _looks(self._question)
-        at = next((i for i, message in enumerate(page) if _looks(message) == name), len(page))
+        name = looks(self._question)
+        at = next((i for i, message in enumerate(page) if looks(message) == name), len(page))
         end = at + 1
         while end < len(page) and page[end]["role"] == "assistant":
             end += 1
@@ -304,14 +303,3 @@ def add_voice_mode(
     microphone.stop_recording(lambda v, chosen, *c: v.stop_recording(chosen, context(*c)),
                               [voice, mode, chat.chatbot, memory, *settings], None, **quiet)
     timer.tick(deliver, [voice, memory, chat.chatbot], [audio_feed, chat.chatbot, chat.chatbot_state, timer], **quiet)
-
-
-def _looks(message: dict[str, Any]) -> tuple[Any, ...]:
-    """What a message shows, in either form a chat holds it (as made here, or as the page sends it
-    back): its role, its files by name (a copy Gradio serves keeps the name), its texts without their
-    white space (the page's are dedented: inspect.cleandoc), its title."""
-    shown = []
-    for block in blocks(message):
-        path = file_path(block)
-        shown.append(Path(path).name if path else "".join((block_text(block) or "").split()))
-    return message["role"], shown, (message.get("metadata") or {}).get("title")
