@@ -248,8 +248,13 @@ def _wire_chat(page: Page, turns: ChatTurns) -> None:
     """The chat's own events beyond ChatInterface's: speech to the player, stop, undo, clear."""
     chat = page.chat
     page.audio_feed.change(None, [page.audio_feed], None, js=PLAYER_JS)
-    chat.textbox.stop(turns.stopped, [page.memory], [chat.chatbot, chat.chatbot_state, page.context_use],
-                      show_progress="hidden", api_name=False)
+    stop = chat.textbox.stop(turns.stopped, [page.memory], [chat.chatbot, chat.chatbot_state, page.context_use],
+                             show_progress="hidden", api_name=False)
+    # ChatInterface copies the page's chat into its own (the next turn's history) when the stopped
+    # stream ends, from the page as it was then, which can land after the stopped chat above: copied
+    # once more, after it.
+    stop.then(lambda shown: shown, [chat.chatbot], [chat.chatbot_state], queue=False, show_progress="hidden",
+              api_name=False)
 
     def undone(history: list[dict[str, Any]], system_prompt: str, shown_id: str, memory: ChatMemory,
                undo: gr.UndoData, request: gr.Request) -> Any:
