@@ -9,7 +9,8 @@ import pytest
 from samples import picture
 from omni_local.ui.chat import ChatTurns, with_ended_turn
 from omni_local.ui.chats import ChatShelves
-from omni_local.ui.history import ChatMemory, reply_key, to_messages
+from omni_local.ui.history import ChatMemory, to_messages
+from omni_local.ui.messages import reply_key
 
 LONG = 200  # tokens: the demo's greedy replies to these questions do not end sooner
 OPTIONS = {"system_prompt": "", "max_new_tokens": LONG, "temperature": 0.0, "top_p": 1.0, "speak": False,

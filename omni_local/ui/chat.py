@@ -55,10 +55,13 @@ STOP_WAIT_S = 30.0  # how long the stop button waits for the stopped reply's las
 
 @dataclass
 class Turn:
-    """A typed turn while its reply streams; `shown` is the chat as saved once it ended."""
+    """A typed turn: the chat it was asked in (up to and with its question), where that chat is
+    saved, and, once it ended, the chat as shown and saved."""
 
     reply: Reply
-    asked: int  # messages of the chat up to and with the turn's question
+    store: ChatStore
+    asked: list[dict[str, Any]]
+    system_prompt: str
     ended: threading.Event = field(default_factory=threading.Event)
     shown: list[dict[str, Any]] | None = None
     context: str = ""  # the context use once it ended
@@ -89,7 +92,7 @@ class ChatTurns:
         if isinstance(message, str):  # an edited question: Gradio gives its new text alone
             message = edited_question(message, history, store.get(memory.session_id))
         asked = [*history, question(message)]
-        if not self._save(store, asked, system_prompt, memory):  # the question is kept before it is answered
+        if not _save(store, asked, system_prompt, memory):  # the question is kept before it is answered
             yield _update(error_message(sidebar.CHANGED_ELSEWHERE))
             return
         listed = sidebar.chooser(store, memory.session_id)  # a new chat is in the list once asked
@@ -102,22 +105,22 @@ class ChatTurns:
             media = decoded_media(message.get("files") or [], self.app, memory)
             reply = session.send(message.get("text") or "", **media, **options)
         except OmniLocalError as error:
-            self._save(store, [*asked, as_dict(error_message(str(error)))], system_prompt, memory)
+            _save(store, [*asked, as_dict(error_message(str(error)))], system_prompt, memory)
             yield _update(error_message(str(error)), chats=listed)
             return
-        turn = memory.turn = Turn(reply, len(asked))
+        turn = memory.turn = Turn(reply, store, asked, system_prompt)
         self.typing.add(memory.session_id)
         try:
-            yield from self._stream(turn, store, asked, system_prompt, memory, listed)
+            yield from self._stream(turn, memory, listed)
         finally:
             self.typing.discard(memory.session_id)
             if not reply.done:  # the stop button (or leaving the chat) closed this generator
                 reply.cancel()  # the engine stops too, and the reply's last event says where
-                self._end(turn, store, asked, system_prompt, memory, _last_event(reply))
+                self._end(turn, memory, _last_event(reply))
             turn.ended.set()
 
-    def _stream(self, turn: Turn, store: ChatStore, asked: list[dict[str, Any]], system_prompt: str,
-                memory: ChatMemory, listed: Any) -> Iterator[tuple[Any, ...]]:
+    def _stream(self, turn: Turn, memory: ChatMemory, listed: Any) -> Iterator[tuple[Any, ...]]:
+        """The turn's updates; the list of chats goes with the first (it holds the chat once asked)."""
         text, chunks, saved_at = "", 0, time.monotonic()
         try:
             for event in turn.reply:
@@ -128,42 +131,34 @@ class ChatTurns:
                     text += event.text
                     update = _update(text, chats=listed)
                     if time.monotonic() - saved_at > SAVE_EVERY_S:
-                        self._save(store, [*asked, {"role": "assistant", "content": text}], system_prompt, memory)
+                        _save(turn.store, [*turn.asked, {"role": "assistant", "content": text}], turn.system_prompt,
+                              memory)
                         saved_at = time.monotonic()
                 elif isinstance(event, AudioChunk):
-                    update = _update(text, audio=audio_payload(event, chunks))
+                    update = _update(text, audio=audio_payload(event, chunks), chats=listed)
                     chunks += 1
                 elif isinstance(event, Finished):
-                    reply = self._end(turn, store, asked, system_prompt, memory, event)
-                    update = _update(reply, context=turn.context, chats=listed)
+                    update = _update(self._end(turn, memory, event), context=turn.context, chats=listed)
                 if update is not None and not memory.left:  # the page may have opened another chat meanwhile
                     yield update
+                    listed = None  # sent
         except OmniLocalError as error:
-            self._save(store, [*asked, as_dict(error_message(str(error)))], system_prompt, memory)
+            _save(turn.store, [*turn.asked, as_dict(error_message(str(error)))], turn.system_prompt, memory)
             if not memory.left:
                 yield _update(error_message(str(error)), chats=listed)
 
-    def _end(self, turn: Turn, store: ChatStore, asked: list[dict[str, Any]], system_prompt: str,
-             memory: ChatMemory, final: Finished | None) -> list[gr.ChatMessage]:
+    def _end(self, turn: Turn, memory: ChatMemory, final: Finished | None) -> list[gr.ChatMessage]:
         """The ended turn's reply as shown and saved: its text, its speech and its metrics (which
         say a stopped reply was stopped); its token ids are kept for the next turn's prompt."""
         if final is None:  # it failed as it was stopped: what streamed is all there is
             return []
         reply = finished_reply(final, turn.reply.audio, self.uploads, memory)
-        turn.shown = [*asked, *map(as_dict, reply)]
+        turn.shown = [*turn.asked, *map(as_dict, reply)]
         turn.stopped = final.stop_reason == "cancelled"
-        self._save(store, turn.shown, system_prompt, memory, _context_tokens(final))
-        turn.context = context_use(self.app, _context_tokens(final))
+        tokens = final.tokens.prompt + final.tokens.generated
+        _save(turn.store, turn.shown, turn.system_prompt, memory, tokens)
+        turn.context = context_use(self.app, tokens)
         return reply
-
-    def _save(self, store: ChatStore, history: list[dict[str, Any]], system_prompt: str, memory: ChatMemory,
-              context_tokens: int | None = None) -> bool:
-        """Save the turn's chat; False if another tab changed it since this page saw it."""
-        try:
-            sidebar.keep(store, history, system_prompt, memory, context_tokens)
-            return True
-        except sidebar.ChatChangedElsewhere:
-            return False
 
     def stopped(self, memory: ChatMemory) -> tuple[Any, Any, Any]:
         """The stop button: the reply stops, and the page shows the chat as saved, its metrics
@@ -181,6 +176,16 @@ class ChatTurns:
         return turn.shown, turn.shown, turn.context
 
 
+def _save(store: ChatStore, history: list[dict[str, Any]], system_prompt: str, memory: ChatMemory,
+          context_tokens: int | None = None) -> bool:
+    """Save a turn's chat; False if another tab changed it since this page saw it."""
+    try:
+        sidebar.keep(store, history, system_prompt, memory, context_tokens)
+        return True
+    except sidebar.ChatChangedElsewhere:
+        return False
+
+
 def _update(chat: Any, audio: Any = None, context: Any = None, chats: Any = None) -> tuple[Any, ...]:
     """One update of the chat's outputs (ChatInterface's, then its additional ones: the player's
     feed, the context use, the list of chats); None leaves an output as it is."""
@@ -193,9 +198,9 @@ def with_ended_turn(history: list[dict[str, Any]], turn: Turn | None) -> list[di
     shown, and the saved form is what the reply's token ids (and the file) hold."""
     if turn is None or turn.shown is None:
         return history
-    asked, page = turn.shown[:turn.asked], history[:turn.asked]
-    answered = all(message.get("role") == "assistant" for message in history[turn.asked:])
-    return turn.shown if answered and list(map(looks, page)) == list(map(looks, asked)) else history
+    asked = len(turn.asked)
+    answered = all(message.get("role") == "assistant" for message in history[asked:])
+    return turn.shown if answered and list(map(looks, history[:asked])) == list(map(looks, turn.asked)) else history
 
 
 def edited_question(text: str, history: list[dict[str, Any]], saved: Any) -> dict[str, Any]:
@@ -211,10 +216,6 @@ def _last_event(reply: Reply) -> Finished | None:
         return reply.result()
     except RequestError:
         return None
-
-
-def _context_tokens(final: Finished) -> int:
-    return final.tokens.prompt + final.tokens.generated
 
 
 def build_ui(app: OmniLocal, chats_folder: Path | None = None) -> gr.Blocks:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_local.cache.folders import private_folder
-from omni_local.ui.messages import block_text, blocks, file_path
+from omni_local.ui.messages import block_text, blocks, file_path, reply_key
 
 TITLE_CHARS = 40
 UTTERANCE_PREFIX = "voice-"  # a voice question's WAV file, which the app writes (history.py)
@@ -135,7 +135,7 @@ class ChatStore:
         if problem:
             log.warning("saved chat %s skipped: %s", path.name, problem)
             return None
-        chat.replies = {text.strip(): ids for text, ids in chat.replies.items()}  # older files kept them unstripped
+        chat.replies = {reply_key(text): ids for text, ids in chat.replies.items()}  # older files kept them as made
         return chat
 
 

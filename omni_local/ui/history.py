@@ -8,7 +8,6 @@ reused in full. Errors appear as a marked message in the chat and are left out o
 sees. The WAV files a chat shows and owns, its spoken replies and voice questions, are written here.
 """
 
-import inspect
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -27,7 +26,7 @@ from omni_local.errors import RequestError
 from omni_local.media import load_audio, load_image
 from omni_local.media.video import Video
 from omni_local.prompts import Message, Part
-from omni_local.ui.messages import block_text, blocks, file_path
+from omni_local.ui.messages import block_text, blocks, file_path, reply_key
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif"}
 AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".mp3"}
@@ -84,13 +83,6 @@ def finished_reply(event: Finished, audio: np.ndarray, uploads: Path, memory: Ch
         shown.append(gr.ChatMessage(content={"path": str(kept)}, metadata={"title": SPOKEN_TITLE}))
     shown.append(gr.ChatMessage(content=event.metrics_line(), metadata={"title": "Metrics"}))
     return shown
-
-
-def reply_key(text: str) -> str:
-    """A reply's text as the page gives it back: Gradio's chatbot cleans each text as a docstring
-    (`inspect.cleandoc`: tabs expanded, indentation and the ends' blank lines removed), and a reply
-    looked up by its text as made would otherwise miss its token ids, and its cached KV."""
-    return inspect.cleandoc(text).strip()
 
 
 def keep_wav(folder: Path, prefix: str, samples: np.ndarray, rate: int, subtype: str) -> Path:
