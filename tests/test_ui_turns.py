@@ -3,10 +3,14 @@
 
 import inspect
 import json
+import math
+from contextlib import closing
 
 import pytest
 
+from chats import written
 from samples import picture
+import omni_local.ui.chat as chat_module
 from omni_local.ui.chat import ChatTurns, with_ended_turn
 from omni_local.ui.chats import ChatShelves
 from omni_local.ui.history import ChatMemory, to_messages
@@ -34,33 +38,47 @@ def last_shown(updates: list) -> list:
     return [{"role": "assistant", "content": m.content, "metadata": dict(m.metadata or {})} for m in reply]
 
 
-def test_a_question_is_saved_as_soon_as_it_is_asked_before_any_reply(turns):
+def test_a_question_is_saved_as_soon_as_it_is_asked_before_any_reply(turns, monkeypatch):
+    monkeypatch.setattr(chat_module, "SAVE_EVERY_S", math.inf)  # no save while the reply streams
     memory = ChatMemory()
-    stream = turns.respond({"text": "Count to one thousand.", "files": []}, [], memory=memory, **OPTIONS)
-    next(stream)  # the reply's first text
-    history = saved(turns, memory)["history"]
-    assert history[0] == {"role": "user", "content": ["Count to one thousand."]}
-    stream.close()
+    with closing(turns.respond({"text": "Count to one thousand.", "files": []}, [], memory=memory, **OPTIONS)) as stream:
+        next(stream)  # the reply's first text
+        assert saved(turns, memory)["history"] == [{"role": "user", "content": ["Count to one thousand."]}]
+
+
+def test_a_streaming_reply_is_saved_as_it_streams(turns, monkeypatch):
+    monkeypatch.setattr(chat_module, "SAVE_EVERY_S", 0.0)  # each text delta's save is due
+    memory = ChatMemory()
+    with closing(turns.respond({"text": "Count to one thousand.", "files": []}, [], memory=memory, **OPTIONS)) as stream:
+        for _ in range(3):
+            shown = next(stream)[0]
+        assert saved(turns, memory)["history"][1:] == [{"role": "assistant", "content": shown}]
 
 
 def test_a_stopped_reply_is_saved_marked_stopped_and_its_tokens_are_reused_by_the_next_turn(turns):
     memory = ChatMemory()
-    stream = turns.respond({"text": "Count to one thousand.", "files": []}, [], memory=memory, **OPTIONS)
-    for _ in range(3):
-        next(stream)
-    stream.close()  # what the stop button does to the reply's stream
+    with closing(turns.respond({"text": "Count to one thousand.", "files": []}, [], memory=memory, **OPTIONS)) as stream:
+        for _ in range(3):
+            shown = next(stream)[0]
+    # closing() is what the stop button does to the reply's stream.
+    stopped = memory.turn.reply.result()
     chat = saved(turns, memory)["history"]
     assert [m["role"] for m in chat] == ["user", "assistant", "assistant"]
     assert "stopped" in chat[-1]["content"] and chat[-1]["metadata"]["title"] == "Metrics"
     assert memory.turn.shown == chat  # what the stop button then shows on the page
-    follow_up = list(turns.respond({"text": "Go on.", "files": []}, chat, memory=memory,
-                                   **{**OPTIONS, "max_new_tokens": 4}))
-    metrics = last_shown(follow_up)[-1]["content"]
-    prompt, cached = _prompt_and_cached(metrics)
-    assert prompt - cached < 20, metrics  # only the new question was computed, not the stopped reply
+    # The page may send the stopped turn back as far as it had streamed, without its note.
+    page = [{"role": "user", "content": [{"type": "text", "text": "Count to one thousand."}]},
+            {"role": "assistant", "content": inspect.cleandoc(shown)}]
+    list(turns.respond({"text": "Go on.", "files": []}, page, memory=memory, **{**OPTIONS, "max_new_tokens": 4}))
+    follow_up = memory.turn.reply.result()
+    # The stopped reply was reused: all its tokens' KV (`written`, or one more where the cancel came
+    # after the step of its last token was read); recomputing it would leave only its prompt's.
+    assert follow_up.tokens.computed <= follow_up.tokens.prompt - written(stopped)
+    assert saved(turns, memory)["history"][:3] == chat
 
 
-def test_an_edited_question_is_answered_with_its_files_and_saved_in_place_of_the_old_one(turns, tmp_path):
+def test_an_edited_question_is_answered_with_its_files_and_saved_in_place_of_the_old_one(turns, tmp_path,
+                                                                                        built_prompts):
     image = tmp_path / "house.png"
     picture(3).save(image)
     memory = ChatMemory()
@@ -72,24 +90,13 @@ def test_an_edited_question_is_answered_with_its_files_and_saved_in_place_of_the
     chat = saved(turns, memory)["history"]
     assert chat[0] == {"role": "user", "content": [{"path": str(image)}, "What colour is it?"]}
     assert [m["role"] for m in chat] == ["user", "assistant", "assistant"] and chat[1:] == last_shown(edited)
-    assert list(memory.media) == [str(image)]  # the picture was asked with the new text
+    assert len(built_prompts[-1].media) == 1  # the picture was asked with the new text
 
 
 def test_a_reply_with_whitespace_at_its_ends_keeps_its_token_ids_when_the_page_trims_it(app):
     memory = ChatMemory(replies={reply_key("  Hello there.\n"): [11, 12, 13]})
     page = [{"role": "user", "content": ["Hi"]}, {"role": "assistant", "content": "Hello there.", "metadata": {}}]
     assert to_messages(page, app, memory)[1].token_ids == [11, 12, 13]
-
-
-def _prompt_and_cached(metrics: str) -> tuple[int, int]:
-    """Prompt tokens and those the cache supplied, from a metrics line of either format."""
-    import re
-
-    readable = re.search(r"([\d,]+) of ([\d,]+) prompt tokens from cache", metrics)
-    if readable:
-        return int(readable[2].replace(",", "")), int(readable[1].replace(",", ""))
-    old = re.search(r"(\d+) prompt tokens: (\d+) computed", metrics)
-    return int(old[1]), int(old[1]) - int(old[2])
 
 
 def test_a_reply_the_page_cleans_as_a_docstring_keeps_its_token_ids(app):
@@ -101,13 +108,12 @@ def test_a_reply_the_page_cleans_as_a_docstring_keeps_its_token_ids(app):
 
 def test_the_next_turn_after_a_stop_reads_the_stopped_turn_as_saved_whatever_the_page_kept_of_it(turns):
     memory = ChatMemory()
-    stream = turns.respond({"text": "Count to one thousand.", "files": []}, [], memory=memory, **OPTIONS)
-    for _ in range(3):
-        shown = next(stream)[0]
-    stream.close()
+    with closing(turns.respond({"text": "Count to one thousand.", "files": []}, [], memory=memory, **OPTIONS)) as stream:
+        for _ in range(3):
+            shown = next(stream)[0]
     # The page kept the question (in its own form) and the reply as far as it had streamed, no note.
     page = [{"role": "user", "content": [{"type": "text", "text": "Count to one thousand."}]},
             {"role": "assistant", "content": shown}]
     assert with_ended_turn(page, memory.turn) == memory.turn.shown == saved(turns, memory)["history"]
-    edited = page[:0]  # an edit or an undo took the turn away: the page's chat is kept as it is
+    edited = [{"role": "user", "content": [{"type": "text", "text": "Count to ten."}]}]  # the question edited
     assert with_ended_turn(edited, memory.turn) == edited
