@@ -216,3 +216,14 @@ def test_each_page_gets_a_new_chat_memory_of_its_own_and_no_start_up_event_of_gr
                 if isinstance(block, gr.State) and isinstance(block.value, ChatMemory)]
     # Gradio would set a callable default in a page-load event of its own, racing the page's start-up.
     assert len(memories) == 1 and memories[0].load_event_to_attach is None
+
+
+def test_the_longest_reply_the_page_offers_fits_after_the_longest_prompt(app, tmp_path):
+    import gradio as gr
+
+    from omni_local.ui.chat import build_ui
+
+    sliders = [block for block in build_ui(app, tmp_path / "chats").blocks.values()
+               if isinstance(block, gr.Slider) and block.label == "Longest reply (tokens)"]
+    assert len(sliders) == 1
+    assert sliders[0].maximum + app.settings.max_prompt_tokens == app.settings.max_context_tokens
