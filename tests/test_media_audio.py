@@ -9,7 +9,7 @@ import soundfile
 
 from omni_local.errors import MediaError
 from omni_local.media import SAMPLE_RATE, MediaLimits, load_audio
-from omni_local.media.video import load_video
+from omni_local.media.video import Video, load_video
 
 LIMITS = MediaLimits(max_upload_bytes=50 << 20, max_image_pixels=4096 * 4096, max_audio_seconds=300.0)
 VIDEO_LIMITS = MediaLimits(max_upload_bytes=50 << 20, max_image_pixels=4096 * 4096, max_audio_seconds=300.0,
@@ -242,6 +242,15 @@ def test_samples_given_to_the_api_are_held_to_the_same_checks_as_a_file(app, sam
 
     with pytest.raises(MediaError, match=exactly(message)):
         session.send("What do you hear?", audio=[samples])
+    assert session.history == []
+
+
+@pytest.mark.torchvision
+def test_a_video_given_to_the_api_in_memory_has_its_sound_track_checked_as_a_files(app):
+    video = Video(np.zeros((4, 64, 64, 3), np.uint8), fps=2.0, audio=np.full(32_000, np.nan, np.float32))
+    session = app.session()
+    with pytest.raises(MediaError, match=exactly("video: the sound track holds NaN or infinite samples (corrupt audio)")):
+        session.send("What happens here?", videos=[video])
     assert session.history == []
 
 

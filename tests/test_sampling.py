@@ -195,7 +195,9 @@ def test_a_top_k_beyond_the_vocabulary_is_no_limit():
     [({"temperature": -1}, "temperature"), ({"top_k": -2}, "top_k"), ({"max_new_tokens": 0}, "max_new_tokens"),
      ({"repetition_penalty": 0}, "repetition_penalty"),
      # Finite numbers, but not as the device keeps them (float32): there they are infinite, or 0.
-     ({"temperature": 1e39}, "temperature must be 0 (greedy) or a finite number above 0"),
+     ({"temperature": 1e39}, "temperature must be 0 (greedy) or a finite number of at least 0.001"),
+     # Positive, but so small that the scores it divides overflow.
+     ({"temperature": 1e-40}, "temperature must be 0 (greedy) or a finite number of at least 0.001"),
      ({"repetition_penalty": 1e-50}, "repetition_penalty must be a finite number above 0"),
      ({"top_p": 1e-50}, "top_p must be in (0, 1]"),
      ({"max_new_tokens": 4.0}, "max_new_tokens must be a whole number, not 4.0"),

@@ -114,9 +114,11 @@ class SlotGraphs:
         pad = batch - count
         self._input[:count, :length].copy_(x)
         self._input[count:batch, :length].copy_(x[:1].expand(pad, *x.shape[1:]))
-        # The padding tokens' inputs are zeros, never an earlier call's: their KV rows lie past the
-        # chat's end, inside the buckets later steps read (masked), so they must be numbers.
-        self._input[:batch, length:padded].zero_()
+        # The padding tokens' inputs are zeros, never an earlier call's (a poisoned one's may be NaN):
+        # their KV rows lie past the chat's end, inside the buckets later steps read (masked), so they
+        # must be numbers. A decode step is never padded.
+        if padded > length:
+            self._input[:batch, length:padded].zero_()
         self._positions[:, :count, :length].copy_(positions)
         self._positions[:, count:batch, :length].copy_(positions[:, :1].expand(-1, pad, -1))
         # A padded prefill's extra tokens take the last real position: any valid one would do.

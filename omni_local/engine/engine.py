@@ -52,7 +52,7 @@ from omni_local.engine.talker import TalkerRows
 from omni_local.engine.thinker import ThinkerRunner
 from omni_local.errors import OmniLocalError, RequestError
 from omni_local.model.loader import LoadedModel, media_markup_token_ids, thinker_eos_token_ids
-from omni_local.prompts import Message, Prompt
+from omni_local.prompts import Message
 from omni_local.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -170,7 +170,8 @@ class Engine:
             request = self._waiting[0]
             try:
                 if request.prompt is None:
-                    request.prompt, request.turns_left_out = self._build_prompt(request.messages)
+                    request.prompt, request.turns_left_out = fit_prompt(
+                        request.messages, self.loaded.processor, self.settings.max_prompt_tokens)
                 request.claim = self.cache.claim(request.session, request.prompt, self.cache.match(request.prompt))
             except Exception as error:  # noqa: BLE001 - one request's failure must not stop the worker
                 self._waiting.popleft()
@@ -185,10 +186,6 @@ class Engine:
             request.reused = (request.claim.reused_gpu, request.claim.reused_host)
             request.started_at = time.perf_counter()
             self._running.append(request)
-
-    def _build_prompt(self, messages: list[Message]) -> tuple[Prompt, int]:
-        """The prompt, within max_prompt_tokens, and how many of the chat's earliest turns it leaves out."""
-        return fit_prompt(messages, self.loaded.processor, self.settings.max_prompt_tokens)
 
     def _run_turn(self) -> None:
         """One prefill; one decode step of the requests decoding, queued before the step of the turn
@@ -374,8 +371,10 @@ class Engine:
 
 def _chosen_and_finite(tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """[2, B] on the device: the tokens [B] chosen from `logits` [B, vocab], and under each a 1 if
-    its row of logits is all numbers, a 0 if it holds a NaN or an infinity."""
-    return torch.stack([tokens, logits.isfinite().all(dim=-1).long()])
+    its logit is a number, a 0 if it is a NaN or an infinity. The chosen one suffices, and reads B
+    values, not B x vocab, each step: a hidden state that is not numbers makes every logit NaN, and
+    argmax picks a NaN or a +inf wherever a row holds one."""
+    return torch.stack([tokens, logits.gather(1, tokens[:, None]).squeeze(1).isfinite().long()])
 
 
 def current_device(device: torch.device) -> AbstractContextManager:

@@ -24,6 +24,9 @@ from omni_local.errors import RequestError
 _LOW32 = 0xFFFFFFFF
 _WHOLE = {"max_new_tokens", "top_k", "seed"}
 T = TypeVar("T", int, torch.Tensor)
+# Below this a temperature divides the scores past float32's range (every positive one infinite,
+# and the draw then picks the lowest such id): values that small are refused; 0 is greedy.
+MIN_TEMPERATURE = 1e-3
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,8 @@ class SamplingParams:
         ).tolist()
         checks = [
             (self.max_new_tokens >= 1, "max_new_tokens must be at least 1"),
-            (0 <= temperature < math.inf, "temperature must be 0 (greedy) or a finite number above 0"),
+            (temperature == 0 or MIN_TEMPERATURE <= temperature < math.inf,
+             f"temperature must be 0 (greedy) or a finite number of at least {MIN_TEMPERATURE}"),
             (0 < top_p <= 1, "top_p must be in (0, 1]"),
             (self.top_k >= 0, "top_k must be 0 (off) or more"),
             (0 < penalty < math.inf, "repetition_penalty must be a finite number above 0"),
@@ -141,8 +145,8 @@ class SlotSampler:
         scores = _penalize_repeats(logits, rows.seen, rows.penalty)
         if batch.sampling:  # a greedy row's scores stay as they are (over 1)
             scores = scores / torch.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]
-        # Suppressed after all arithmetic, so a suppressed id's -inf stays -inf whatever the row holds:
-        # before it, -inf / inf or -inf * 0 would make it a NaN, which argmax picks.
+        # Suppressed after all arithmetic, so a suppressed id's -inf stays -inf whatever the scaling did
+        # to the other scores (an -inf scaled can turn into a NaN, which argmax picks).
         if self.suppressed is not None:
             scores = scores.index_fill(1, self.suppressed, float("-inf"))
         tokens = scores.argmax(dim=-1)

@@ -62,9 +62,9 @@ def check_samples(name: str, samples: np.ndarray, what: str = "the clip") -> Non
     if len(samples) < MIN_SAMPLES:
         count = f"{len(samples)} sample{'s' if len(samples) > 1 else ''}"
         raise MediaError(f"{name}: {what} is too short for the model ({count}, under 13 ms)")
-    if not np.isfinite(samples).all():
+    peak = float(np.abs(samples).max())  # NaN or infinite where any sample is
+    if not np.isfinite(peak):
         raise MediaError(f"{name}: {what} holds NaN or infinite samples (corrupt audio)")
-    peak = float(np.abs(samples).max())
     if peak > MAX_PEAK:
         shown = f"{peak:,.0f}" if peak < 1e9 else f"{peak:.1e}"
         raise MediaError(f"{name}: {what}'s samples reach {shown}, far outside [-1, 1] "

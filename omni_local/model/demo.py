@@ -116,7 +116,7 @@ def ensure_demo_checkpoint(path: Path) -> Path:
         make_folders(path.parent)  # only what it creates is made private: the parent may be a shared folder
         _build(path)
     except (OSError, SafetensorError) as error:  # safetensors reports a full disk as its own error
-        reason = error.strerror if isinstance(error, OSError) else str(error)
+        reason = (error.strerror if isinstance(error, OSError) else None) or str(error)
         raise CheckpointError(f"cannot write the demo model to '{path}': {reason}") from None
     return path
 
