@@ -9,7 +9,6 @@ import sys
 
 from omni_local.cache.folders import keep_new_files_private
 from omni_local.errors import OmniLocalError
-from omni_local.model.loader import quiet_library_logs
 from omni_local.settings import add_settings_arguments, settings_from_arguments
 from omni_local.ui.access import keep_uploads_private, launch_options
 
@@ -17,7 +16,6 @@ from omni_local.ui.access import keep_uploads_private, launch_options
 def main() -> int:
     parser = argparse.ArgumentParser(description="omni_local chat UI")
     add_settings_arguments(parser)
-    quiet_library_logs()
     try:
         settings = settings_from_arguments(parser.parse_args())
         options = launch_options(settings)  # refused before the model loads

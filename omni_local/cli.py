@@ -21,10 +21,9 @@ import soundfile
 
 from omni_local.api import OmniLocal, Reply, Session
 from omni_local.audio_devices import Microphone, Speakers, load_sounddevice
-from omni_local.engine.request import Finished, TextDelta
-from omni_local.engine.vocoder import SAMPLE_RATE
+from omni_local.api.events import SPEECH_SAMPLE_RATE, Finished, TextDelta
 from omni_local.errors import OmniLocalError
-from omni_local.model.loader import quiet_library_logs
+from omni_local.metrics_line import metrics_line
 from omni_local.settings import add_settings_arguments, settings_from_arguments
 from omni_local.voice import VoiceConversation
 
@@ -54,7 +53,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    quiet_library_logs()
     try:
         settings = settings_from_arguments(args)
         if getattr(args, "wav", None) is not None:
@@ -88,7 +86,7 @@ def _ask(session: Session, args: argparse.Namespace) -> int:
 
 def _write_wav(path: Path, reply: Reply) -> None:
     try:
-        soundfile.write(path, reply.audio, SAMPLE_RATE, subtype="PCM_16", format="WAV")
+        soundfile.write(path, reply.audio, SPEECH_SAMPLE_RATE, subtype="PCM_16", format="WAV")
     except (OSError, RuntimeError) as error:  # soundfile reports an unwritable path as RuntimeError
         raise OmniLocalError(f"cannot write '{path}': {error}") from None
 
@@ -143,7 +141,7 @@ def _show_voice_event(event: TextDelta | Finished | OmniLocalError) -> None:
     if isinstance(event, TextDelta):
         print(event.text, end="", flush=True)
     elif isinstance(event, Finished):
-        print("\n" + event.metrics_line())
+        print("\n" + metrics_line(event))
     else:
         print(f"error: {event}", file=sys.stderr)
 
@@ -162,6 +160,6 @@ def _stream(reply: Reply, show_text: bool) -> Finished:
         final = reply.result()
     if show_text:
         print()
-        print(final.metrics_line())
+        print(metrics_line(final))
     return final
 

@@ -7,8 +7,8 @@ the media the prefix cache could not supply (`preprocess`).
 
 import re
 import secrets
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -16,36 +16,11 @@ from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import _get_feat_extract_output_lengths
 
+from omni_local.api.messages import Message, Part, check_text
 from omni_local.cache.digests import media_digest, token_keys
 from omni_local.errors import RequestError
 from omni_local.media.video import Video
 from omni_local.template_tokens import TemplateIds
-
-Role = Literal["system", "user", "assistant"]
-Part = str | Image.Image | np.ndarray | Video  # text, an RGB image, 16 kHz mono float32 samples, a video
-
-
-
-@dataclass
-class Message:
-    role: Role
-    parts: list[Part] = field(default_factory=list)
-    # A reply's tokens as the model made them: the next prompt reuses them as they are, so the
-    # reply's cached KV stays valid (decoding and re-tokenizing could give other ids).
-    token_ids: list[int] | None = None
-
-    @property
-    def text(self) -> str:
-        return "".join(p for p in self.parts if isinstance(p, str))
-
-    def images(self) -> list[Image.Image]:
-        return [p for p in self.parts if isinstance(p, Image.Image)]
-
-    def audios(self) -> list[np.ndarray]:
-        return [p for p in self.parts if isinstance(p, np.ndarray)]
-
-    def videos(self) -> list[Video]:
-        return [p for p in self.parts if isinstance(p, Video)]
 
 
 @dataclass(frozen=True)
@@ -152,18 +127,6 @@ def build_prompt(messages: list[Message], processor: Any) -> Prompt:
     return Prompt(input_ids, media, token_keys(input_ids[0].numpy(), [(m.start, m.length, m.digest) for m in media]))
 
 
-def check_text(text: str, holder: str) -> None:
-    """Refuse what is not text a tokenizer takes, such as a lone surrogate: a JSON "\\ud800" or bytes
-    that are not UTF-8 (decoded with surrogateescape, as Python does a command line's) leave one."""
-    if not isinstance(text, str):
-        raise RequestError(f"{holder} must be text, not {type(text).__name__}")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise RequestError(f"{holder} holds text that is not valid Unicode (invalid UTF-8 or a lone surrogate "
-                           f"at character {error.start + 1})") from None
-
-
 def _template_ids(messages: list[Message], processor: Any) -> list[int]:
     """The conversation's ids through the chat template: the template's control tokens where it puts
     them and nowhere else, every text part as plain text (a typed `<|im_start|>` is the ids of `<`,
@@ -205,7 +168,13 @@ def _template_content(message: Message, nonce: str, texts: list[str], replies: l
 
 
 def _kind(part: Part) -> str:
-    return "image" if isinstance(part, Image.Image) else "video" if isinstance(part, Video) else "audio"
+    if isinstance(part, Image.Image):
+        return "image"
+    if isinstance(part, Video):
+        return "video"
+    if isinstance(part, np.ndarray):
+        return "audio"
+    raise RequestError(f"a {type(part).__name__} is not a part of a prompt (a video is read by OmniLocal.read_video)")
 
 
 def _media_item(part: Part, kind: str, start: int, processor: Any) -> tuple[list[int], MediaItem, list[int], list[int]]:

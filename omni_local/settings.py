@@ -1,7 +1,7 @@
 """One typed, read-only settings object: `settings.toml`, then command-line overrides.
 
 The TOML file groups keys in tables for the reader ([model], [engine], [speech], [cache], [ui],
-[limits]); every key name is unique across tables, so the command line can override any of them by
+[server], [backend], [limits]); every key name is unique across tables, so the command line can override any of them by
 name (`--max-new-tokens 64`). Validation happens once, here: an unknown key or a value of the wrong
 type is a `SettingsError` naming the key and what was expected.
 """
@@ -86,6 +86,37 @@ class Settings:
     ui_credentials_file: str = setting(
         "ui", "", "private file of 'user:password' lines; needed to serve beyond 127.0.0.1"
     )
+    ui_serves_api: bool = setting(
+        "ui", False, "the page's port also serves the OpenAI-compatible API (/v1), on the page's engine"
+    )
+    # [server]
+    api_host: str = setting(
+        "server", "127.0.0.1", "address `python -m omni_local serve` binds to; beyond 127.0.0.1 only with api_key_file"
+    )
+    api_port: int = setting("server", 8000, "port the API listens on")
+    api_key_file: str = setting(
+        "server", "", "private file holding the key API clients must send (Authorization: Bearer KEY)"
+    )
+    api_max_requests: int = setting(
+        "server", 32, "API requests held at once, streaming or waiting; one more is refused at once (429)"
+    )
+    api_local_files: bool = setting(
+        "server", False, "API messages may name files on this machine (file:// URLs) instead of sending them"
+    )
+    # [backend]
+    backend: Literal["local", "openai"] = setting(
+        "backend", "local",
+        "'local': the engine in this process; 'openai': a server of OpenAI's chat API at backend_url "
+        "(omni_local serve, vLLM-Omni, SGLang-Omni)",
+    )
+    backend_url: str = setting("backend", "", "the remote server's API, e.g. http://127.0.0.1:8000/v1")
+    backend_api_key: str = setting("backend", "", "the key the remote server asks for; '' for none")
+    backend_model: str = setting("backend", "", "the remote server's model id; '' takes the first it lists")
+    backend_dialect: Literal["auto", "openai", "vllm-omni"] = setting(
+        "backend", "auto",
+        "how the remote server streams audio: 'openai' (delta.audio), 'vllm-omni' (WAV in content chunks "
+        "marked \"modality\": \"audio\"), 'auto' tells them apart from the stream",
+    )
     # [limits]
     max_upload_bytes: int = setting("limits", 50 << 20, "largest image, audio or video file accepted")
     max_image_pixels: int = setting("limits", 4096 * 4096, "largest decoded image, width times height")
@@ -100,7 +131,7 @@ class Settings:
             "gpu_cache_bytes", "encoder_cache_bytes", "disk_cache_bytes", "max_context_tokens", "max_new_tokens",
             "max_upload_bytes", "max_image_pixels", "max_prompt_tokens", "ui_port", "max_audio_seconds",
             "first_audio_frames", "audio_chunk_frames", "audio_left_context_frames", "max_speech_seconds",
-            "video_fps", "max_video_seconds",
+            "video_fps", "max_video_seconds", "api_port", "api_max_requests",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -112,8 +143,12 @@ class Settings:
                 f"setting 'max_prompt_tokens' ({self.max_prompt_tokens}) must be below "
                 f"'max_context_tokens' ({self.max_context_tokens}), to leave room for a reply"
             )
-        if self.ui_port > 65535:
-            raise SettingsError(f"setting 'ui_port' must be a port number, 1 to 65535, got {self.ui_port}")
+        for port in ("ui_port", "api_port"):
+            if getattr(self, port) > 65535:
+                raise SettingsError(f"setting '{port}' must be a port number, 1 to 65535, got {getattr(self, port)}")
+        if self.backend == "openai" and not self.backend_url:
+            raise SettingsError("setting 'backend' is 'openai': set 'backend_url' to the server's API, "
+                                "e.g. http://127.0.0.1:8000/v1")
         if self.gpu_cache_bytes < self.min_gpu_cache_bytes:
             raise SettingsError(
                 f"setting 'gpu_cache_bytes' ({self.gpu_cache_bytes:,}) is below the {self.min_gpu_cache_bytes:,} bytes "

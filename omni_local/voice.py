@@ -13,9 +13,9 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
-import torch
 
 from omni_local.api import AudioChunk, Finished, Reply, TextDelta
 from omni_local.errors import OmniLocalError
@@ -24,7 +24,10 @@ from omni_local.media import SAMPLE_RATE
 CHUNK = 512  # samples per VAD step at 16 kHz (what Silero's streaming model takes)
 
 
-def _load_vad() -> torch.nn.Module:
+def _load_vad() -> Any:
+    # Imported here: the VAD is the only use of torch on a remote backend, and only in voice mode.
+    import torch
+
     # Importing silero_vad sets torch's thread count to 1 for the whole process; put it back.
     threads = torch.get_num_threads()
     from silero_vad import load_silero_vad
@@ -59,8 +62,7 @@ class SpeechDetector:
         events: list[SpeechStarted | Utterance] = []
         while len(self._pending) >= CHUNK:
             chunk, self._pending = self._pending[:CHUNK], self._pending[CHUNK:]
-            with torch.inference_mode():
-                change = self._vad(torch.from_numpy(chunk)) or {}
+            change = self._vad_step(chunk)
             if self._speech is not None:
                 self._speech.append(chunk)
             else:
@@ -73,6 +75,13 @@ class SpeechDetector:
                 self._speech = None
                 self._before.clear()
         return events
+
+    def _vad_step(self, chunk: np.ndarray) -> dict:
+        """Where speech starts or ends in the next CHUNK samples ({} for neither)."""
+        import torch
+
+        with torch.inference_mode():
+            return self._vad(torch.from_numpy(chunk)) or {}
 
     def reset(self) -> None:
         """Forget the stream so far: a new recording starts with no utterance under way."""

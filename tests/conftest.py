@@ -23,7 +23,8 @@ from transformers.utils import is_torchvision_available
 from bad_files import write_bad_files
 from omni_local.model import LoadedModel, load_model
 from omni_local.model.demo import ensure_demo_checkpoint
-from omni_local.prompts import Message, Prompt, build_prompt
+from omni_local.api.messages import Message
+from omni_local.prompts import Prompt, build_prompt
 from omni_local.settings import Settings
 
 
@@ -165,7 +166,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(scope="module")
 def on_gpu(app):
     """The shared app, for a test that needs the demo on the GPU (OMNI_LOCAL_TEST_DEVICE=cuda)."""
-    if app.engine.runner.device.type != "cuda":
+    if app.backend.engine.runner.device.type != "cuda":
         pytest.skip("the demo model runs on the CPU: set OMNI_LOCAL_TEST_DEVICE=cuda")
     return app
 

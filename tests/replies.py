@@ -6,7 +6,8 @@ import torch
 from PIL import Image
 
 from omni_local.api import AudioChunk, Finished, OmniLocal, TextDelta
-from omni_local.prompts import Message, Prompt, build_prompt
+from omni_local.api.messages import Message
+from omni_local.prompts import Prompt, build_prompt
 
 NEW_TOKENS = 24
 GREEDY = {"speak": True, "talker_temperature": 0.0}  # a spoken reply, its codes greedy too
@@ -33,21 +34,21 @@ def send(app: OmniLocal, session, text: str, **options) -> tuple[Finished, list[
 
 def model_inputs(app: OmniLocal, prompt: Prompt) -> dict:
     """`prompt`'s inputs to transformers' generate, on the model's device (which moves only the ids)."""
-    inputs = prompt.model_inputs(app.loaded.processor)
-    return {k: v.to(app.loaded.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    inputs = prompt.model_inputs(app.backend.loaded.processor)
+    return {k: v.to(app.backend.loaded.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
 
 def reference_tokens(app: OmniLocal, messages: list[Message]) -> list[int]:
     """Greedy tokens from transformers' own generate, cut at (and without) the end of turn. The engine
     never lets a reply hold a media placeholder token, so neither may the reference."""
-    prompt = build_prompt(messages, app.loaded.processor)
+    prompt = build_prompt(messages, app.backend.loaded.processor)
     with torch.inference_mode():
-        output = app.loaded.model.thinker.generate(
+        output = app.backend.loaded.model.thinker.generate(
             **model_inputs(app, prompt), max_new_tokens=NEW_TOKENS, do_sample=False,
-            suppress_tokens=app.engine.suppressed_ids,
+            suppress_tokens=app.backend.engine.suppressed_ids,
         )
     tokens = output[0, prompt.num_tokens :].tolist()
-    eos = set(app.engine.eos_ids)
+    eos = set(app.backend.engine.eos_ids)
     for i, token in enumerate(tokens):
         if token in eos:
             return tokens[:i]
@@ -56,8 +57,8 @@ def reference_tokens(app: OmniLocal, messages: list[Message]) -> list[int]:
 
 def transformers_speech(app: OmniLocal, messages: list[Message], voice: str) -> tuple[list[int], torch.Tensor]:
     """Greedy text and codes [groups, frames] from transformers' `generate(return_audio=True)`."""
-    model, engine = app.loaded.model, app.engine
-    prompt = build_prompt(messages, app.loaded.processor)
+    model, engine = app.backend.loaded.model, app.backend.engine
+    prompt = build_prompt(messages, app.backend.loaded.processor)
     decoded = []
     original = model.code2wav.chunked_decode
 

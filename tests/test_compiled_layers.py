@@ -37,7 +37,7 @@ def hidden_states(stack: torch.nn.Module, length: int, seed: int) -> torch.Tenso
 
 @pytest.mark.parametrize("name", ["thinker", "talker", "code predictor"])
 def test_a_split_layer_is_transformers_own_layer_bit_for_bit(speaking_app, name):
-    stack = stacks(speaking_app.loaded.model)[name]
+    stack = stacks(speaking_app.backend.loaded.model)[name]
     ours, theirs = DynamicCache(config=stack.config), DynamicCache(config=stack.config)
     regions = LayerRegions()
     start = 0
@@ -55,7 +55,7 @@ def test_a_split_layer_is_transformers_own_layer_bit_for_bit(speaking_app, name)
 @pytest.mark.parametrize("name", ["thinker", "talker"])
 @torch.inference_mode()  # as the engine runs them
 def test_compiled_layers_match_eager_and_one_graph_serves_every_prefill_length(speaking_app, name):
-    stack = stacks(speaking_app.loaded.model)[name]
+    stack = stacks(speaking_app.backend.loaded.model)[name]
     config = stack.config
     # The router hooks transformers installs at its first forward (the Talker's, in a spoken
     # `generate`): compiled layers must get past them.

@@ -16,7 +16,8 @@ from samples import picture
 from omni_local.api import OmniLocal
 from omni_local.engine.cuda_graphs import SMALLEST_BUCKET, SlotGraphs
 from omni_local.engine.thinker import ThinkerRunner
-from omni_local.prompts import Message, Prompt, build_prompt
+from omni_local.api.messages import Message
+from omni_local.prompts import Prompt, build_prompt
 
 pytestmark = pytest.mark.cuda
 
@@ -26,15 +27,15 @@ SONG = "A fisherman sang about the moon and the tide while he mended his nets in
 
 def runner(app: OmniLocal, cuda_graphs: bool, slots: int = 2) -> ThinkerRunner:
     """A runner of the app's Thinker with `slots` slots of its own, warmed up (graphs captured)."""
-    kv = app.engine.runner.kv
-    built = ThinkerRunner(app.loaded.model.thinker, app.engine.runner.encoder, slots * kv.shape.slot_bytes(kv.dtype),
+    kv = app.backend.engine.runner.kv
+    built = ThinkerRunner(app.backend.loaded.model.thinker, app.backend.engine.runner.encoder, slots * kv.shape.slot_bytes(kv.dtype),
                           kv.shape.max_tokens, cuda_graphs=cuda_graphs)
     built.warm_up()
     return built
 
 
 def one_turn(app: OmniLocal, text: str) -> Prompt:
-    return build_prompt([Message("user", [text])], app.loaded.processor)
+    return build_prompt([Message("user", [text])], app.backend.loaded.processor)
 
 
 def text_under_bucket(app: OmniLocal, sentence: str) -> str:
@@ -82,7 +83,7 @@ def pick(logits: torch.Tensor, banned: torch.Tensor) -> int:
 
 def generate(app: OmniLocal, prompt: Prompt, steps: int, banned: list[int]) -> list[int]:
     with torch.inference_mode():
-        output = app.loaded.model.thinker.generate(
+        output = app.backend.loaded.model.thinker.generate(
             **model_inputs(app, prompt), max_new_tokens=steps, do_sample=False, suppress_tokens=banned
         )
     return output[0, prompt.num_tokens :].tolist()
@@ -94,8 +95,8 @@ def test_graphed_decode_in_two_slots_across_a_bucket_boundary_matches_eager_and_
     # Past the first bucket's rows for both replies; the end of turn is banned so none stops early.
     steps = SMALLEST_BUCKET - min(p.num_tokens for p in prompts) + 16
     assert all(p.num_tokens < SMALLEST_BUCKET < p.num_tokens + steps - 2 for p in prompts)
-    banned = [*app.engine.suppressed_ids, *app.engine.eos_ids]
-    banned_ids = torch.tensor(banned, device=app.engine.runner.device)
+    banned = [*app.backend.engine.suppressed_ids, *app.backend.engine.eos_ids]
+    banned_ids = torch.tensor(banned, device=app.backend.engine.runner.device)
     graphed_runner, eager_runner = runner(app, cuda_graphs=True), runner(app, cuda_graphs=False)
     assert graphed_runner.decode_graphs is not None and eager_runner.decode_graphs is None
 
@@ -111,8 +112,8 @@ def test_three_chats_decoding_as_one_graphed_batch_give_the_tokens_each_gives_al
     # Three prompts of different lengths: a batch of three runs in the graphs of four, padded.
     prompts = [one_turn(app, text) for text in (STORY, SONG + SONG, text_under_bucket(app, STORY))]
     steps = SMALLEST_BUCKET - max(p.num_tokens for p in prompts) + 12  # the longest crosses a bucket
-    banned = [*app.engine.suppressed_ids, *app.engine.eos_ids]
-    banned_ids = torch.tensor(banned, device=app.engine.runner.device)
+    banned = [*app.backend.engine.suppressed_ids, *app.backend.engine.eos_ids]
+    banned_ids = torch.tensor(banned, device=app.backend.engine.runner.device)
     graphed = runner(app, cuda_graphs=True, slots=4)
     assert graphed.decode_graphs.batches == [1, 2, 4]
 
@@ -137,7 +138,7 @@ def replays(graphs: SlotGraphs) -> Iterator[list[tuple[int, int, int]]]:
 def test_chats_sent_at_once_through_the_engine_decode_as_one_batch_and_get_the_replies_of_generate(on_gpu):
     app = on_gpu
     texts = ["Tell me about lighthouses.", "What do fishermen sing?", "Describe the harbour at night."]
-    with replays(app.engine.runner.decode_graphs) as steps:
+    with replays(app.backend.engine.runner.decode_graphs) as steps:
         requests = [app.session().send(text, max_new_tokens=24) for text in texts]
         finals = [request.result() for request in requests]
     # Each turn prefills one of them, so the first two already decode together while the third starts.
@@ -159,7 +160,7 @@ def syncs_forbidden() -> Iterator[None]:
 
 
 def test_the_engine_queues_the_decode_steps_of_a_batch_without_ever_waiting_for_the_device(on_gpu, monkeypatch):
-    engine = on_gpu.engine
+    engine = on_gpu.backend.engine
     with syncs_forbidden(), pytest.raises(RuntimeError, match="synchronizing"):
         torch.ones(1, device=engine.runner.device).item()  # the check is live
     decode, batches, all_sent = engine._decode, [], threading.Event()
@@ -187,7 +188,7 @@ def test_the_engine_queues_the_decode_steps_of_a_batch_without_ever_waiting_for_
 
 def test_a_chats_second_turn_on_the_prefix_cache_matches_generate_with_graphs_on(on_gpu):
     app = on_gpu
-    with replays(app.engine.runner.prefill_graphs) as prefills:
+    with replays(app.backend.engine.runner.prefill_graphs) as prefills:
         session = app.session(system_prompt="You answer in one sentence.")
         for text in ["Tell me about lighthouses.", "And about the ships they guide?"]:
             before = list(session.history)
@@ -200,7 +201,7 @@ def test_a_chats_second_turn_on_the_prefix_cache_matches_generate_with_graphs_on
 def test_an_image_question_prefilled_by_a_graph_matches_generate(on_gpu):
     app = on_gpu
     parts = [picture(2), "What is in this picture?"]
-    with replays(app.engine.runner.prefill_graphs) as prefills:
+    with replays(app.backend.engine.runner.prefill_graphs) as prefills:
         final = app.session().send(parts[1], images=[parts[0]], max_new_tokens=24).result()
     n = final.tokens
     assert final.media.in_kv == 0, "the image must be in the prefill"
@@ -212,8 +213,8 @@ def test_a_spoken_reply_whose_talker_rows_cross_a_bucket_boundary_has_the_codes_
     speaking_graphed_and_eager,
 ):
     graphed, eager = speaking_graphed_and_eager
-    assert graphed.engine.speaker.runner.step_graphs is not None
-    assert eager.engine.speaker.runner.step_graphs is None
+    assert graphed.backend.engine.speaker.runner.step_graphs is not None
+    assert eager.backend.engine.speaker.runner.step_graphs is None
     text = text_under_bucket(graphed, STORY)
     sessions = [app.session() for app in (graphed, eager)]
     (final, frames, _, _), (_, eager_frames, _, _) = (

@@ -19,7 +19,8 @@ from samples import clip, picture
 from omni_local.api import OmniLocal
 from omni_local.cache.encoder_cache import BytesOnlyDisk
 from omni_local.cache.folders import keep_compiled_code_in
-from omni_local.prompts import Message, build_prompt
+from omni_local.api.messages import Message
+from omni_local.prompts import build_prompt
 
 REPO = Path(__file__).resolve().parent.parent
 NEW_TOKENS = 8
@@ -57,7 +58,7 @@ def counted(monkeypatch):
 
     def count(app: OmniLocal) -> dict[str, int]:
         counts.update(dict.fromkeys(counts, 0))  # from here on: the start-up warm-up is not a request
-        encoders = app.engine.runner.encoder.encoders
+        encoders = app.backend.engine.runner.encoder.encoders
         for name, method in (("vision", "images"), ("audio", "audio")):
             forward = getattr(encoders, method)
 
@@ -96,12 +97,12 @@ def test_a_hit_runs_no_preprocessing_and_no_encoder(settings, counted):
 
 def test_cached_outputs_are_bit_identical_to_a_fresh_encode(settings):
     with OmniLocal(settings) as app:
-        prompt = build_prompt([Message("user", [picture(8), clip(9), "What?"])], app.loaded.processor)
-        encoder = app.engine.runner.encoder
+        prompt = build_prompt([Message("user", [picture(8), clip(9), "What?"])], app.backend.loaded.processor)
+        encoder = app.backend.engine.runner.encoder
         fresh = encoder._encode(prompt.media)
         ask(app, "What?", images=[picture(8)], audio=[clip(9)])
         for item, expected in zip(prompt.media, fresh):
-            cached = app.engine.encoder_cache.get(item.digest)
+            cached = app.backend.engine.encoder_cache.get(item.digest)
             assert cached.keys() == expected.keys()
             assert all(torch.equal(cached[k], expected[k]) for k in expected)
 
@@ -117,7 +118,7 @@ settings, media = Settings(**json.loads(sys.argv[1])), json.loads(sys.argv[2])
 with OmniLocal(settings) as app:
     def refuse(*args, **kwargs):
         raise AssertionError("an encoder ran")
-    app.engine.runner.encoder.encoders.images = app.engine.runner.encoder.encoders.audio = refuse
+    app.backend.engine.runner.encoder.encoders.images = app.backend.engine.runner.encoder.encoders.audio = refuse
     reply = app.session("You look and listen.").send(
         "Again?", images=[picture(s) for s in media["images"]], audio=[clip(s) for s in media["audio"]],
         max_new_tokens=8,
@@ -240,7 +241,7 @@ def test_a_corrupt_database_file_turns_the_disk_tier_off_with_one_warning(settin
     with OmniLocal(settings.replace(encoder_cache=False)) as off:
         expected = ask(off, "What?", images=[picture(15)])
     with OmniLocal(settings) as app:
-        assert not app.engine.encoder_cache.disk_enabled
+        assert not app.backend.engine.encoder_cache.disk_enabled
         assert ask(app, "What?", images=[picture(15)]) == expected
         assert ask(app, "What?", images=[picture(15)]) == expected
     assert len([w for w in warnings_from(caplog) if "turned off" in w]) == 1
@@ -260,7 +261,7 @@ def test_a_disk_that_fills_up_turns_the_disk_tier_off_with_one_warning(settings,
                 pass
         assert ask(app, "What?", images=[picture(17)]) == expected[1]
         assert ask(app, "What?", images=[picture(18)]) == expected[2]
-        assert not app.engine.encoder_cache.disk_enabled
+        assert not app.backend.engine.encoder_cache.disk_enabled
     assert len([w for w in warnings_from(caplog) if "turned off" in w]) == 1
 
 
@@ -269,16 +270,16 @@ def test_a_read_only_folder_at_start_turns_the_disk_tier_off_with_one_warning(se
     with OmniLocal(settings.replace(encoder_cache=False)) as off:
         expected = ask(off, "What?", images=[picture(19)])
     with OmniLocal(settings.replace(cache_dir=str(mountable))) as app:
-        assert not app.engine.encoder_cache.disk_enabled
+        assert not app.backend.engine.encoder_cache.disk_enabled
         assert ask(app, "What?", images=[picture(19)]) == expected
     assert len([w for w in warnings_from(caplog) if "turned off" in w]) == 1
 
 
 def test_the_start_up_warm_up_leaves_nothing_in_any_cache(settings):
     with OmniLocal(settings.replace(prefix_cache=True)) as app:
-        assert app.engine.encoder_cache.memory_bytes == 0
-        assert app.engine.cache.entries == {}
-        assert app.engine.runner.kv.free_slots == app.engine.runner.kv.slots
+        assert app.backend.engine.encoder_cache.memory_bytes == 0
+        assert app.backend.engine.cache.entries == {}
+        assert app.backend.engine.runner.kv.free_slots == app.backend.engine.runner.kv.slots
 
 
 def test_a_cached_output_of_the_wrong_shape_is_not_used(settings, counted):
@@ -287,9 +288,9 @@ def test_a_cached_output_of_the_wrong_shape_is_not_used(settings, counted):
         expected = ask(off, "What?", images=[image])
     with OmniLocal(settings) as app:
         counts = counted(app)
-        digest = build_prompt([Message("user", [image, "What?"])], app.loaded.processor).media[0].digest
-        hidden = app.loaded.model.thinker.config.text_config.hidden_size
-        app.engine.encoder_cache.put(digest, {"embeds": torch.zeros(3, hidden), "grid": torch.tensor([1, 2, 6])})
+        digest = build_prompt([Message("user", [image, "What?"])], app.backend.loaded.processor).media[0].digest
+        hidden = app.backend.loaded.model.thinker.config.text_config.hidden_size
+        app.backend.engine.encoder_cache.put(digest, {"embeds": torch.zeros(3, hidden), "grid": torch.tensor([1, 2, 6])})
         assert ask(app, "What?", images=[image]) == expected
         assert counts["vision"] == 1
 
@@ -299,5 +300,5 @@ def test_with_compiled_encoders_the_app_answers_as_with_eager_ones(settings):
     with OmniLocal(settings.replace(encoder_cache=False)) as eager:
         expected = ask(eager, "What is this?", **media)
     with OmniLocal(settings.replace(encoder_cache=False, compile=True)) as compiled:
-        assert compiled.engine.runner.encoder.encoders.compiled
+        assert compiled.backend.engine.runner.encoder.encoders.compiled
         assert ask(compiled, "What is this?", **media) == expected

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from omni_local.api import OmniLocal
-from omni_local.engine.request import Finished, TextDelta
+from omni_local.api.events import Finished, TextDelta
 from omni_local.errors import RequestError
 from omni_local.model.loader import end_of_turn_ids
 
@@ -18,7 +18,7 @@ def gated_decode(app: OmniLocal, monkeypatch):
     """Replace the runner's decode with one that calls `gate(step)` before each decode step."""
 
     def install(gate):
-        original = app.engine.runner.decode
+        original = app.backend.engine.runner.decode
         calls = []
 
         def decode(*args, **kwargs):
@@ -26,14 +26,14 @@ def gated_decode(app: OmniLocal, monkeypatch):
             gate(len(calls))
             return original(*args, **kwargs)
 
-        monkeypatch.setattr(app.engine.runner, "decode", decode)
+        monkeypatch.setattr(app.backend.engine.runner, "decode", decode)
         return calls
 
     return install
 
 
 def no_entry_is_pinned(app: OmniLocal) -> bool:
-    return all(entry.pins == 0 for entry in app.engine.cache.entries.values())
+    return all(entry.pins == 0 for entry in app.backend.engine.cache.entries.values())
 
 
 def test_sampling_with_a_seed_is_reproducible_and_seeds_differ(app):
@@ -95,9 +95,9 @@ def test_a_request_cancelled_after_three_tokens_yields_no_more_and_the_next_is_s
 def test_the_step_queued_after_a_reply_ended_leaves_no_token_and_no_counted_kv_row(app, monkeypatch):
     # The host reads each step's token one step late: the step after the end of turn (reading it)
     # has run before the host knows the reply ended.
-    end_of_turn = end_of_turn_ids(app.loaded.processor)[0]
+    end_of_turn = end_of_turn_ids(app.backend.loaded.processor)[0]
     first_three = app.session().send(QUESTION, max_new_tokens=3).result().token_ids
-    original, rows = app.engine.runner.decode, []
+    original, rows = app.backend.engine.runner.decode, []
 
     def decode(slots, tokens, indices, rope_deltas):
         rows.append(indices[0])
@@ -106,7 +106,7 @@ def test_the_step_queued_after_a_reply_ended_leaves_no_token_and_no_counted_kv_r
             logits[:, end_of_turn] = logits.max() + 1  # decode step 3 chooses the end of turn
         return logits
 
-    monkeypatch.setattr(app.engine.runner, "decode", decode)
+    monkeypatch.setattr(app.backend.engine.runner, "decode", decode)
     session = app.session()
     final = session.send(QUESTION, max_new_tokens=20).result()
     prompt = final.tokens.prompt
@@ -131,11 +131,11 @@ def test_out_of_memory_fails_only_that_request(app, monkeypatch):
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    original = app.engine.runner.prefill
-    monkeypatch.setattr(app.engine.runner, "prefill", out_of_memory)
+    original = app.backend.engine.runner.prefill
+    monkeypatch.setattr(app.backend.engine.runner, "prefill", out_of_memory)
     with pytest.raises(RequestError, match="out of memory"):
         app.session().send(QUESTION).result()
-    monkeypatch.setattr(app.engine.runner, "prefill", original)
+    monkeypatch.setattr(app.backend.engine.runner, "prefill", original)
     assert app.session().send(QUESTION, max_new_tokens=4).result().tokens.generated == 4
     assert no_entry_is_pinned(app)  # the failed request let go of its slot
 
@@ -143,7 +143,7 @@ def test_out_of_memory_fails_only_that_request(app, monkeypatch):
 def test_requests_from_several_threads_are_all_served_and_match_their_lone_answers(demo_settings):
     two_slots = demo_settings.replace(gpu_cache_bytes=2 * demo_settings.max_context_tokens * 2048)
     with OmniLocal(two_slots) as app:
-        assert app.engine.runner.kv.slots == 2
+        assert app.backend.engine.runner.kv.slots == 2
         alone = app.session().send(QUESTION, max_new_tokens=10).result().token_ids
         results = [None] * 6
 
@@ -179,14 +179,14 @@ def test_closing_the_engine_ends_a_reply_still_streaming_with_a_clear_error(demo
     app = OmniLocal(demo_settings)
     started = threading.Event()
     release = threading.Event()
-    original = app.engine.runner.decode
+    original = app.backend.engine.runner.decode
 
     def slow_decode(*args, **kwargs):
         started.set()
         release.wait(timeout=20)
         return original(*args, **kwargs)
 
-    app.engine.runner.decode = slow_decode
+    app.backend.engine.runner.decode = slow_decode
     reply = app.session().send(QUESTION, max_new_tokens=50)
     assert started.wait(timeout=20)
     closer = threading.Thread(target=app.close)
@@ -211,8 +211,8 @@ def test_a_request_waiting_for_a_slot_is_not_matched_again_at_every_decode_step(
     one_slot = demo_settings.replace(gpu_cache_bytes=demo_settings.max_context_tokens * 2048)
     with OmniLocal(one_slot) as app:
         matched = []
-        match = app.engine.cache.match
-        app.engine.cache.match = lambda prompt: matched.append(prompt.num_tokens) or match(prompt)
+        match = app.backend.engine.cache.match
+        app.backend.engine.cache.match = lambda prompt: matched.append(prompt.num_tokens) or match(prompt)
         first = app.session().send(QUESTION, max_new_tokens=30)
         second = app.session().send("Another question entirely?", max_new_tokens=3)
         assert first.result().tokens.generated == 30 and second.result().tokens.generated == 3

@@ -8,10 +8,12 @@ import pytest
 
 from chats import written
 from samples import clip, picture
+from omni_local.metrics_line import metrics_line
 from omni_local.api import Finished, OmniLocal
 from omni_local.engine.context_window import fit_prompt, turns_to_leave_out
 from omni_local.errors import RequestError
-from omni_local.prompts import Message, build_prompt
+from omni_local.api.messages import Message
+from omni_local.prompts import build_prompt
 
 CONTEXT, LIMIT = 512, 448  # max_context_tokens, max_prompt_tokens: a quarter of the limit is 112 tokens
 SYSTEM = "You chat about the sea."
@@ -41,7 +43,7 @@ def test_a_chat_past_the_prompt_limit_keeps_answering_with_a_notice_of_the_turns
     assert left_out[0] == 0 and left_out[-1] > 0 and left_out == sorted(left_out)
     for on, _ in long_chat:
         assert on.tokens.prompt <= LIMIT
-        notice = re.search(r"(\d+) earlier turns? left out to fit 448 tokens", on.metrics_line())
+        notice = re.search(r"(\d+) earlier turns? left out to fit 448 tokens", metrics_line(on))
         assert (int(notice[1]) if notice else 0) == on.context.turns_left_out
 
 
@@ -74,12 +76,12 @@ def test_the_picture_of_a_turn_left_out_leaves_the_prompt_with_it(long_chat):
 def test_a_chat_whose_reply_filled_the_context_goes_on(small_apps):
     sessions = [app.session() for app in small_apps]
     full, full_off = (s.send("Count to one thousand.", max_new_tokens=CONTEXT).result() for s in sessions)
-    assert full.token_ids == full_off.token_ids and full.stop_reason == "context_full" and "context full" in full.metrics_line()
+    assert full.token_ids == full_off.token_ids and full.stop_reason == "context_full" and "context full" in metrics_line(full)
     assert full.context_used == full.context.size == CONTEXT  # the reply had all the room there was
     on, off = (s.send("And back again?", max_new_tokens=8).result() for s in sessions)
     assert on.context.turns_left_out == 1 and on.token_ids == off.token_ids
     assert on.tokens.prompt == build_prompt([Message("user", ["And back again?"])],
-                                            small_apps[0].loaded.processor).num_tokens
+                                            small_apps[0].backend.loaded.processor).num_tokens
 
 
 def test_a_message_that_is_over_the_limit_with_the_system_prompt_alone_is_a_clear_error(small_apps):

@@ -24,7 +24,8 @@ from omni_local.engine.engine import NOT_A_NUMBER
 from omni_local.engine.kv_store import GraphedSlotWriter, KVStore
 from omni_local.engine.thinker import ThinkerRunner
 from omni_local.errors import RequestError
-from omni_local.prompts import Message, build_prompt
+from omni_local.api.messages import Message
+from omni_local.prompts import build_prompt
 
 TOKEN_BYTES = 2 << 10  # the demo's KV per token (conftest)
 REPLY_TOKENS = 12
@@ -55,12 +56,12 @@ def full_replies(twins, monkeypatch):
     """Every reply runs to its last token: the demo model's can end at once, and an empty reply
     would agree with any other."""
     for app in twins:
-        monkeypatch.setattr(app.engine, "eos_ids", set())
+        monkeypatch.setattr(app.backend.engine, "eos_ids", set())
 
 
 def audio_encoder_gives_nan(app: OmniLocal):
     """Meanwhile, the audio encoder's outputs are NaN: a fault uploads can no longer cause."""
-    encoders = app.engine.runner.encoder.encoders
+    encoders = app.backend.engine.runner.encoder.encoders
     real = encoders.audio
     return patch.object(encoders, "audio", lambda *inputs: real(*inputs) * float("nan"))
 
@@ -97,7 +98,7 @@ def poison_then_chat(poisoned: OmniLocal, texts: list[str], sound: np.ndarray
                      ) -> tuple[str, int, list[int], list[list[int]]]:
     """The error of a turn asking about `sound` while the audio encoder gives NaN, the slot it held
     (checked zeroed once it failed), then the slots handed out and the replies of `clean_chats`."""
-    kv, session = poisoned.engine.runner.kv, poisoned.session()
+    kv, session = poisoned.backend.engine.runner.kv, poisoned.session()
     with slots_allocated(kv) as handed, audio_encoder_gives_nan(poisoned), pytest.raises(RequestError) as error:
         reply(poisoned, session, HEARD, audio=[sound])
     slot = handed[0]
@@ -122,7 +123,7 @@ def test_a_chat_whose_logits_are_not_numbers_fails_alone_and_every_chat_after_it
 
 def test_a_request_whose_logits_turn_to_nan_while_decoding_beside_another_fails_alone(twins, full_replies):
     poisoned, clean = twins
-    kv, runner = poisoned.engine.runner.kv, poisoned.engine.runner
+    kv, runner = poisoned.backend.engine.runner.kv, poisoned.backend.engine.runner
     real, batches = runner.decode, []
 
     def decode_turning_the_second_chat_nan(slots, *args):
@@ -151,9 +152,9 @@ def test_a_request_whose_logits_turn_to_nan_while_decoding_beside_another_fails_
 
 def test_a_scrubbed_slot_is_zeroed_and_its_sessions_entry_dropped_even_where_rows_start_uninitialised(twins):
     app = twins[0]
-    store = KVStore(app.engine.runner.kv.shape, slots=1, dtype=torch.float32, device=torch.device("cpu"))
+    store = KVStore(app.backend.engine.runner.kv.shape, slots=1, dtype=torch.float32, device=torch.device("cpu"))
     cache = PrefixCache(store, host_budget_bytes=0, enabled=True)
-    prompt = build_prompt([Message("user", ["Hello."])], app.loaded.processor)
+    prompt = build_prompt([Message("user", ["Hello."])], app.backend.loaded.processor)
     claim = cache.claim("chat", prompt, cache.match(prompt))
     for layer in store.keys + store.values:
         layer[claim.entry.slot].fill_(float("nan"))
@@ -179,7 +180,7 @@ def bucket_decode(runner: ThinkerRunner, store: KVStore, slot: int, text: str) -
 
 
 def test_a_slot_given_back_by_a_chat_whose_rows_are_not_numbers_reads_as_a_fresh_one_over_a_graphs_bucket(twins):
-    runner = twins[0].engine.runner
+    runner = twins[0].backend.engine.runner
     shape, dtype, device = runner.kv.shape, runner.dtype, runner.device
     handed_over, fresh = (KVStore(shape, 1, dtype, device, zeroed=True) for _ in range(2))
     slot = handed_over.allocate()
@@ -196,9 +197,9 @@ def test_a_slot_given_back_by_a_chat_whose_rows_are_not_numbers_reads_as_a_fresh
 @pytest.fixture
 def graphed_twins(twins):
     poisoned, clean = twins
-    if poisoned.engine.runner.device.type != "cuda":
+    if poisoned.backend.engine.runner.device.type != "cuda":
         pytest.skip("the demo model runs on the CPU: set OMNI_LOCAL_TEST_DEVICE=cuda")
-    assert all(app.engine.runner.decode_graphs is not None for app in twins), "CUDA graphs must be on"
+    assert all(app.backend.engine.runner.decode_graphs is not None for app in twins), "CUDA graphs must be on"
     return poisoned, clean
 
 
@@ -208,7 +209,7 @@ def test_with_cuda_graphs_a_poisoned_chat_leaves_every_chat_in_a_slot_after_it_e
 ):
     poisoned, clean = graphed_twins
 
-    runner = poisoned.engine.runner
+    runner = poisoned.backend.engine.runner
     with patch.object(runner.decode_graphs, "replay", wraps=runner.decode_graphs.replay) as decodes, \
             patch.object(runner.prefill_graphs, "replay", wraps=runner.prefill_graphs.replay) as prefills:
         message, slot, handed, replies = poison_then_chat(poisoned, GRAPHED_CHATS, clip(12))
@@ -224,9 +225,9 @@ def test_with_cuda_graphs_rows_past_a_chats_end_that_are_not_numbers_never_reach
     graphed_twins, full_replies
 ):
     poisoned, clean = graphed_twins
-    kv, session = poisoned.engine.runner.kv, poisoned.session()
+    kv, session = poisoned.backend.engine.runner.kv, poisoned.session()
     first = reply(poisoned, session, "Say something about the tide.")
-    entry = poisoned.engine.cache.entries[session.id]
+    entry = poisoned.backend.engine.cache.entries[session.id]
     # What a chat leaves past its end in its slot (garbage, here NaN), read masked by a graph's bucket.
     for layer in kv.keys + kv.values:
         layer[entry.slot, :, entry.length :].fill_(float("nan"))

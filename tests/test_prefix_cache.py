@@ -9,7 +9,8 @@ import pytest
 from chats import Chat, common_prefix, written
 from samples import clip, picture
 from omni_local.api import OmniLocal, Session
-from omni_local.prompts import Message, build_prompt
+from omni_local.api.messages import Message
+from omni_local.prompts import build_prompt
 
 TOKEN_BYTES = 2048  # the demo's KV per token: 4 layers x K and V x 2 heads x 32 x float32
 
@@ -17,7 +18,7 @@ TOKEN_BYTES = 2048  # the demo's KV per token: 4 layers x K and V x 2 heads x 32
 def ids_of(app: OmniLocal, session: Session, text: str, **media) -> list[int]:
     """The ids the next `send(text, **media)` of `session` will prompt with."""
     parts = [*media.get("images", []), *media.get("audio", []), text]
-    return build_prompt([*session.history, Message("user", parts)], app.loaded.processor).input_ids[0].tolist()
+    return build_prompt([*session.history, Message("user", parts)], app.backend.loaded.processor).input_ids[0].tolist()
 
 
 @pytest.mark.parametrize("kind", ["images", "audio"])
@@ -29,7 +30,7 @@ def test_the_same_medium_with_a_new_question_computes_only_the_new_question(apps
     before = ids_of(apps[0], apps[0].session("You look and listen."), "What is this?", **media)
     final = second.send("What stands out?", **media)
     assert final.tokens.computed == len(ids) - common_prefix(ids, before)
-    medium_end = build_prompt(second.cached.history[:2], apps[0].loaded.processor).media[0].end
+    medium_end = build_prompt(second.cached.history[:2], apps[0].backend.loaded.processor).media[0].end
     assert final.tokens.reused_gpu > medium_end  # the medium's tokens came from the cache
 
 
@@ -55,7 +56,7 @@ def test_a_resend_whose_cached_prefix_ends_just_before_an_image_starts_the_tail_
     second = Chat(apps, "You compare pictures.")
     other = picture(5)  # same size, other pixels: same placeholder ids, other digest
     final = second.send("What is this?", images=[other])
-    prompt = build_prompt([*second.cached.history[:1], *second.cached.history[1:2]], apps[0].loaded.processor)
+    prompt = build_prompt([*second.cached.history[:1], *second.cached.history[1:2]], apps[0].backend.loaded.processor)
     image_start = prompt.media[0].start
     assert final.tokens.computed == final.tokens.prompt - image_start
 
@@ -112,7 +113,7 @@ def test_a_session_resumes_from_host_memory_after_its_entry_moved_there(small_ap
     first = a.send("Tell me about apples.")
     Chat((with_host, uncached), "Session B talks about bread.").send("Tell me about bread.")
     Chat((with_host, uncached), "Session C talks about cheese.").send("Tell me about cheese.")
-    entry = with_host.engine.cache.entries[a.cached.id]
+    entry = with_host.backend.engine.cache.entries[a.cached.id]
     assert entry.slot is None and entry.host is not None  # moved off the device to make room
     final = a.send("And green ones?")
     assert final.tokens.reused_host == written(first)
@@ -127,7 +128,7 @@ def test_a_session_recomputes_correctly_after_everything_was_evicted(small_apps)
     b.send("Tell me about bread.")
     c = Chat((without_host, uncached), "Session C: cheese only.")
     c.send("Tell me about cheese.")
-    assert a.cached.id not in without_host.engine.cache.entries  # dropped: no host memory
+    assert a.cached.id not in without_host.backend.engine.cache.entries  # dropped: no host memory
     ids = ids_of(without_host, a.cached, "And green ones?")
     shared = max(common_prefix(ids, ids_of(without_host, other.cached, "")) for other in (b, c))
     final = a.send("And green ones?")
@@ -141,7 +142,7 @@ def test_200_requests_over_20_sessions_stay_within_both_budgets_and_leave_nothin
     settings = demo_settings.replace(gpu_cache_bytes=gpu_budget, host_cache_bytes=host_budget)
     rng = random.Random(0)
     with OmniLocal(settings) as app:
-        cache, kv = app.engine.cache, app.engine.runner.kv
+        cache, kv = app.backend.engine.cache, app.backend.engine.runner.kv
         sessions = [app.session(f"Session {i} is about topic {i}.") for i in range(20)]
         for n in range(200):
             session = rng.choice(sessions)
@@ -169,15 +170,15 @@ def test_the_same_picture_as_png_and_as_lossless_webp_hits_one_entry_but_a_chang
     assert same.tokens.computed == 1
     other = Chat(apps, "You look closely.")
     final = other.send("What is this?", images=[tmp_path / "c.png"])
-    start = build_prompt(other.cached.history[:2], apps[0].loaded.processor).media[0].start
+    start = build_prompt(other.cached.history[:2], apps[0].backend.loaded.processor).media[0].start
     assert final.tokens.computed == final.tokens.prompt - start
 
 
 def test_with_the_cache_off_nothing_is_kept(apps):
     _, uncached = apps
     Chat(apps).send("Anything kept?")
-    assert uncached.engine.cache.entries == {}
-    assert uncached.engine.runner.kv.free_slots == uncached.engine.runner.kv.slots
+    assert uncached.backend.engine.cache.entries == {}
+    assert uncached.backend.engine.runner.kv.free_slots == uncached.backend.engine.runner.kv.slots
 
 
 def test_bytes_of_a_png_are_decoded_before_keying(apps):

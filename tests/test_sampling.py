@@ -11,8 +11,9 @@ import torch
 from transformers import RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
 
 from omni_local.engine.sampling import (
-    Sampler, SamplingParams, SamplingRows, SlotSampler, _filtered, _penalize_repeats, _uniform,
+    Sampler, SamplingRows, SlotSampler, _filtered, _penalize_repeats, _uniform,
 )
+from omni_local.api.params import SamplingParams
 from omni_local.errors import RequestError
 
 CPU = torch.device("cpu")

@@ -10,11 +10,13 @@ import torch
 from chats import SpokenChat, written
 from replies import GREEDY, NEW_TOKENS, media, send, transformers_speech
 from samples import clip, picture
+from omni_local.metrics_line import metrics_line
 from omni_local.api import AudioChunk, OmniLocal
 from omni_local.engine.talker import OPENING_ROWS
 from omni_local.engine.vocoder import AudioStream, Vocoder
 from omni_local.errors import RequestError
-from omni_local.prompts import Message, build_prompt
+from omni_local.api.messages import Message
+from omni_local.prompts import build_prompt
 
 SPEECH_SECONDS = 2.0  # 25 frames: every reply here is cut there (the demo's random Talker rarely ends)
 
@@ -53,13 +55,13 @@ def test_spoken_replies_have_the_codes_and_audio_of_transformers_generate(speaki
     # equals one decode of all the codes to float rounding; the chunking's own error is measured below.
     # On a GPU that rounding is coarser: cuDNN convolutions run in TF32 and choose their algorithm by
     # length (measured up to 1.4e-5 on an H200, peaks about 0.05).
-    whole = one_decode(app.loaded.model.code2wav, codes)
+    whole = one_decode(app.backend.loaded.model.code2wav, codes)
     assert audio.shape == whole.shape
-    np.testing.assert_allclose(audio, whole, atol=1e-6 if app.loaded.device.type == "cpu" else 5e-5)
+    np.testing.assert_allclose(audio, whole, atol=1e-6 if app.backend.loaded.device.type == "cpu" else 5e-5)
 
 
 def test_chunks_with_less_left_context_than_the_reply_stay_close_to_one_decode(speaking_apps):
-    code2wav = speaking_apps[0].loaded.model.code2wav
+    code2wav = speaking_apps[0].backend.loaded.model.code2wav
     frames = torch.randint(0, 64, (120, 4), generator=torch.Generator().manual_seed(0)).tolist()
     vocoder, stream = Vocoder(code2wav, first_chunk=2, chunk=10, left_context=25), AudioStream()
     chunks = []
@@ -82,10 +84,10 @@ def test_chunks_with_less_left_context_than_the_reply_stay_close_to_one_decode(s
 def test_a_chunk_padded_on_the_right_decodes_to_the_samples_of_the_chunk_alone(speaking_apps):
     """What lets a CUDA graph of a longer chunk decode a shorter one: Code2Wav is causal up to its
     right edge, so frames after a chunk change none of its samples, only add their own."""
-    code2wav = speaking_apps[0].loaded.model.code2wav
+    code2wav = speaking_apps[0].backend.loaded.model.code2wav
     frames_per_graph, per_frame = 35, int(code2wav.total_upsample)
     codes = torch.randint(0, code2wav.config.codebook_size, (1, code2wav.config.num_quantizers, frames_per_graph),
-                          generator=torch.Generator().manual_seed(1)).to(speaking_apps[0].loaded.device)
+                          generator=torch.Generator().manual_seed(1)).to(speaking_apps[0].backend.loaded.device)
     with torch.inference_mode():
         for frames in (1, 2, 13, 34):
             alone = code2wav(codes[..., :frames])
@@ -101,7 +103,7 @@ def test_a_chunk_padded_on_the_right_decodes_to_the_samples_of_the_chunk_alone(s
 
 
 def test_every_chunk_of_a_stream_fits_a_length_graphs_are_captured_for(speaking_apps):
-    code2wav = speaking_apps[0].loaded.model.code2wav
+    code2wav = speaking_apps[0].backend.loaded.model.code2wav
     vocoder, stream = Vocoder(code2wav, first_chunk=2, chunk=10, left_context=25), AudioStream()
     decode, lengths = vocoder.code2wav, []
 
@@ -126,7 +128,7 @@ def test_the_first_audio_arrives_while_the_text_is_still_streaming(speaking_apps
     last_text = len(order) - 1 - order[::-1].index("T")
     assert order.index("A") < last_text
     assert final.speech.first_audio_s > 0 and final.speech.audio_s == pytest.approx(audio.size / 24_000)
-    assert final.speech.real_time_factor > 0 and "real-time factor" in final.metrics_line()
+    assert final.speech.real_time_factor > 0 and "real-time factor" in metrics_line(final)
 
 
 def test_a_voice_chat_turn_2_computes_only_its_new_tokens_and_says_the_same(speaking_apps):
@@ -144,7 +146,7 @@ def test_a_spoken_answer_to_a_known_medium_reuses_it_and_says_the_same(speaking_
     SpokenChat(speaking_apps, "You look and listen.").send("What is this?", **medium)
     final = SpokenChat(speaking_apps, "You look and listen.").send("Tell me more.", **medium)
     prompt = build_prompt([Message("system", ["You look and listen."]),
-                           Message("user", [*medium[kind], "Tell me more."])], speaking_apps[0].loaded.processor)
+                           Message("user", [*medium[kind], "Tell me more."])], speaking_apps[0].backend.loaded.processor)
     assert final.tokens.reused_gpu >= prompt.media[0].end  # the medium came from the cache, Talker rows too
 
 
@@ -169,7 +171,7 @@ def test_a_text_turn_then_a_spoken_turn_reads_the_rows_the_text_turn_cached(spea
 
 def test_cancel_stops_text_and_speech_at_once_and_sends_only_whole_chunks(speaking_apps, monkeypatch):
     app = speaking_apps[0]
-    speaker, held = app.engine.speaker, {}
+    speaker, held = app.backend.engine.speaker, {}
     step = speaker.step
 
     def step_then_cancel(*args):
@@ -188,7 +190,7 @@ def test_cancel_stops_text_and_speech_at_once_and_sends_only_whole_chunks(speaki
     assert final.stop_reason == "cancelled" and final.tokens.generated < NEW_TOKENS
     assert len(chunks) == 1 and final.speech.frames == len(chunks[0].frames)  # no frame after the cancel
     # The chunk is the audio of whole frames: exactly what those frames decode to, nothing cut.
-    whole = one_decode(app.loaded.model.code2wav, torch.tensor(chunks[0].frames).T)
+    whole = one_decode(app.backend.loaded.model.code2wav, torch.tensor(chunks[0].frames).T)
     assert reply.audio.shape == whole.shape
     monkeypatch.undo()
     again, frames, _, _ = send(app, app.session(), "Are you there?")

@@ -6,7 +6,8 @@ import torch
 from replies import NEW_TOKENS, media, model_inputs, reference_tokens
 from samples import clip, picture
 from omni_local.api import OmniLocal
-from omni_local.prompts import Message, build_prompt
+from omni_local.api.messages import Message
+from omni_local.prompts import build_prompt
 
 CASES = {
     "text": lambda: ["Tell me a story about a lighthouse keeper."],
@@ -43,13 +44,13 @@ def test_a_three_turn_conversation_matches_transformers_generate_at_every_turn(a
 
 def test_greedy_with_a_repetition_penalty_matches_transformers_generate(app):
     messages = [Message("user", ["Tell me a story about a lighthouse keeper."])]
-    prompt = build_prompt(messages, app.loaded.processor)
+    prompt = build_prompt(messages, app.backend.loaded.processor)
     with torch.inference_mode():
-        output = app.loaded.model.thinker.generate(
+        output = app.backend.loaded.model.thinker.generate(
             **model_inputs(app, prompt), max_new_tokens=NEW_TOKENS, do_sample=False, repetition_penalty=1.3,
-            suppress_tokens=app.engine.suppressed_ids,
+            suppress_tokens=app.backend.engine.suppressed_ids,
         )
-    expected = [t for t in output[0, prompt.num_tokens :].tolist() if t not in app.engine.eos_ids]
+    expected = [t for t in output[0, prompt.num_tokens :].tolist() if t not in app.backend.engine.eos_ids]
     final = app.session().send(messages[0].text, max_new_tokens=NEW_TOKENS, repetition_penalty=1.3).result()
     assert final.token_ids == expected
 
@@ -64,8 +65,8 @@ def test_an_image_prefill_given_its_deepstack_features_dense_computes_what_the_m
 
 
 def _dense_and_masked_prefills_agree(app: OmniLocal) -> None:
-    runner = app.engine.runner
-    prompt = build_prompt([Message("user", [picture(1), "What is in this picture?"])], app.loaded.processor)
+    runner = app.backend.engine.runner
+    prompt = build_prompt([Message("user", [picture(1), "What is in this picture?"])], app.backend.loaded.processor)
     prepared = runner.prepare(prompt, 0, remember=False)
     assert prepared.deepstack is not None
     slots = [runner.kv.allocate() for _ in range(2)]

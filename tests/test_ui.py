@@ -27,7 +27,7 @@ from chats import written_tokens
 from samples import video_file, wait_for
 from served_app import free_port, running_app
 from omni_local.media import load_image
-from omni_local.prompts import Message
+from omni_local.api.messages import Message
 from omni_local.ui.history import ERROR_TITLE, to_messages
 
 METRICS = re.compile(
@@ -223,10 +223,10 @@ def test_stopping_a_reply_stops_the_engine_not_only_the_page(demo_settings, demo
 
     with OmniLocal(demo_settings.replace(max_new_tokens=900)) as app:
         stops = []
-        finish, decode = app.engine._finish, app.engine.runner.decode
-        app.engine._finish = lambda request, reason: stops.append(reason) or finish(request, reason)
-        app.engine.runner.decode = lambda *a, **k: time.sleep(0.01) or decode(*a, **k)  # a reply of seconds
-        app.engine.eos_ids = set()  # and one that does not end on its own
+        finish, decode = app.backend.engine._finish, app.backend.engine.runner.decode
+        app.backend.engine._finish = lambda request, reason: stops.append(reason) or finish(request, reason)
+        app.backend.engine.runner.decode = lambda *a, **k: time.sleep(0.01) or decode(*a, **k)  # a reply of seconds
+        app.backend.engine.eos_ids = set()  # and one that does not end on its own
         ui = build_ui(app)
         port = free_port()
         ui.launch(server_port=port, prevent_thread_lock=True)

@@ -11,12 +11,14 @@ from PIL import Image
 
 from chats import Chat, common_prefix, written
 from samples import clip, picture, video_file
+from omni_local.metrics_line import metrics_line
 from omni_local.api import OmniLocal
 from omni_local.errors import MediaError
 from omni_local.media.limits import MediaLimits
 from omni_local.media.video import Video, load_video
 from omni_local.model import workarounds
-from omni_local.prompts import Message, build_prompt, video_grid
+from omni_local.api.messages import Message
+from omni_local.prompts import build_prompt, video_grid
 
 NEW_TOKENS = 12
 QUESTION = "What happens in this video?"
@@ -28,7 +30,7 @@ def transformers_reply(
 ) -> tuple[torch.Tensor, list[int]]:
     """The prompt ids and greedy reply of transformers' own processor and `generate` (the video's
     sound track loaded as its audio, `use_audio_in_video`)."""
-    processor = app.loaded.processor
+    processor = app.backend.loaded.processor
     text = processor.apply_chat_template([{"role": "user", "content": text_parts}], tokenize=False,
                                          add_generation_prompt=True)
     videos = [p for m in messages for p in m.videos()]
@@ -41,9 +43,9 @@ def transformers_reply(
                        videos_kwargs={"fps": videos[0].fps, "do_sample_frames": False}, return_tensors="pt")
     inputs.pop("num_audio_tokens", None)
     with torch.inference_mode():
-        output = app.loaded.model.thinker.generate(**inputs, use_audio_in_video=True, max_new_tokens=NEW_TOKENS,
-                                                   do_sample=False, suppress_tokens=app.engine.suppressed_ids)
-    reply = [t for t in output[0, inputs["input_ids"].shape[1]:].tolist() if t not in app.engine.eos_ids]
+        output = app.backend.loaded.model.thinker.generate(**inputs, use_audio_in_video=True, max_new_tokens=NEW_TOKENS,
+                                                   do_sample=False, suppress_tokens=app.backend.engine.suppressed_ids)
+    reply = [t for t in output[0, inputs["input_ids"].shape[1]:].tolist() if t not in app.backend.engine.eos_ids]
     return inputs["input_ids"], reply
 
 
@@ -64,7 +66,7 @@ def test_a_video_question_has_the_prompt_and_reply_of_transformers(apps, case):
     parts, blocks = CASES[case](app)
     messages = [Message("user", [*parts, QUESTION])]
     ids, expected = transformers_reply(app, messages, [*blocks, {"type": "text", "text": QUESTION}])
-    assert torch.equal(build_prompt(messages, app.loaded.processor).input_ids, ids)
+    assert torch.equal(build_prompt(messages, app.backend.loaded.processor).input_ids, ids)
     videos = [p for p in parts if isinstance(p, Video)]
     images = [p for p in parts if isinstance(p, Image.Image)]
     audio = [p for p in parts if isinstance(p, np.ndarray)]
@@ -97,9 +99,9 @@ def test_the_same_video_with_a_new_question_computes_only_the_new_question(apps)
     Chat(apps, SYSTEM, NEW_TOKENS).send(QUESTION, videos=[video])
     chat = Chat(apps, SYSTEM, NEW_TOKENS)
     before = build_prompt([Message("system", [SYSTEM]), Message("user", [video, QUESTION])],
-                          apps[0].loaded.processor)
+                          apps[0].backend.loaded.processor)
     ids = build_prompt([Message("system", [SYSTEM]), Message("user", [video, "Who is in it?"])],
-                       apps[0].loaded.processor)
+                       apps[0].backend.loaded.processor)
     final = chat.send("Who is in it?", videos=[video])
     shared = common_prefix(before.input_ids[0].tolist(), ids.input_ids[0].tolist())
     assert final.tokens.computed == ids.num_tokens - shared
@@ -119,7 +121,7 @@ def test_a_known_video_skips_its_encoders(apps, monkeypatch):
     app = apps[0]
     video = app.read_video(video_file(10))
     app.session().send(QUESTION, videos=[video], max_new_tokens=2).result()
-    encoders = app.engine.runner.encoder.encoders
+    encoders = app.backend.engine.runner.encoder.encoders
     calls = []
     monkeypatch.setattr(encoders, "images", lambda *a: calls.append("frames"))
     monkeypatch.setattr(encoders, "audio", lambda *a: calls.append("sound"))
@@ -128,7 +130,7 @@ def test_a_known_video_skips_its_encoders(apps, monkeypatch):
     final = app.session("Another chat.").send("Describe it.", videos=[video], max_new_tokens=2).result()
     assert calls == []
     assert (final.media.encoded, final.media.from_cache) == (0, 1)
-    assert "1 from the encoder cache" in final.metrics_line()
+    assert "1 from the encoder cache" in metrics_line(final)
 
 
 LIMITS = MediaLimits(max_upload_bytes=50 << 20, max_image_pixels=96 * 64, max_audio_seconds=300, max_video_seconds=3.0)

@@ -69,8 +69,8 @@ def test_a_chunk_longer_than_every_graph_is_a_clear_error(code2wav):
 
 def test_a_spoken_reply_with_graphs_on_has_the_frames_and_audio_of_eager(speaking_graphed_and_eager):
     graphed, eager = speaking_graphed_and_eager
-    assert graphed.engine.speaker.vocoder.graphs is not None
-    assert eager.engine.speaker.vocoder.graphs is None
+    assert graphed.backend.engine.speaker.vocoder.graphs is not None
+    assert eager.backend.engine.speaker.vocoder.graphs is None
     (final, frames, audio, _), (_, eager_frames, eager_audio, _) = (
         send(app, app.session(), "Tell me a story about a lighthouse keeper.", voice="Chelsie")
         for app in (graphed, eager)

@@ -48,7 +48,7 @@ from omni_local.bench.common import bench_parser, medians, settings_and_model, s
 from omni_local.bench.scenarios import Scenario, opened, question, scenarios, send, spoken_scenarios, video_scenarios
 from omni_local.bench.transformers_baseline import transformers_run
 from omni_local.model.workarounds import video_supported
-from omni_local.prompts import Message
+from omni_local.api.messages import Message
 
 # A row's label, the app it runs on, and how one run is timed (engine_run or transformers_run).
 System = tuple[str, OmniLocal, Callable[[OmniLocal, Scenario, int, int], dict[str, float]]]
@@ -69,7 +69,7 @@ def engine_run(app: OmniLocal, scenario: Scenario, run: int, new_tokens: int, re
     if not scenario.restart:
         return _timed_turn(app, scenario, run, new_tokens, reading_s)
     start = synced_now()
-    with OmniLocal(app.settings, loaded=app.loaded) as restarted:
+    with OmniLocal(app.settings, loaded=app.backend.loaded) as restarted:
         start_up_s = synced_now() - start
         return _timed_turn(restarted, scenario, run, new_tokens, reading_s) | {"start_up_ms": start_up_s * 1e3}
 
@@ -126,9 +126,9 @@ def main() -> None:
 
 
 def _available(app: OmniLocal) -> list[Scenario]:
-    return (scenarios(app.loaded.processor.tokenizer)
-            + (video_scenarios() if video_supported(app.loaded.processor) else [])
-            + (spoken_scenarios() if app.engine.speaker else []))
+    return (scenarios(app.backend.loaded.processor.tokenizer)
+            + (video_scenarios() if video_supported(app.backend.loaded.processor) else [])
+            + (spoken_scenarios() if app.backend.engine.speaker else []))
 
 
 def _rows(scenario: Scenario, systems: tuple[System, ...], args: argparse.Namespace) -> Iterator[dict]:
@@ -142,18 +142,18 @@ def _rows(scenario: Scenario, systems: tuple[System, ...], args: argparse.Namesp
 
 
 def _warn_if_few_slots(app: OmniLocal, chosen: list[Scenario]) -> None:
-    most, slots = max((s.concurrency for s in chosen), default=1), app.engine.runner.kv.slots
+    most, slots = max((s.concurrency for s in chosen), default=1), app.backend.engine.runner.kv.slots
     if most > slots:
         print(f"note: {slots} KV slots for {most} concurrent chats, so some wait for a slot "
               "(raise --gpu-cache-bytes)", file=sys.stderr)
 
 
 def _environment(app: OmniLocal, args: argparse.Namespace) -> dict[str, str]:
-    device = app.loaded.device
+    device = app.backend.loaded.device
     return {
         "model": str(args.random_weights or "demo") + (" (random weights)" if args.random_weights else ""),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "dtype": str(app.loaded.dtype).removeprefix("torch."),
+        "dtype": str(app.backend.loaded.dtype).removeprefix("torch."),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "attention": app.settings.attn_implementation,

@@ -40,7 +40,7 @@ def main() -> None:
     args = parser.parse_args()
     settings, loaded = settings_and_model(args)
     with OmniLocal(settings, loaded=loaded) as app:
-        runner = app.engine.runner
+        runner = app.backend.engine.runner
         # The engine's worker is idle: the slots it does not hold are ours for the steps.
         batches = [b for b in BATCHES if b <= runner.kv.free_slots]
         contexts = [c for c in CONTEXTS if c <= runner.kv.shape.max_tokens]

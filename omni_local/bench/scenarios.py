@@ -11,7 +11,7 @@ from PIL import Image
 
 from omni_local.api import OmniLocal, Reply, Session
 from omni_local.media.video import Video
-from omni_local.prompts import Message
+from omni_local.api.messages import Message
 
 SYSTEM = (
     "You are a helpful assistant who looks carefully at pictures and listens to sounds, then answers "

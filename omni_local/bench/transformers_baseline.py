@@ -18,7 +18,7 @@ def transformers_run(app: OmniLocal, scenario: Scenario, run: int, new_tokens: i
     requests run one after another, each waiting for the whole replies before it."""
     histories = [opened(app, scenario, run, chat, new_tokens, speak=False).history
                  for chat in range(scenario.concurrency)]
-    prompts = [build_prompt([*history, question(scenario, run)], app.loaded.processor) for history in histories]
+    prompts = [build_prompt([*history, question(scenario, run)], app.backend.loaded.processor) for history in histories]
     if scenario.speak:
         return _transformers_speech(app, _inputs(app, prompts[0]), prompts[0].num_tokens, new_tokens)
     samples, queued_s = [], 0.0
@@ -31,8 +31,8 @@ def transformers_run(app: OmniLocal, scenario: Scenario, run: int, new_tokens: i
 
 
 def _inputs(app: OmniLocal, prompt: Prompt) -> dict:
-    return {k: v.to(app.loaded.device) if isinstance(v, torch.Tensor) else v
-            for k, v in prompt.model_inputs(app.loaded.processor).items()}
+    return {k: v.to(app.backend.loaded.device) if isinstance(v, torch.Tensor) else v
+            for k, v in prompt.model_inputs(app.backend.loaded.processor).items()}
 
 
 class _TokenClock(BaseStreamer):
@@ -54,7 +54,7 @@ def _timed_generate(app: OmniLocal, inputs: dict, tokens: int) -> tuple[float, f
     clock = _TokenClock()
     start = synced_now()
     with torch.inference_mode():
-        app.loaded.model.thinker.generate(**inputs, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+        app.backend.loaded.model.thinker.generate(**inputs, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
                                           streamer=clock)
     whole = synced_now() - start
     first, last = clock.times[1], clock.times[-1]
@@ -65,12 +65,12 @@ def _timed_generate(app: OmniLocal, inputs: dict, tokens: int) -> tuple[float, f
 def _transformers_speech(app: OmniLocal, inputs: dict, prompt_tokens: int, new_tokens: int) -> dict[str, float]:
     """`generate(return_audio=True)` with as many text tokens and codec frames as our replies may have:
     its first audio is its whole run, since nothing streams."""
-    frames = app.engine.speaker.max_frames
+    frames = app.backend.engine.speaker.max_frames
     audio = []
 
     def generate() -> None:
         with torch.inference_mode():
-            _, wav = app.loaded.model.generate(
+            _, wav = app.backend.loaded.model.generate(
                 **inputs, thinker_max_new_tokens=new_tokens, thinker_min_new_tokens=new_tokens,
                 thinker_do_sample=False, talker_max_new_tokens=frames + 1, talker_min_new_tokens=frames + 1,
             )

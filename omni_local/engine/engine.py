@@ -37,6 +37,9 @@ from typing import TypeVar
 
 import torch
 
+from omni_local.api.events import AudioChunk, ContextUse, Finished, StopReason, TextDelta
+from omni_local.api.messages import Message
+from omni_local.api.params import SamplingParams, SpeechParams
 from omni_local.cache.encoder_cache import EncoderCache, encoder_namespace
 from omni_local.cache.folders import keep_compiled_code_in
 from omni_local.cache.prefix_cache import PrefixCache
@@ -45,14 +48,13 @@ from omni_local.engine.detokenizer import IncrementalDetokenizer
 from omni_local.engine.encoders import Encoders
 from omni_local.engine.host_copies import Readback
 from omni_local.engine.media_encoder import MediaEncoder
-from omni_local.engine.request import AudioChunk, ContextUse, Failed, Finished, Request, StopReason, TextDelta
-from omni_local.engine.sampling import SamplingParams, SlotSampler
-from omni_local.engine.speech import Speaker, SpeechParams
+from omni_local.engine.request import Failed, Request
+from omni_local.engine.sampling import SlotSampler
+from omni_local.engine.speech import Speaker
 from omni_local.engine.talker import TalkerRows
 from omni_local.engine.thinker import ThinkerRunner
 from omni_local.errors import OmniLocalError, RequestError
 from omni_local.model.loader import LoadedModel, media_markup_token_ids, thinker_eos_token_ids
-from omni_local.prompts import Message
 from omni_local.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -10,59 +10,16 @@ a value back from the device: the Thinker's decode steps hand their tokens to th
 and the engine reads them one step late.
 """
 
-import math
-import numbers
-import reprlib
 from dataclasses import dataclass, fields
 from typing import TypeVar
 
 import torch
 
+from omni_local.api.params import SamplingParams
 from omni_local.engine.host_copies import to_device
-from omni_local.errors import RequestError
 
 _LOW32 = 0xFFFFFFFF
-_WHOLE = {"max_new_tokens", "top_k", "seed"}
 T = TypeVar("T", int, torch.Tensor)
-# Below this a temperature divides the scores past float32's range (every positive one infinite,
-# and the draw then picks the lowest such id): values that small are refused; 0 is greedy.
-MIN_TEMPERATURE = 1e-3
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int = 512
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0: no limit
-    repetition_penalty: float = 1.0
-    seed: int | None = None  # None: a fresh random seed, reported in the result
-
-    def __post_init__(self) -> None:
-        for field in fields(self):
-            value = getattr(self, field.name)
-            if field.name != "seed" or value is not None:  # no seed: a fresh one
-                object.__setattr__(self, field.name, _number(field.name, value, whole=field.name in _WHOLE))
-        # The ranges hold for the values as the device keeps them, in float32, where 1e39 is infinite
-        # and 1e-50 is 0. A NaN fails every comparison.
-        temperature, top_p, penalty = torch.tensor(
-            [self.temperature, self.top_p, self.repetition_penalty], dtype=torch.float32
-        ).tolist()
-        checks = [
-            (self.max_new_tokens >= 1, "max_new_tokens must be at least 1"),
-            (temperature == 0 or MIN_TEMPERATURE <= temperature < math.inf,
-             f"temperature must be 0 (greedy) or a finite number of at least {MIN_TEMPERATURE}"),
-            (0 < top_p <= 1, "top_p must be in (0, 1]"),
-            (self.top_k >= 0, "top_k must be 0 (off) or more"),
-            (0 < penalty < math.inf, "repetition_penalty must be a finite number above 0"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise RequestError(message)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
 
 
 @dataclass(frozen=True)
@@ -179,14 +136,6 @@ class Sampler:
         token = self._table.sample(logits[None], self._table.batch([0], [self._chosen]))
         self._chosen += 1
         return int(token[0])
-
-
-def _number(name: str, value: object, whole: bool) -> int | float:
-    """`value` as a plain int (`whole`) or float; a string, a bool or a fraction where a whole
-    number belongs is refused."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral if whole else numbers.Real):
-        raise RequestError(f"{name} must be {'a whole number' if whole else 'a number'}, not {reprlib.repr(value)}")
-    return int(value) if whole else float(value)
 
 
 def _penalize_repeats(scores: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:

@@ -19,47 +19,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from omni_local.api.events import SpeechReport
+from omni_local.api.params import SamplingParams, SpeechParams
 from omni_local.cache.prefix_cache import Claim, Match, PrefixCache, common_prefix
 from omni_local.engine.kv_store import KVStore
-from omni_local.engine.sampling import Sampler, SamplingParams
+from omni_local.engine.sampling import Sampler
 from omni_local.engine.talker import OPENING_ROWS, TalkerPrompt, TalkerRunner, user_positions
 from omni_local.engine.vocoder import SAMPLE_RATE, AudioStream, Vocoder
 from omni_local.prompts import Prompt
 from omni_local.settings import Settings
-
-
-@dataclass(frozen=True)
-class SpeechParams:
-    """A request for a spoken reply. The Talker samples as Qwen's defaults do; temperature 0 makes
-    the Talker and its code predictor greedy."""
-
-    voice: str
-    temperature: float = 0.9
-    top_k: int = 50
-    top_p: float = 1.0
-    repetition_penalty: float = 1.05
-
-    def __post_init__(self) -> None:
-        self.talker_sampling()  # a bad value is a RequestError now, not in the engine
-
-    def talker_sampling(self) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                              repetition_penalty=self.repetition_penalty)
-
-    def predictor_sampling(self) -> SamplingParams:
-        # What transformers' Talker passes its code predictor when sampling.
-        return SamplingParams() if self.temperature == 0 else SamplingParams(temperature=1.0, top_k=50, top_p=0.8)
-
-
-@dataclass(frozen=True)
-class SpeechReport:
-    voice: str
-    frames: int  # codec frames, 80 ms of audio each
-    audio_s: float
-    first_audio_s: float  # submit until the first audio chunk
-    real_time_factor: float  # submit until the last chunk, over the audio's duration
-    talker_prompt: int  # rows of the Talker's prompt
-    talker_reused: int  # ... whose KV came from the session's earlier spoken turn
 
 
 @dataclass(frozen=True)
@@ -122,6 +90,10 @@ class Speaker:
         graphs are captured."""
         self.vocoder.warm_up(self.runner.warm_up())
 
+    @property
+    def voices(self) -> list[str]:
+        return sorted(name.capitalize() for name in self.runner.voices)
+
     def check(self, params: SpeechParams) -> None:
         self.runner.voice_id(params.voice)
 
@@ -165,7 +137,7 @@ class Speaker:
         if first_code == self.runner.codec_eos:
             reply.done = True
         else:
-            codes, reply.codec_sum = self.runner.complete_frame(hidden, first_code, reply.params.predictor_sampling(),
+            codes, reply.codec_sum = self.runner.complete_frame(hidden, first_code, predictor_sampling(reply.params),
                                                                 reply.seed, frame=len(reply.stream.frames))
             reply.stream.frames.append(codes)
             reply.done = len(reply.stream.frames) >= self.max_frames
@@ -216,3 +188,8 @@ class Speaker:
             last = text_done and index == len(reply_ids) - 1
             return self.runner.tts_eos if last else self.runner.project_text([reply_ids[index]])
         return self.runner.tts_pad if text_done else None
+
+
+def predictor_sampling(params: SpeechParams) -> SamplingParams:
+    # What transformers' Talker passes its code predictor when sampling.
+    return SamplingParams() if params.temperature == 0 else SamplingParams(temperature=1.0, top_k=50, top_p=0.8)

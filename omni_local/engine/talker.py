@@ -21,11 +21,12 @@ from functools import partial
 import numpy as np
 import torch
 
+from omni_local.api.params import SamplingParams
 from omni_local.engine.cuda_graphs import SlotGraphs, StaticGraph, graphable
 from omni_local.engine.decoder_stack import LayerRegions, mrope_positions, run_layers
 from omni_local.engine.kv_store import GraphedSlotWriter, KVShape, KVStore, SlotWriter
 from omni_local.engine.host_copies import Readback, to_device
-from omni_local.engine.sampling import SampleBatch, SamplingParams, SlotSampler
+from omni_local.engine.sampling import SampleBatch, SlotSampler
 from omni_local.errors import RequestError
 from omni_local.prompts import Prompt
 

@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from omni_local.api.events import MediaCounts
+from omni_local.api.messages import Message
 from omni_local.engine.cuda_graphs import SlotGraphs, graphable, size_buckets
 from omni_local.engine.decoder_stack import LayerRegions, mrope_positions, run_layers
 from omni_local.engine.host_copies import to_device
@@ -24,16 +26,7 @@ from omni_local.engine.kv_store import GraphedSlotWriter, KVShape, KVStore, Slot
 from omni_local.engine.media_encoder import MediaEncoder, deepstack_levels
 from omni_local.errors import SettingsError
 from omni_local.engine.talker import TalkerRows
-from omni_local.prompts import Message, Prompt, build_prompt
-
-
-@dataclass(frozen=True)
-class MediaCounts:
-    """Where a prompt's images, clips and videos came from."""
-
-    in_kv: int = 0  # inside the prefix the KV cache supplied: nothing to encode
-    from_cache: int = 0  # encoder outputs from the encoder cache
-    encoded: int = 0  # run through the encoders
+from omni_local.prompts import Prompt, build_prompt
 
 
 @dataclass
@@ -48,7 +41,7 @@ class PreparedPrompt:
     visual_mask: torch.Tensor | None  # [1, L - start], where deepstack features are added
     deepstack: list[torch.Tensor] | None  # one [visual tokens, hidden] per deepstack layer
     ids: torch.Tensor  # [1, L - start] the tail's token ids
-    media: "MediaCounts"
+    media: MediaCounts
 
 
 # Prefill graphs are captured for tails of up to this many tokens, in buckets from 16: a new

@@ -26,9 +26,10 @@ from functools import partial
 import numpy as np
 import torch
 
+from omni_local.api.events import SPEECH_SAMPLE_RATE
 from omni_local.engine.cuda_graphs import capture_graph
 
-SAMPLE_RATE = 24_000
+SAMPLE_RATE = SPEECH_SAMPLE_RATE
 
 
 @dataclass

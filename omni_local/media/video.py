@@ -17,7 +17,7 @@ from omni_local.errors import MediaError
 from omni_local.media.audio import SAMPLE_RATE, check_samples
 from omni_local.media.image import check_shape
 from omni_local.media.limits import MediaLimits, tenths
-from omni_local.media.upload import read_upload
+from omni_local.media.upload import Upload, read_upload
 
 ACCEPTED_FORMATS = ("mp4", "mov", "matroska", "webm")  # FFmpeg's demuxer names (MP4 and MOV share one)
 _EXPECTED = "MP4, WebM or MOV expected"
@@ -35,6 +35,15 @@ class Video:
         return len(self.frames) / self.fps
 
 
+@dataclass(frozen=True)
+class VideoFile:
+    """A video file, checked but not decoded: what a remote backend sends on as it is."""
+
+    data: bytes
+    name: str
+    seconds: float
+
+
 def load_video(
     source: str | Path | bytes, limits: MediaLimits, fps: float, min_frames: int = 4, max_frames: int = 768,
     name: str | None = None,
@@ -42,17 +51,8 @@ def load_video(
     """The clip's frames sampled at `fps` and its audio track; `MediaError` for anything unreadable,
     a file with no video stream, or a clip over the limits."""
     upload = read_upload(source, limits, name)
-    try:
-        container = av.open(io.BytesIO(upload.data))
-    except av.FFmpegError:
-        raise MediaError(f"{upload.name}: not a readable video file ({_EXPECTED}; or truncated)") from None
-    with container:
-        if not set(container.format.name.split(",")) & set(ACCEPTED_FORMATS):
-            raise MediaError(f"{upload.name}: {container.format.long_name} is not supported ({_EXPECTED})")
-        if not container.streams.video:
-            raise MediaError(f"{upload.name}: the file has no video stream")
+    with _opened(upload, limits) as container:
         stream = container.streams.video[0]
-        _check_limits(upload.name, container, stream, limits)
         native_fps = float(stream.average_rate or stream.guessed_rate or fps)
         total = stream.frames or round((container.duration or 0) / av.time_base * native_fps)
         picked = _sample(max(total, 1), native_fps, fps, min_frames, max_frames)
@@ -69,6 +69,33 @@ def load_video(
     # The sampled frames span the clip, so their count over its length is what places them in time.
     sampled_fps = len(picked) * native_fps / max(total, 1)
     return Video(np.stack(frames), sampled_fps, audio)
+
+
+def read_video_file(source: str | Path | bytes, limits: MediaLimits, name: str | None = None) -> VideoFile:
+    """The clip's file as it is, checked as `load_video` checks it (container, video stream, limits)
+    but not decoded: for a backend that decodes it elsewhere."""
+    upload = read_upload(source, limits, name)
+    with _opened(upload, limits) as container:
+        seconds = container.duration / av.time_base if container.duration else 0.0
+    return VideoFile(upload.data, upload.name, seconds)
+
+
+def _opened(upload: Upload, limits: MediaLimits) -> av.container.InputContainer:
+    """The upload as an open container of an accepted format with a video stream within the limits."""
+    try:
+        container = av.open(io.BytesIO(upload.data))
+    except av.FFmpegError:
+        raise MediaError(f"{upload.name}: not a readable video file ({_EXPECTED}; or truncated)") from None
+    try:
+        if not set(container.format.name.split(",")) & set(ACCEPTED_FORMATS):
+            raise MediaError(f"{upload.name}: {container.format.long_name} is not supported ({_EXPECTED})")
+        if not container.streams.video:
+            raise MediaError(f"{upload.name}: the file has no video stream")
+        _check_limits(upload.name, container, container.streams.video[0], limits)
+    except MediaError:
+        container.close()
+        raise
+    return container
 
 
 def _decode_frames(container: av.container.InputContainer, stream: av.VideoStream, picked: np.ndarray) -> list:

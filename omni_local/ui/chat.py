@@ -21,7 +21,7 @@ import gradio as gr
 
 from omni_local.api import OmniLocal, Reply
 from omni_local.cache.folders import private_folder
-from omni_local.engine.request import AudioChunk, Finished, TextDelta
+from omni_local.api.events import AudioChunk, Finished, TextDelta
 from omni_local.errors import OmniLocalError, RequestError
 from omni_local.ui import sidebar
 from omni_local.ui.access import upload_folder
@@ -224,7 +224,7 @@ def build_ui(app: OmniLocal, chats_folder: Path | None = None) -> gr.Blocks:
     Talker, voice mode."""
     shelves = ChatShelves(chats_folder or app.settings.cache_path / "chats")
     uploads = private_folder(upload_folder(app.settings))
-    voices = sorted(name.capitalize() for name in app.engine.speaker.runner.voices) if app.engine.speaker else []
+    voices = app.info.voices if app.info.speech else []
     turns = ChatTurns(app, shelves, uploads)
     page = lay_out(app, turns.respond, voices)
     with page.ui:
@@ -241,7 +241,7 @@ def build_ui(app: OmniLocal, chats_folder: Path | None = None) -> gr.Blocks:
                            save=save_voice_turn, typing=turns.typing.__contains__)
     # Each chat a reply of its own at once, up to the chats the engine decodes together; more wait
     # in Gradio's queue (Gradio's default is one event of a kind at a time, for every user).
-    page.ui.queue(default_concurrency_limit=app.engine.runner.kv.slots)
+    page.ui.queue(default_concurrency_limit=app.info.concurrency)
     return page.ui
 
 

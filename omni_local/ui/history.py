@@ -20,12 +20,12 @@ import soundfile
 from PIL import Image
 
 from omni_local.api import OmniLocal
-from omni_local.engine.request import Finished
-from omni_local.engine.vocoder import SAMPLE_RATE as SPEECH_SAMPLE_RATE
+from omni_local.api.events import SPEECH_SAMPLE_RATE, Finished
+from omni_local.api.messages import Message, Part
 from omni_local.errors import RequestError
 from omni_local.media import load_audio, load_image
-from omni_local.media.video import Video
-from omni_local.prompts import Message, Part
+from omni_local.media.video import Video, VideoFile
+from omni_local.metrics_line import metrics_line
 from omni_local.ui.messages import block_text, blocks, file_path, reply_key
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif"}
@@ -81,7 +81,7 @@ def finished_reply(event: Finished, audio: np.ndarray, uploads: Path, memory: Ch
     kept = keep_audio(uploads, audio) if audio.size else None
     if kept is not None:
         shown.append(gr.ChatMessage(content={"path": str(kept)}, metadata={"title": SPOKEN_TITLE}))
-    shown.append(gr.ChatMessage(content=event.metrics_line(), metadata={"title": "Metrics"}))
+    shown.append(gr.ChatMessage(content=metrics_line(event), metadata={"title": "Metrics"}))
     return shown
 
 
@@ -154,7 +154,7 @@ def to_messages(history: list[dict[str, Any]], app: OmniLocal, memory: ChatMemor
 def _send_order(part: Part) -> int:
     """A question's parts in the order `Session.send` gives them (images, sounds, videos, text), so
     a turn rebuilt from the page is the prompt that turn was sent as, and its cached KV matches."""
-    kinds = (Image.Image, np.ndarray, Video)
+    kinds = (Image.Image, np.ndarray, (Video, VideoFile))
     return next((rank for rank, kind in enumerate(kinds) if isinstance(part, kind)), len(kinds))
 
 
@@ -192,6 +192,8 @@ def _nbytes(part: Part) -> int:
         return part.width * part.height * len(part.getbands())
     if isinstance(part, Video):
         return part.frames.nbytes + (part.audio.nbytes if part.audio is not None else 0)
+    if isinstance(part, VideoFile):
+        return len(part.data)
     return part.nbytes
 
 

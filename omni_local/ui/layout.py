@@ -3,7 +3,6 @@ settings, and the context use under it. What the parts do when used is wired in 
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import gradio as gr
 
@@ -54,7 +53,7 @@ def lay_out(app: OmniLocal, respond: Callable, voices: list[str]) -> Page:
         placeholder="Ask something, or drop an image, audio or video file here",
         stop_btn=True,  # a custom textbox keeps its own (off by default): ChatInterface's is ignored
     )
-    with gr.Blocks(title=f"omni_local · {model_name(app)}", fill_height=True) as ui:
+    with gr.Blocks(title=f"omni_local · {app.info.model}", fill_height=True) as ui:
         gr.Markdown(header(app), elem_id="omni-header")
         memory = gr.State(ChatMemory())  # each page's own (ChatMemory.__deepcopy__)
         audio_feed = gr.JSON(visible=False)
@@ -96,26 +95,19 @@ def lay_out(app: OmniLocal, respond: Callable, voices: list[str]) -> Page:
                 title, rename, delete, shown_id, context_use)
 
 
-def model_name(app: OmniLocal) -> str:
-    if app.settings.model == "demo":
-        return "demo model: random weights, replies are noise"
-    return Path(app.settings.model).expanduser().resolve().name
-
-
 def header(app: OmniLocal) -> str:
-    loaded = app.loaded
-    dtype = str(loaded.dtype).removeprefix("torch.")
-    speech = "speech on" if loaded.speech else "speech off"
-    return f"**omni_local** · {model_name(app)} · {dtype} on {loaded.device} · {speech}"
+    info = app.info
+    speech = "speech on" if info.speech else "speech off"
+    return f"**omni_local** · {info.model} · {info.runs_on} · {speech}"
 
 
 def longest_reply(app: OmniLocal) -> int:
     """The longest reply the slider offers: what the context has room for after the longest prompt
     the app takes, so a reply of any length it offers fits."""
-    s = app.settings
-    return max(1, s.max_context_tokens - s.max_prompt_tokens)
+    info = app.info
+    return max(1, info.max_context_tokens - info.max_prompt_tokens)
 
 
 def context_use(app: OmniLocal, tokens: int) -> str:
     """"Context: 702 of 8,192 tokens", or nothing for a chat with no reply yet."""
-    return f"Context: {tokens:,} of {app.settings.max_context_tokens:,} tokens" if tokens else ""
+    return f"Context: {tokens:,} of {app.info.max_context_tokens:,} tokens" if tokens else ""

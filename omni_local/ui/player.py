@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from omni_local.engine.request import AudioChunk
+from omni_local.api.events import AudioChunk
 
 PLAYER_JS = """
 (payload) => {

@@ -1,0 +1,23 @@
+"""The public Python API.
+
+    from omni_local.api import OmniLocal, TextDelta
+
+    with OmniLocal() as app:                       # settings.toml, else the demo model
+        chat = app.session(system_prompt="You are concise.")
+        for event in chat.send("What is in this picture?", images=["cat.jpg"]):
+            if isinstance(event, TextDelta):
+                print(event.text, end="", flush=True)
+        print(chat.history[-1].text)               # the reply, kept for the next turn
+
+A reply is a stream of `TextDelta` events (and `AudioChunk`s, for `send(..., speak=True)`) and
+one final `Finished` (text, token counts, timings, speech figures). Bad input raises
+`OmniLocalError` with a message meant for the user; the session and the backend keep working.
+The same API runs on the engine in this process or on a remote server (`backend = "openai"`).
+"""
+
+from omni_local.api.app import OmniLocal
+from omni_local.api.events import AudioChunk, Finished, TextDelta
+from omni_local.api.session import Reply, Session
+from omni_local.errors import OmniLocalError
+
+__all__ = ["OmniLocal", "Session", "Reply", "TextDelta", "AudioChunk", "Finished", "OmniLocalError"]

@@ -1,0 +1,70 @@
+"""The app: settings, and the backend that answers (the engine here, or a remote server)."""
+
+from pathlib import Path
+
+from omni_local.api.backend import Backend, BackendInfo
+from omni_local.api.messages import Part
+from omni_local.api.params import SamplingParams
+from omni_local.api.session import Session, VideoInput
+from omni_local.errors import RequestError
+from omni_local.media import MediaLimits
+from omni_local.settings import Settings, load_settings
+
+
+class OmniLocal:
+    """One per process: the settings and their backend."""
+
+    def __init__(self, settings: Settings | None = None, loaded: object = None) -> None:
+        """`loaded`: a model already in memory (the benchmark's random full-size weights) for the
+        local backend; by default the checkpoint the settings name is loaded."""
+        self.settings = settings or load_settings()
+        self.limits = MediaLimits.from_settings(self.settings)
+        self.backend: Backend = _backend(self.settings, loaded)
+
+    @property
+    def info(self) -> BackendInfo:
+        return self.backend.info
+
+    def session(self, system_prompt: str | None = None, session_id: str | None = None) -> Session:
+        """A new chat; `session_id` names it for the prefix cache (a fresh one by default)."""
+        return Session(self, system_prompt, session_id)
+
+    def sampling(self, **overrides: object) -> SamplingParams:
+        """Sampling parameters: the settings' defaults, with a request's own values on top."""
+        s = self.settings
+        values = dict(
+            max_new_tokens=s.max_new_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            repetition_penalty=s.repetition_penalty,
+        )
+        unknown = sorted(set(overrides) - {*values, "seed"})
+        if unknown:
+            raise RequestError(f"unknown sampling parameter '{unknown[0]}'")
+        values.update(overrides)
+        return SamplingParams(**values)
+
+    def read_video(self, item: VideoInput | str | Path) -> Part:
+        return self.backend.read_video(item)
+
+    def close(self) -> None:
+        self.backend.close()
+
+    def __enter__(self) -> "OmniLocal":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _backend(settings: Settings, loaded: object) -> Backend:
+    # Imported here, not above: the local backend brings torch and transformers, which a page or CLI
+    # on a remote backend never needs.
+    if settings.backend == "local":
+        from omni_local.backends.local import LocalBackend
+
+        return LocalBackend(settings, loaded)
+    from omni_local.backends.remote import RemoteBackend
+
+    return RemoteBackend(settings)

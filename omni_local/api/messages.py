@@ -1,0 +1,49 @@
+"""A conversation as every backend takes it: messages of text and decoded media."""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+from PIL import Image
+
+from omni_local.errors import RequestError
+from omni_local.media.video import Video, VideoFile
+
+Role = Literal["system", "user", "assistant"]
+# Text, an RGB image, 16 kHz mono float32 samples, a decoded video, or a video file sent as it is
+# (to a remote backend, which decodes it there).
+Part = str | Image.Image | np.ndarray | Video | VideoFile
+
+
+@dataclass
+class Message:
+    role: Role
+    parts: list[Part] = field(default_factory=list)
+    # A reply's tokens as the model made them: the next prompt reuses them as they are, so the
+    # reply's cached KV stays valid (decoding and re-tokenizing could give other ids).
+    token_ids: list[int] | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(p for p in self.parts if isinstance(p, str))
+
+    def images(self) -> list[Image.Image]:
+        return [p for p in self.parts if isinstance(p, Image.Image)]
+
+    def audios(self) -> list[np.ndarray]:
+        return [p for p in self.parts if isinstance(p, np.ndarray)]
+
+    def videos(self) -> list[Video]:
+        return [p for p in self.parts if isinstance(p, Video)]
+
+
+def check_text(text: str, holder: str) -> None:
+    """Refuse what is not text a tokenizer takes, such as a lone surrogate: a JSON "\\ud800" or bytes
+    that are not UTF-8 (decoded with surrogateescape, as Python does a command line's) leave one."""
+    if not isinstance(text, str):
+        raise RequestError(f"{holder} must be text, not {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise RequestError(f"{holder} holds text that is not valid Unicode (invalid UTF-8 or a lone surrogate "
+                           f"at character {error.start + 1})") from None

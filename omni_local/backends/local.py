@@ -1,0 +1,94 @@
+"""The engine in this process as a backend: the model loaded here, media decoded here."""
+
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from omni_local.api.backend import BackendInfo
+from omni_local.api.events import Event, Finished
+from omni_local.api.messages import Message
+from omni_local.api.params import SamplingParams, SpeechParams
+from omni_local.engine.engine import Engine
+from omni_local.engine.request import Failed, Request
+from omni_local.errors import MediaError, RequestError
+from omni_local.media import SAMPLE_RATE, MediaLimits
+from omni_local.media.audio import check_samples
+from omni_local.media.video import Video, load_video
+from omni_local.model.loader import LoadedModel, load_model, quiet_library_logs
+from omni_local.model.workarounds import video_supported
+from omni_local.settings import Settings
+
+
+class LocalReply:
+    """A request in the engine, read as a stream of events."""
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+
+    def events(self) -> Iterator[Event]:
+        while True:
+            event = self.request.events.get()
+            if isinstance(event, Failed):
+                raise RequestError(event.message)
+            yield event
+            if isinstance(event, Finished):
+                return
+
+    def cancel(self) -> None:
+        self.request.cancelled.set()
+
+
+class LocalBackend:
+    def __init__(self, settings: Settings, loaded: LoadedModel | None = None) -> None:
+        self.settings = settings
+        self.limits = MediaLimits.from_settings(settings)
+        quiet_library_logs()  # transformers' load-time notes and progress bars are not for users
+        self.loaded = loaded or load_model(settings)
+        self.engine = Engine(self.loaded, settings)
+        self.info = BackendInfo(
+            model_id=model_id(settings),
+            model=model_name(settings),
+            runs_on=f"{str(self.loaded.dtype).removeprefix('torch.')} on {self.loaded.device}",
+            speech=self.loaded.speech,
+            voices=self.engine.speaker.voices if self.engine.speaker else [],
+            max_context_tokens=settings.max_context_tokens,
+            max_prompt_tokens=settings.max_prompt_tokens,
+            concurrency=self.engine.runner.kv.slots,
+            video=video_supported(self.loaded.processor),
+        )
+
+    def send(self, session: str, messages: list[Message], params: SamplingParams,
+             speech: SpeechParams | None) -> LocalReply:
+        return LocalReply(self.engine.submit(session, messages, params, speech))
+
+    def read_video(self, item: str | Path | bytes | Video) -> Video:
+        """A video as the model takes it: frames at the checkpoint's rate (else `video_fps`), and its
+        sound track if `use_audio_in_video` (a silent clip then gets silence, so every video of a
+        prompt is laid out alike)."""
+        if not self.info.video:
+            raise MediaError("video input needs torchvision, which is not installed here")
+        video = item
+        if not isinstance(video, Video):
+            processor = self.loaded.processor.video_processor
+            fps = getattr(processor, "fps", None) or self.settings.video_fps
+            video = load_video(video, self.limits, fps, processor.min_frames, processor.max_frames)
+        elif video.audio is not None:
+            check_samples("video", video.audio, "the sound track")  # as a file's is
+        if not self.settings.use_audio_in_video:
+            return replace(video, audio=None)
+        if video.audio is None:
+            return replace(video, audio=np.zeros(round(video.seconds * SAMPLE_RATE), np.float32))
+        return video
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def model_id(settings: Settings) -> str:
+    return "demo" if settings.model == "demo" else Path(settings.model).expanduser().resolve().name
+
+
+def model_name(settings: Settings) -> str:
+    return "demo model: random weights, replies are noise" if settings.model == "demo" else model_id(settings)
