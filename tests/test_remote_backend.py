@@ -216,15 +216,21 @@ def test_a_decoded_video_is_refused_and_read_video_gives_the_file_to_send(monkey
 
 
 @contextlib.contextmanager
-def stalled_server() -> Iterator[str]:
-    """A real HTTP server on 127.0.0.1 whose replies send one piece and then nothing; its API's URL."""
+def socket_server(pieces: list[dict], hold: bool = False) -> Iterator[str]:
+    """A real HTTP server on 127.0.0.1, its API's URL: each reply streams `pieces`, then ends, or
+    (`hold`) sends nothing more while the server thinks on."""
     stop = threading.Event()
 
-    class Stalling(http.server.BaseHTTPRequestHandler):
+    class Answering(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
         def do_GET(self):
-            self._send(200, "application/json", json.dumps({"object": "list", "data": [OUR_MODEL]}).encode())
+            body = json.dumps({"object": "list", "data": [OUR_MODEL]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
 
         def do_POST(self):
             self.rfile.read(int(self.headers["Content-Length"]))
@@ -232,22 +238,17 @@ def stalled_server() -> Iterator[str]:
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
-            piece = f"data: {json.dumps(chunk({'content': 'Hel'}))}\n\n".encode()
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
-            self.wfile.flush()
-            stop.wait(30)
-
-        def _send(self, status, kind, body):
-            self.send_response(status)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            events = [f"data: {json.dumps(piece)}\n\n".encode() for piece in pieces]
+            for event in events if hold else [*events, b"data: [DONE]\n\n", b""]:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+                self.wfile.flush()
+            if hold:
+                stop.wait(30)
 
         def log_message(self, *args):
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stalling)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answering)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}/v1"
@@ -477,7 +478,7 @@ def test_a_reply_cancelled_before_it_is_read_sends_nothing():
 
 def test_cancel_from_another_thread_wakes_a_read_waiting_on_a_silent_server_at_once():
     """A real socket: the server sends the headers and one piece, then nothing."""
-    with stalled_server() as url:
+    with socket_server([chunk({'content': 'Hel'})], hold=True) as url:
         backend = RemoteBackend(Settings(backend="openai", backend_url=url))
         reply = backend.send("chat", QUESTION, GREEDY, None)
         stream = reply.events()
@@ -517,3 +518,27 @@ print("torch" in sys.modules)
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout.split() == ["Hi", "False"]
+
+
+def test_the_cli_on_a_server_that_cannot_be_reached_says_so_in_one_line_and_exits_2():
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    result = subprocess.run([sys.executable, "-m", "omni_local", "ask", "Hi?", "--backend", "openai",
+                             "--backend-url", f"http://127.0.0.1:{port}/v1"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2
+    url = f"http://127.0.0.1:{port}/v1"
+    assert result.stderr.strip().splitlines() == [
+        f"error: cannot reach the server at {url} (Connection refused): is it running? (backend_url)"]
+
+
+def test_the_clis_ask_on_a_remote_server_prints_the_reply_and_its_figures():
+    with socket_server(text_stream(["Hello", " there."], omni_local=REPORT)) as url:
+        result = subprocess.run([sys.executable, "-m", "omni_local", "ask", "Hi?", "--backend", "openai",
+                                 "--backend-url", url], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "Hello there.", "TTFT 17 ms · 142 tok/s · 380 of 415 prompt tokens from cache (80 from host memory) · "
+        "32 reply tokens · media: 2 encoded, 0 from the encoder cache, 1 in the cached prompt · "
+        "1 earlier turn left out to fit 960 tokens · reply length limit reached"]

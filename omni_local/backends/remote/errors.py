@@ -1,6 +1,7 @@
 """A remote server's failures as errors for people: the server's own message where it gave one,
 and the server's address where the fault is in reaching it."""
 
+import re
 from typing import Any
 
 import httpx
@@ -10,6 +11,7 @@ from omni_local.errors import OmniLocalError, RequestError
 
 _BUSY = (429, 503)  # the server's queue is full, or it is not ready: worth trying again soon
 _REFUSED_KEY = (401, 403)
+_ERRNO = re.compile(r"\[Errno -?\d+\] ")  # "[Errno 111] Connection refused": the words are for people
 
 
 def request_error(error: openai.APIStatusError, url: str) -> OmniLocalError:
@@ -48,4 +50,4 @@ def transport_cause(error: Exception) -> str:
     cause = error.__cause__ if isinstance(error, openai.APIConnectionError) and error.__cause__ else error
     if isinstance(cause, httpx.TimeoutException):
         return "timed out"
-    return str(cause) or type(cause).__name__
+    return _ERRNO.sub("", str(cause)) or type(cause).__name__
