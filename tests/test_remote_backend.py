@@ -22,7 +22,7 @@ from PIL import Image
 
 from recorded_server import (
     OUR_MODEL, QWEN, URL, USAGE, VLLM_MODEL, HeldStream, RecordedServer, chunk, error_answer, event_stream,
-    openai_spoken_stream, remote_app, text_stream, tone, vllm_omni_stream,
+    openai_spoken_stream, pcm16_base64, remote_app, text_stream, tone, vllm_omni_stream,
 )
 from samples import clip, picture, video_file
 from omni_local.api import AudioChunk, Finished, TextDelta
@@ -100,6 +100,17 @@ def test_a_vllm_omni_spoken_reply_decodes_its_wav_chunks_and_resamples_another_r
 def test_a_vllm_omni_wav_chunk_at_24_khz_is_its_samples_as_they_are():
     piece = tone(0.3)
     server = RecordedServer(models=[VLLM_MODEL], replies=[vllm_omni_stream(["Hi"], [(piece, 24_000)])])
+    _, audio, _ = reply_of(events(server.backend(), speech=SpeechParams("Ethan")))
+    np.testing.assert_allclose(audio, piece, atol=1 / 32767)
+
+
+def test_a_vllm_omni_audio_chunk_of_bare_pcm16_as_asked_for_in_auto_is_decoded_at_24_khz():
+    """Asked for "pcm16" (auto names OpenAI's format too), a newer vLLM-Omni sends PCM without a WAV header."""
+    piece = tone(0.3)
+    stream = vllm_omni_stream(["Hi"], [(piece, 24_000)])
+    audio_chunk = next(c for c in stream if c.get("modality") == "audio")
+    audio_chunk["choices"][0]["delta"]["content"] = pcm16_base64(piece)
+    server = RecordedServer(models=[VLLM_MODEL], replies=[stream])
     _, audio, _ = reply_of(events(server.backend(), speech=SpeechParams("Ethan")))
     np.testing.assert_allclose(audio, piece, atol=1 / 32767)
 

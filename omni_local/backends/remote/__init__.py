@@ -17,8 +17,9 @@ spoken reply, whose voice the two dialects name apart:
   `transcript` (the text), as OpenAI's API reference has it (ChatCompletionStreamResponseDeltaAudio:
   `id`, `data`, `transcript`, `expires_at`).
 - vLLM-Omni's: the voice as a top-level `"speaker"` (examples/online_serving/qwen3_omni/README.md
-  of vllm-project/vllm-omni, "Speaker selection": `extra_body={"speaker": "chelsie"}`; its voices
-  are Qwen3-Omni's, Ethan, Chelsie and Aiden). Its stream (vllm_omni/entrypoints/openai/
+  of vllm-project/vllm-omni, "Speaker selection": `extra_body={"speaker": "chelsie"}`; it takes the
+  checkpoint's names in any case, Ethan, Chelsie and Aiden for Qwen3-Omni, as
+  vllm_omni/entrypoints/openai/utils.py lower-cases them). Its stream (vllm_omni/entrypoints/openai/
   serving_chat.py, `chat_completion_stream_generator`) marks each chunk with a top-level
   `"modality"`: "text" chunks carry text in `delta.content`, "audio" chunks carry the sound in
   `delta.content` as base64 of a whole small WAV file (24 kHz for Qwen3-Omni), and only the
