@@ -76,7 +76,8 @@ class ChatMemory:
 def finished_reply(event: Finished, audio: np.ndarray, uploads: Path, memory: ChatMemory) -> list[gr.ChatMessage]:
     """A finished reply as the chat shows it: its text, its speech (kept in `uploads`, to play
     again) and its metrics. Its token ids are remembered for the next turn's prompt."""
-    memory.replies[reply_key(event.text)] = event.token_ids
+    if event.token_ids is not None:  # a remote server's replies have none: the next prompt sends their text
+        memory.replies[reply_key(event.text)] = event.token_ids
     shown = [gr.ChatMessage(content=event.text)]
     kept = keep_audio(uploads, audio) if audio.size else None
     if kept is not None:
