@@ -19,11 +19,13 @@ import numpy as np
 import openai
 import pytest
 import soundfile
+from gradio_client import Client
+from gradio_client.exceptions import AuthenticationError
 
 from bad_files import MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS
 from samples import SPEECH, TYPED_CONTROL_TOKENS, picture
 from served_api import client, served_api
-from served_app import REPO
+from served_app import REPO, served_app
 
 KEY = "test-key-7f3a"
 MAX_UPLOAD_BYTES = 200_000
@@ -315,7 +317,7 @@ def test_serve_refuses_to_listen_beyond_this_machine_without_a_key_before_loadin
     assert "api_host = '0.0.0.0') needs a key" in done.stderr and "/nonexistent" not in done.stderr
 
 
-# The models ---------------------------------------------------------------------------------------
+# The models, and the API beside the page ----------------------------------------------------------
 
 
 def test_the_models_list_names_the_model_served_and_what_it_takes(api, demo_settings):
@@ -325,3 +327,26 @@ def test_the_models_list_names_the_model_served_and_what_it_takes(api, demo_sett
     assert model.omni_local["speech"] is True and "Ethan" in model.omni_local["voices"]
     assert model.omni_local["max_prompt_tokens"] == demo_settings.max_prompt_tokens
     assert api.models.retrieve("demo").id == "demo"
+
+
+def test_the_page_serves_the_api_beside_it_on_its_port_each_behind_its_own_login(demo_settings, demo_checkpoint,
+                                                                                 tmp_path):
+    credentials, key_file = private_file(tmp_path / "users", "ada:lovelace\n"), private_file(tmp_path / "key", KEY)
+    with served_app(demo_settings, tmp_path, "--ui-serves-api", "true", "--ui-credentials-file", str(credentials),
+                    "--api-key-file", str(key_file)) as page:
+        api = client(page.url + "v1", KEY)
+        assert [m.id for m in api.models.list().data] == ["demo"]
+        assert ask(api, "Hi", max_tokens=4).usage.completion_tokens == 4
+        with pytest.raises(openai.AuthenticationError):  # the page's login does not open the API
+            client(page.url + "v1", "ada:lovelace").models.list()
+        with pytest.raises(AuthenticationError, match="credentials were not provided"):
+            Client(page.url, verbose=False)  # nor the API's key the page
+        Client(page.url, auth=("ada", "lovelace"), verbose=False)
+
+
+def test_the_page_refuses_to_serve_the_api_beyond_this_machine_without_a_key(tmp_path):
+    credentials = private_file(tmp_path / "users", "ada:lovelace\n")
+    done = subprocess.run([sys.executable, "app.py", "--ui-host", "0.0.0.0", "--ui-credentials-file", str(credentials),
+                           "--ui-serves-api", "true", "--model", "/nonexistent"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "ui_host = '0.0.0.0') needs a key" in done.stderr
