@@ -23,7 +23,7 @@ from gradio_client import Client
 from gradio_client.exceptions import AuthenticationError
 
 from bad_files import MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS
-from samples import SPEECH, TYPED_CONTROL_TOKENS, picture
+from samples import SPEECH, TYPED_CONTROL_TOKENS, picture, video_file
 from served_api import client, served_api
 from served_app import REPO, served_app
 
@@ -51,8 +51,9 @@ def api(server) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def one_at_a_time(demo_settings, demo_checkpoint, tmp_path_factory):
-    """A server that holds one request at a time, with no key."""
-    with served_api(demo_settings, tmp_path_factory.mktemp("served_api_one"), "--api-max-requests", "1") as served:
+    """A server that holds one request at a time, with no key, that reads files on this machine."""
+    with served_api(demo_settings, tmp_path_factory.mktemp("served_api_one"), "--api-max-requests", "1",
+                    "--api-local-files", "true") as served:
         yield served
 
 
@@ -67,8 +68,16 @@ def private_file(path, text: str):
     return path
 
 
+def data_url_part(kind: str, media_type: str, data: bytes) -> dict:
+    return {"type": kind, kind: {"url": f"data:{media_type};base64,{base64.b64encode(data).decode()}"}}
+
+
 def image_part(data: bytes) -> dict:
-    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(data).decode()}}
+    return data_url_part("image_url", "image/png", data)
+
+
+def audio_part(data: bytes) -> dict:
+    return {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": "wav"}}
 
 
 def png(seed: int, size: tuple[int, int] = (160, 120)) -> bytes:
@@ -149,18 +158,27 @@ def test_a_reply_is_cut_before_its_first_stop_string_and_ends_as_stopped(api):
     assert chunks[-1].choices[0].finish_reason == "stop" and chunks[-1].omni_local["stop_reason"] == "cancelled"
 
 
-@pytest.mark.parametrize("media", ["none", "image and audio"])
+@pytest.mark.parametrize("media", ["none", "image and audio", pytest.param("video", marks=pytest.mark.torchvision)])
 def test_a_question_through_the_api_is_answered_as_through_the_python_api(api, app, media):
-    image, sound = png(1), wav(SPEECH[:16_000])
-    parts = [image_part(image), {"type": "input_audio", "input_audio": {"data": base64.b64encode(sound).decode(),
-                                                                        "format": "wav"}}] if media != "none" else []
-    reply = ask(api, [*parts, {"type": "text", "text": "What do you see and hear?"}], max_tokens=16)
-    files = {"images": [image], "audio": [sound]} if media != "none" else {}
-    local = app.session().send("What do you see and hear?", max_new_tokens=16, **files).result()
+    image, sound, video = png(1), wav(SPEECH[:16_000]), video_file(3)
+    parts, files = {
+        "none": ([], {}),
+        "image and audio": ([image_part(image), audio_part(sound)], {"images": [image], "audio": [sound]}),
+        "video": ([data_url_part("video_url", "video/mp4", video)], {"videos": [video]}),
+    }[media]
+    reply = ask(api, [*parts, {"type": "text", "text": "What is this?"}], max_tokens=16)
+    local = app.session().send("What is this?", max_new_tokens=16, **files).result()
     assert reply.choices[0].message.content == local.text
     assert reply.usage.prompt_tokens == local.tokens.prompt
     counts = reply.omni_local["media"]
-    assert counts["encoded"] + counts["from_cache"] + counts["in_kv"] == (2 if parts else 0)
+    assert counts["encoded"] + counts["from_cache"] + counts["in_kv"] == len(parts)
+
+
+def test_a_file_on_the_server_is_read_where_api_local_files_allows_it(one_at_a_time, tmp_path):
+    (tmp_path / "picture.png").write_bytes(png(4))
+    part = {"type": "image_url", "image_url": {"url": (tmp_path / "picture.png").as_uri()}}
+    reply = ask(client(one_at_a_time.url), [part, {"type": "text", "text": "What is this?"}], max_tokens=1)
+    assert reply.omni_local["media"]["encoded"] == 1
 
 
 def test_a_typed_control_token_is_plain_text(api, template_ids):
