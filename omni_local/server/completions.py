@@ -34,6 +34,8 @@ CLIENT_GONE = 499  # nginx's status for a client that closed the connection: nob
 
 
 class ChatCompletions:
+    """The route's handler, with what it keeps across requests: the conversations, and the threads."""
+
     def __init__(self, app: OmniLocal) -> None:
         self.app = app
         self.content = ContentReader(app.limits, app.read_video, app.settings.api_local_files)

@@ -25,6 +25,9 @@ ReadVideo = Callable[[bytes | Path], Part]
 
 
 class ContentReader:
+    """Reads requests' messages within `limits`; `read_video` is the app's, which decodes a video as
+    its backend takes it."""
+
     def __init__(self, limits: MediaLimits, read_video: ReadVideo, local_files: bool) -> None:
         self.limits = limits
         self.read_video = read_video
@@ -35,9 +38,9 @@ class ContentReader:
         if messages[-1].role != "user":
             raise RequestError(f"messages[{len(messages) - 1}]: the last message must be the user's, "
                                f"not the {messages[-1].role}'s")
-        return [self.message(m, f"messages[{i}]") for i, m in enumerate(messages)]
+        return [self._message(m, f"messages[{i}]") for i, m in enumerate(messages)]
 
-    def message(self, message: ChatMessage, where: str) -> Message:
+    def _message(self, message: ChatMessage, where: str) -> Message:
         role: Role = "system" if message.role == "developer" else message.role
         content = message.content
         if content is None and role == "assistant":
