@@ -21,12 +21,12 @@ from PIL import Image
 
 from omni_local.api import OmniLocal
 from omni_local.api.events import SPEECH_SAMPLE_RATE, Finished
-from omni_local.api.messages import Message, Part
+from omni_local.api.messages import Message, Part, reply_key
 from omni_local.errors import RequestError
 from omni_local.media import load_audio, load_image
 from omni_local.media.video import Video, VideoFile
 from omni_local.metrics_line import metrics_line
-from omni_local.ui.messages import block_text, blocks, file_path, reply_key
+from omni_local.ui.messages import block_text, blocks, file_path
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif"}
 AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".mp3"}
