@@ -182,20 +182,23 @@ def test_no_top_k_limit_and_no_seed_are_left_out_for_the_server_to_spell_its_own
     assert "top_k" not in server.requests[0] and "seed" not in server.requests[0]
 
 
+OPENAI_VOICE = {"audio": {"voice": "Chelsie", "format": "pcm16"}, "talker_temperature": 0.5}
+
+
 @pytest.mark.parametrize("dialect, models, expected", [
-    ("openai", [VLLM_MODEL], {"audio": {"voice": "Chelsie", "format": "pcm16"}}),
+    ("openai", [VLLM_MODEL], OPENAI_VOICE),
     ("vllm-omni", [VLLM_MODEL], {"speaker": "Chelsie"}),
-    ("auto", [VLLM_MODEL], {"audio": {"voice": "Chelsie", "format": "pcm16"}, "speaker": "Chelsie"}),
-    ("auto", None, {"audio": {"voice": "Chelsie", "format": "pcm16"}}),  # our own server: OpenAI's dialect
+    ("auto", [VLLM_MODEL], OPENAI_VOICE | {"speaker": "Chelsie"}),
+    ("auto", None, OPENAI_VOICE),  # our own server: OpenAI's dialect
 ])
 def test_a_spoken_request_names_its_voice_as_the_servers_dialect_does(dialect, models, expected):
     server = RecordedServer(replies=[openai_spoken_stream(["a"], [tone(0.1)])])
     if models:
         server.models = models
-    events(server.backend(backend_dialect=dialect), speech=SpeechParams("Chelsie"))
+    events(server.backend(backend_dialect=dialect), speech=SpeechParams("Chelsie", temperature=0.5))
     body = server.requests[0]
     assert body["modalities"] == ["text", "audio"]
-    assert {key: body[key] for key in ("audio", "speaker") if key in body} == expected
+    assert {key: body[key] for key in ("audio", "speaker", "talker_temperature") if key in body} == expected
 
 
 def test_a_two_turn_session_sends_the_whole_conversation_each_time(monkeypatch):

@@ -46,7 +46,7 @@ class ChatCompletions:
     async def create(self, body: ChatRequest, request: Request) -> Response:
         self._check(body)
         params = self.app.sampling(**body.sampling())
-        speech = SpeechParams(self._voice(body)) if body.speaks else None
+        speech = self._speech(body) if body.speaks else None
         session, messages = await to_thread.run_sync(self._conversation, body, limiter=self.threads)
         stream = await to_thread.run_sync(self.app.backend.send, session, messages, params, speech,
                                           limiter=self.threads)
@@ -86,9 +86,12 @@ class ChatCompletions:
     async def _remember(self, session: str, messages: list[Message], final: Finished) -> None:
         await to_thread.run_sync(self.conversations.remember, session, messages, final, limiter=self.threads)
 
-    def _voice(self, body: ChatRequest) -> str:
+    def _speech(self, body: ChatRequest) -> SpeechParams:
+        """The spoken reply asked for: in the request's voice, else the `voice` setting's."""
         given = body.audio.voice if body.audio is not None else None
-        return given or self.app.settings.voice
+        if body.talker_temperature is None:
+            return SpeechParams(given or self.app.settings.voice)
+        return SpeechParams(given or self.app.settings.voice, temperature=body.talker_temperature)
 
     async def _sse(self, first: Event, events: AsyncIterator[Event], shapes: ReplyShapes, session: str,
                    messages: list[Message]) -> AsyncIterator[str]:

@@ -2,7 +2,8 @@
 
 Fields it does not know are ignored: clients send many (`user`, `logprobs`, `tools`, ...). Values are
 checked strictly, as OpenAI checks them: "0.5" is not a number and true is not an integer.
-Besides OpenAI's fields, omni_local's own sampling knobs `top_k` and `repetition_penalty`.
+Besides OpenAI's fields, omni_local's own sampling knobs `top_k` and `repetition_penalty`, and the
+Talker's `talker_temperature` for a spoken reply (0 is greedy).
 """
 
 from typing import Annotated, Literal
@@ -77,6 +78,7 @@ class ChatRequest(_Fields):
     stop: str | list[str] | None = None
     top_k: int | None = None
     repetition_penalty: float | None = None
+    talker_temperature: float | None = None  # None: the Talker's default
 
     @property
     def speaks(self) -> bool:

@@ -13,7 +13,7 @@ a video file as a `video_url` data URL of its own type. Sampling as `temperature
 (vLLM's and SGLang's names). `modalities` is always named: `["text"]`, or `["text", "audio"]` for a
 spoken reply, whose voice the two dialects name apart:
 - OpenAI's (our `python -m omni_local serve`, mstar, SGLang-Omni): `"audio": {"voice": "Ethan",
-  "format": "pcm16"}`; the stream's `delta.audio` holds `data` (base64 PCM16, 24 kHz, mono) and
+  "format": "pcm16"}` and omni_local's own `"talker_temperature"` (others ignore it); the stream's `delta.audio` holds `data` (base64 PCM16, 24 kHz, mono) and
   `transcript` (the text), as OpenAI's API reference has it (ChatCompletionStreamResponseDeltaAudio:
   `id`, `data`, `transcript`, `expires_at`).
 - vLLM-Omni's: the voice as a top-level `"speaker"` (examples/online_serving/qwen3_omni/README.md

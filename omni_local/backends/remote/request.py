@@ -54,13 +54,16 @@ def chat_body(model: str, messages: list[Message], params: SamplingParams, speec
     if params.seed is not None:
         body["seed"] = params.seed
     if speech is not None:
-        body |= _speech_fields(speech.voice, dialect)
+        body |= _speech_fields(speech, dialect)
     return body
 
 
-def _speech_fields(voice: str, dialect: RequestDialect) -> dict[str, Any]:
-    openai = {"audio": {"voice": voice, "format": _STREAMED_AUDIO_FORMAT}}
-    vllm_omni = {"speaker": voice}
+def _speech_fields(speech: SpeechParams, dialect: RequestDialect) -> dict[str, Any]:
+    # The Talker's temperature is omni_local's own field: a server of OpenAI's dialect that does not
+    # know it ignores it.
+    openai = {"audio": {"voice": speech.voice, "format": _STREAMED_AUDIO_FORMAT},
+              "talker_temperature": speech.temperature}
+    vllm_omni = {"speaker": speech.voice}
     return {"openai": openai, "vllm-omni": vllm_omni, "auto": openai | vllm_omni}[dialect]
 
 
