@@ -5,7 +5,8 @@ The demo is written as transformers 5 saves: one `model.safetensors`, `tokenizer
 older layout: 15 weight shards named in `model.safetensors.index.json`, the vocabulary as
 `vocab.json` and `merges.txt` (no `tokenizer.json`), image and audio settings merged in one
 `preprocessor_config.json` (no video section: transformers infers the video processor from the image
-processor's type), and the template in `chat_template.json`. Every writer here is deterministic.
+processor's type), and the template in `chat_template.json`. Copies saved where torchvision was
+missing have a placeholder video processor, or none. Every writer here is deterministic.
 """
 
 import json
@@ -13,6 +14,9 @@ import shutil
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
+from transformers.video_processing_utils import VideoProcessorMixin
+
+from omni_local.model.workarounds import ProcessorWithoutVideo
 
 OFFICIAL_SHARDS = 15
 _WEIGHTS = "model.safetensors"
@@ -32,6 +36,22 @@ def write_older_layout(demo: Path, target: Path, shards: int = OFFICIAL_SHARDS) 
     _write_json(target / "preprocessor_config.json", merged)
     template = (demo / "chat_template.jinja").read_text(encoding="utf-8")
     _write_json(target / "chat_template.json", {"chat_template": template})
+    return target
+
+
+def write_with_video_processor(demo: Path, target: Path, stand_in: VideoProcessorMixin | None) -> Path:
+    """A copy of the demo whose processor transformers saved with `stand_in` as its video processor,
+    as where torchvision was missing; None: a processor_config.json that records none (transformers
+    refuses to save a processor without one)."""
+    shutil.copytree(demo, target)
+    if stand_in is None:
+        config = json.loads((target / "processor_config.json").read_text(encoding="utf-8"))
+        del config["video_processor"]
+        _write_json(target / "processor_config.json", config)
+        return target
+    processor = ProcessorWithoutVideo.from_pretrained(demo)  # takes a video processor of any class
+    processor.video_processor = stand_in
+    processor.save_pretrained(target)
     return target
 
 

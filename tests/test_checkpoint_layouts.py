@@ -1,22 +1,38 @@
-"""A checkpoint in Qwen's own older file layout, sharded, loads and answers exactly as the demo does."""
+"""A checkpoint in Qwen's own older file layout, sharded, loads and answers exactly as the demo does;
+one whose video processor is a placeholder or missing loads, answers all but video, and refuses a
+video saying why."""
 
+import json
+import re
 import shutil
 
 import pytest
+from transformers.video_processing_utils import VideoProcessorMixin
 
-from checkpoint_layouts import OFFICIAL_SHARDS, write_older_layout
+from checkpoint_layouts import OFFICIAL_SHARDS, write_older_layout, write_with_video_processor
 from replies import NEW_TOKENS, media, reference_tokens
-from samples import clip, picture
+from samples import clip, picture, video_file
 from omni_local.api import OmniLocal
 from omni_local.api.messages import Message
-from omni_local.errors import CheckpointError
+from omni_local.errors import CheckpointError, MediaError
 from omni_local.model import load_model
+from omni_local.model import workarounds
+from omni_local.model.workarounds import NO_TORCHVISION, ProcessorWithoutVideo, video_refusal
 
 SYSTEM = "You are a helpful assistant."
 QUESTIONS = {
     "text": lambda: ["Tell me a story about a lighthouse keeper."],
     "image": lambda: [picture(1), "What is in this picture?"],
     "image and audio": lambda: [picture(3, (224, 224)), clip(4, 3.0), "Describe both."],
+}
+# What a copy saved where torchvision was missing has in its video processor's place, and the phrase a
+# video sent to it is refused with. transformers saves a stand-in's class name alone.
+VIDEO_PROCESSORS_RECORDED = {
+    "transformers' own stand-in": (lambda demo: VideoProcessorMixin(),
+                                   "records a placeholder video processor (VideoProcessorMixin)"),
+    "omni_local's stand-in": (lambda demo: ProcessorWithoutVideo.from_pretrained(demo).video_processor,
+                              "records a placeholder video processor (_NoVideoProcessor)"),
+    "none": (lambda demo: None, "records no video processor"),
 }
 
 
@@ -38,6 +54,17 @@ def older_layout(demo_checkpoint, tmp_path_factory):
 def older_app(demo_settings, older_layout):
     with OmniLocal(demo_settings.replace(model=str(older_layout))) as app:
         yield app
+
+
+@pytest.fixture(scope="module", params=VIDEO_PROCESSORS_RECORDED)
+def without_video(request, demo_settings, demo_checkpoint, tmp_path_factory):
+    """The app on a copy of the demo saved with `request.param`'s video processor, and the phrase a
+    video sent to it is refused with."""
+    stand_in, phrase = VIDEO_PROCESSORS_RECORDED[request.param]
+    path = tmp_path_factory.mktemp("video") / "copy"
+    write_with_video_processor(demo_checkpoint, path, stand_in(demo_checkpoint))
+    with OmniLocal(demo_settings.replace(model=str(path))) as app:
+        yield app, phrase
 
 
 # The older layout
@@ -98,3 +125,48 @@ def test_an_incomplete_checkpoint_in_the_older_layout_is_refused_naming_what_is_
         load_model(demo_settings.replace(model=str(path)))
     assert OLDER_LAYOUT_FILES_MISSING[name] in str(raised.value)
     assert str(path.resolve()) in str(raised.value)
+
+
+# A placeholder or missing video processor
+
+
+def test_transformers_saves_a_stand_in_video_processor_as_its_class_name_alone(demo_checkpoint, tmp_path):
+    path = write_with_video_processor(demo_checkpoint, tmp_path / "copy", VideoProcessorMixin())
+    recorded = json.loads((path / "processor_config.json").read_text(encoding="utf-8"))["video_processor"]
+    assert recorded == {"video_processor_type": "VideoProcessorMixin"}
+
+
+@pytest.mark.parametrize("question", ["text", "image"])
+def test_a_checkpoint_without_a_video_processor_answers_text_and_images_as_transformers_does(
+    without_video, question
+):
+    app, _ = without_video
+    parts = QUESTIONS[question]()
+    assert not app.backend.info.video
+    reply = _reply(app, parts)
+    assert reply and reply == reference_tokens(app, _messages(parts))
+
+
+@pytest.mark.torchvision  # without torchvision the refusal says torchvision is missing, whatever the checkpoint
+def test_a_checkpoint_without_a_video_processor_refuses_a_video_saying_why(without_video, tmp_path):
+    app, phrase = without_video
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(video_file(7))
+    session = app.session()
+    with pytest.raises(MediaError, match=re.escape(f"video input is not available: checkpoint 'copy' {phrase}")):
+        session.send("What happens in this video?", videos=[path])
+    assert session.send("Hello", max_new_tokens=2).result().token_ids
+
+
+@pytest.mark.parametrize("recorded", VIDEO_PROCESSORS_RECORDED)
+def test_without_torchvision_a_copy_without_a_video_processor_loads_and_refuses_video_for_that(
+    recorded, demo_settings, demo_checkpoint, monkeypatch, tmp_path
+):
+    # What `load_processor` loads where torchvision is missing, whether or not it is missing here.
+    monkeypatch.setattr(workarounds, "is_torchvision_available", lambda: False)
+    stand_in, _ = VIDEO_PROCESSORS_RECORDED[recorded]
+    path = write_with_video_processor(demo_checkpoint, tmp_path / "copy", stand_in(demo_checkpoint))
+    processor = load_model(demo_settings.replace(model=str(path))).processor
+    assert video_refusal(processor) == NO_TORCHVISION
+    inputs = processor(text="<|vision_start|><|image_pad|><|vision_end|>", images=[picture(2)], return_tensors="pt")
+    assert inputs["image_grid_thw"].shape == (1, 3)
