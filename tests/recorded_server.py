@@ -20,6 +20,7 @@ import numpy as np
 import soundfile
 
 import omni_local.backends.remote as remote
+from omni_local.media.pcm16 import to_pcm16
 from omni_local.api import OmniLocal
 from omni_local.backends.remote import RemoteBackend
 from omni_local.settings import Settings
@@ -131,7 +132,7 @@ def vllm_omni_stream(texts: list[str], wavs: list[tuple[np.ndarray, int]], usage
 
 
 def pcm16_base64(samples: np.ndarray) -> str:
-    return base64.b64encode((samples * 32767).astype("<i2").tobytes()).decode()
+    return base64.b64encode(to_pcm16(samples).tobytes()).decode()
 
 
 def wav_base64(samples: np.ndarray, rate: int) -> str:

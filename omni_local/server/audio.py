@@ -8,18 +8,14 @@ import numpy as np
 import soundfile
 
 from omni_local.api.events import SPEECH_SAMPLE_RATE
-
-
-def pcm16(samples: np.ndarray) -> np.ndarray:
-    """float32 samples in [-1, 1] as int16; a sample beyond the range is clipped, not wrapped."""
-    return np.round(np.clip(samples, -1.0, 1.0) * 32767).astype("<i2")
+from omni_local.media.pcm16 import to_pcm16
 
 
 def base64_pcm16(samples: np.ndarray) -> str:
-    return base64.b64encode(pcm16(samples).tobytes()).decode("ascii")
+    return base64.b64encode(to_pcm16(samples).tobytes()).decode("ascii")
 
 
 def base64_wav(samples: np.ndarray) -> str:
     file = io.BytesIO()
-    soundfile.write(file, pcm16(samples), SPEECH_SAMPLE_RATE, subtype="PCM_16", format="WAV")
+    soundfile.write(file, to_pcm16(samples), SPEECH_SAMPLE_RATE, subtype="PCM_16", format="WAV")
     return base64.b64encode(file.getvalue()).decode("ascii")

@@ -12,6 +12,7 @@ import soxr
 from omni_local.api.events import SPEECH_SAMPLE_RATE
 from omni_local.errors import RequestError
 from omni_local.media import SAMPLE_RATE
+from omni_local.media.pcm16 import from_pcm16
 
 _WAV_MAGIC = b"RIFF"
 _NOTHING = np.zeros(0, np.float32)
@@ -72,4 +73,4 @@ class SpeechDecoder:
 def _pcm16(data: bytes) -> np.ndarray:
     if len(data) % 2:
         raise RequestError("the server sent PCM16 audio of an odd number of bytes")
-    return np.frombuffer(data, "<i2").astype(np.float32) / 32768.0
+    return from_pcm16(data)
