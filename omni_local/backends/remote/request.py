@@ -8,7 +8,8 @@ image's pixels, a clip's samples) then finds the same image or clip again on eve
 import base64
 import io
 import mimetypes
-from typing import Any, Literal
+import weakref
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -18,21 +19,23 @@ from omni_local.api.params import SamplingParams, SpeechParams
 from omni_local.backends.remote.audio import wav_base64
 from omni_local.errors import MediaError
 from omni_local.media.video import Video, VideoFile
+from omni_local.settings import BackendDialect
 
-# How the request names the voice and the audio's format: "auto" is for a server we know nothing
-# of, and names the voice both ways (each dialect's server ignores the other's field).
-RequestDialect = Literal["openai", "vllm-omni", "auto"]
 # OpenAI streams spoken replies only as PCM16, at 24 kHz; vLLM-Omni sends WAV unless told otherwise.
 _STREAMED_AUDIO_FORMAT = "pcm16"
-# PNG's fastest level: still lossless, and the history's images are encoded again at every turn.
+# PNG's fastest level: still lossless, and quick for a large picture's first send.
 _PNG_COMPRESSION = 1
 _VIDEO_FALLBACK_TYPE = "video/mp4"
+# Each medium's content part, by the id of the part it encodes, while that part lives: a chat's
+# history holds the same image and clip objects turn after turn (the session's history, the page's
+# decoded uploads), and each is encoded once, not at every turn.
+_encoded: dict[int, dict[str, Any]] = {}
 VIDEO_AS_FILE = ("a remote backend sends a video as its file, not decoded frames: give the file (its path or "
                  "bytes), or read it with OmniLocal.read_video")
 
 
 def chat_body(model: str, messages: list[Message], params: SamplingParams, speech: SpeechParams | None,
-              dialect: RequestDialect) -> dict[str, Any]:
+              dialect: BackendDialect) -> dict[str, Any]:
     """The request's JSON body. `max_tokens` goes with `max_completion_tokens`: vLLM-Omni's Thinker
     reads only the older name. `top_k` is sent only when it limits, since servers spell "off"
     differently (0 or -1)."""
@@ -58,7 +61,9 @@ def chat_body(model: str, messages: list[Message], params: SamplingParams, speec
     return body
 
 
-def _speech_fields(speech: SpeechParams, dialect: RequestDialect) -> dict[str, Any]:
+def _speech_fields(speech: SpeechParams, dialect: BackendDialect) -> dict[str, Any]:
+    """How the request names the voice and the audio's format: "auto" is for a server we know nothing
+    of, and names the voice both ways (each dialect's server ignores the other's field)."""
     # The Talker's temperature is omni_local's own field: a server of OpenAI's dialect that does not
     # know it ignores it.
     openai = {"audio": {"voice": speech.voice, "format": _STREAMED_AUDIO_FORMAT},
@@ -76,6 +81,14 @@ def _message(message: Message) -> dict[str, Any]:
 def _content_part(part: Part) -> dict[str, Any]:
     if isinstance(part, str):
         return {"type": "text", "text": part}
+    key = id(part)
+    if key not in _encoded:
+        _encoded[key] = _media_part(part)
+        weakref.finalize(part, _encoded.pop, key, None)  # forgotten with the part, before its id is reused
+    return _encoded[key]
+
+
+def _media_part(part: Part) -> dict[str, Any]:
     if isinstance(part, Image.Image):
         return {"type": "image_url", "image_url": {"url": _data_url("image/png", _png(part))}}
     if isinstance(part, np.ndarray):
