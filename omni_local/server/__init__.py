@@ -9,7 +9,8 @@ a local reply has.
     content.py        message content (text, data URLs of media) into omni_local's messages
     conversations.py  what a stateless API keeps so that requests still hit the prefix cache
     completions.py    a request sent to the backend, and its reply streamed or answered whole
-    reply.py          the backend's blocking events read off the event loop; stop strings
+    reply.py          the backend's blocking events read off the event loop
+    stops.py          a reply's text cut at the request's stop strings, even across pieces
     shapes.py         a reply in OpenAI's shapes: chunks, or the completion (the wire format)
     figures.py        finish_reason, usage, and the `omni_local` figures object
     audio.py          speech as base64 PCM16 or WAV

@@ -55,7 +55,7 @@ class ChatCompletions:
         shapes = ReplyShapes(self.app.info.model_id, body.speaks, body.include_usage)
         try:
             if not body.stream:
-                speech_samples = await unless_disconnected(request, _speech(events))
+                speech_samples = await unless_disconnected(request, _whole_speech(events))
                 if speech_samples is None:
                     return Response(status_code=CLIENT_GONE)
                 await self._remember(session, messages, reply.final)
@@ -118,7 +118,7 @@ def _chunks(event: Event, shapes: ReplyShapes) -> list[dict]:
     return shapes.last_chunks(event) if isinstance(event, Finished) else [shapes.chunk(event)]
 
 
-async def _speech(events: AsyncIterator[Event]) -> np.ndarray:
+async def _whole_speech(events: AsyncIterator[Event]) -> np.ndarray:
     """The whole reply read; its speech's samples (empty if none)."""
     pieces = [event.samples async for event in events if isinstance(event, AudioChunk)]
     return np.concatenate(pieces) if pieces else np.zeros(0, np.float32)

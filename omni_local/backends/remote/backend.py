@@ -15,11 +15,11 @@ from omni_local.backends.remote.chunks import ChunkReader
 from omni_local.backends.remote.errors import request_error, unreachable
 from omni_local.backends.remote.figures import Asked
 from omni_local.backends.remote.reply import RemoteReply
-from omni_local.backends.remote.request import VIDEO_AS_FILE, RequestDialect, chat_body
+from omni_local.backends.remote.request import VIDEO_AS_FILE, chat_body
 from omni_local.errors import MediaError, OmniLocalError, RequestError
 from omni_local.media import MediaLimits
 from omni_local.media.video import Video, VideoFile, read_video_file
-from omni_local.settings import Settings
+from omni_local.settings import BackendDialect, Settings
 
 # Chats the page lets stream at once. A server queues what it cannot decode together (and answers
 # 429 or 503 when its queue is full), so this bounds only what one page asks of it.
@@ -83,7 +83,7 @@ class RemoteBackend:
     def close(self) -> None:
         self.client.close()
 
-    def _request_dialect(self) -> RequestDialect:
+    def _request_dialect(self) -> BackendDialect:
         """How a request names the voice: as the setting says; on "auto", OpenAI's way for our own
         server (its model entry says it is), and both ways for any other."""
         if self.settings.backend_dialect != "auto":

@@ -8,22 +8,22 @@ the sound as a base64 WAV file in `delta.content`, and the others carry text the
 that holds `usage`; our server also puts its figures in an `"omni_local"` object on the last chunk.
 """
 
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from omni_local.api.events import AudioChunk, TextDelta
 from omni_local.backends.remote.audio import SpeechDecoder
 from omni_local.errors import RequestError
+from omni_local.settings import BackendDialect
 
-Dialect = Literal["auto", "openai", "vllm-omni"]
 
 
 class ChunkReader:
     """What each chunk adds to the reply, and what the stream said about the reply as a whole."""
 
-    def __init__(self, dialect: Dialect, spoken: bool) -> None:
-        self.dialect: Dialect = dialect  # "auto" until a chunk tells
+    def __init__(self, dialect: BackendDialect, spoken: bool) -> None:
+        self.dialect: BackendDialect = dialect  # "auto" until a chunk tells
         self.spoken = spoken
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] | None = None

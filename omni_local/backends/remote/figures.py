@@ -2,11 +2,7 @@
 `usage` says and what this side measures; a figure neither knows is None (shown as unknown).
 
 Our server (`python -m omni_local serve`) puts an `"omni_local"` object on its last chunk with the
-engine's own figures, by the names of api/events.py:
-`{"stop_reason", "tokens": {prompt, computed, reused_gpu, reused_host, generated},
-"timings": {queue_wait_s, ttft_s, decode_tokens_per_s}, "seed", "context": {size, prompt_limit,
-turns_left_out}, "media": {in_kv, from_cache, encoded}, "speech": {voice, frames, audio_s,
-first_audio_s, real_time_factor, talker_prompt, talker_reused} or null}`.
+engine's own figures, by the names of api/events.py (server/figures.py, which writes it, lists them).
 Another server's `usage` gives the prompt and reply token counts, and `cached_tokens` the prompt
 tokens its prefix cache supplied (device and host memory together); the time to the first token and
 the decode rate are then measured here, so they include the network.
