@@ -260,6 +260,16 @@ def test_an_image_over_the_upload_limit_is_413_and_so_is_a_body_over_its_bound(a
     assert refused.value.status_code == 413
 
 
+def test_a_body_sent_in_chunks_is_413_once_it_passes_its_bound(server):
+    def pieces():  # no Content-Length: the bound is checked as the body comes
+        for _ in range(5):
+            yield b" " * MAX_UPLOAD_BYTES
+
+    refused = httpx.post(f"{server.url}/chat/completions", content=pieces(), timeout=30,
+                         headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert refused.status_code == 413 and refused.json()["error"]["code"] == "request_too_large"
+
+
 def test_another_model_is_404_model_not_found(api):
     with pytest.raises(openai.NotFoundError) as refused:
         api.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "Hi"}])

@@ -1,6 +1,7 @@
 """A reply as the API server sends it, below the subprocess (test_server.py): stop strings across
-the pieces of a streamed text, and a failure after the stream began, through the server's routes
-in this process (Starlette's test client under the official `openai` client)."""
+the pieces of a streamed text, the session a stateless request continues, and a failure after the
+stream began, through the server's routes in this process (Starlette's test client under the
+official `openai` client)."""
 
 from collections.abc import Iterator
 
@@ -9,8 +10,10 @@ import pytest
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
-from omni_local.api.events import TextDelta
+from omni_local.api.events import ContextUse, Finished, TextDelta, Timings, TokenCounts
+from omni_local.api.messages import Message
 from omni_local.errors import RequestError
+from omni_local.server.conversations import Conversations
 from omni_local.server.routes import api_mount
 from omni_local.server.stops import StopStrings
 
@@ -53,6 +56,24 @@ class FailingMidway:
     def cancel(self) -> None:
         pass
 
+
+def reply(text: str, token_ids: list[int]) -> Finished:
+    return Finished(text, token_ids, "end_of_turn", TokenCounts(9, 9, 0, 0, len(token_ids)), Timings(0, 0, 0), 1,
+                    ContextUse(64, 48))
+
+
+def test_a_conversation_sent_again_with_its_reply_continues_its_session_once_and_gets_the_replys_token_ids():
+    conversations = Conversations()
+    asked = [Message("system", ["Be brief."]), Message("user", ["Hello."])]
+    session, _ = conversations.continued(asked)
+    conversations.remember(session, asked, reply("Hi there.", [7, 8, 9]))
+    follow_up = [*asked, Message("assistant", ["Hi there."]), Message("user", ["And then?"])]
+    continued, messages = conversations.continued(follow_up)
+    assert continued == session and messages[2].token_ids == [7, 8, 9]
+    other, _ = conversations.continued(follow_up)  # the session is held by the request that took it
+    assert other != session
+    stranger, _ = conversations.continued([Message("user", ["Hello."])])
+    assert stranger not in (session, other)
 
 def test_a_failure_after_the_stream_began_is_an_error_event_the_sdk_raises(app, monkeypatch):
     monkeypatch.setattr(app, "backend", FailingMidway(app.backend.info))
