@@ -29,6 +29,7 @@ def main() -> int:
         from omni_local.ui.layout import PAGE_CSS
 
         app = OmniLocal(settings)
+        print(f"omni_local: {app.info.describe()}", flush=True)
         ui = build_ui(app)
     except OmniLocalError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -1,13 +1,16 @@
 """Command line: `ask` one question, `chat` in the terminal, or talk with `voice`.
 
     python -m omni_local ask "What is this?" --image cat.png [--audio q.wav] [--video clip.mp4] [--system ...] [--json]
+    python -m omni_local ask --audio sound.wav --model /path/to/Qwen3-Omni-30B-A3B-Captioner   # a caption
     python -m omni_local ask "Say hello." --speak [--voice Chelsie] [--wav reply.wav]
     python -m omni_local chat [--system ...]
     python -m omni_local voice [--system ...] [--voice Chelsie]   # microphone and speakers
     python -m omni_local serve [--api-host ADDRESS --api-key-file FILE]   # the OpenAI-compatible API
 
 Any setting can be overridden (`--max-new-tokens 64`, `--model /path/to/checkpoint`). A bad file or
-setting ends with one line naming it and exit status 2, never a traceback.
+setting ends with one line naming it and exit status 2, never a traceback. A Thinking checkpoint's
+reasoning is printed dimmed before its answer on a terminal; elsewhere (a pipe, a file) only with
+`--show-reasoning`.
 """
 
 import argparse
@@ -22,20 +25,21 @@ import soundfile
 
 from omni_local.api import OmniLocal, Reply, Session
 from omni_local.audio_devices import Microphone, Speakers, load_sounddevice
-from omni_local.api.events import SPEECH_SAMPLE_RATE, Finished, TextDelta
+from omni_local.api.events import SPEECH_SAMPLE_RATE, Finished, ReasoningDelta, TextDelta
 from omni_local.errors import OmniLocalError
 from omni_local.metrics_line import metrics_line
 from omni_local.settings import add_settings_arguments, settings_from_arguments
 from omni_local.voice import VoiceConversation
 
 EXIT_BAD_INPUT = 2
+DIM, PLAIN = "\x1b[2m", "\x1b[0m"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m omni_local", description="Qwen3-Omni on your own machine")
     commands = parser.add_subparsers(dest="command", required=True)
     ask = commands.add_parser("ask", help="ask one question and stream the reply")
-    ask.add_argument("question", help="the question's text")
+    ask.add_argument("question", nargs="?", default="", help="the question's text (none: the files alone)")
     ask.add_argument("--image", type=Path, action="append", default=[], help="an image file (repeatable)")
     ask.add_argument("--audio", type=Path, action="append", default=[], help="an audio file (repeatable)")
     ask.add_argument("--video", type=Path, action="append", default=[],
@@ -45,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--wav", type=Path, default=None, help="write the spoken reply to this WAV file (implies --speak)")
     chat = commands.add_parser("chat", help="a multi-turn conversation in the terminal")
     voice = commands.add_parser("voice", help="a spoken conversation through the microphone and speakers")
+    for sub in (ask, chat):
+        sub.add_argument("--show-reasoning", action="store_true",
+                         help="print a Thinking checkpoint's reasoning even where the output is not a terminal")
     for sub in (ask, chat, voice):
         sub.add_argument("--system", default=None, help="system prompt")
         sub.add_argument("--seed", type=int, default=None, help="random seed for sampled replies")
@@ -84,7 +91,7 @@ def _ask(session: Session, args: argparse.Namespace) -> int:
     # The voice is the `voice` setting, so `--voice NAME` picks it like any other setting.
     reply = session.send(args.question, images=args.image, audio=args.audio, videos=args.video, seed=args.seed,
                          speak=args.speak)
-    final = _stream(reply, show_text=not args.json)
+    final = _stream(reply, show_text=not args.json, show_reasoning=args.show_reasoning)
     if args.wav is not None:
         _write_wav(args.wav, reply)
     if args.json:
@@ -118,7 +125,7 @@ def _chat(session: Session, args: argparse.Namespace) -> int:
             continue
         try:
             reply = session.send(line, **attached, seed=args.seed)
-            _stream(reply, show_text=True)
+            _stream(reply, show_text=True, show_reasoning=args.show_reasoning)
         except OmniLocalError as error:
             print(f"error: {error}", file=sys.stderr)  # the conversation goes on
         attached = {kind: [] for kind in attached}
@@ -154,20 +161,46 @@ def _show_voice_event(event: TextDelta | Finished | OmniLocalError) -> None:
         print(f"error: {event}", file=sys.stderr)
 
 
-def _stream(reply: Reply, show_text: bool) -> Finished:
+def _stream(reply: Reply, show_text: bool, show_reasoning: bool = False) -> Finished:
     """Print deltas as they come; Ctrl-C cancels the reply instead of killing the program."""
     final = None
+    reasoning = ReasoningPrinter(shown=show_text and (show_reasoning or sys.stdout.isatty()), dim=sys.stdout.isatty())
     try:
         for event in reply:
-            if isinstance(event, TextDelta) and show_text:
+            if isinstance(event, ReasoningDelta):
+                reasoning.print(event.text)
+            elif isinstance(event, TextDelta) and show_text:
+                reasoning.end()
                 print(event.text, end="", flush=True)
             elif isinstance(event, Finished):
                 final = event
     except KeyboardInterrupt:
         reply.cancel()
         final = reply.result()
+    reasoning.end()
     if show_text:
         print()
         print(metrics_line(final))
     return final
+
+
+class ReasoningPrinter:
+    """A reply's reasoning as it streams, dimmed on a terminal, set off from the answer by a blank line."""
+
+    def __init__(self, shown: bool, dim: bool) -> None:
+        self.shown, self.dim = shown, dim
+        self.open = False  # reasoning was printed and the answer has not begun
+
+    def print(self, text: str) -> None:
+        if not self.shown:
+            return
+        if not self.open:
+            print(DIM if self.dim else "Reasoning:\n", end="")
+            self.open = True
+        print(text, end="", flush=True)
+
+    def end(self) -> None:
+        if self.open:
+            print((PLAIN if self.dim else "") + "\n", flush=True)
+            self.open = False
 

@@ -20,6 +20,7 @@ from omni_local.api.messages import Message, Part, check_text
 from omni_local.cache.digests import media_digest, token_keys
 from omni_local.errors import RequestError
 from omni_local.media.video import Video
+from omni_local.model.reasoning import reasoning_marks
 from omni_local.template_tokens import TemplateIds
 
 
@@ -136,7 +137,7 @@ def _template_ids(messages: list[Message], processor: Any) -> list[int]:
     nonce = secrets.token_hex(8)
     texts: list[str] = []
     replies: list[list[int]] = []
-    chat = [{"role": m.role, "content": _template_content(m, nonce, texts, replies)} for m in messages]
+    chat = [_template_message(m, nonce, texts, replies, processor.tokenizer) for m in messages]
     rendered = processor.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     segments = re.split(f"<(text|reply) {nonce} (\\d+)>", rendered)
     ids = TemplateIds(processor.tokenizer)
@@ -150,21 +151,65 @@ def _template_ids(messages: list[Message], processor: Any) -> list[int]:
     return ids.finish()
 
 
-def _template_content(message: Message, nonce: str, texts: list[str], replies: list[list[int]]) -> list[dict]:
-    """The message's content blocks for the template, its text and a reply's ids left in `texts` and
-    `replies` with a marker in their place."""
-    if message.role == "assistant" and message.token_ids is not None:
-        replies.append(message.token_ids)
-        return [{"type": "text", "text": f"<reply {nonce} {len(replies) - 1}>"}]
+def _template_message(message: Message, nonce: str, texts: list[str], replies: list[list[int]],
+                      tokenizer: Any) -> dict[str, Any]:
+    """The message for the template, its text and a reply's ids left in `texts` and `replies` with a
+    marker in their place. A reply's reasoning goes apart, as `reasoning_content`: the template
+    decides whether the next prompt holds it (Qwen's Thinking template keeps it only after the last
+    question, so an earlier turn's reasoning is left out)."""
+    if message.role == "assistant" and (message.reasoning or message.token_ids is not None):
+        return _reply_message(message, nonce, texts, replies, tokenizer)
     blocks = []
     for part in message.parts:
         if isinstance(part, str):
-            check_text(part, "the conversation")
-            texts.append(part)
-            blocks.append({"type": "text", "text": f"<text {nonce} {len(texts) - 1}>"})
+            blocks.append(_text_block(part, nonce, texts))
         else:
             blocks.append({"type": _kind(part)})
-    return blocks
+    return {"role": message.role, "content": blocks}
+
+
+def _reply_message(message: Message, nonce: str, texts: list[str], replies: list[list[int]],
+                   tokenizer: Any) -> dict[str, Any]:
+    marks = reasoning_marks(tokenizer)
+    ids = message.token_ids
+    if ids is None:  # a reply known by its text alone (from a remote server)
+        answer, reasoning = _text_block(message.text, nonce, texts), message.reasoning
+        reasoning_block = _text_block(reasoning, nonce, texts) if reasoning else None
+    elif marks is not None and (message.reasoning or marks.end in ids):
+        reasoning_ids, answer_ids = marks.split(ids, reasoned=bool(message.reasoning))
+        # As the template trims the reasoning's and the answer's blank lines around its markers.
+        answer = _reply_block(_trim_blank_lines(answer_ids, tokenizer), nonce, replies)
+        reasoning_block = _reply_block(_trim_blank_lines(reasoning_ids, tokenizer), nonce, replies)
+    else:
+        answer, reasoning_block = _reply_block(ids, nonce, replies), None
+    chat: dict[str, Any] = {"role": "assistant", "content": [answer]}
+    if reasoning_block is not None:
+        chat["reasoning_content"] = reasoning_block["text"]
+    return chat
+
+
+def _text_block(text: str, nonce: str, texts: list[str]) -> dict[str, str]:
+    check_text(text, "the conversation")
+    texts.append(text)
+    return {"type": "text", "text": f"<text {nonce} {len(texts) - 1}>"}
+
+
+def _reply_block(ids: list[int], nonce: str, replies: list[list[int]]) -> dict[str, str]:
+    replies.append(ids)
+    return {"type": "text", "text": f"<reply {nonce} {len(replies) - 1}>"}
+
+
+def _trim_blank_lines(ids: list[int], tokenizer: Any) -> list[int]:
+    """`ids` without the tokens at either end that are line breaks only."""
+    def blank(token: int) -> bool:
+        return tokenizer.decode([token]).strip("\n") == ""
+
+    start, end = 0, len(ids)
+    while start < end and blank(ids[start]):
+        start += 1
+    while end > start and blank(ids[end - 1]):
+        end -= 1
+    return ids[start:end]
 
 
 def _kind(part: Part) -> str:

@@ -37,6 +37,11 @@ class Settings:
         "model", "sdpa", "attention kernels of the Thinker"
     )
     speech: bool = setting("model", False, "load the Talker and Code2Wav (spoken replies)")
+    model_kind: Literal["auto", "instruct", "thinking", "captioner"] = setting(
+        "model", "auto",
+        "which Qwen3-Omni checkpoint it is; 'auto': one with a Talker is Instruct, one whose chat template opens a"
+        " reasoning block is Thinking, another is the Captioner",
+    )
     demo_dir: str = setting("model", "", "where the demo model is written; '' is <cache_dir>/demo")
     # [engine]
     max_context_tokens: int = setting("engine", 8192, "prompt plus reply, per request (KV rows per slot)")
@@ -59,6 +64,10 @@ class Settings:
     )
     use_audio_in_video: bool = setting("engine", True, "the model also hears a video's sound track")
     max_new_tokens: int = setting("engine", 512, "default reply length limit")
+    max_reasoning_tokens: int = setting(
+        "engine", 0, "default; a Thinking checkpoint's reasoning ends here and its answer begins; 0: only max_new_tokens"
+        " limits it"
+    )
     temperature: float = setting("engine", 0.0, "default; 0 is greedy")
     top_p: float = setting("engine", 1.0, "default nucleus sampling mass")
     top_k: int = setting("engine", 0, "default; 0 keeps every token")
@@ -138,8 +147,9 @@ class Settings:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise SettingsError(f"setting '{name}' must be positive, got {getattr(self, name)!r}")
-        if self.host_cache_bytes < 0:
-            raise SettingsError(f"setting 'host_cache_bytes' must be 0 or more, got {self.host_cache_bytes!r}")
+        for name in ("host_cache_bytes", "max_reasoning_tokens"):
+            if getattr(self, name) < 0:
+                raise SettingsError(f"setting '{name}' must be 0 or more, got {getattr(self, name)!r}")
         if self.max_prompt_tokens >= self.max_context_tokens:
             raise SettingsError(
                 f"setting 'max_prompt_tokens' ({self.max_prompt_tokens}) must be below "

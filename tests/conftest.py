@@ -21,6 +21,7 @@ import torch
 from transformers.utils import is_torchvision_available
 
 from bad_files import write_bad_files
+from checkpoint_family import write_captioner, write_thinking
 from omni_local.api.messages import Message
 from omni_local.model import LoadedModel, load_model
 from omni_local.model.demo import ensure_demo_checkpoint
@@ -46,6 +47,18 @@ def demo_settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
 @pytest.fixture(scope="session")
 def demo_checkpoint(demo_settings: Settings) -> Path:
     return ensure_demo_checkpoint(demo_settings.demo_path)
+
+
+@pytest.fixture(scope="session")
+def thinking_checkpoint(demo_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3-Omni Thinking (checkpoint_family.py)."""
+    return write_thinking(demo_checkpoint, tmp_path_factory.mktemp("family") / "thinking")
+
+
+@pytest.fixture(scope="session")
+def captioner_checkpoint(demo_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3-Omni Captioner (checkpoint_family.py)."""
+    return write_captioner(demo_checkpoint, tmp_path_factory.mktemp("family") / "captioner")
 
 
 @pytest.fixture(scope="session")

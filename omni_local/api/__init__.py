@@ -9,15 +9,16 @@
                 print(event.text, end="", flush=True)
         print(chat.history[-1].text)               # the reply, kept for the next turn
 
-A reply is a stream of `TextDelta` events (and `AudioChunk`s, for `send(..., speak=True)`) and
-one final `Finished` (text, token counts, timings, speech figures). Bad input raises
+A reply is a stream of `TextDelta` events (and `AudioChunk`s, for `send(..., speak=True)`;
+`ReasoningDelta`s before the answer, from a Thinking checkpoint) and one final `Finished` (text,
+reasoning, token counts, timings, speech figures). Bad input raises
 `OmniLocalError` with a message meant for the user; the session and the backend keep working.
 The same API runs on the engine in this process or on a remote server (`backend = "openai"`).
 """
 
 from omni_local.api.app import OmniLocal
-from omni_local.api.events import AudioChunk, Finished, TextDelta
+from omni_local.api.events import AudioChunk, Finished, ReasoningDelta, TextDelta
 from omni_local.api.session import Reply, Session
 from omni_local.errors import OmniLocalError
 
-__all__ = ["OmniLocal", "Session", "Reply", "TextDelta", "AudioChunk", "Finished", "OmniLocalError"]
+__all__ = ["OmniLocal", "Session", "Reply", "TextDelta", "ReasoningDelta", "AudioChunk", "Finished", "OmniLocalError"]

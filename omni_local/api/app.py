@@ -38,6 +38,7 @@ class OmniLocal:
             top_p=s.top_p,
             top_k=s.top_k,
             repetition_penalty=s.repetition_penalty,
+            max_reasoning_tokens=s.max_reasoning_tokens,
         )
         unknown = sorted(set(overrides) - {*values, "seed"})
         if unknown:

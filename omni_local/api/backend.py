@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Protocol
 
 from omni_local.api.events import Event
+from omni_local.api.kinds import ModelKind, kind_title
 from omni_local.api.messages import Message, Part
 from omni_local.api.params import SamplingParams, SpeechParams
 from omni_local.media.video import Video
@@ -27,6 +28,12 @@ class BackendInfo:
     max_prompt_tokens: int  # the longest prompt it takes
     concurrency: int  # replies it makes at once: the page lets this many chats stream together
     video: bool  # it takes videos
+    kind: ModelKind = "instruct"  # which member of the Qwen3-Omni family it is
+
+    def describe(self) -> str:
+        """What is served, where, and whether it speaks: the start-up line's and the page header's."""
+        speech = "speech on" if self.speech else "speech off"
+        return f"{kind_title(self.kind)} · {self.model} · {self.runs_on} · {speech}"
 
 
 class ReplyStream(Protocol):

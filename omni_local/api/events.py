@@ -1,5 +1,8 @@
 """What a reply streams back, from any backend: text, audio, and one final `Finished`.
 
+A Thinking checkpoint reasons before it answers: its reasoning streams as `ReasoningDelta`s, apart
+from the answer's `TextDelta`s, so a caller that shows only answers ignores them.
+
 Figures a backend does not report are None (a remote server may not say how long a request
 queued, or which of its cached tokens came from host memory): shown as unknown, never as zeros.
 """
@@ -15,6 +18,11 @@ StopReason = Literal["end_of_turn", "max_new_tokens", "context_full", "cancelled
 
 @dataclass(frozen=True)
 class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ReasoningDelta:
     text: str
 
 
@@ -81,8 +89,8 @@ class SpeechReport:
 
 @dataclass(frozen=True)
 class Finished:
-    text: str
-    token_ids: list[int] | None  # the reply's tokens as the model made them (None: not reported)
+    text: str  # the answer
+    token_ids: list[int] | None  # the reply's tokens as the model made them, reasoning too (None: not reported)
     stop_reason: StopReason
     tokens: TokenCounts
     timings: Timings
@@ -90,6 +98,7 @@ class Finished:
     context: ContextUse
     speech: SpeechReport | None = None  # for a spoken reply
     media: MediaCounts | None = MediaCounts()  # None: not reported
+    reasoning: str = ""  # what a Thinking checkpoint reasoned before its answer
 
     @property
     def context_used(self) -> int | None:
@@ -99,4 +108,4 @@ class Finished:
         return self.tokens.prompt + self.tokens.generated
 
 
-Event = TextDelta | AudioChunk | Finished
+Event = TextDelta | ReasoningDelta | AudioChunk | Finished

@@ -23,6 +23,7 @@ class Message:
     # A reply's tokens as the model made them: the next prompt reuses them as they are, so the
     # reply's cached KV stays valid (decoding and re-tokenizing could give other ids).
     token_ids: list[int] | None = None
+    reasoning: str = ""  # a Thinking checkpoint's reply: what it reasoned before its answer (`parts`)
 
     @property
     def text(self) -> str:
@@ -50,9 +51,11 @@ def check_text(text: str, holder: str) -> None:
                            f"at character {error.start + 1})") from None
 
 
-def reply_key(text: str) -> str:
-    """A reply's text as a client gives it back, to look up the token ids the model made it of (and
-    so its cached KV, which text tokenized anew could miss). Gradio's chatbot cleans each text as a
-    docstring (`inspect.cleandoc`: tabs expanded, indentation and the ends' blank lines removed); an
-    API client may do the same, or trim the ends."""
-    return inspect.cleandoc(text).strip()
+def reply_key(text: str, reasoning: str = "") -> str:
+    """A reply's text (and reasoning) as a client gives it back, to look up the token ids the model
+    made it of (and so its cached KV, which text tokenized anew could miss). Gradio's chatbot cleans
+    each text as a docstring (`inspect.cleandoc`: tabs expanded, indentation and the ends' blank
+    lines removed); an API client may do the same, or trim the ends. Two replies with one answer
+    but different reasoning are different replies."""
+    answer = inspect.cleandoc(text).strip()
+    return f"{inspect.cleandoc(reasoning).strip()}\0{answer}" if reasoning else answer

@@ -9,7 +9,7 @@ import numpy as np
 
 from omni_local.errors import RequestError
 
-_WHOLE = {"max_new_tokens", "top_k", "seed"}
+_WHOLE = {"max_new_tokens", "max_reasoning_tokens", "top_k", "seed"}
 # Below this a temperature divides the scores past float32's range (every positive one infinite,
 # and the draw then picks the lowest such id): values that small are refused; 0 is greedy.
 MIN_TEMPERATURE = 1e-3
@@ -23,6 +23,8 @@ class SamplingParams:
     top_k: int = 0  # 0: no limit
     repetition_penalty: float = 1.0
     seed: int | None = None  # None: a fresh random seed, reported in the result
+    # A Thinking checkpoint's reasoning is ended after this many tokens, so that it answers; 0: no limit.
+    max_reasoning_tokens: int = 0
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -40,6 +42,7 @@ class SamplingParams:
              f"temperature must be 0 (greedy) or a finite number of at least {MIN_TEMPERATURE}"),
             (0 < top_p <= 1, "top_p must be in (0, 1]"),
             (self.top_k >= 0, "top_k must be 0 (off) or more"),
+            (self.max_reasoning_tokens >= 0, "max_reasoning_tokens must be 0 (no limit) or more"),
             (0 < penalty < math.inf, "repetition_penalty must be a finite number above 0"),
         ]
         for ok, message in checks:

@@ -131,7 +131,8 @@ class Session:
         self._pending = None
 
     def _record(self, user: Message, final: Finished) -> None:
-        self.history += [user, Message("assistant", [final.text], token_ids=final.token_ids)]
+        self.history += [user, Message("assistant", [final.text], token_ids=final.token_ids,
+                                       reasoning=final.reasoning)]
 
 
 def _image(item: ImageInput, limits: MediaLimits) -> Image.Image:

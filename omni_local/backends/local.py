@@ -8,6 +8,7 @@ import numpy as np
 
 from omni_local.api.backend import BackendInfo
 from omni_local.api.events import Event, Finished
+from omni_local.api.kinds import conversation_for
 from omni_local.api.messages import Message
 from omni_local.api.params import SamplingParams, SpeechParams
 from omni_local.engine.engine import Engine
@@ -57,11 +58,12 @@ class LocalBackend:
             max_prompt_tokens=settings.max_prompt_tokens,
             concurrency=self.engine.runner.kv.slots,
             video=video_supported(self.loaded.processor),
+            kind=self.loaded.kind,
         )
 
     def send(self, session: str, messages: list[Message], params: SamplingParams,
              speech: SpeechParams | None) -> LocalReply:
-        return LocalReply(self.engine.submit(session, messages, params, speech))
+        return LocalReply(self.engine.submit(session, conversation_for(self.info.kind, messages), params, speech))
 
     def read_video(self, item: str | Path | bytes | Video) -> Video:
         """A video as the model takes it: frames at the checkpoint's rate (else `video_fps`), and its

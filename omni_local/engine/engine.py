@@ -37,7 +37,7 @@ from typing import TypeVar
 
 import torch
 
-from omni_local.api.events import AudioChunk, ContextUse, Finished, StopReason, TextDelta
+from omni_local.api.events import AudioChunk, ContextUse, Finished, ReasoningDelta, StopReason, TextDelta
 from omni_local.api.messages import Message
 from omni_local.api.params import SamplingParams, SpeechParams
 from omni_local.cache.encoder_cache import EncoderCache, encoder_namespace
@@ -48,6 +48,7 @@ from omni_local.engine.detokenizer import IncrementalDetokenizer
 from omni_local.engine.encoders import Encoders
 from omni_local.engine.host_copies import Readback
 from omni_local.engine.media_encoder import MediaEncoder
+from omni_local.engine.reasoning import ReasoningText, prompt_opens_reasoning
 from omni_local.engine.request import Failed, Request
 from omni_local.engine.sampling import SlotSampler
 from omni_local.engine.speech import Speaker
@@ -55,6 +56,7 @@ from omni_local.engine.talker import TalkerRows
 from omni_local.engine.thinker import ThinkerRunner
 from omni_local.errors import OmniLocalError, RequestError
 from omni_local.model.loader import LoadedModel, media_markup_token_ids, thinker_eos_token_ids
+from omni_local.model.reasoning import reasoning_marks
 from omni_local.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -96,7 +98,10 @@ class Engine:
         # A reply is text: a media placeholder in it would be taken for a medium in the next prompt.
         self.suppressed_ids = media_markup_token_ids(loaded)
         suppressed = torch.tensor(self.suppressed_ids, dtype=torch.long, device=self.runner.device)
-        self.sampler = SlotSampler(self.runner.kv.slots, thinker.lm_head.out_features, self.runner.device, suppressed)
+        # Only a Thinking checkpoint's replies are split into reasoning and answer.
+        self.reasoning_marks = reasoning_marks(loaded.processor.tokenizer) if loaded.kind == "thinking" else None
+        self.sampler = SlotSampler(self.runner.kv.slots, thinker.lm_head.out_features, self.runner.device, suppressed,
+                                   self.reasoning_marks.end if self.reasoning_marks else None)
         self._inbox: "queue.Queue[Request | None]" = queue.Queue()
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
@@ -236,9 +241,15 @@ class Engine:
         request.media = request.prepared.media
         room = self.settings.max_context_tokens - prompt.num_tokens
         request.max_new_tokens = min(request.params.max_new_tokens, room)
-        request.detokenizer = IncrementalDetokenizer(self.loaded.processor.tokenizer)
+        tokenizer = self.loaded.processor.tokenizer
+        opened = False
+        if self.reasoning_marks is not None:
+            opened = prompt_opens_reasoning(prompt.input_ids[0].numpy(), self.reasoning_marks)
+            request.reasoning = ReasoningText(self.reasoning_marks, opened, tokenizer)
+        request.detokenizer = IncrementalDetokenizer(tokenizer, strip_leading=request.reasoning is not None)
         logits = self.runner.prefill(request.slot, request.prepared)
-        self.sampler.start(request.slot, request.params, request.seed, prompt.input_ids[0])
+        reasoning_limit = request.params.max_reasoning_tokens if opened else 0
+        self.sampler.start(request.slot, request.params, request.seed, prompt.input_ids[0], reasoning_limit)
         # The first token is read at once: speech starts from it, and it ends the time to first token.
         tokens = self.sampler.sample(logits[None], self.sampler.batch([request.slot], [0]))
         (token,), (finite,) = _chosen_and_finite(tokens, logits[None]).tolist()
@@ -303,7 +314,11 @@ class Engine:
         request.output_ids.append(token)
         if token in self.eos_ids:
             return self._end_text(request, "end_of_turn")
-        self._stream(request, request.detokenizer.push(token))
+        reasoned = request.reasoning.take(token) if request.reasoning is not None else None
+        if reasoned is not None:
+            self._stream_reasoning(request, reasoned)
+        else:
+            self._stream(request, request.detokenizer.push(token))
         if len(request.output_ids) >= request.max_new_tokens:
             full = request.max_new_tokens == request.params.max_new_tokens
             self._end_text(request, "max_new_tokens" if full else "context_full")
@@ -318,10 +333,16 @@ class Engine:
             request.streamed += delta
             request.events.put(TextDelta(delta))
 
+    def _stream_reasoning(self, request: Request, delta: str) -> None:
+        if delta:
+            request.events.put(ReasoningDelta(delta))
+
     def _end_text(self, request: Request, reason: StopReason) -> None:
         """The Thinker is done with `request`: the rest of its text goes out and its slot is given
         back (its KV kept for the session's next turn); speech may go on."""
         request.text_done, request.text_done_at, request.stop_reason = True, time.perf_counter(), reason
+        if request.reasoning is not None and request.reasoning.inside:  # it stopped while reasoning
+            self._stream_reasoning(request, request.reasoning.rest())
         if request.detokenizer is not None:  # what it held back (an unfinished character) goes out now
             full = request.detokenizer.text()
             if full.startswith(request.streamed):
@@ -342,8 +363,9 @@ class Engine:
         speech = request.spoken.report(request.submitted_at) if request.spoken is not None else None
         self._end_speech(request)
         context = ContextUse(self.settings.max_context_tokens, self.settings.max_prompt_tokens, request.turns_left_out)
+        reasoning = request.reasoning.streamed if request.reasoning is not None else ""
         request.events.put(Finished(request.streamed, reply_ids, reason, counts, request.timings(), request.seed,
-                                    context, speech, request.media))
+                                    context, speech, request.media, reasoning))
         request.ended = True
 
     def _fail_poisoned(self, request: Request) -> None:

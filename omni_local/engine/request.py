@@ -6,11 +6,21 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from omni_local.api.events import AudioChunk, Finished, MediaCounts, StopReason, TextDelta, TokenCounts, Timings
+from omni_local.api.events import (
+    AudioChunk,
+    Finished,
+    MediaCounts,
+    ReasoningDelta,
+    StopReason,
+    TextDelta,
+    TokenCounts,
+    Timings,
+)
 from omni_local.api.messages import Message
 from omni_local.api.params import SamplingParams, SpeechParams
 from omni_local.cache.prefix_cache import Claim
 from omni_local.engine.detokenizer import IncrementalDetokenizer
+from omni_local.engine.reasoning import ReasoningText
 from omni_local.engine.speech import SpokenReply
 from omni_local.engine.thinker import PreparedPrompt
 from omni_local.prompts import Prompt
@@ -23,7 +33,7 @@ class Failed:
     message: str
 
 
-Event = TextDelta | AudioChunk | Finished | Failed
+Event = TextDelta | ReasoningDelta | AudioChunk | Finished | Failed
 
 
 @dataclass
@@ -50,8 +60,9 @@ class Request:
     written: int = 0  # tokens of prompt-then-reply whose KV is in the slot, of accepted tokens only
     output_ids: list[int] = field(default_factory=list)  # the reply's tokens the host has accepted
     launched: int = 0  # reply tokens chosen on the device: the accepted ones and one of a step not read yet
-    detokenizer: IncrementalDetokenizer | None = None
-    streamed: str = ""  # the text sent as deltas so far
+    detokenizer: IncrementalDetokenizer | None = None  # the answer's
+    streamed: str = ""  # the answer sent as deltas so far
+    reasoning: ReasoningText | None = None  # a Thinking checkpoint's reply
     started_at: float = 0.0
     first_token_at: float = 0.0
     text_done: bool = False  # the Thinker has finished; its slot is given back

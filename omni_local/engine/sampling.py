@@ -61,18 +61,26 @@ class SlotSampler:
     rows (`sample`), which also marks each chosen token seen and keeps it as its slot's next input
     (`inputs`): the next decode step reads it there, without the host."""
 
-    def __init__(self, slots: int, vocab: int, device: torch.device, suppressed: torch.Tensor | None = None) -> None:
+    def __init__(self, slots: int, vocab: int, device: torch.device, suppressed: torch.Tensor | None = None,
+                 reasoning_end: int | None = None) -> None:
+        """`reasoning_end`: the id that ends a reasoning block (`</think>`), for a Thinking checkpoint."""
         self.device = device
         self.rows = SamplingRows.empty(slots, vocab, device)
         self.last = torch.zeros(slots, dtype=torch.long, device=device)  # each slot's last chosen token
         self.suppressed = suppressed  # [n] ids never chosen, on the device
+        self.reasoning_end = reasoning_end
+        # Per slot: reasoning tokens its reply may still choose before its block is ended for it; -1:
+        # no limit, or not reasoning. Kept on the device, since the host reads each token a step late.
+        self.reasoning_left = torch.full((slots,), -1, dtype=torch.long, device=device)
         self._token_keys = _hash32(torch.arange(vocab, device=device))  # what each id adds to a row's key
         # On the host, per slot: whether its request samples, and its seed.
         self._sampling, self._seeds = [False] * slots, [0] * slots
 
     @torch.inference_mode()
-    def start(self, slot: int, params: SamplingParams, seed: int, prompt_ids: torch.Tensor) -> None:
-        """Give `slot`'s row to a new request: its parameters, its seed, its prompt's ids as seen."""
+    def start(self, slot: int, params: SamplingParams, seed: int, prompt_ids: torch.Tensor,
+              reasoning_limit: int = 0) -> None:
+        """Give `slot`'s row to a new request: its parameters, its seed, its prompt's ids as seen, and
+        how many tokens it may reason for (its prompt opened a reasoning block; 0: no limit)."""
         rows = self.rows
         rows.temperature[slot] = params.temperature
         rows.top_k[slot] = min(params.top_k, rows.seen.shape[1])  # any more is the whole vocabulary
@@ -80,6 +88,7 @@ class SlotSampler:
         rows.penalty[slot] = params.repetition_penalty
         rows.seen[slot] = False
         rows.seen[slot, prompt_ids.to(self.device)] = True
+        self.reasoning_left[slot] = reasoning_limit if reasoning_limit > 0 else -1
         self._sampling[slot], self._seeds[slot] = not params.greedy, seed
 
     def batch(self, slots: list[int], draws: list[int]) -> SampleBatch:
@@ -110,8 +119,19 @@ class SlotSampler:
         if batch.sampling:
             drawn = (_filtered(scores, rows) + _gumbel(batch.keys, self._token_keys)).argmax(dim=-1)
             tokens = torch.where(rows.temperature > 0, drawn, tokens)
+        if self.reasoning_end is not None:
+            tokens = self._end_reasoning_at_limit(tokens, batch.slots)
         self.rows.seen.index_put_((batch.slots, tokens), torch.ones_like(tokens, dtype=torch.bool))
         self.last.index_copy_(0, batch.slots, tokens)
+        return tokens
+
+    def _end_reasoning_at_limit(self, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """`tokens` with the end of the reasoning block in place of the choice of each row that has
+        reasoned as long as it may; the rows' counts taken down (-1 once their block has ended)."""
+        left = self.reasoning_left.index_select(0, slots)
+        tokens = torch.where(left == 0, self.reasoning_end, tokens)
+        left = torch.where(tokens == self.reasoning_end, -1, left - (left > 0).long())
+        self.reasoning_left.index_copy_(0, slots, left)
         return tokens
 
 

@@ -10,8 +10,10 @@ from safetensors import SafetensorError
 from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration, Qwen3OmniMoeProcessor
 from transformers.utils import is_flash_attn_2_available
 
+from omni_local.api.kinds import ModelKind
 from omni_local.errors import CheckpointError, SettingsError
 from omni_local.model.demo import ensure_demo_checkpoint
+from omni_local.model.reasoning import template_opens_reasoning
 from omni_local.model.workarounds import apply_workarounds, load_processor
 from omni_local.settings import Settings
 
@@ -26,6 +28,7 @@ class LoadedModel:
     path: Path  # the checkpoint directory
     device: torch.device
     dtype: torch.dtype
+    kind: ModelKind = "instruct"  # which member of the Qwen3-Omni family
 
     @property
     def speech(self) -> bool:
@@ -41,17 +44,29 @@ def load_model(settings: Settings) -> LoadedModel:
     _check_attention(settings.attn_implementation)
 
     config = _read_config(path)
-    if settings.speech and not config.enable_audio_output:
+    talker = _has_talker(path, config)
+    if settings.speech and not talker:
         raise CheckpointError(f"checkpoint '{path}' has no Talker (enable_audio_output is false): set speech = false")
-    # Without speech the Talker and Code2Wav are never built, so their weights are skipped on load.
-    config.enable_audio_output = settings.speech
-    model = _load_weights(path, config, dtype, settings.attn_implementation).to(device).eval()
     try:
         processor = load_processor(path)
     except (OSError, ValueError, TypeError, KeyError) as error:
         raise CheckpointError(f"could not load the processor files in '{path}': {error}") from None
+    kind = recognise_kind(settings.model_kind, talker, processor)
+    # Without speech the Talker and Code2Wav are never built, so their weights are skipped on load.
+    config.enable_audio_output = settings.speech
+    model = _load_weights(path, config, dtype, settings.attn_implementation).to(device).eval()
     apply_workarounds(model, end_of_turn_ids(processor), processor.tokenizer.pad_token_id)
-    return LoadedModel(model=model, processor=processor, path=path, device=device, dtype=dtype)
+    return LoadedModel(model=model, processor=processor, path=path, device=device, dtype=dtype, kind=kind)
+
+
+def recognise_kind(setting: str, talker: bool, processor: Qwen3OmniMoeProcessor) -> ModelKind:
+    """Which member of the family a checkpoint is: the `model_kind` setting's, unless 'auto'. Only
+    Instruct has a Talker; of the two without, Thinking's chat template opens a reasoning block."""
+    if setting != "auto":
+        return setting
+    if talker:
+        return "instruct"
+    return "thinking" if template_opens_reasoning(processor) else "captioner"
 
 
 def quiet_library_logs() -> None:
@@ -136,6 +151,13 @@ def _load_weights(
         examples = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
         raise CheckpointError(f"checkpoint '{path}' lacks {len(missing)} weight(s): {examples}")
     return model
+
+
+def _has_talker(path: Path, config: Qwen3OmniMoeConfig) -> bool:
+    # The config class fills in a default Talker where the file names none (Thinking's and the
+    # Captioner's do not), so the file says whether there is one.
+    written = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    return bool(config.enable_audio_output) and "talker_config" in written
 
 
 def _read_config(path: Path) -> Qwen3OmniMoeConfig:

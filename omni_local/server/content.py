@@ -54,7 +54,11 @@ class ContentReader:
             raise RequestError(f"{where}: only a user message may hold images, audio or videos")
         if role == "user" and not parts:
             raise RequestError(f"{where}: the message is empty")
-        return Message(role, parts)
+        if message.reasoning_content is not None and role != "assistant":
+            raise RequestError(f"{where}: only an assistant message may hold reasoning_content")
+        reasoning = message.reasoning_content or ""
+        check_text(reasoning, f"{where}.reasoning_content")
+        return Message(role, parts, reasoning=reasoning)
 
     def _part(self, part: TextPart | ImagePart | AudioPart | VideoPart, where: str) -> list[Part]:
         if isinstance(part, TextPart):

@@ -18,6 +18,7 @@ the server's worker threads, so the maps are shared under a lock.
 """
 
 import threading
+from dataclasses import replace
 import uuid
 from collections import OrderedDict
 from typing import Generic, TypeVar
@@ -72,24 +73,24 @@ class Conversations:
 
     def remember(self, session: str, messages: list[Message], final: Finished) -> None:
         """`final` answered `messages` in `session`: the next turn of this conversation continues it."""
-        conversation = conversation_digest([*messages, Message("assistant", [final.text])])
+        conversation = conversation_digest([*messages, Message("assistant", [final.text], reasoning=final.reasoning)])
         with self._lock:
             if final.token_ids is not None:
-                self._token_ids[reply_key(final.text)] = np.asarray(final.token_ids, np.int32)
+                self._token_ids[reply_key(final.text, final.reasoning)] = np.asarray(final.token_ids, np.int32)
             self._sessions[conversation] = session
 
     def _with_token_ids(self, message: Message) -> Message:
         if message.role != "assistant" or message.token_ids is not None:
             return message
-        ids = self._token_ids.get(reply_key(message.text))
-        return message if ids is None else Message("assistant", message.parts, token_ids=ids.tolist())
+        ids = self._token_ids.get(reply_key(message.text, message.reasoning))
+        return message if ids is None else replace(message, token_ids=ids.tolist())
 
 
 def conversation_digest(messages: list[Message]) -> bytes:
     """A digest of what the model sees of `messages`; a reply as one text, as `reply_key` has it."""
     hasher = blake3.blake3(b"omni_local conversation\0")
     for message in messages:
-        parts = [reply_key(message.text)] if message.role == "assistant" else message.parts
+        parts = [reply_key(message.text, message.reasoning)] if message.role == "assistant" else message.parts
         hasher.update(f"{message.role}:{len(parts)}\0".encode())
         for part in parts:
             if isinstance(part, str):

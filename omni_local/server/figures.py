@@ -28,5 +28,5 @@ def usage(final: Finished) -> dict:
 
 def omni_local_figures(final: Finished) -> dict:
     figures = dataclasses.asdict(final)
-    del figures["text"], figures["token_ids"]
+    del figures["text"], figures["token_ids"], figures["reasoning"]
     return figures

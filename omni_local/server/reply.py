@@ -13,7 +13,7 @@ import anyio
 from anyio import to_thread
 
 from omni_local.api.backend import ReplyStream
-from omni_local.api.events import AudioChunk, Event, Finished, TextDelta
+from omni_local.api.events import AudioChunk, Event, Finished, ReasoningDelta, TextDelta
 from omni_local.server.stops import StopStrings
 
 
@@ -46,7 +46,7 @@ class ApiReply:
             if self._stops.stopped and not was_stopped:
                 self._stream.cancel()  # the reply ends here; the engine's Finished follows
             return self._text(text)
-        if isinstance(event, AudioChunk):
+        if isinstance(event, AudioChunk | ReasoningDelta):  # stop strings cut the answer only
             return [] if self._stops.stopped else [event]
         tail = self._text(self._stops.flush())
         if self._stops.stopped:

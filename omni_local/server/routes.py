@@ -4,8 +4,8 @@ object (errors.py). `python -m omni_local serve` serves it alone; `python app.py
 `ui_serves_api` beside the page, on the page's app and engine.
 
 `/models` lists the one model served, with omni_local's own facts about it under `omni_local`:
-{"speech", "voices", "max_prompt_tokens", "video", "runs_on", "model"} (the model's name as the
-page's header shows it), and `max_model_len` (prompt and reply, per request) as vLLM names it.
+{"speech", "voices", "max_prompt_tokens", "video", "runs_on", "model", "kind"} (the model's name
+as the page's header shows it; which member of the Qwen3-Omni family), and `max_model_len` (prompt and reply, per request) as vLLM names it.
 """
 
 import time
@@ -38,7 +38,7 @@ def api_app(app: OmniLocal, key: str | None) -> FastAPI:
     def model() -> dict:
         info = app.info
         facts = {"speech": info.speech, "voices": info.voices, "max_prompt_tokens": info.max_prompt_tokens,
-                 "video": info.video, "runs_on": info.runs_on, "model": info.model}
+                 "video": info.video, "runs_on": info.runs_on, "model": info.model, "kind": info.kind}
         return {"id": info.model_id, "object": "model", "created": started, "owned_by": "omni_local",
                 "max_model_len": info.max_context_tokens, "omni_local": facts}
 

@@ -2,8 +2,10 @@
 
 Fields it does not know are ignored: clients send many (`user`, `logprobs`, `tools`, ...). Values are
 checked strictly, as OpenAI checks them: "0.5" is not a number and true is not an integer.
-Besides OpenAI's fields, omni_local's own sampling knobs `top_k` and `repetition_penalty`, and the
-Talker's `talker_temperature` for a spoken reply (0 is greedy).
+Besides OpenAI's fields, omni_local's own sampling knobs `top_k` and `repetition_penalty`, the
+Talker's `talker_temperature` for a spoken reply (0 is greedy), and `max_reasoning_tokens` for a
+Thinking checkpoint. An assistant message may carry its reasoning as `reasoning_content` (vLLM's and
+DeepSeek's name, which this server's replies use too).
 """
 
 from typing import Annotated, Literal
@@ -51,6 +53,7 @@ class ChatMessage(_Fields):
     # "developer" is OpenAI's newer name for the system message.
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart] | None = None
+    reasoning_content: str | None = None  # an assistant message's reasoning
 
 
 class StreamOptions(_Fields):
@@ -79,6 +82,7 @@ class ChatRequest(_Fields):
     top_k: int | None = None
     repetition_penalty: float | None = None
     talker_temperature: float | None = None  # None: the Talker's default
+    max_reasoning_tokens: int | None = None  # None: the setting's
 
     @property
     def speaks(self) -> bool:
@@ -104,5 +108,6 @@ class ChatRequest(_Fields):
         given = {
             "max_new_tokens": longest, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "repetition_penalty": self.repetition_penalty, "seed": self.seed,
+            "max_reasoning_tokens": self.max_reasoning_tokens,
         }
         return {name: value for name, value in given.items() if value is not None}

@@ -24,7 +24,8 @@ def serve(settings: Settings) -> None:
         # uvicorn's own start-up lines are left out: this one says where, and which model.
         config = uvicorn.Config(asgi, log_level="warning", timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
         shown = f"[{host}]" if ":" in host else host
-        print(f"omni_local serves the model '{app.info.model_id}' at http://{shown}:{port}{API_PATH}", flush=True)
+        print(f"omni_local serves the model '{app.info.model_id}' ({app.info.describe()}) at "
+              f"http://{shown}:{port}{API_PATH}", flush=True)
         uvicorn.Server(config).run(sockets=[listening])
 
 

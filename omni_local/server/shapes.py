@@ -2,7 +2,8 @@
 non-streamed `chat.completion`.
 
 Streamed (server-sent events, each `data:` one JSON chunk; the first delta carries the role):
-- text only: `choices[0].delta.content`, a piece of the text;
+- text only: `choices[0].delta.content`, a piece of the text; a Thinking checkpoint's reasoning,
+  before it, as `delta.reasoning_content` (as vLLM and DeepSeek send it);
 - with audio (`modalities: ["text", "audio"]`): `delta.audio = {"id", "transcript"}` for a piece of
   the text, `delta.audio = {"id", "data"}` for a piece of the speech, base64 PCM16 (audio.py), the
   reply's one audio id in each;
@@ -13,7 +14,8 @@ Streamed (server-sent events, each `data:` one JSON chunk; the first delta carri
 - then `data: [DONE]`. A failure after the stream began is one event `{"error": {...}}`, and the
   stream ends.
 
-Not streamed: `choices[0].message` holds the text as `content`; with audio, `content` is null and
+Not streamed: `choices[0].message` holds the text as `content` (and any reasoning as
+`reasoning_content`); with audio, `content` is null and
 `message.audio = {"id", "data", "transcript", "expires_at"}`, `data` the whole speech as a base64
 WAV file or PCM16, per `audio.format`. The server keeps no audio to refer to later: `expires_at` is
 the reply's own time. `usage` and `omni_local` at the top level.
@@ -24,7 +26,7 @@ import uuid
 
 import numpy as np
 
-from omni_local.api.events import AudioChunk, Finished, TextDelta
+from omni_local.api.events import AudioChunk, Finished, ReasoningDelta, TextDelta
 from omni_local.server.audio import base64_pcm16, base64_wav
 from omni_local.server.figures import finish_reason, omni_local_figures, usage
 
@@ -40,8 +42,10 @@ class ReplyShapes:
         self.include_usage = include_usage
         self._role_sent = False
 
-    def chunk(self, event: TextDelta | AudioChunk) -> dict:
-        if self.audio_id is None:
+    def chunk(self, event: TextDelta | ReasoningDelta | AudioChunk) -> dict:
+        if isinstance(event, ReasoningDelta):
+            delta: dict = {"reasoning_content": event.text}
+        elif self.audio_id is None:
             delta: dict = {"content": event.text}
         elif isinstance(event, TextDelta):
             delta = {"audio": {"id": self.audio_id, "transcript": event.text}}
@@ -60,6 +64,8 @@ class ReplyShapes:
 
     def completion(self, final: Finished, speech: np.ndarray | None, audio_format: str) -> dict:
         message: dict = {"role": "assistant", "content": final.text, "refusal": None}
+        if final.reasoning:
+            message["reasoning_content"] = final.reasoning
         if self.audio_id is not None:
             data = base64_wav(speech) if audio_format == "wav" else base64_pcm16(speech)
             message["content"] = None

@@ -96,9 +96,7 @@ def lay_out(app: OmniLocal, respond: Callable, voices: list[str]) -> Page:
 
 
 def header(app: OmniLocal) -> str:
-    info = app.info
-    speech = "speech on" if info.speech else "speech off"
-    return f"**omni_local** · {info.model} · {info.runs_on} · {speech}"
+    return f"**omni_local** · {app.info.describe()}"
 
 
 def longest_reply(app: OmniLocal) -> int:

@@ -2,13 +2,14 @@
 streamed from it."""
 
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import httpx
 import openai
 
 from omni_local.api.backend import BackendInfo
 from omni_local.api.events import ContextUse
+from omni_local.api.kinds import ModelKind, conversation_for
 from omni_local.api.messages import Message
 from omni_local.api.params import SamplingParams, SpeechParams
 from omni_local.backends.remote.chunks import ChunkReader
@@ -63,6 +64,7 @@ class RemoteBackend:
         `session` is not sent: the API is stateless, and a server's prefix cache matches content."""
         if speech is not None and not self.info.speech:
             raise RequestError(f"the server at {self.url} makes no spoken replies (its model has no Talker)")
+        messages = conversation_for(self.info.kind, messages)
         body = chat_body(self.info.model_id, messages, params, speech, self._request_dialect())
         fields = {"model", "messages", "stream"}  # the rest goes as it is, typed fields and extensions alike
         extra = {key: value for key, value in body.items() if key not in fields}
@@ -146,4 +148,5 @@ def server_info(entry: dict[str, Any], extension: dict[str, Any] | None, url: st
         max_prompt_tokens=min(prompt, context - 1),
         concurrency=CONCURRENCY,
         video=bool(ours.get("video", True)),
+        kind=ours["kind"] if ours.get("kind") in get_args(ModelKind) else "instruct",
     )

@@ -1,6 +1,7 @@
 """A reply's streamed chunks, read in the dialect of the server that sends them.
 
-OpenAI's dialect (our server, mstar, SGLang-Omni): text in `delta.content`; a spoken reply's text
+OpenAI's dialect (our server, mstar, SGLang-Omni): text in `delta.content`, and a Thinking
+checkpoint's reasoning in `delta.reasoning_content` (vLLM's newer servers: `delta.reasoning`); a spoken reply's text
 in `delta.audio.transcript` and its sound in `delta.audio.data` (base64 PCM16, 24 kHz).
 vLLM-Omni's: each chunk says what it holds in a top-level `"modality"`; those marked "audio" carry
 the sound as a base64 WAV file in `delta.content`, and the others carry text there. A stream in
@@ -12,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from omni_local.api.events import AudioChunk, TextDelta
+from omni_local.api.events import AudioChunk, ReasoningDelta, TextDelta
 from omni_local.backends.remote.audio import SpeechDecoder
 from omni_local.errors import RequestError
 from omni_local.settings import BackendDialect
@@ -30,7 +31,7 @@ class ChunkReader:
         self.report: dict[str, Any] | None = None  # our server's figures (figures.py)
         self._speech = SpeechDecoder()
 
-    def read(self, chunk: dict[str, Any]) -> list[TextDelta | AudioChunk]:
+    def read(self, chunk: dict[str, Any]) -> list[TextDelta | ReasoningDelta | AudioChunk]:
         """The text and audio in `chunk` (a chunk as JSON, with the fields OpenAI's types lack)."""
         if chunk.get("object") == "error":  # vLLM's older error event, without an "error" key
             raise RequestError(f"the server failed: {chunk.get('message') or 'no reason given'}")
@@ -44,11 +45,14 @@ class ChunkReader:
         modality = chunk.get("modality")
         if self.dialect == "auto" and modality is not None:
             self.dialect = "vllm-omni"
-        events: list[TextDelta | AudioChunk] = []
+        events: list[TextDelta | ReasoningDelta | AudioChunk] = []
         for choice in choices[:1]:  # one reply asked for (n = 1)
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
             delta = choice.get("delta") or {}
+            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+            if isinstance(reasoning, str) and reasoning:
+                events.append(ReasoningDelta(reasoning))
             if self.dialect == "vllm-omni":
                 events += self._vllm_omni(delta, modality)
             else:

@@ -18,6 +18,7 @@ from omni_local.api.events import (
     ContextUse,
     Finished,
     MediaCounts,
+    ReasoningDelta,
     SpeechReport,
     StopReason,
     TextDelta,
@@ -35,15 +36,16 @@ class ReplyTally:
 
     sent: float = field(default_factory=time.monotonic)
     text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
     audio_samples: int = 0  # at 24 kHz
     first_text: float | None = None
     last_text: float | None = None
     first_audio: float | None = None
 
-    def add(self, event: TextDelta | AudioChunk) -> None:
+    def add(self, event: TextDelta | ReasoningDelta | AudioChunk) -> None:
         now = time.monotonic()
-        if isinstance(event, TextDelta):
-            self.text.append(event.text)
+        if isinstance(event, TextDelta | ReasoningDelta):
+            (self.text if isinstance(event, TextDelta) else self.reasoning).append(event.text)
             self.first_text = self.first_text or now
             self.last_text = now
         else:
@@ -84,6 +86,7 @@ def finished(asked: Asked, reader: ChunkReader, tally: ReplyTally, cancelled: bo
         tokens=TokenCounts(prompt, computed, cached, None, generated),
         timings=Timings(None, ttft, tally.decode_rate(generated)),
         seed=asked.seed, context=asked.limits, speech=_measured_speech(asked, tally), media=None,
+        reasoning="".join(tally.reasoning),
     )
 
 
@@ -101,6 +104,7 @@ def _reported(asked: Asked, report: dict[str, Any], tally: ReplyTally, reader: C
                            context.turns_left_out),
         speech=_reported_speech(asked, report.get("speech"), tally),
         media=_record(MediaCounts, media) if isinstance(media, dict) else None,
+        reasoning="".join(tally.reasoning),
     )
 
 

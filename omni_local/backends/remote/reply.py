@@ -17,7 +17,7 @@ import httpx
 import openai
 from openai import Stream
 
-from omni_local.api.events import AudioChunk, Event, TextDelta
+from omni_local.api.events import AudioChunk, Event, ReasoningDelta, TextDelta
 from omni_local.backends.remote.chunks import ChunkReader
 from omni_local.backends.remote.errors import lost_connection, request_error, unreachable
 from omni_local.backends.remote.figures import Asked, ReplyTally, finished
@@ -48,7 +48,7 @@ class RemoteReply:
             if self._stream is not None and not self._stream.response.is_closed:
                 _shut_down(self._stream.response)
 
-    def _read(self) -> Iterator[TextDelta | AudioChunk]:
+    def _read(self) -> Iterator[TextDelta | ReasoningDelta | AudioChunk]:
         try:
             stream = self._open_stream()
         except openai.APIStatusError as error:

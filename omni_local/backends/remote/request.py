@@ -38,7 +38,7 @@ def chat_body(model: str, messages: list[Message], params: SamplingParams, speec
               dialect: BackendDialect) -> dict[str, Any]:
     """The request's JSON body. `max_tokens` goes with `max_completion_tokens`: vLLM-Omni's Thinker
     reads only the older name. `top_k` is sent only when it limits, since servers spell "off"
-    differently (0 or -1)."""
+    differently (0 or -1); `max_reasoning_tokens` (our server's) too."""
     body: dict[str, Any] = {
         "model": model,
         "messages": [_message(message) for message in messages],
@@ -54,6 +54,8 @@ def chat_body(model: str, messages: list[Message], params: SamplingParams, speec
     }
     if params.top_k:
         body["top_k"] = params.top_k
+    if params.max_reasoning_tokens:
+        body["max_reasoning_tokens"] = params.max_reasoning_tokens
     if params.seed is not None:
         body["seed"] = params.seed
     if speech is not None:
@@ -73,8 +75,9 @@ def _speech_fields(speech: SpeechParams, dialect: BackendDialect) -> dict[str, A
 
 
 def _message(message: Message) -> dict[str, Any]:
-    if message.role != "user":  # a system prompt, or an earlier reply: its text
-        return {"role": message.role, "content": message.text}
+    if message.role != "user":  # a system prompt, or an earlier reply: its text (and reasoning)
+        sent = {"role": message.role, "content": message.text}
+        return sent | {"reasoning_content": message.reasoning} if message.reasoning else sent
     return {"role": "user", "content": [_content_part(part) for part in message.parts]}
 
 
