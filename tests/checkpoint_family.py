@@ -21,19 +21,9 @@ from safetensors.torch import load_file, save_file
 
 from omni_local.model.chat_template import CHAT_TEMPLATE
 
-_ASSISTANT_AS_INSTRUCT = """\
-    {%- elif message.role == 'assistant' %}
-        {{- '<|im_start|>assistant\\n' }}
-        {%- if message.content is string %}
-            {{- message.content }}
-        {%- elif message.content %}
-            {%- for content in message.content %}
-                {%- if 'text' in content %}
-                    {{- content.text }}
-                {%- endif %}
-            {%- endfor %}
-        {%- endif %}
-"""
+# Instruct's assistant turn up to its tool calls: the text Thinking's template writes otherwise.
+_ASSISTANT_TURN = "    {%- elif message.role == 'assistant' %}\n"
+_TOOL_CALLS = "        {%- if message.tool_calls %}\n"
 _ASSISTANT_WITH_REASONING = """\
     {%- elif message.role == 'assistant' %}
         {%- set answer = namespace(text='') %}
@@ -73,9 +63,10 @@ _GENERATION_PROMPT = "    {{- '<|im_start|>assistant\\n' }}\n{%- endif %}\n"
 
 
 def _thinking_template() -> str:
-    for piece in (_ASSISTANT_AS_INSTRUCT, _MESSAGES_LOOP, _GENERATION_PROMPT):
+    for piece in (_ASSISTANT_TURN, _TOOL_CALLS, _MESSAGES_LOOP, _GENERATION_PROMPT):
         assert CHAT_TEMPLATE.count(piece) == 1, f"Instruct's template changed: {piece!r}"
-    template = CHAT_TEMPLATE.replace(_ASSISTANT_AS_INSTRUCT, _ASSISTANT_WITH_REASONING)
+    start, end = CHAT_TEMPLATE.index(_ASSISTANT_TURN), CHAT_TEMPLATE.index(_TOOL_CALLS)
+    template = CHAT_TEMPLATE[:start] + _ASSISTANT_WITH_REASONING + CHAT_TEMPLATE[end:]
     template = template.replace(_MESSAGES_LOOP, _LAST_QUESTION + _MESSAGES_LOOP)
     return template.replace(_GENERATION_PROMPT, "    {{- '<|im_start|>assistant\\n<think>\\n' }}\n{%- endif %}\n")
 
