@@ -164,7 +164,8 @@ def _show_voice_event(event: TextDelta | Finished | OmniLocalError) -> None:
 def _stream(reply: Reply, show_text: bool, show_reasoning: bool = False) -> Finished:
     """Print deltas as they come; Ctrl-C cancels the reply instead of killing the program."""
     final = None
-    reasoning = ReasoningPrinter(shown=show_text and (show_reasoning or sys.stdout.isatty()), dim=sys.stdout.isatty())
+    terminal = sys.stdout.isatty()
+    reasoning = ReasoningPrinter(shown=show_text and (show_reasoning or terminal), dim=terminal)
     try:
         for event in reply:
             if isinstance(event, ReasoningDelta):
@@ -203,4 +204,3 @@ class ReasoningPrinter:
         if self.open:
             print((PLAIN if self.dim else "") + "\n", flush=True)
             self.open = False
-

@@ -4,8 +4,9 @@ object (errors.py). `python -m omni_local serve` serves it alone; `python app.py
 `ui_serves_api` beside the page, on the page's app and engine.
 
 `/models` lists the one model served, with omni_local's own facts about it under `omni_local`:
-{"speech", "voices", "max_prompt_tokens", "video", "runs_on", "model", "kind"} (the model's name
-as the page's header shows it; which member of the Qwen3-Omni family), and `max_model_len` (prompt and reply, per request) as vLLM names it.
+{"speech", "voices", "max_prompt_tokens", "video", "runs_on", "model", "kind"} (`model`: its name as
+the page's header shows it; `kind`: which member of the Qwen3-Omni family), and `max_model_len`
+(prompt and reply, per request) as vLLM names it.
 """
 
 import time

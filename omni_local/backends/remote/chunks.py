@@ -1,8 +1,8 @@
 """A reply's streamed chunks, read in the dialect of the server that sends them.
 
-OpenAI's dialect (our server, mstar, SGLang-Omni): text in `delta.content`, and a Thinking
-checkpoint's reasoning in `delta.reasoning_content` (vLLM's newer servers: `delta.reasoning`); a spoken reply's text
-in `delta.audio.transcript` and its sound in `delta.audio.data` (base64 PCM16, 24 kHz).
+OpenAI's dialect (our server, mstar, SGLang-Omni): text in `delta.content`, a Thinking checkpoint's
+reasoning in `delta.reasoning_content` (vLLM's newer servers: `delta.reasoning`); a spoken reply's
+text in `delta.audio.transcript` and its sound in `delta.audio.data` (base64 PCM16, 24 kHz).
 vLLM-Omni's: each chunk says what it holds in a top-level `"modality"`; those marked "audio" carry
 the sound as a base64 WAV file in `delta.content`, and the others carry text there. A stream in
 "auto" is read as OpenAI's until a chunk has a `modality`. Both end with a chunk without choices
