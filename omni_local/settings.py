@@ -43,8 +43,13 @@ class Settings:
     )
     cuda_graphs: bool = setting(
         "engine", True,
-        "on a GPU, run the Thinker's decode steps (chats decoding at once as one batch) and prefills of up to 512"
-        " tokens, the Talker's and its code predictor's steps, and Code2Wav's chunks, as CUDA graphs; false: eager",
+        "on a GPU, run the Thinker's decode steps (chats decoding at once as one batch) and prefill chunks,"
+        " the Talker's and its code predictor's steps, and Code2Wav's chunks, as CUDA graphs; false: eager",
+    )
+    prefill_chunk_tokens: int = setting(
+        "engine", 512,
+        "a prompt is computed in chunks of this many tokens, one per engine turn, each starting at a multiple of it;"
+        " other chats' replies wait one chunk at a time (on a GPU each chunk replays a CUDA graph)",
     )
     compiled_layers: bool = setting(
         "engine", True,
@@ -131,7 +136,7 @@ class Settings:
             "gpu_cache_bytes", "encoder_cache_bytes", "disk_cache_bytes", "max_context_tokens", "max_new_tokens",
             "max_upload_bytes", "max_image_pixels", "max_prompt_tokens", "ui_port", "max_audio_seconds",
             "first_audio_frames", "audio_chunk_frames", "audio_left_context_frames", "max_speech_seconds",
-            "video_fps", "max_video_seconds", "api_port", "api_max_requests",
+            "video_fps", "max_video_seconds", "api_port", "api_max_requests", "prefill_chunk_tokens",
         )
         for name in positive:
             if getattr(self, name) <= 0:

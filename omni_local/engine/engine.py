@@ -2,11 +2,12 @@
 
 Each turn of the loop is schedule (admit waiting requests: build the prompt, match it in the prefix
 cache, claim a KV slot), run (forwards, and sampling on the device), postprocess (stream, finish).
-A turn runs the prefill of the oldest request still waiting for its first token (only what the
-cache could not supply), then one decode step of every request that was decoding (one batched
-forward when graphed), then one frame of every spoken reply. So a long reply does not hold up a new
-question's first token, and a new question holds up each reply by one prefill. A spoken reply gives
-its Thinker slot back when its text ends and stays in the turns until its speech ends.
+A turn runs one prefill chunk of the oldest request still waiting for its first token (of what the
+cache could not supply; prefill_chunks.py), then one decode step of every request that was decoding
+(one batched forward when graphed), then one frame of every spoken reply. So a long reply does not
+hold up a new question's first token, and a new question, however long, holds up each reply by one
+chunk a turn. A spoken reply gives its Thinker slot back when its text ends and stays in the turns
+until its speech ends.
 
 The host does not wait for a decode step it queues. A step's tokens are chosen on the device
 (SlotSampler) and are the next step's input there; the host reads them one turn late, after the
@@ -16,6 +17,9 @@ waits for everything queued before it, this turn's step included: a prefill's fi
 spoken reply's codes. A reply that ended at a token was computed one step more meanwhile: that
 step's token is dropped, and the KV row it wrote is not counted (`Request.written`).
 Max-new-tokens and the context's end are known in advance: no step is queued past them.
+
+A prompt's rows are published to the prefix cache once its last chunk is computed and its logits
+checked: a prefill cut short (cancelled, failed) leaves its session's entry as it found it.
 
 Logits that are not numbers (a NaN or an infinity: a corrupt input, the model overflowing) come
 from KV that would make every output attending to it NaN too. Whether each row of logits is all
@@ -84,7 +88,7 @@ class Engine:
         talker_rows = TalkerRows(loaded.model) if loaded.speech else None
         with current_device(loaded.device):  # the graphs' streams and pools, on the model's GPU
             self.runner = ThinkerRunner(thinker, encoder, settings.gpu_cache_bytes, settings.max_context_tokens,
-                                        talker_rows, cuda_graphs=settings.cuda_graphs,
+                                        settings.prefill_chunk_tokens, talker_rows, cuda_graphs=settings.cuda_graphs,
                                         compiled_layers=settings.compiled_layers)
             self.runner.warm_up()
             # One Talker slot per Thinker slot: each cached chat can keep its spoken turns' Talker KV.
@@ -185,17 +189,18 @@ class Engine:
                 self._slots_blocked = True
                 return
             self._waiting.popleft()
+            request.prefilled = request.claim.start
             request.reused = (request.claim.reused_gpu, request.claim.reused_host)
             request.started_at = time.perf_counter()
             self._running.append(request)
 
     def _run_turn(self) -> None:
-        """One prefill; one decode step of the requests decoding, queued before the step of the turn
-        before is read; one frame of each spoken reply."""
+        """One prefill chunk; one decode step of the requests decoding, queued before the step of the
+        turn before is read; one frame of each spoken reply."""
         for request in [r for r in self._running if r.cancelled.is_set()]:
             self._finish(request, "cancelled")
-        decoding = [r for r in self._running if not r.ended and not r.text_done and r.prepared is not None]
-        first = next((r for r in self._running if not r.ended and not r.text_done and r.prepared is None), None)
+        decoding = [r for r in self._running if not r.ended and not r.text_done and not r.prefilling]
+        first = next((r for r in self._running if not r.ended and not r.text_done and r.prefilling), None)
         if first is not None:
             self._guarded([first], lambda: self._prefill(first))
         previous, self._in_flight = self._in_flight, self._launch(decoding)
@@ -231,19 +236,27 @@ class Engine:
         return f"internal error: {type(error).__name__}: {error}"
 
     def _prefill(self, request: Request) -> None:
-        prompt, start = request.prompt, request.claim.start
-        request.prepared = self.runner.prepare(prompt, start)
-        request.media = request.prepared.media
+        """The next chunk of `request`'s prefill (the first chunk prepares the whole tail: embeddings,
+        media encoded); after the last, its first token."""
+        if request.prepared is None:
+            request.prepared = self.runner.prepare(request.prompt, request.claim.start)
+            request.media = request.prepared.media
+        end, logits = self.runner.prefill_chunk(request.slot, request.prepared, request.prefilled)
+        request.chunk_done(end)
+        if not request.prefilling:
+            self._first_token(request, logits)
+
+    def _first_token(self, request: Request, logits: torch.Tensor) -> None:
+        """Sample the reply's first token from the prompt's last logits; publish the prompt's rows."""
+        prompt = request.prompt
         room = self.settings.max_context_tokens - prompt.num_tokens
         request.max_new_tokens = min(request.params.max_new_tokens, room)
         request.detokenizer = IncrementalDetokenizer(self.loaded.processor.tokenizer)
-        logits = self.runner.prefill(request.slot, request.prepared)
         self.sampler.start(request.slot, request.params, request.seed, prompt.input_ids[0])
         # The first token is read at once: speech starts from it, and it ends the time to first token.
         tokens = self.sampler.sample(logits[None], self.sampler.batch([request.slot], [0]))
         (token,), (finite,) = _chosen_and_finite(tokens, logits[None]).tolist()
         request.launched = 1
-        request.computed = prompt.num_tokens - start
         if not finite:
             return self._fail_poisoned(request)  # before its rows are published: nobody may read them
         request.written = prompt.num_tokens
@@ -329,6 +342,10 @@ class Engine:
         if request.claim is not None:
             if request.written:  # what this request computed stays for the session's next turn
                 self.cache.publish(request.claim, request.prompt, request.output_ids, request.written)
+            elif request.prepared is not None:
+                # A prefill begun and cut short (cancelled, failed) published nothing, and the logits of
+                # the rows it wrote were never checked: no graph may read them, past the session's end.
+                self.runner.kv.forget_rows(request.slot, request.claim.start)
             self.cache.release(request.claim)
             request.claim = None
             self._slots_blocked = False
