@@ -47,7 +47,7 @@ class Settings:
         " the Talker's and its code predictor's steps, and Code2Wav's chunks, as CUDA graphs; false: eager",
     )
     prefill_chunk_tokens: int = setting(
-        "engine", 512,
+        "engine", 2048,
         "a prompt is computed in chunks of this many tokens, one per engine turn, each starting at a multiple of it;"
         " other chats' replies wait one chunk at a time (on a GPU each chunk replays a CUDA graph)",
     )

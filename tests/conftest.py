@@ -27,9 +27,6 @@ from omni_local.model.demo import ensure_demo_checkpoint
 from omni_local.prompts import Prompt, build_prompt
 from omni_local.settings import Settings
 
-# The prefill's chunk in the tests' default settings.
-CHUNK_TOKENS = 32
-
 # The browser, its tabs and their screenshots, for every module of browser tests.
 pytest_plugins = ["browser_page"]
 
@@ -44,7 +41,7 @@ def demo_settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
         gpu_cache_bytes=64 << 20,  # 32 chats of the demo's 2 KiB per token x 1024 tokens
         max_context_tokens=1024, max_prompt_tokens=960,
         # Most test prompts are 30 to 200 tokens: each prefill runs in several chunks, as long ones do.
-        prefill_chunk_tokens=CHUNK_TOKENS,
+        prefill_chunk_tokens=32,
     )
 
 

@@ -20,7 +20,7 @@ requests one after another ("transformers, sequential"): each one's TTFT include
 before it, as with a server that does not batch.
 
 "beside a decoding chat": another chat is decoding a long reply when the timed turn is sent; the
-row adds that chat's longest gap between two streamed tokens until the timed turn's first token
+row adds that chat's longest gap between two of its tokens until the timed turn's first token
 (bench/beside.py). omni_local only, cache off: transformers serves one request at a time, so there
 the other chat would wait for the whole prefill.
 
