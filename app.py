@@ -2,11 +2,14 @@
 
 Binds 127.0.0.1 by default; every setting can be overridden, e.g. `python app.py --ui-port 8000`.
 Serving beyond this machine needs `--ui-host ADDRESS --ui-credentials-file FILE` (see ui/access.py).
+`--ui-serves-api true` also serves the OpenAI-compatible API (omni_local/server) at /v1 on the
+page's port and engine; beyond this machine it needs `--api-key-file FILE` too.
 """
 
 import argparse
 import sys
 
+from omni_local.access import api_key
 from omni_local.cache.folders import keep_new_files_private
 from omni_local.errors import OmniLocalError
 from omni_local.settings import add_settings_arguments, settings_from_arguments
@@ -19,15 +22,23 @@ def main() -> int:
     try:
         settings = settings_from_arguments(parser.parse_args())
         options = launch_options(settings)  # refused before the model loads
+        key = api_key(settings, "ui_host") if settings.ui_serves_api else None
         keep_uploads_private(settings)
         from omni_local.api import OmniLocal
         from omni_local.ui.chat import build_ui
         from omni_local.ui.layout import PAGE_CSS
 
-        ui = build_ui(OmniLocal(settings))
+        app = OmniLocal(settings)
+        ui = build_ui(app)
     except OmniLocalError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    if settings.ui_serves_api:
+        from omni_local.server.routes import api_mount
+
+        # Gradio's app is made by launch(); routes given to it first are matched before Gradio's own, and
+        # Gradio's auth (its routes' dependencies) and upload limit stay on the page's routes alone.
+        options["app_kwargs"]["routes"] = [api_mount(app, key)]
     ui.launch(**options, css=PAGE_CSS)
     return 0
 

@@ -4,6 +4,7 @@
     python -m omni_local ask "Say hello." --speak [--voice Chelsie] [--wav reply.wav]
     python -m omni_local chat [--system ...]
     python -m omni_local voice [--system ...] [--voice Chelsie]   # microphone and speakers
+    python -m omni_local serve [--api-host ADDRESS --api-key-file FILE]   # the OpenAI-compatible API
 
 Any setting can be overridden (`--max-new-tokens 64`, `--model /path/to/checkpoint`). A bad file or
 setting ends with one line naming it and exit status 2, never a traceback.
@@ -48,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--system", default=None, help="system prompt")
         sub.add_argument("--seed", type=int, default=None, help="random seed for sampled replies")
         add_settings_arguments(sub)
+    serve = commands.add_parser("serve", help="serve OpenAI's chat API at http://api_host:api_port/v1")
+    add_settings_arguments(serve)
     return parser
 
 
@@ -55,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         settings = settings_from_arguments(args)
+        if args.command == "serve":
+            from omni_local.server.serve import serve  # FastAPI and uvicorn, which the other commands never need
+
+            serve(settings)
+            return 0
         if getattr(args, "wav", None) is not None:
             args.speak = True
         if getattr(args, "speak", False) or args.command == "voice":

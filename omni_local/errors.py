@@ -21,5 +21,9 @@ class MediaError(OmniLocalError):
     """An image or audio file that cannot be read, is of the wrong type, or is over a limit."""
 
 
+class UploadTooLarge(MediaError):
+    """A file over the upload size limit (`max_upload_bytes`): the API answers it with 413, not 400."""
+
+
 class RequestError(OmniLocalError):
     """A request the engine cannot serve: too long a prompt, out of memory, bad sampling values."""

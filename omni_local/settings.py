@@ -15,6 +15,8 @@ from typing import Any, Literal, get_args, get_origin
 
 from omni_local.errors import SettingsError
 
+# How a remote server streams spoken replies (backends/remote/): "auto" tells from the stream.
+BackendDialect = Literal["auto", "openai", "vllm-omni"]
 DEFAULT_SETTINGS_FILE = Path(__file__).resolve().parent.parent / "settings.toml"
 
 
@@ -117,7 +119,7 @@ class Settings:
     backend_url: str = setting("backend", "", "the remote server's API, e.g. http://127.0.0.1:8000/v1")
     backend_api_key: str = setting("backend", "", "the key the remote server asks for; '' for none")
     backend_model: str = setting("backend", "", "the remote server's model id; '' takes the first it lists")
-    backend_dialect: Literal["auto", "openai", "vllm-omni"] = setting(
+    backend_dialect: BackendDialect = setting(
         "backend", "auto",
         "how the remote server streams audio: 'openai' (delta.audio), 'vllm-omni' (WAV in content chunks "
         "marked \"modality\": \"audio\"), 'auto' tells them apart from the stream",

@@ -186,6 +186,26 @@ def shot(page, artifacts) -> Callable[..., None]:
     return take
 
 
+def assert_each_chunk_played_as_it_came(page: "Page") -> None:
+    """The spoken reply's chunks reached the page in order, each went to the page's Web Audio
+    player as it came, and the player's clock runs (it plays)."""
+    chunks = page.evaluate("window.omniLocalChunks || []")
+    assert [chunk["index"] for chunk in chunks] == list(range(len(chunks))) and chunks, chunks
+    player = page.evaluate("() => ({state: window.omniLocalPlayer.context.state, scheduled: window.omniLocalStarts"
+                           ".filter((start) => start.context === window.omniLocalPlayer.context).length})")
+    assert player == {"state": "running", "scheduled": len(chunks)}
+
+
+def play_spoken_reply_again(page: "Page") -> None:
+    """Click Play on the chat's spoken reply, kept to play again, and wait until it sounds."""
+    spoken = page.locator("[data-testid=bot]").filter(has_text="Spoken reply")
+    unfold(spoken)
+    spoken.get_by_role("button", name="Play").click()
+    page.wait_for_function(f"(root) => {{ {AUDIO_ELEMENTS_JS} return audioElements(root).some("
+                           "(audio) => !audio.paused && audio.currentTime > 0); }",
+                           arg=spoken.element_handle(), polling=20)
+
+
 def window_chunks_in_order(page: "Page") -> bool:
     """The page's player got the reply's chunks numbered 0, 1, ... (a voice turn may have been cut
     by the next one, which starts again at 0)."""

@@ -1,5 +1,6 @@
 """`python app.py` as a user starts it, for the tests that meet the UI from outside (gradio_client,
-a browser): a subprocess on a free 127.0.0.1 port, every setting on its command line."""
+a browser): a subprocess on a free 127.0.0.1 port, every setting on its command line. `serving`
+runs any such server (`python -m omni_local serve` too: served_api.py)."""
 
 import contextlib
 import os
@@ -45,14 +46,22 @@ def served_app(demo_settings, root: Path, *extra: str) -> Iterator[ServedApp]:
         "--max-audio-seconds", str(MAX_AUDIO_SECONDS), "--max-new-tokens", str(MAX_NEW_TOKENS),
         "--speech", "true", "--max-speech-seconds", "1", *extra,
     ]
-    log_path = root / "app.log"
+    url = f"http://127.0.0.1:{port}/"
+    with serving(command, url, url, root / "cache", root / "app.log") as app:
+        yield app
+
+
+@contextlib.contextmanager
+def serving(command: list[str], url: str, ready_url: str, cache_dir: Path, log_path: Path,
+            headers: dict[str, str] | None = None) -> Iterator[ServedApp]:
+    """`command` run from the repository until `ready_url` answers 200 (sent `headers`); ended after."""
     # A file, not a pipe: nobody reads the output while the app runs, and a full pipe would block it.
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/"
+        process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "PYTHONPATH": str(REPO)})  # this checkout's omni_local
     try:
-        _wait_for_page(url, process, log_path)
-        yield ServedApp(url, process, root / "cache", log_path)
+        _wait_until_ready(urllib.request.Request(ready_url, headers=headers or {}), process, log_path)
+        yield ServedApp(url, process, cache_dir, log_path)
     finally:
         process.terminate()
         try:
@@ -75,17 +84,18 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _wait_for_page(url: str, process: subprocess.Popen, log_path: Path) -> None:
+def _wait_until_ready(ready: urllib.request.Request, process: subprocess.Popen, log_path: Path) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            pytest.fail(f"app.py exited with status {process.returncode}:\n{log_path.read_text(errors='replace')}")
+            pytest.fail(f"{process.args[1:]} exited with status {process.returncode}:\n"
+                        f"{log_path.read_text(errors='replace')}")
         try:
-            with urllib.request.urlopen(url, timeout=2) as response:
+            with urllib.request.urlopen(ready, timeout=2) as response:
                 if response.status == 200:
                     return
         except OSError:
             pass
         time.sleep(0.25)
-    pytest.fail(f"app.py did not serve {url} within {START_TIMEOUT_S} s:\n{log_path.read_text(errors='replace')}")
-
+    pytest.fail(f"{process.args[1:]} did not serve {ready.full_url} within {START_TIMEOUT_S} s:\n"
+                f"{log_path.read_text(errors='replace')}")

@@ -11,11 +11,12 @@ from PIL import Image
 
 from bad_files import media_error
 from browser_page import (
-    AUDIO_ELEMENTS_JS, METRICS, PHONE, answered_again, as_shown, ask, assert_message_box_uncovered, bot_texts,
-    chat_files, choose_chat, clear, delete_chat, drop_file, edit_last_question, latest_saved, new_chat, reload,
-    rename, saved_chats, set_longest_reply, set_speak_replies, shown_messages, shown_title, stop, unfold,
-    wait_for_answer, wait_for_metrics, wait_for_note, wait_for_reply_to_start, wait_for_streaming_recorder,
-    wait_until, wait_until_saved_as_shown, watch_first_reply, window_chunks_in_order,
+    AUDIO_ELEMENTS_JS, METRICS, PHONE, answered_again, as_shown, ask, assert_each_chunk_played_as_it_came,
+    assert_message_box_uncovered, bot_texts, chat_files, choose_chat, clear, delete_chat, drop_file,
+    edit_last_question, latest_saved, new_chat, play_spoken_reply_again, reload, rename, saved_chats,
+    set_longest_reply, set_speak_replies, shown_messages, shown_title, stop, wait_for_answer, wait_for_metrics,
+    wait_for_note, wait_for_reply_to_start, wait_for_streaming_recorder, wait_until, wait_until_saved_as_shown,
+    watch_first_reply, window_chunks_in_order,
 )
 from served_app import ServedApp, served_app
 
@@ -81,18 +82,8 @@ def test_a_recorded_question_gets_a_spoken_reply_that_plays_as_it_streams_and_ag
     shot("answered")
     assert re.search(r"media: 1 encoded|media: 0 encoded, 1 from", metrics)  # the recording reached the model
     assert "s of speech" in metrics
-    chunks = page.evaluate("window.omniLocalChunks || []")
-    assert [chunk["index"] for chunk in chunks] == list(range(len(chunks))) and chunks, chunks
-    # Each chunk went to the page's Web Audio player as it came, and its clock runs (it plays).
-    player = page.evaluate("() => ({state: window.omniLocalPlayer.context.state, scheduled: window.omniLocalStarts"
-                           ".filter((start) => start.context === window.omniLocalPlayer.context).length})")
-    assert player == {"state": "running", "scheduled": len(chunks)}
-    spoken = page.locator("[data-testid=bot]").filter(has_text="Spoken reply")
-    unfold(spoken)
-    spoken.get_by_role("button", name="Play").click()
-    page.wait_for_function(f"(root) => {{ {AUDIO_ELEMENTS_JS} return audioElements(root).some("
-                           "(audio) => !audio.paused && audio.currentTime > 0); }",
-                           arg=spoken.element_handle(), polling=20)
+    assert_each_chunk_played_as_it_came(page)
+    play_spoken_reply_again(page)
     shot("playing-again")
 
 

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from omni_local.access import is_loopback
 from omni_local.errors import SettingsError
 from omni_local.settings import Settings
-from omni_local.ui.access import is_loopback, keep_uploads_private, launch_options, read_credentials
+from omni_local.ui.access import keep_uploads_private, launch_options, read_credentials
 
 REPO = Path(__file__).resolve().parent.parent
 

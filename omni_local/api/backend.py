@@ -1,5 +1,5 @@
 """The seam between the API and what answers: the engine in this process (`backends/local.py`), or
-a server that speaks OpenAI's chat API (`backends/remote.py`). Sessions, the chat page, voice mode
+a server that speaks OpenAI's chat API (`backends/remote/`). Sessions, the chat page, voice mode
 and the CLI see only this interface, so none of them imports the engine (nor torch) on a remote
 backend."""
 

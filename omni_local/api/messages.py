@@ -1,5 +1,6 @@
 """A conversation as every backend takes it: messages of text and decoded media."""
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -47,3 +48,11 @@ def check_text(text: str, holder: str) -> None:
     except UnicodeEncodeError as error:
         raise RequestError(f"{holder} holds text that is not valid Unicode (invalid UTF-8 or a lone surrogate "
                            f"at character {error.start + 1})") from None
+
+
+def reply_key(text: str) -> str:
+    """A reply's text as a client gives it back, to look up the token ids the model made it of (and
+    so its cached KV, which text tokenized anew could miss). Gradio's chatbot cleans each text as a
+    docstring (`inspect.cleandoc`: tabs expanded, indentation and the ends' blank lines removed); an
+    API client may do the same, or trim the ends."""
+    return inspect.cleandoc(text).strip()

@@ -17,7 +17,7 @@ from omni_local.media import SAMPLE_RATE, MediaLimits
 from omni_local.media.audio import check_samples
 from omni_local.media.video import Video, load_video
 from omni_local.model.loader import LoadedModel, load_model, quiet_library_logs
-from omni_local.model.workarounds import video_supported
+from omni_local.model.workarounds import video_refusal, video_supported
 from omni_local.settings import Settings
 
 
@@ -68,7 +68,7 @@ class LocalBackend:
         sound track if `use_audio_in_video` (a silent clip then gets silence, so every video of a
         prompt is laid out alike)."""
         if not self.info.video:
-            raise MediaError("video input needs torchvision, which is not installed here")
+            raise MediaError(video_refusal(self.loaded.processor))
         video = item
         if not isinstance(video, Video):
             processor = self.loaded.processor.video_processor

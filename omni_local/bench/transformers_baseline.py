@@ -7,9 +7,9 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from omni_local.api import OmniLocal
+from omni_local.api.events import SPEECH_SAMPLE_RATE
 from omni_local.bench.common import elapsed_s, medians, synced_now
 from omni_local.bench.scenarios import Scenario, opened, question
-from omni_local.engine.vocoder import SAMPLE_RATE
 from omni_local.prompts import Prompt, build_prompt
 
 
@@ -74,7 +74,7 @@ def _transformers_speech(app: OmniLocal, inputs: dict, prompt_tokens: int, new_t
                 **inputs, thinker_max_new_tokens=new_tokens, thinker_min_new_tokens=new_tokens,
                 thinker_do_sample=False, talker_max_new_tokens=frames + 1, talker_min_new_tokens=frames + 1,
             )
-        audio.append(wav.shape[-1] / SAMPLE_RATE)
+        audio.append(wav.shape[-1] / SPEECH_SAMPLE_RATE)
 
     whole = elapsed_s(generate)
     return {"ttft_ms": float("nan"), "itl_ms": float("nan"), "prompt": prompt_tokens, "computed": prompt_tokens,

@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from omni_local.api.events import SpeechReport
+from omni_local.api.events import SPEECH_SAMPLE_RATE, SpeechReport
 from omni_local.api.params import SamplingParams, SpeechParams
 from omni_local.cache.prefix_cache import Claim, Match, PrefixCache, common_prefix
 from omni_local.engine.kv_store import KVStore
 from omni_local.engine.sampling import Sampler
 from omni_local.engine.talker import OPENING_ROWS, TalkerPrompt, TalkerRunner, user_positions
-from omni_local.engine.vocoder import SAMPLE_RATE, AudioStream, Vocoder
+from omni_local.engine.vocoder import AudioStream, Vocoder
 from omni_local.prompts import Prompt
 from omni_local.settings import Settings
 
@@ -62,7 +62,7 @@ class SpokenReply:
     last_audio_at: float = 0.0
 
     def report(self, submitted_at: float) -> SpeechReport:
-        audio_s = self.stream.sent / SAMPLE_RATE
+        audio_s = self.stream.sent / SPEECH_SAMPLE_RATE
         rtf = (self.last_audio_at - submitted_at) / audio_s if audio_s else 0.0
         first = self.first_audio_at - submitted_at if self.first_audio_at else 0.0
         reused = self.claim.start if self.claim else 0
@@ -76,7 +76,7 @@ class Speaker:
     def __init__(self, model: torch.nn.Module, settings: Settings, slots: int) -> None:
         self.vocoder = Vocoder(model.code2wav, settings.first_audio_frames, settings.audio_chunk_frames,
                                settings.audio_left_context_frames, cuda_graphs=settings.cuda_graphs)
-        self.max_frames = max(1, round(settings.max_speech_seconds * SAMPLE_RATE / self.vocoder.samples_per_frame))
+        self.max_frames = max(1, round(settings.max_speech_seconds * SPEECH_SAMPLE_RATE / self.vocoder.samples_per_frame))
         # Room for every user token of a full context, the assistant rows and the frames.
         self.runner = TalkerRunner(model, settings.max_context_tokens + OPENING_ROWS + self.max_frames, slots,
                                    cuda_graphs=settings.cuda_graphs, compiled_layers=settings.compiled_layers)

@@ -26,10 +26,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from omni_local.api.events import SPEECH_SAMPLE_RATE
 from omni_local.engine.cuda_graphs import capture_graph
-
-SAMPLE_RATE = SPEECH_SAMPLE_RATE
 
 
 @dataclass
@@ -84,7 +81,7 @@ class Vocoder:
 
     @torch.inference_mode()
     def decode(self, stream: AudioStream) -> np.ndarray:
-        """The next samples (float32, mono, SAMPLE_RATE) from the frames not decoded yet."""
+        """The next samples (float32, mono, SPEECH_SAMPLE_RATE) from the frames not decoded yet."""
         start, end = stream.decoded, len(stream.frames)
         context = min(self.left_context, start)
         codes = torch.tensor(stream.frames[start - context : end], device=self.device).T[None]  # [1, groups, n]

@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 from pathlib import Path
 
-from omni_local.errors import MediaError
+from omni_local.errors import MediaError, UploadTooLarge
 from omni_local.media.limits import MediaLimits, tenths
 
 _UNITS = (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10), ("bytes", 1))
@@ -45,7 +45,7 @@ def _check_size(name: str, size: int, limits: MediaLimits) -> None:
         raise MediaError(f"{name}: the file is empty")
     limit = limits.max_upload_bytes
     if size > limit:
-        raise MediaError(
+        raise UploadTooLarge(
             f"{name}: {_amount(size, limit, up=True)} is over the upload limit of "
             f"{_amount(limit, limit, up=False)} (max_upload_bytes)"
         )

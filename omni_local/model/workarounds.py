@@ -18,28 +18,61 @@ from transformers import (
     AutoFeatureExtractor,
     AutoImageProcessor,
     AutoTokenizer,
+    AutoVideoProcessor,
     Qwen3OmniMoeForConditionalGeneration,
     Qwen3OmniMoeProcessor,
 )
 from transformers.utils import is_torchvision_available
-from transformers.video_processing_utils import VideoProcessorMixin
+from transformers.video_processing_utils import BaseVideoProcessor, VideoProcessorMixin
 
 from omni_local.errors import MediaError
 
+NO_TORCHVISION = "video input needs torchvision, which is not installed here"
+
 
 def load_processor(path: Path) -> Qwen3OmniMoeProcessor:
-    # `Qwen3OmniMoeProcessor.from_pretrained` always builds a video processor, and transformers'
-    # video processors need torchvision, which has no build for the CPU torch we run on. Without it
-    # we load a subclass that takes a stand-in for the video processor: text, images and audio work
-    # exactly as with the real one (same components, same files); a video input is refused.
-    if is_torchvision_available():
+    # `Qwen3OmniMoeProcessor.from_pretrained` always builds a video processor, and fails where it
+    # cannot: transformers' video processors need torchvision, which has no build for the CPU torch we
+    # run on; a copy saved where torchvision was missing records a placeholder in its place (a
+    # stand-in's `to_dict` is only `{"video_processor_type": "<its class>"}`: a class transformers
+    # cannot resolve, or a bare `VideoProcessorMixin` that reads no frame), or none at all. Then we
+    # load a subclass that takes a stand-in for the video processor: text, images and audio work
+    # exactly as with the real one (same components, same files); a video is refused, saying why.
+    refusal = NO_TORCHVISION if not is_torchvision_available() else _video_processor_refusal(path)
+    if refusal is None:
         return Qwen3OmniMoeProcessor.from_pretrained(path)
-    return ProcessorWithoutVideo.from_pretrained(path)
+    processor = ProcessorWithoutVideo.from_pretrained(path)
+    processor.video_processor = _NoVideoProcessor(refusal)
+    return processor
 
 
 def video_supported(processor: Qwen3OmniMoeProcessor) -> bool:
-    """Whether `processor` has a real video processor (torchvision is installed)."""
+    """Whether `processor` has a real video processor (torchvision is installed, and the checkpoint
+    records one)."""
     return not isinstance(processor.video_processor, _NoVideoProcessor)
+
+
+def video_refusal(processor: Qwen3OmniMoeProcessor) -> str:
+    """Why `processor` refuses every video (only asked where `video_supported` is false)."""
+    return processor.video_processor.refusal
+
+
+def _video_processor_refusal(path: Path) -> str | None:
+    """Why the video processor recorded in `path` cannot read video, or None if it can."""
+    try:
+        recorded, _ = BaseVideoProcessor.get_video_processor_dict(path)
+    except OSError:
+        return f"video input is not available: checkpoint '{path.name}' records no video processor"
+    # The older layout records none of its own: transformers infers it from the image processor's.
+    name = recorded.get("video_processor_type") or recorded.get("image_processor_type")
+    try:
+        video_processor = AutoVideoProcessor.from_pretrained(path)
+    except (OSError, ValueError):
+        video_processor = None
+    if isinstance(video_processor, BaseVideoProcessor):
+        return None
+    return (f"video input is not available: checkpoint '{path.name}' records a placeholder video processor "
+            f"({name}), as a copy saved without torchvision does")
 
 
 def apply_workarounds(model: Qwen3OmniMoeForConditionalGeneration, end_of_turn_ids: list[int], pad_id: int) -> None:
@@ -133,12 +166,16 @@ def capturable_experts(config: Any, dtype: torch.dtype) -> Iterator[None]:
 
 
 class _NoVideoProcessor(VideoProcessorMixin):
-    """Stands in for the video processor where torchvision is missing: refuses every video."""
+    """Stands in for the video processor where there is none to load: refuses every video, saying why."""
 
     model_input_names = ["pixel_values_videos", "video_grid_thw"]
 
+    def __init__(self, refusal: str = NO_TORCHVISION) -> None:
+        super().__init__()
+        self.refusal = refusal
+
     def __call__(self, *args: object, **kwargs: object) -> None:
-        raise MediaError("video input needs torchvision, which is not installed here")
+        raise MediaError(self.refusal)
 
 
 class ProcessorWithoutVideo(Qwen3OmniMoeProcessor):

@@ -8,7 +8,6 @@ disk has no room for is refused in words, and leaves nothing behind.
 """
 
 import errno
-import ipaddress
 import logging
 import os
 from pathlib import Path
@@ -18,6 +17,7 @@ from starlette.middleware import Middleware
 from starlette.responses import PlainTextResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from omni_local.access import is_loopback, read_private_text
 from omni_local.cache.folders import private_folder
 from omni_local.errors import SettingsError
 from omni_local.settings import Settings
@@ -53,23 +53,8 @@ def launch_options(settings: Settings) -> dict[str, Any]:
     return options
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name: it may resolve to anything
-
-
 def read_credentials(path: Path) -> list[tuple[str, str]]:
-    try:
-        mode = path.stat().st_mode
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as error:
-        raise SettingsError(f"ui_credentials_file '{path}' cannot be read: {error.strerror}") from None
-    if mode & 0o077:
-        raise SettingsError(f"ui_credentials_file '{path}' is readable by others: make it private (chmod 600)")
+    lines = read_private_text(path, "ui_credentials_file").splitlines()
     pairs = [tuple(line.split(":", 1)) for line in lines if line.strip()]
     if not pairs or any(len(pair) != 2 or not all(pair) for pair in pairs):
         raise SettingsError(f"ui_credentials_file '{path}' must hold 'user:password' lines")

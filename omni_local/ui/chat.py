@@ -155,7 +155,7 @@ class ChatTurns:
         reply = finished_reply(final, turn.reply.audio, self.uploads, memory)
         turn.shown = [*turn.asked, *map(as_dict, reply)]
         turn.stopped = final.stop_reason == "cancelled"
-        tokens = final.tokens.prompt + final.tokens.generated
+        tokens = final.context_used  # None where a remote server did not say (a stopped reply's never does)
         _save(turn.store, turn.shown, turn.system_prompt, memory, tokens)
         turn.context = context_use(self.app, tokens)
         return reply

@@ -21,12 +21,12 @@ from PIL import Image
 
 from omni_local.api import OmniLocal
 from omni_local.api.events import SPEECH_SAMPLE_RATE, Finished
-from omni_local.api.messages import Message, Part
+from omni_local.api.messages import Message, Part, reply_key
 from omni_local.errors import RequestError
 from omni_local.media import load_audio, load_image
 from omni_local.media.video import Video, VideoFile
 from omni_local.metrics_line import metrics_line
-from omni_local.ui.messages import block_text, blocks, file_path, reply_key
+from omni_local.ui.messages import block_text, blocks, file_path
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif"}
 AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".mp3"}
@@ -76,7 +76,8 @@ class ChatMemory:
 def finished_reply(event: Finished, audio: np.ndarray, uploads: Path, memory: ChatMemory) -> list[gr.ChatMessage]:
     """A finished reply as the chat shows it: its text, its speech (kept in `uploads`, to play
     again) and its metrics. Its token ids are remembered for the next turn's prompt."""
-    memory.replies[reply_key(event.text)] = event.token_ids
+    if event.token_ids is not None:  # a remote server's replies have none: the next prompt sends their text
+        memory.replies[reply_key(event.text)] = event.token_ids
     shown = [gr.ChatMessage(content=event.text)]
     kept = keep_audio(uploads, audio) if audio.size else None
     if kept is not None:

@@ -108,6 +108,6 @@ def longest_reply(app: OmniLocal) -> int:
     return max(1, info.max_context_tokens - info.max_prompt_tokens)
 
 
-def context_use(app: OmniLocal, tokens: int) -> str:
-    """"Context: 702 of 8,192 tokens", or nothing for a chat with no reply yet."""
+def context_use(app: OmniLocal, tokens: int | None) -> str:
+    """"Context: 702 of 8,192 tokens", or nothing for a chat with no reply yet (or none counted)."""
     return f"Context: {tokens:,} of {app.info.max_context_tokens:,} tokens" if tokens else ""

@@ -2,7 +2,6 @@
 dict with a path, a typed block, a tuple), or a list of such blocks, as made here or as the page
 sends it back. The chat, its store and voice mode all read messages through these."""
 
-import inspect
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +41,3 @@ def looks(message: dict[str, Any]) -> tuple[Any, ...]:
         path = file_path(block)
         shown.append(Path(path).name if path else "".join((block_text(block) or "").split()))
     return message["role"], shown, (message.get("metadata") or {}).get("title")
-
-
-def reply_key(text: str) -> str:
-    """A reply's text as the page gives it back: Gradio's chatbot cleans each text as a docstring
-    (`inspect.cleandoc`: tabs expanded, indentation and the ends' blank lines removed), and a reply
-    looked up by its text as made would otherwise miss its token ids, and its cached KV."""
-    return inspect.cleandoc(text).strip()

@@ -11,9 +11,8 @@ import base64
 import time
 from typing import Any
 
-import numpy as np
-
 from omni_local.api.events import AudioChunk
+from omni_local.media.pcm16 import to_pcm16
 
 PLAYER_JS = """
 (payload) => {
@@ -33,7 +32,7 @@ PLAYER_JS = """
     const pcm = new Int16Array(bytes.buffer);
     const buffer = player.context.createBuffer(1, pcm.length, item.rate);
     const channel = buffer.getChannelData(0);
-    for (let i = 0; i < pcm.length; i++) channel[i] = pcm[i] / 32768;
+    for (let i = 0; i < pcm.length; i++) channel[i] = pcm[i] / 32767;  // media/pcm16.py's scale
     const source = player.context.createBufferSource();
     source.buffer = buffer;
     source.connect(player.context.destination);
@@ -54,7 +53,7 @@ STOP: dict[str, Any] = {"stop": True}
 
 def audio_payload(chunk: AudioChunk, index: int) -> dict[str, Any]:
     """A chunk for the page's player: 16-bit PCM in base64, which JSON carries."""
-    pcm = (np.clip(chunk.samples, -1.0, 1.0) * 32767).astype("<i2")
+    pcm = to_pcm16(chunk.samples)
     return {"index": index, "rate": chunk.sample_rate, "pcm": base64.b64encode(pcm.tobytes()).decode("ascii"),
             "sent_at": time.time()}  # wall clock, so the page can tell how long the chunk took to reach it
 

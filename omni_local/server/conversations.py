@@ -1,0 +1,102 @@
+"""What a stateless API keeps between requests so that they still hit the prefix cache.
+
+Each request carries the whole conversation. The prefix cache matches content, not ids, so a
+conversation sent again (or another client's same system prompt) finds its KV whatever session
+it comes in. Two things would still miss, and are kept here:
+
+- A reply's text, tokenized anew, may not give the ids the model made it of, and the KV cached
+  for it matches only those. So each reply's text (as `reply_key` normalises it) maps to its token
+  ids, and an assistant message whose text is a known reply is given them.
+- A request continues a session: the one whose conversation and reply this request's history
+  is, so the cache continues its entry in place (and its Talker KV, for spoken turns) instead of
+  copying it into a new one. The map goes from a digest of the conversation (roles, texts, media
+  digests: a full BLAKE3 digest, never Python's `hash`) to the session's id, and a request takes
+  the id out: one request at a time holds a session. Anything else gets a fresh id.
+
+Both maps are bounded, oldest out. Digesting a conversation's media is blocking work: it is done in
+the server's worker threads, so the maps are shared under a lock.
+"""
+
+import threading
+import uuid
+from collections import OrderedDict
+from typing import Generic, TypeVar
+
+import blake3
+import numpy as np
+
+from omni_local.api.events import Finished
+from omni_local.api.messages import Message, reply_key
+from omni_local.cache.digests import media_digest
+from omni_local.media.video import VideoFile
+
+K, V = TypeVar("K"), TypeVar("V")
+REMEMBERED_REPLIES = 4096  # token ids as int32: 4096 replies of 512 tokens are 8 MB
+REMEMBERED_CONVERSATIONS = 4096
+
+
+class BoundedMap(Generic[K, V]):
+    """A dict of at most `size` entries; past that the least recently stored goes."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._entries: OrderedDict[K, V] = OrderedDict()
+
+    def __setitem__(self, key: K, value: V) -> None:
+        self._entries[key] = value
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+
+    def get(self, key: K) -> V | None:
+        return self._entries.get(key)
+
+    def pop(self, key: K) -> V | None:
+        return self._entries.pop(key, None)
+
+
+class Conversations:
+    def __init__(self) -> None:
+        self._token_ids: BoundedMap[str, np.ndarray] = BoundedMap(REMEMBERED_REPLIES)
+        self._sessions: BoundedMap[bytes, str] = BoundedMap(REMEMBERED_CONVERSATIONS)
+        self._lock = threading.Lock()
+
+    def continued(self, messages: list[Message]) -> tuple[str, list[Message]]:
+        """The session to send `messages` (ending in the user's) in, and the messages with each known
+        reply's token ids."""
+        history = conversation_digest(messages[:-1])
+        with self._lock:
+            messages = [self._with_token_ids(m) for m in messages]
+            session = self._sessions.pop(history)
+        return session or uuid.uuid4().hex, messages
+
+    def remember(self, session: str, messages: list[Message], final: Finished) -> None:
+        """`final` answered `messages` in `session`: the next turn of this conversation continues it."""
+        conversation = conversation_digest([*messages, Message("assistant", [final.text])])
+        with self._lock:
+            if final.token_ids is not None:
+                self._token_ids[reply_key(final.text)] = np.asarray(final.token_ids, np.int32)
+            self._sessions[conversation] = session
+
+    def _with_token_ids(self, message: Message) -> Message:
+        if message.role != "assistant" or message.token_ids is not None:
+            return message
+        ids = self._token_ids.get(reply_key(message.text))
+        return message if ids is None else Message("assistant", message.parts, token_ids=ids.tolist())
+
+
+def conversation_digest(messages: list[Message]) -> bytes:
+    """A digest of what the model sees of `messages`; a reply as one text, as `reply_key` has it."""
+    hasher = blake3.blake3(b"omni_local conversation\0")
+    for message in messages:
+        parts = [reply_key(message.text)] if message.role == "assistant" else message.parts
+        hasher.update(f"{message.role}:{len(parts)}\0".encode())
+        for part in parts:
+            if isinstance(part, str):
+                text = part.encode("utf-8")
+                hasher.update(b"text:%d\0" % len(text) + text)
+            elif isinstance(part, VideoFile):  # a remote backend's video, sent on as its file
+                hasher.update(b"video file:" + blake3.blake3(part.data).digest())
+            else:
+                hasher.update(b"medium:" + media_digest(part))
+    return hasher.digest()

@@ -1,0 +1,63 @@
+"""One reply as the API sends it: the backend's events, read without blocking the event loop, the
+text cut at the request's stop strings.
+
+A backend's reply is a blocking iterator (the engine's events come through a queue), so each event
+is waited for in a worker thread. Whoever stops reading before the end (a client gone, a stop
+string) cancels the reply, so the engine stops making it.
+"""
+
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+import anyio
+from anyio import to_thread
+
+from omni_local.api.backend import ReplyStream
+from omni_local.api.events import AudioChunk, Event, Finished, TextDelta
+from omni_local.server.stops import StopStrings
+
+
+class ApiReply:
+    def __init__(self, stream: ReplyStream, stops: list[str], threads: anyio.CapacityLimiter) -> None:
+        self._stream = stream
+        self._backend_events = stream.events()
+        self._stops = StopStrings(stops)
+        self._threads = threads
+        self._sent: list[str] = []
+        self.final: Finished | None = None
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Text (as it may be sent), audio, then the `Finished` of what was sent; a failure raises
+        `OmniLocalError`."""
+        try:
+            while self.final is None:
+                event = await to_thread.run_sync(next, self._backend_events, limiter=self._threads,
+                                                 abandon_on_cancel=True)  # a client gone is not kept waiting
+                for sent in self._read(event):
+                    yield sent
+        finally:
+            if self.final is None:
+                self._stream.cancel()
+
+    def _read(self, event: Event) -> list[Event]:
+        if isinstance(event, TextDelta):
+            was_stopped = self._stops.stopped
+            text = self._stops.feed(event.text)
+            if self._stops.stopped and not was_stopped:
+                self._stream.cancel()  # the reply ends here; the engine's Finished follows
+            return self._text(text)
+        if isinstance(event, AudioChunk):
+            return [] if self._stops.stopped else [event]
+        tail = self._text(self._stops.flush())
+        if self._stops.stopped:
+            # The reply is what was sent, cut short (whether or not the engine ended it first), and its
+            # token ids no longer match it.
+            event = replace(event, text="".join(self._sent), token_ids=None, stop_reason="cancelled")
+        self.final = event
+        return [*tail, self.final]
+
+    def _text(self, text: str) -> list[Event]:
+        if not text:
+            return []
+        self._sent.append(text)
+        return [TextDelta(text)]

@@ -1,0 +1,55 @@
+"""The API as an ASGI app, to mount at /v1: `POST /chat/completions` (completions.py), `GET /models`
+and `GET /models/{id}`, behind the admission checks (admission.py), every failure an OpenAI error
+object (errors.py). `python -m omni_local serve` serves it alone; `python app.py` with
+`ui_serves_api` beside the page, on the page's app and engine.
+
+`/models` lists the one model served, with omni_local's own facts about it under `omni_local`:
+{"speech", "voices", "max_prompt_tokens", "video", "runs_on", "model"} (the model's name as the
+page's header shows it), and `max_model_len` (prompt and reply, per request) as vLLM names it.
+"""
+
+import time
+
+from fastapi import FastAPI
+from starlette.routing import Mount
+
+from omni_local.api import OmniLocal
+from omni_local.server.admission import MAX_BODY_UPLOADS, Admission
+from omni_local.server.completions import ChatCompletions
+from omni_local.server.errors import add_error_handlers, unknown_model
+
+API_PATH = "/v1"
+
+
+def api_mount(app: OmniLocal, key: str | None) -> Mount:
+    """The API of `app` at /v1; clients must send `key` if it is not None."""
+    return Mount(API_PATH, app=api_app(app, key))
+
+
+def api_app(app: OmniLocal, key: str | None) -> FastAPI:
+    settings = app.settings
+    api = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    add_error_handlers(api)
+    api.add_middleware(Admission, key=key, max_body_bytes=MAX_BODY_UPLOADS * settings.max_upload_bytes,
+                       max_requests=settings.api_max_requests)
+    api.post("/chat/completions")(ChatCompletions(app).create)
+    started = int(time.time())
+
+    def model() -> dict:
+        info = app.info
+        facts = {"speech": info.speech, "voices": info.voices, "max_prompt_tokens": info.max_prompt_tokens,
+                 "video": info.video, "runs_on": info.runs_on, "model": info.model}
+        return {"id": info.model_id, "object": "model", "created": started, "owned_by": "omni_local",
+                "max_model_len": info.max_context_tokens, "omni_local": facts}
+
+    @api.get("/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [model()]}
+
+    @api.get("/models/{model_id:path}")
+    async def one_model(model_id: str) -> dict:
+        if model_id != app.info.model_id:
+            raise unknown_model(model_id, app.info.model_id)
+        return model()
+
+    return api

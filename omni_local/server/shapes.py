@@ -1,0 +1,80 @@
+"""A reply on the wire, in OpenAI's shapes: the streamed `chat.completion.chunk`s, and the
+non-streamed `chat.completion`.
+
+Streamed (server-sent events, each `data:` one JSON chunk; the first delta carries the role):
+- text only: `choices[0].delta.content`, a piece of the text;
+- with audio (`modalities: ["text", "audio"]`): `delta.audio = {"id", "transcript"}` for a piece of
+  the text, `delta.audio = {"id", "data"}` for a piece of the speech, base64 PCM16 (audio.py), the
+  reply's one audio id in each;
+- then a chunk with an empty delta, `finish_reason` ("stop": the reply's end or a stop string;
+  "length": max_tokens or the context's end) and the `omni_local` figures (figures.py);
+- with `stream_options.include_usage`, then a chunk of no choices with `usage` (the chunks before
+  carry `"usage": null`, as OpenAI's do);
+- then `data: [DONE]`. A failure after the stream began is one event `{"error": {...}}`, and the
+  stream ends.
+
+Not streamed: `choices[0].message` holds the text as `content`; with audio, `content` is null and
+`message.audio = {"id", "data", "transcript", "expires_at"}`, `data` the whole speech as a base64
+WAV file or PCM16, per `audio.format`. The server keeps no audio to refer to later: `expires_at` is
+the reply's own time. `usage` and `omni_local` at the top level.
+"""
+
+import time
+import uuid
+
+import numpy as np
+
+from omni_local.api.events import AudioChunk, Finished, TextDelta
+from omni_local.server.audio import base64_pcm16, base64_wav
+from omni_local.server.figures import finish_reason, omni_local_figures, usage
+
+
+class ReplyShapes:
+    """The chunks, or the completion, of one reply to `model`; `speaks`: with audio."""
+
+    def __init__(self, model: str, speaks: bool, include_usage: bool = False) -> None:
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+        self.audio_id = f"audio_{uuid.uuid4().hex}" if speaks else None
+        self.include_usage = include_usage
+        self._role_sent = False
+
+    def chunk(self, event: TextDelta | AudioChunk) -> dict:
+        if self.audio_id is None:
+            delta: dict = {"content": event.text}
+        elif isinstance(event, TextDelta):
+            delta = {"audio": {"id": self.audio_id, "transcript": event.text}}
+        else:
+            delta = {"audio": {"id": self.audio_id, "data": base64_pcm16(event.samples)}}
+        if not self._role_sent:
+            delta, self._role_sent = {"role": "assistant", **delta}, True
+        return self._chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
+
+    def last_chunks(self, final: Finished) -> list[dict]:
+        ending = self._chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason(final)}])
+        ending["omni_local"] = omni_local_figures(final)
+        if not self.include_usage:
+            return [ending]
+        return [ending, {**self._chunk([]), "usage": usage(final)}]
+
+    def completion(self, final: Finished, speech: np.ndarray | None, audio_format: str) -> dict:
+        message: dict = {"role": "assistant", "content": final.text, "refusal": None}
+        if self.audio_id is not None:
+            data = base64_wav(speech) if audio_format == "wav" else base64_pcm16(speech)
+            message["content"] = None
+            message["audio"] = {"id": self.audio_id, "data": data, "transcript": final.text,
+                                "expires_at": self.created}
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason(final)}
+        return {**self._head("chat.completion"), "choices": [choice], "usage": usage(final),
+                "omni_local": omni_local_figures(final)}
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        chunk = {**self._head("chat.completion.chunk"), "choices": choices}
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def _head(self, kind: str) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "system_fingerprint": None}
