@@ -45,13 +45,20 @@ class Settings:
     )
     cuda_graphs: bool = setting(
         "engine", True,
-        "on a GPU, run the Thinker's decode steps (chats decoding at once as one batch) and prefill chunks,"
-        " the Talker's and its code predictor's steps, and Code2Wav's chunks, as CUDA graphs; false: eager",
+        "on a GPU, run the Thinker's decode steps (chats decoding at once as one batch) and prefills of up to"
+        " prefill_chunk_tokens, the Talker's and its code predictor's steps, and Code2Wav's chunks, as CUDA graphs;"
+        " false: eager",
     )
     prefill_chunk_tokens: int = setting(
         "engine", 2048,
-        "a prompt is computed in chunks of this many tokens, one per engine turn, each starting at a multiple of it;"
-        " other chats' replies wait one chunk at a time (on a GPU each chunk replays a CUDA graph)",
+        "while another reply is decoding or speaking, a prompt is computed in chunks of this many tokens, one per"
+        " engine turn, each ending at a multiple of it, so that reply waits one chunk at a time; else in one forward"
+        " (on a GPU, graphed up to this many tokens)",
+    )
+    chunk_every_prefill: bool = setting(
+        "engine", False,
+        "compute every prompt in chunks, even with no other reply to wait: slower alone, but each prompt is cut at"
+        " the same rows whatever else runs",
     )
     compiled_layers: bool = setting(
         "engine", True,

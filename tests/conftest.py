@@ -40,8 +40,6 @@ def demo_settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
         device=os.environ.get("OMNI_LOCAL_TEST_DEVICE", "cpu"), dtype="float32",
         gpu_cache_bytes=64 << 20,  # 32 chats of the demo's 2 KiB per token x 1024 tokens
         max_context_tokens=1024, max_prompt_tokens=960,
-        # Most test prompts are 30 to 200 tokens: each prefill runs in several chunks, as long ones do.
-        prefill_chunk_tokens=32,
     )
 
 

@@ -1,5 +1,5 @@
-"""On a GPU the Thinker's decode steps (several chats in one batch) and prefill chunks, and the
-Talker's steps, replay CUDA graphs, and give the tokens and codec codes eager decoding gives.
+"""On a GPU the Thinker's decode steps (several chats in one batch), its prefills and prefill chunks,
+and the Talker's steps, replay CUDA graphs, and give the tokens and codec codes eager decoding gives.
 
 Run with OMNI_LOCAL_TEST_DEVICE=cuda on a machine with a CUDA GPU; elsewhere every test is skipped.
 """
@@ -15,7 +15,6 @@ from replies import model_inputs, reference_tokens, send, transformers_speech
 from samples import picture
 from omni_local.api import OmniLocal
 from omni_local.engine.cuda_graphs import SMALLEST_BUCKET, SlotGraphs
-from omni_local.engine.prefill_chunks import chunk_bounds
 from omni_local.engine.thinker import ThinkerRunner
 from omni_local.api.messages import Message
 from omni_local.prompts import Prompt, build_prompt
@@ -187,11 +186,6 @@ def test_the_engine_queues_the_decode_steps_of_a_batch_without_ever_waiting_for_
     assert all(final.tokens.generated == 12 for final in finals)
 
 
-def graphed_chunks(app: OmniLocal, start: int, end: int) -> list[tuple[int, int, int]]:
-    """The prefill graphs' replays (sequences, first start, new tokens) of a tail's chunks."""
-    return [(1, begin, stop - begin) for begin, stop in chunk_bounds(start, end, app.settings.prefill_chunk_tokens)]
-
-
 def test_a_chats_second_turn_on_the_prefix_cache_matches_generate_with_graphs_on(on_gpu):
     app = on_gpu
     with replays(app.backend.engine.runner.prefill_graphs) as prefills:
@@ -200,14 +194,33 @@ def test_a_chats_second_turn_on_the_prefix_cache_matches_generate_with_graphs_on
             before = list(session.history)
             final = session.send(text, max_new_tokens=24).result()
             assert final.token_ids == reference_tokens(app, [*before, Message("user", [text])])
-    n = final.tokens
-    assert n.reused_gpu > 0, "the second turn must continue the first turn's KV"
-    chunks = graphed_chunks(app, n.reused_gpu, n.prompt)
-    assert prefills[-len(chunks):] == chunks, "each chunk of its prefill must replay a graph"
+    assert final.tokens.reused_gpu > 0, "the second turn must continue the first turn's KV"
+    assert prefills[-1] == (1, final.tokens.reused_gpu, final.tokens.computed), "its prefill must replay a graph"
 
 
-def test_an_image_question_across_a_chunk_boundary_prefilled_by_graphs_matches_generate(on_gpu):
+def test_an_image_question_prefilled_by_a_graph_matches_generate(on_gpu):
     app = on_gpu
+    parts = [picture(2), "What is in this picture?"]
+    with replays(app.backend.engine.runner.prefill_graphs) as prefills:
+        final = app.session().send(parts[1], images=[parts[0]], max_new_tokens=24).result()
+    n = final.tokens
+    assert final.media.in_kv == 0, "the image must be in the prefill"
+    assert prefills == [(1, n.prompt - n.computed, n.computed)], "its prefill must replay a graph"
+    assert final.token_ids == reference_tokens(app, [Message("user", parts)])
+
+
+@pytest.fixture(scope="module")
+def chunking_on_gpu(on_gpu, demo_settings) -> Iterator[OmniLocal]:
+    """The demo on the GPU, cutting every prefill into chunks of 32 tokens: its prefill graphs are of
+    32 new tokens at most."""
+    with OmniLocal(demo_settings.replace(prefill_chunk_tokens=32, chunk_every_prefill=True)) as app:
+        yield app
+
+
+def test_an_image_question_across_a_chunk_boundary_replays_a_graph_for_each_chunk_and_matches_generate(
+    chunking_on_gpu,
+):
+    app = chunking_on_gpu
     parts = [picture(2, (224, 224)), "What is in this picture?"]
     image = build_prompt([Message("user", parts)], app.backend.loaded.processor).media[0]
     chunk = app.settings.prefill_chunk_tokens
@@ -215,8 +228,8 @@ def test_an_image_question_across_a_chunk_boundary_prefilled_by_graphs_matches_g
     with replays(app.backend.engine.runner.prefill_graphs) as prefills:
         final = app.session().send(parts[1], images=[parts[0]], max_new_tokens=24).result()
     n = final.tokens
-    assert final.media.in_kv == 0, "the image must be in the prefill"
-    assert prefills == graphed_chunks(app, n.prompt - n.computed, n.prompt), "each chunk must replay a graph"
+    assert n.computed == n.prompt, "the whole prompt, the image in it, must be in the prefill"
+    assert prefills == [(1, begin, min(begin + chunk, n.prompt) - begin) for begin in range(0, n.prompt, chunk)]
     assert final.token_ids == reference_tokens(app, [Message("user", parts)])
 
 

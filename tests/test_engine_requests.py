@@ -127,20 +127,15 @@ def test_a_prompt_over_the_limit_fails_with_a_clear_error_and_the_engine_serves_
         assert app.session().send("Hi", max_new_tokens=3).result().tokens.generated == 3
 
 
-def test_out_of_memory_in_the_middle_of_a_prefill_fails_only_that_request(app, monkeypatch):
-    original, chunks = app.backend.engine.runner.prefill_chunk, []
+def test_out_of_memory_fails_only_that_request(app, monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
 
-    def out_of_memory_at_the_second_chunk(*args, **kwargs):
-        chunks.append(args)
-        if len(chunks) == 2:
-            raise torch.OutOfMemoryError("CUDA out of memory")
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(app.backend.engine.runner, "prefill_chunk", out_of_memory_at_the_second_chunk)
+    original = app.backend.engine.runner.prefill
+    monkeypatch.setattr(app.backend.engine.runner, "prefill", out_of_memory)
     with pytest.raises(RequestError, match="out of memory"):
-        app.session().send(f"{QUESTION} {QUESTION} {QUESTION}").result()  # longer than a chunk
-    monkeypatch.setattr(app.backend.engine.runner, "prefill_chunk", original)
-    assert len(chunks) == 2
+        app.session().send(QUESTION).result()
+    monkeypatch.setattr(app.backend.engine.runner, "prefill", original)
     assert app.session().send(QUESTION, max_new_tokens=4).result().tokens.generated == 4
     assert no_entry_is_pinned(app)  # the failed request let go of its slot
 

@@ -2,12 +2,13 @@
 
 Each turn of the loop is schedule (admit waiting requests: build the prompt, match it in the prefix
 cache, claim a KV slot), run (forwards, and sampling on the device), postprocess (stream, finish).
-A turn runs one prefill chunk of the oldest request still waiting for its first token (of what the
-cache could not supply; prefill_chunks.py), then one decode step of every request that was decoding
-(one batched forward when graphed), then one frame of every spoken reply. So a long reply does not
-hold up a new question's first token, and a new question, however long, holds up each reply by one
-chunk a turn. A spoken reply gives its Thinker slot back when its text ends and stays in the turns
-until its speech ends.
+A turn runs the prefill of the oldest request still waiting for its first token (of what the cache
+could not supply), then one decode step of every request that was decoding (one batched forward when
+graphed), then one frame of every spoken reply. While another reply is decoding or speaking, that
+prefill is one chunk a turn (prefill_chunks.py), so a new question, however long, holds up each
+reply by one chunk at a time; with nobody to hold up, it is the whole rest of the prompt in one
+forward. A long reply does not hold up a new question's first token. A spoken reply gives its
+Thinker slot back when its text ends and stays in the turns until its speech ends.
 
 The host does not wait for a decode step it queues. A step's tokens are chosen on the device
 (SlotSampler) and are the next step's input there; the host reads them one turn late, after the
@@ -18,7 +19,7 @@ spoken reply's codes. A reply that ended at a token was computed one step more m
 step's token is dropped, and the KV row it wrote is not counted (`Request.written`).
 Max-new-tokens and the context's end are known in advance: no step is queued past them.
 
-A prompt's rows are published to the prefix cache once its last chunk is computed and its logits
+A prompt's rows are published to the prefix cache once its last row is computed and its logits
 checked: a prefill cut short (cancelled, failed) leaves its session's entry as it found it.
 
 Logits that are not numbers (a NaN or an infinity: a corrupt input, the model overflowing) come
@@ -52,6 +53,7 @@ from omni_local.engine.detokenizer import IncrementalDetokenizer
 from omni_local.engine.encoders import Encoders
 from omni_local.engine.host_copies import Readback
 from omni_local.engine.media_encoder import MediaEncoder
+from omni_local.engine.prefill_chunks import chunk_end
 from omni_local.engine.request import Failed, Request
 from omni_local.engine.sampling import SlotSampler
 from omni_local.engine.speech import Speaker
@@ -195,14 +197,18 @@ class Engine:
             self._running.append(request)
 
     def _run_turn(self) -> None:
-        """One prefill chunk; one decode step of the requests decoding, queued before the step of the
-        turn before is read; one frame of each spoken reply."""
+        """One prefill, or one chunk of it; one decode step of the requests decoding, queued before the
+        step of the turn before is read; one frame of each spoken reply."""
         for request in [r for r in self._running if r.cancelled.is_set()]:
             self._finish(request, "cancelled")
         decoding = [r for r in self._running if not r.ended and not r.text_done and not r.prefilling]
         first = next((r for r in self._running if not r.ended and not r.text_done and r.prefilling), None)
         if first is not None:
-            self._guarded([first], lambda: self._prefill(first))
+            # Those a long prefill would hold up: the replies decoding and the ones still speaking. (A
+            # prompt waiting for its own prefill comes after this one's, in chunks or not.)
+            speaking = any(not r.ended and r.spoken is not None and not r.spoken.done for r in self._running)
+            in_chunks = bool(decoding) or speaking or self.settings.chunk_every_prefill
+            self._guarded([first], lambda: self._prefill(first, in_chunks))
         previous, self._in_flight = self._in_flight, self._launch(decoding)
         if previous is not None:
             self._collect(previous)
@@ -235,14 +241,22 @@ class Engine:
         log.exception("request failed")
         return f"internal error: {type(error).__name__}: {error}"
 
-    def _prefill(self, request: Request) -> None:
-        """The next chunk of `request`'s prefill (the first chunk prepares the whole tail: embeddings,
-        media encoded); after the last, its first token."""
+    def _prefill(self, request: Request, in_chunks: bool) -> None:
+        """The next part of `request`'s prefill, in one forward: `in_chunks`, up to the next multiple of
+        prefill_chunk_tokens; else the whole rest of its prompt. The first part prepares the whole tail
+        (embeddings, media encoded); after the last comes its first token."""
+        # Chunks only buy other replies shorter waits, and cost the prompt time: each is a forward of
+        # its own, reading the experts' weights again. So a prompt that holds up nobody is one forward.
+        # Chosen again each turn: a prompt begun in chunks finishes in one forward once nobody else
+        # decodes or speaks, from where a chunk ended, so every chunk of it still ends at a multiple of
+        # the chunk size, fixed by position whatever the cache supplied and whoever else ran.
         if request.prepared is None:
             request.prepared = self.runner.prepare(request.prompt, request.claim.start)
             request.media = request.prepared.media
-        end, logits = self.runner.prefill_chunk(request.slot, request.prepared, request.prefilled)
-        request.chunk_done(end)
+        begin, prompt_end = request.prefilled, request.prompt.num_tokens
+        end = chunk_end(begin, prompt_end, self.settings.prefill_chunk_tokens) if in_chunks else prompt_end
+        logits = self.runner.prefill(request.slot, request.prepared.rows(begin, end))
+        request.advance_prefill(end)
         if not request.prefilling:
             self._first_token(request, logits)
 

@@ -1,10 +1,11 @@
 """A prompt's tail as the prefill computes it, and its cut into chunks.
 
-A prefill runs in chunks of a fixed size, one per engine turn, so a long prompt holds up the other
-chats' replies one chunk at a time. The chunks' boundaries are fixed by position in the prompt,
-multiples of the chunk size, whatever the prefix cache supplied: a tail from cached row 700, in
-chunks of 512, is computed as rows 700 to 1024, then 1024 to 1536, and so on. Each chunk attends
-to the rows before it as a tail on a cached prefix does.
+While another reply is decoding or speaking, a prefill runs in chunks of a fixed size, one per
+engine turn, so a long prompt holds up those replies one chunk at a time; with nobody to hold up,
+the rest of the tail is one forward (engine.py says why). The chunks' boundaries are fixed by
+position in the prompt, multiples of the chunk size, whatever the prefix cache supplied: a tail from
+cached row 700, in chunks of 512, is computed as rows 700 to 1024, then 1024 to 1536, and so on.
+Each chunk attends to the rows before it as a tail on a cached prefix does.
 
 The tail is prepared once (embeddings, every medium encoded, positions of the whole prompt), and
 each chunk is a slice of it: a medium whose tokens straddle a boundary is encoded once, its rows and
@@ -63,11 +64,3 @@ def chunk_end(done: int, prompt_end: int, chunk_tokens: int) -> int:
     prompt's end if that comes first."""
     return min((done // chunk_tokens + 1) * chunk_tokens, prompt_end)
 
-
-def chunk_bounds(start: int, prompt_end: int, chunk_tokens: int) -> list[tuple[int, int]]:
-    """The (begin, end) rows of each chunk of a tail from `start` to `prompt_end`, in order."""
-    bounds = []
-    while start < prompt_end:
-        bounds.append((start, chunk_end(start, prompt_end, chunk_tokens)))
-        start = bounds[-1][1]
-    return bounds

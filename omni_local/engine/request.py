@@ -41,8 +41,8 @@ class Request:
     # Filled by the worker:
     prompt: Prompt | None = None
     claim: Claim | None = None  # the session's cache entry and device slot, while running
-    prepared: PreparedPrompt | None = None  # from its prefill's first chunk on, until its text ends
-    prefilled: int = 0  # prompt rows in the slot: the cached prefix, then each chunk computed
+    prepared: PreparedPrompt | None = None  # from its prefill's first part on, until its text ends
+    prefilled: int = 0  # prompt rows in the slot: the cached prefix, then each part computed
     max_new_tokens: int = 0
     computed: int = 0  # prompt tokens this request computed
     reused: tuple[int, int] = (0, 0)  # prompt tokens whose KV came from the device, from host memory
@@ -67,10 +67,10 @@ class Request:
 
     @property
     def prefilling(self) -> bool:
-        """Part of its prompt is not in its slot yet: its next engine turn computes a chunk of it."""
+        """Part of its prompt is not in its slot yet: its next engine turn computes that part, or a chunk of it."""
         return self.prompt is not None and self.prefilled < self.prompt.num_tokens
 
-    def chunk_done(self, end: int) -> None:
+    def advance_prefill(self, end: int) -> None:
         """Its prompt rows up to `end` are in the slot now."""
         assert self.claim.start <= self.prefilled < end <= self.prompt.num_tokens, (self.prefilled, end)
         self.prefilled = end

@@ -2,13 +2,14 @@
 
 transformers' modules do the maths (embedding, encoders, decoder layers, lm_head); this file
 decides what runs when: the encoders for the media of the uncached tail (MediaEncoder), a prefill
-of that tail after the cached rows, in chunks at fixed positions (prefill_chunks.py), then one
-decode step per token, each writing its keys and values into the request's slot of the KVStore. On
-a GPU, with graphs, the decode step of every chat decoding at the time runs as one batch, and each
-prefill chunk replays a CUDA graph too (SlotGraphs), all captured at start-up. A decode step takes
-its token ids from the device (the engine's sampler keeps each slot's last choice there) and its
-positions through pinned memory, so a graphed step never makes the host wait: the engine queues
-the next one before reading this one.
+of that tail after the cached rows (whole, or the part of it the engine asks for: a chunk,
+prefill_chunks.py), then one decode step per token, each writing its keys and values into the
+request's slot of the KVStore. On a GPU, with graphs, the decode step of every chat decoding at the
+time runs as one batch, and a prefill of up to `graphed_prefill_tokens` (a chunk, a question, an
+image) replays a CUDA graph too (SlotGraphs), all captured at start-up; longer prefills run
+eagerly. A decode step takes its token ids from the device (the engine's sampler keeps each slot's
+last choice there) and its positions through pinned memory, so a graphed step never makes the host
+wait: the engine queues the next one before reading this one.
 """
 
 import numpy as np
@@ -22,7 +23,7 @@ from omni_local.engine.decoder_stack import LayerRegions, mrope_positions, run_l
 from omni_local.engine.host_copies import to_device
 from omni_local.engine.kv_store import GraphedSlotWriter, KVShape, KVStore, SlotWriter
 from omni_local.engine.media_encoder import MediaEncoder, deepstack_levels
-from omni_local.engine.prefill_chunks import PreparedPrompt, chunk_bounds, chunk_end
+from omni_local.engine.prefill_chunks import PreparedPrompt
 from omni_local.errors import SettingsError
 from omni_local.engine.talker import TalkerRows
 from omni_local.prompts import Prompt, build_prompt
@@ -35,13 +36,13 @@ class ThinkerRunner:
         encoder: MediaEncoder,
         kv_budget_bytes: int,
         max_tokens: int,
-        chunk_tokens: int,
+        graphed_prefill_tokens: int,
         talker_rows: TalkerRows | None = None,
         cuda_graphs: bool = False,
         compiled_layers: bool = False,
     ) -> None:
         self.thinker = thinker
-        self.chunk_tokens = chunk_tokens  # the prefill's chunk: its graphs' longest
+        self.graphed_prefill_tokens = graphed_prefill_tokens  # the longest prefill graph's new tokens
         self.talker_rows = talker_rows
         self.encoder = encoder
         self.model = thinker.model  # Qwen3OmniMoeThinkerModel: .visual, .audio_tower, .language_model
@@ -86,8 +87,9 @@ class ThinkerRunner:
             self.kv.release(slot)
 
     def _capture(self, slot: int) -> None:
-        """The decode step for every batch of chats up to all the slots, and prefill chunks of up to
-        `chunk_tokens` (in buckets from 16), each for every attention length; in one memory pool."""
+        """The decode step for every batch of chats up to all the slots, and prefills of up to
+        `graphed_prefill_tokens` new tokens (in buckets from 16), each for every attention length; in
+        one memory pool."""
         pool, config = torch.cuda.graph_pool_handle(), self.text.config
         ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         self.decode_graphs = SlotGraphs(self._decode_step, self.kv, ids, slot, config,
@@ -95,7 +97,7 @@ class ThinkerRunner:
         width = (1 + self._deepstack_levels) * config.hidden_size
         dense = torch.zeros((1, 1, width), dtype=self.dtype, device=self.device)
         self.prefill_graphs = SlotGraphs(self._dense_prefill_step, self.kv, dense, slot, config,
-                                         lengths=size_buckets(16, self.chunk_tokens), pool=pool)
+                                         lengths=size_buckets(16, self.graphed_prefill_tokens), pool=pool)
 
     @torch.inference_mode()
     def prepare(self, prompt: Prompt, start: int, remember: bool = True) -> PreparedPrompt:
@@ -127,24 +129,11 @@ class ThinkerRunner:
         return PreparedPrompt(start, embeds, positions[:, :, start:], rope_delta, visual_mask, deepstack, tail, counts,
                               visual_before)
 
-    def prefill(self, slot: int, prepared: PreparedPrompt) -> torch.Tensor:
-        """Compute the whole of the prompt's tail into the slot, chunk after chunk; returns the last
-        token's logits [vocab]."""
-        for begin, end in chunk_bounds(prepared.start, prepared.end, self.chunk_tokens):
-            logits = self._prefill_rows(slot, prepared.rows(begin, end))
-        return logits
-
-    def prefill_chunk(self, slot: int, prepared: PreparedPrompt, begin: int) -> tuple[int, torch.Tensor]:
-        """Compute the chunk of the prompt's tail that starts at row `begin` (the tail's start, or
-        where the chunk before ended) into the slot; returns where it ended and the logits [vocab] of
-        its last token (the first reply token's, after the last chunk)."""
-        end = chunk_end(begin, prepared.end, self.chunk_tokens)
-        return end, self._prefill_rows(slot, prepared.rows(begin, end))
-
     @torch.inference_mode()
-    def _prefill_rows(self, slot: int, prepared: PreparedPrompt) -> torch.Tensor:
-        """Compute `prepared` into the slot, after the `start` rows it holds, in one forward; returns
-        the last token's logits [vocab]. With a Talker, each new token's Talker row is written too."""
+    def prefill(self, slot: int, prepared: PreparedPrompt) -> torch.Tensor:
+        """Compute `prepared` (a prompt's tail, or a part of it: `PreparedPrompt.rows`) into the slot,
+        after the `start` rows it holds, in one forward; returns the last token's logits [vocab]. With
+        a Talker, each new token's Talker row is written too."""
         p, rows, graphs = prepared, self.talker_rows, self.prefill_graphs
         length = p.embeds.shape[1]
         if graphs is not None and graphs.fits(1, length, p.start):
