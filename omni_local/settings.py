@@ -50,8 +50,20 @@ class Settings:
     )
     cuda_graphs: bool = setting(
         "engine", True,
-        "on a GPU, run the Thinker's decode steps (chats decoding at once as one batch) and prefills of up to 512"
-        " tokens, the Talker's and its code predictor's steps, and Code2Wav's chunks, as CUDA graphs; false: eager",
+        "on a GPU, run the Thinker's decode steps (chats decoding at once as one batch) and prefills of up to"
+        " prefill_chunk_tokens, the Talker's and its code predictor's steps, and Code2Wav's chunks, as CUDA graphs;"
+        " false: eager",
+    )
+    prefill_chunk_tokens: int = setting(
+        "engine", 512,
+        "while another reply is decoding or speaking, a prompt is computed in chunks of this many tokens, one per"
+        " engine turn, each ending at a multiple of it, so that reply waits one chunk at a time; else in one forward"
+        " (on a GPU, graphed up to this many tokens)",
+    )
+    chunk_every_prefill: bool = setting(
+        "engine", False,
+        "compute every prompt in chunks, even with no other reply to wait: slower alone, but each prompt is cut at"
+        " the same rows whatever else runs",
     )
     compiled_layers: bool = setting(
         "engine", True,
@@ -142,7 +154,7 @@ class Settings:
             "gpu_cache_bytes", "encoder_cache_bytes", "disk_cache_bytes", "max_context_tokens", "max_new_tokens",
             "max_upload_bytes", "max_image_pixels", "max_prompt_tokens", "ui_port", "max_audio_seconds",
             "first_audio_frames", "audio_chunk_frames", "audio_left_context_frames", "max_speech_seconds",
-            "video_fps", "max_video_seconds", "api_port", "api_max_requests",
+            "video_fps", "max_video_seconds", "api_port", "api_max_requests", "prefill_chunk_tokens",
         )
         for name in positive:
             if getattr(self, name) <= 0:

@@ -1,11 +1,14 @@
 """The benchmark runs end to end on the demo model and writes its table and JSON."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 from transformers.utils import is_torchvision_available
+
+from omni_local.bench.beside import longest_gap
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE_ON, CACHE_OFF = "omni_local, cache on", "omni_local, cache off"
@@ -23,6 +26,8 @@ EXPECTED = {  # scenario -> the systems that time it
     "text chat turn 2, c8": CONCURRENT,
     "text chat turn 2, c16": CONCURRENT,
     "shared 2,084-token system prompt, new question": EVERY,
+    "2,084-token system prompt, first send": FIRST_SEND,
+    "2,084-token system prompt, first send beside a decoding chat": (CACHE_OFF,),  # transformers does one at a time
     "first image 480x640 after restart": EVERY,
     # The bench leaves video out where torchvision is missing, as the app refuses it there.
     **({"video 10 s, first send": FIRST_SEND, "same video 10 s, new question": EVERY}
@@ -48,7 +53,7 @@ def test_the_bench_smoke_run_times_every_scenario_and_the_cache_rows_compute_onl
     assert done.returncode == 0, done.stderr
     assert "KV slots" not in done.stderr  # every concurrent chat had a slot
     header = ("| scenario | prompt tokens | system | computed | TTFT (ms) | ITL (ms) | start-up (ms) "
-              "| first audio (ms) | RTF | audio (s) |")
+              "| first audio (ms) | RTF | audio (s) | other chat's longest gap (ms) |")
     assert header in done.stdout
     rows = {(r["scenario"], r["system"]): r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {(scenario, system) for scenario, systems in EXPECTED.items() for system in systems}
@@ -59,6 +64,7 @@ def test_the_bench_smoke_run_times_every_scenario_and_the_cache_rows_compute_onl
             del times["ttft_ms"], times["itl_ms"]  # generate(return_audio=True) streams no tokens
         assert all(v > 0 for v in times.values()), (scenario, system, times)  # NaN fails too
         assert ("start_up_ms" in row) == ("restart" in scenario and system in (CACHE_ON, CACHE_OFF)), (scenario, system)
+        assert ("other_gap_ms" in row) == ("beside" in scenario), (scenario, system)
 
     def on_off(scenario: str) -> tuple[dict, dict]:
         return rows[scenario, CACHE_ON], rows[scenario, CACHE_OFF]
@@ -96,3 +102,11 @@ def test_the_decode_step_bench_smoke_run_prints_a_step_time_for_each_batch_and_c
     table = [line for line in done.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [line.split(" | ")[0] for line in table] == ["| 1", "| 2", "| 4", "| 8", "| 16"][: len(table)]
     assert len(table) >= 2 and all(float(cell) > 0 for line in table for cell in line.strip("| ").split(" | ")[1:])
+
+
+def test_the_longest_gap_beside_a_prefill_counts_the_gaps_across_its_edges_and_needs_the_stream_around_it():
+    arrivals = [0.0, 1.0, 4.0, 4.5, 9.0]
+    assert longest_gap(arrivals, start=2.0, end=4.2) == 3.0  # 1 to 4 holds the start
+    assert longest_gap(arrivals, start=4.1, end=4.6) == 4.5  # 4.5 to 9 holds the end
+    assert math.isnan(longest_gap(arrivals, start=2.0, end=9.5)), "the stream ended before the prefill did"
+    assert math.isnan(longest_gap(arrivals[2:], start=2.0, end=4.2)), "the stream began after the prefill did"

@@ -1,5 +1,5 @@
-"""On a GPU the Thinker's decode steps (several chats in one batch) and short prefills, and the
-Talker's steps, replay CUDA graphs, and give the tokens and codec codes eager decoding gives.
+"""On a GPU the Thinker's decode steps (several chats in one batch), its prefills and prefill chunks,
+and the Talker's steps, replay CUDA graphs, and give the tokens and codec codes eager decoding gives.
 
 Run with OMNI_LOCAL_TEST_DEVICE=cuda on a machine with a CUDA GPU; elsewhere every test is skipped.
 """
@@ -29,7 +29,7 @@ def runner(app: OmniLocal, cuda_graphs: bool, slots: int = 2) -> ThinkerRunner:
     """A runner of the app's Thinker with `slots` slots of its own, warmed up (graphs captured)."""
     kv = app.backend.engine.runner.kv
     built = ThinkerRunner(app.backend.loaded.model.thinker, app.backend.engine.runner.encoder, slots * kv.shape.slot_bytes(kv.dtype),
-                          kv.shape.max_tokens, cuda_graphs=cuda_graphs)
+                          kv.shape.max_tokens, app.settings.prefill_chunk_tokens, cuda_graphs=cuda_graphs)
     built.warm_up()
     return built
 
@@ -206,6 +206,30 @@ def test_an_image_question_prefilled_by_a_graph_matches_generate(on_gpu):
     n = final.tokens
     assert final.media.in_kv == 0, "the image must be in the prefill"
     assert prefills == [(1, n.prompt - n.computed, n.computed)], "its prefill must replay a graph"
+    assert final.token_ids == reference_tokens(app, [Message("user", parts)])
+
+
+@pytest.fixture(scope="module")
+def chunking_on_gpu(on_gpu, demo_settings) -> Iterator[OmniLocal]:
+    """The demo on the GPU, cutting every prefill into chunks of 32 tokens: its prefill graphs are of
+    32 new tokens at most."""
+    with OmniLocal(demo_settings.replace(prefill_chunk_tokens=32, chunk_every_prefill=True)) as app:
+        yield app
+
+
+def test_an_image_question_across_a_chunk_boundary_replays_a_graph_for_each_chunk_and_matches_generate(
+    chunking_on_gpu,
+):
+    app = chunking_on_gpu
+    parts = [picture(2, (224, 224)), "What is in this picture?"]
+    image = build_prompt([Message("user", parts)], app.backend.loaded.processor).media[0]
+    chunk = app.settings.prefill_chunk_tokens
+    assert image.start // chunk < (image.end - 1) // chunk, "the image must straddle a chunk boundary"
+    with replays(app.backend.engine.runner.prefill_graphs) as prefills:
+        final = app.session().send(parts[1], images=[parts[0]], max_new_tokens=24).result()
+    n = final.tokens
+    assert n.computed == n.prompt, "the whole prompt, the image in it, must be in the prefill"
+    assert prefills == [(1, begin, min(begin + chunk, n.prompt) - begin) for begin in range(0, n.prompt, chunk)]
     assert final.token_ids == reference_tokens(app, [Message("user", parts)])
 
 

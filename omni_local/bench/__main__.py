@@ -19,6 +19,11 @@ per session (--gpu-cache-bytes), or the rows include waiting for one. transforme
 requests one after another ("transformers, sequential"): each one's TTFT includes the whole replies
 before it, as with a server that does not batch.
 
+"beside a decoding chat": another chat is decoding a long reply when the timed turn is sent; the
+row adds that chat's longest gap between two of its tokens until the timed turn's first token
+(bench/beside.py). omni_local only, cache off: transformers serves one request at a time, so there
+the other chat would wait for the whole prefill.
+
 "after restart": the first app asks about the image, then a new OmniLocal starts on the same
 settings and cache folder and is asked about it again. Its start-up (from `OmniLocal(...)` to ready:
 KV allocation, warm-up, encoder cache opening) is its own column, apart from the TTFT; the model
@@ -44,6 +49,7 @@ import torch
 import transformers
 
 from omni_local.api import Finished, OmniLocal, Reply
+from omni_local.bench.beside import beside_a_decoding_chat
 from omni_local.bench.common import bench_parser, medians, settings_and_model, synced_now
 from omni_local.bench.scenarios import Scenario, opened, question, scenarios, send, spoken_scenarios, video_scenarios
 from omni_local.bench.transformers_baseline import transformers_run
@@ -66,6 +72,12 @@ def engine_run(app: OmniLocal, scenario: Scenario, run: int, new_tokens: int, re
         first_look = Message("user", [*scenario.last.parts[:-1], f"First look {run}."])
         session = opened(app, scenario, run, 0, new_tokens, scenario.speak)
         send(session, first_look, new_tokens, scenario.speak).result()
+    if scenario.beside:
+        session = opened(app, scenario, run, 0, new_tokens, scenario.speak)
+        time.sleep(reading_s)
+        final, gap_s = beside_a_decoding_chat(app, scenario.system, run,
+                                              lambda: send(session, question(scenario, run), new_tokens, scenario.speak))
+        return _figures(final) | {"other_gap_ms": gap_s * 1e3}
     if not scenario.restart:
         return _timed_turn(app, scenario, run, new_tokens, reading_s)
     start = synced_now()
@@ -135,6 +147,8 @@ def _rows(scenario: Scenario, systems: tuple[System, ...], args: argparse.Namesp
     for system, app, run in systems:
         if "first send" in scenario.name and system.endswith("cache on"):
             continue  # a first send has nothing to reuse: the cache-off row is the same
+        if scenario.beside and run is transformers_run:
+            continue  # one request at a time: nothing decodes beside its prefill
         if run is transformers_run and scenario.concurrency > 1:
             system += ", sequential"
         result = median_of(args.runs, lambda i: run(app, scenario, i, args.new_tokens))
@@ -164,7 +178,7 @@ def _environment(app: OmniLocal, args: argparse.Namespace) -> dict[str, str]:
 
 def _table_head(environment: dict[str, str]) -> str:
     columns = ["scenario", "prompt tokens", "system", "computed", "TTFT (ms)", "ITL (ms)", "start-up (ms)",
-               "first audio (ms)", "RTF", "audio (s)"]
+               "first audio (ms)", "RTF", "audio (s)", "other chat's longest gap (ms)"]
     lines = [", ".join(f"{k}: {v}" for k, v in environment.items()), ""]
     return "\n".join([*lines, "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)])
 
@@ -172,8 +186,9 @@ def _table_head(environment: dict[str, str]) -> str:
 def _table_row(r: dict) -> str:
     start_up = f"{r['start_up_ms']:.1f}" if "start_up_ms" in r else "–"
     speech = f"{r['first_audio_ms']:.1f} | {r['rtf']:.2f} | {r['audio_s']:.2f}" if "rtf" in r else "– | – | –"
+    gap = f"{r['other_gap_ms']:.1f}" if "other_gap_ms" in r else "–"
     return (f"| {r['scenario']} | {r['prompt']:.0f} | {r['system']} | {r['computed']:.0f} | "
-            f"{r['ttft_ms']:.1f} | {r['itl_ms']:.2f} | {start_up} | {speech} |")
+            f"{r['ttft_ms']:.1f} | {r['itl_ms']:.2f} | {start_up} | {speech} | {gap} |")
 
 if __name__ == "__main__":
     main()

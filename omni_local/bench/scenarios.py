@@ -43,6 +43,7 @@ class Scenario:
     speak: bool = False  # every turn is a spoken reply
     concurrency: int = 1  # sessions that send the timed turn at the same time
     restart: bool = False  # the timed turn goes to a newly started app on the same cache folder
+    beside: bool = False  # another chat is decoding meanwhile: its longest gap between tokens is timed too
 
 
 def scenarios(tokenizer) -> list[Scenario]:
@@ -63,6 +64,9 @@ def scenarios(tokenizer) -> list[Scenario]:
           for n in CONCURRENCY),
         Scenario(f"shared {LONG_SYSTEM_TOKENS:,}-token system prompt, new question", long_system_prompt(tokenizer),
                  [], ask, warm_cache=True),
+        Scenario(f"{LONG_SYSTEM_TOKENS:,}-token system prompt, first send", long_system_prompt(tokenizer), [], ask),
+        Scenario(f"{LONG_SYSTEM_TOKENS:,}-token system prompt, first send beside a decoding chat",
+                 long_system_prompt(tokenizer), [], ask, beside=True),
         # The first app asks about the image first, so with the cache on its encoder output is on disk.
         Scenario("first image 480x640 after restart", SYSTEM, [], on_image[480, 640], warm_cache=True, restart=True),
     ]

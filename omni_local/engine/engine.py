@@ -2,11 +2,13 @@
 
 Each turn of the loop is schedule (admit waiting requests: build the prompt, match it in the prefix
 cache, claim a KV slot), run (forwards, and sampling on the device), postprocess (stream, finish).
-A turn runs the prefill of the oldest request still waiting for its first token (only what the
-cache could not supply), then one decode step of every request that was decoding (one batched
-forward when graphed), then one frame of every spoken reply. So a long reply does not hold up a new
-question's first token, and a new question holds up each reply by one prefill. A spoken reply gives
-its Thinker slot back when its text ends and stays in the turns until its speech ends.
+A turn runs the prefill of the oldest request still waiting for its first token (of what the cache
+could not supply), then one decode step of every request that was decoding (one batched forward when
+graphed), then one frame of every spoken reply. While another reply is decoding or speaking, that
+prefill is one chunk a turn (prefill_chunks.py), so a new question, however long, holds up each
+reply by one chunk at a time; with nobody to hold up, it is the whole rest of the prompt in one
+forward. A long reply does not hold up a new question's first token. A spoken reply gives its
+Thinker slot back when its text ends and stays in the turns until its speech ends.
 
 The host does not wait for a decode step it queues. A step's tokens are chosen on the device
 (SlotSampler) and are the next step's input there; the host reads them one turn late, after the
@@ -16,6 +18,9 @@ waits for everything queued before it, this turn's step included: a prefill's fi
 spoken reply's codes. A reply that ended at a token was computed one step more meanwhile: that
 step's token is dropped, and the KV row it wrote is not counted (`Request.written`).
 Max-new-tokens and the context's end are known in advance: no step is queued past them.
+
+A prompt's rows are published to the prefix cache once its last row is computed and its logits
+checked: a prefill cut short (cancelled, failed) leaves its session's entry as it found it.
 
 Logits that are not numbers (a NaN or an infinity: a corrupt input, the model overflowing) come
 from KV that would make every output attending to it NaN too. Whether each row of logits is all
@@ -48,6 +53,7 @@ from omni_local.engine.detokenizer import IncrementalDetokenizer
 from omni_local.engine.encoders import Encoders
 from omni_local.engine.host_copies import Readback
 from omni_local.engine.media_encoder import MediaEncoder
+from omni_local.engine.prefill_chunks import chunk_end
 from omni_local.engine.reasoning import ReasoningText, prompt_opens_reasoning
 from omni_local.engine.request import Failed, Request
 from omni_local.engine.sampling import SlotSampler
@@ -86,7 +92,7 @@ class Engine:
         talker_rows = TalkerRows(loaded.model) if loaded.speech else None
         with current_device(loaded.device):  # the graphs' streams and pools, on the model's GPU
             self.runner = ThinkerRunner(thinker, encoder, settings.gpu_cache_bytes, settings.max_context_tokens,
-                                        talker_rows, cuda_graphs=settings.cuda_graphs,
+                                        settings.prefill_chunk_tokens, talker_rows, cuda_graphs=settings.cuda_graphs,
                                         compiled_layers=settings.compiled_layers)
             self.runner.warm_up()
             # One Talker slot per Thinker slot: each cached chat can keep its spoken turns' Talker KV.
@@ -190,19 +196,24 @@ class Engine:
                 self._slots_blocked = True
                 return
             self._waiting.popleft()
+            request.prefilled = request.claim.start
             request.reused = (request.claim.reused_gpu, request.claim.reused_host)
             request.started_at = time.perf_counter()
             self._running.append(request)
 
     def _run_turn(self) -> None:
-        """One prefill; one decode step of the requests decoding, queued before the step of the turn
-        before is read; one frame of each spoken reply."""
+        """One prefill, or one chunk of it; one decode step of the requests decoding, queued before the
+        step of the turn before is read; one frame of each spoken reply."""
         for request in [r for r in self._running if r.cancelled.is_set()]:
             self._finish(request, "cancelled")
-        decoding = [r for r in self._running if not r.ended and not r.text_done and r.prepared is not None]
-        first = next((r for r in self._running if not r.ended and not r.text_done and r.prepared is None), None)
+        decoding = [r for r in self._running if not r.ended and not r.text_done and not r.prefilling]
+        first = next((r for r in self._running if not r.ended and not r.text_done and r.prefilling), None)
         if first is not None:
-            self._guarded([first], lambda: self._prefill(first))
+            # Those a long prefill would hold up: the replies decoding and the ones still speaking. (A
+            # prompt waiting for its own prefill comes after this one's, in chunks or not.)
+            speaking = any(not r.ended and r.spoken is not None and not r.spoken.done for r in self._running)
+            in_chunks = bool(decoding) or speaking or self.settings.chunk_every_prefill
+            self._guarded([first], lambda: self._prefill(first, in_chunks))
         previous, self._in_flight = self._in_flight, self._launch(decoding)
         if previous is not None:
             self._collect(previous)
@@ -235,26 +246,36 @@ class Engine:
         log.exception("request failed")
         return f"internal error: {type(error).__name__}: {error}"
 
-    def _prefill(self, request: Request) -> None:
-        prompt, start = request.prompt, request.claim.start
-        request.prepared = self.runner.prepare(prompt, start)
-        request.media = request.prepared.media
+    def _prefill(self, request: Request, in_chunks: bool) -> None:
+        """The next part of `request`'s prefill, in one forward: `in_chunks`, up to the next multiple of
+        prefill_chunk_tokens; else the whole rest of its prompt. The first part prepares the whole tail
+        (embeddings, media encoded); after the last comes its first token."""
+        # Chunks only buy other replies shorter waits, and cost the prompt time: each is a forward of
+        # its own, reading the experts' weights again. So a prompt that holds up nobody is one forward.
+        # Chosen again each turn: a prompt begun in chunks finishes in one forward once nobody else
+        # decodes or speaks, from where a chunk ended, so every chunk of it still ends at a multiple of
+        # the chunk size, fixed by position whatever the cache supplied and whoever else ran.
+        if request.prepared is None:
+            request.prepared = self.runner.prepare(request.prompt, request.claim.start)
+            request.media = request.prepared.media
+        begin, prompt_end = request.prefilled, request.prompt.num_tokens
+        end = chunk_end(begin, prompt_end, self.settings.prefill_chunk_tokens) if in_chunks else prompt_end
+        logits = self.runner.prefill(request.slot, request.prepared.rows(begin, end))
+        request.advance_prefill(end)
+        if not request.prefilling:
+            self._first_token(request, logits)
+
+    def _first_token(self, request: Request, logits: torch.Tensor) -> None:
+        """Sample the reply's first token from the prompt's last logits; publish the prompt's rows."""
+        prompt = request.prompt
         room = self.settings.max_context_tokens - prompt.num_tokens
         request.max_new_tokens = min(request.params.max_new_tokens, room)
-        tokenizer = self.loaded.processor.tokenizer
-        opened = False
-        if self.reasoning_marks is not None:
-            opened = prompt_opens_reasoning(prompt.input_ids[0].numpy(), self.reasoning_marks)
-            request.reasoning = ReasoningText(self.reasoning_marks, opened, tokenizer)
-        request.detokenizer = IncrementalDetokenizer(tokenizer, strip_leading=request.reasoning is not None)
-        logits = self.runner.prefill(request.slot, request.prepared)
-        reasoning_limit = request.params.max_reasoning_tokens if opened else 0
+        reasoning_limit = self._start_text(request)
         self.sampler.start(request.slot, request.params, request.seed, prompt.input_ids[0], reasoning_limit)
         # The first token is read at once: speech starts from it, and it ends the time to first token.
         tokens = self.sampler.sample(logits[None], self.sampler.batch([request.slot], [0]))
         (token,), (finite,) = _chosen_and_finite(tokens, logits[None]).tolist()
         request.launched = 1
-        request.computed = prompt.num_tokens - start
         if not finite:
             return self._fail_poisoned(request)  # before its rows are published: nobody may read them
         request.written = prompt.num_tokens
@@ -263,6 +284,17 @@ class Engine:
             self._finish(request, "cancelled")  # the first token, which the cancel overtook, is dropped
         else:
             self._accept(request, token)
+
+    def _start_text(self, request: Request) -> int:
+        """Make the reply's detokenizers: its answer's, and its reasoning's on a Thinking checkpoint.
+        Returns how many tokens it may reason for (0: no limit, or its prompt opened no reasoning)."""
+        tokenizer = self.loaded.processor.tokenizer
+        opened = False
+        if self.reasoning_marks is not None:
+            opened = prompt_opens_reasoning(request.prompt.input_ids[0].numpy(), self.reasoning_marks)
+            request.reasoning = ReasoningText(self.reasoning_marks, opened, tokenizer)
+        request.detokenizer = IncrementalDetokenizer(tokenizer, strip_leading=request.reasoning is not None)
+        return request.params.max_reasoning_tokens if opened else 0
 
     def _launch(self, requests: list[Request]) -> DecodeStep | None:
         """Queue one decode step of the `requests` whose next token is within their limits. A failure
@@ -350,6 +382,10 @@ class Engine:
         if request.claim is not None:
             if request.written:  # what this request computed stays for the session's next turn
                 self.cache.publish(request.claim, request.prompt, request.output_ids, request.written)
+            elif request.prepared is not None:
+                # A prefill begun and cut short (cancelled, failed) published nothing, and the logits of
+                # the rows it wrote were never checked: no graph may read them, past the session's end.
+                self.runner.kv.forget_rows(request.slot, request.claim.start)
             self.cache.release(request.claim)
             request.claim = None
             self._slots_blocked = False

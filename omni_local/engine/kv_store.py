@@ -90,6 +90,13 @@ class KVStore:
                 tensor[slot].zero_()
         self._free.append(slot)
 
+    def forget_rows(self, slot: int, start: int) -> None:
+        """The KV rows of `slot` from `start` on hold nothing anyone vouches for (a prefill cut short
+        wrote them): zeroed if the store keeps rows past a chat's end for graphs to read."""
+        if self.zeroed:
+            for layer in self.keys + self.values:
+                layer[slot, :, start:].zero_()
+
     def view(self, slot: int, start: int) -> "SlotWriter":
         return SlotWriter(self, slot, start)
 

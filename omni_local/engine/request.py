@@ -22,7 +22,7 @@ from omni_local.cache.prefix_cache import Claim
 from omni_local.engine.detokenizer import IncrementalDetokenizer
 from omni_local.engine.reasoning import ReasoningText
 from omni_local.engine.speech import SpokenReply
-from omni_local.engine.thinker import PreparedPrompt
+from omni_local.engine.prefill_chunks import PreparedPrompt
 from omni_local.prompts import Prompt
 
 
@@ -51,7 +51,8 @@ class Request:
     # Filled by the worker:
     prompt: Prompt | None = None
     claim: Claim | None = None  # the session's cache entry and device slot, while running
-    prepared: PreparedPrompt | None = None
+    prepared: PreparedPrompt | None = None  # from its prefill's first part on, until its text ends
+    prefilled: int = 0  # prompt rows in the slot: the cached prefix, then each part computed
     max_new_tokens: int = 0
     computed: int = 0  # prompt tokens this request computed
     reused: tuple[int, int] = (0, 0)  # prompt tokens whose KV came from the device, from host memory
@@ -74,6 +75,17 @@ class Request:
     @property
     def slot(self) -> int:
         return self.claim.entry.slot
+
+    @property
+    def prefilling(self) -> bool:
+        """Part of its prompt is not in its slot yet: its next engine turn computes that part, or a chunk of it."""
+        return self.prompt is not None and self.prefilled < self.prompt.num_tokens
+
+    def advance_prefill(self, end: int) -> None:
+        """Its prompt rows up to `end` are in the slot now."""
+        assert self.claim.start <= self.prefilled < end <= self.prompt.num_tokens, (self.prefilled, end)
+        self.prefilled = end
+        self.computed = end - self.claim.start
 
     def counts(self, generated: int) -> TokenCounts:
         prompt = self.prompt.num_tokens if self.prompt else 0

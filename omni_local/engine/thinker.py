@@ -2,16 +2,15 @@
 
 transformers' modules do the maths (embedding, encoders, decoder layers, lm_head); this file
 decides what runs when: the encoders for the media of the uncached tail (MediaEncoder), a prefill
-of that tail after the cached rows, then one decode step per token, each writing its keys and
-values into the request's slot of the KVStore. On a GPU, with graphs, the decode step of every chat
-decoding at the time runs as one batch, and a prefill of up to GRAPHED_PREFILL_TOKENS (a new question after a
-cached prefix, a first message, a small image) also replays a CUDA graph captured at start-up
-(SlotGraphs); longer prefills run eagerly. A decode step takes its token ids from the device (the
-engine's sampler keeps each slot's last choice there) and its positions through pinned memory, so
-a graphed step never makes the host wait: the engine queues the next one before reading this one.
+of that tail after the cached rows (whole, or the part of it the engine asks for: a chunk,
+prefill_chunks.py), then one decode step per token, each writing its keys and values into the
+request's slot of the KVStore. On a GPU, with graphs, the decode step of every chat decoding at the
+time runs as one batch, and a prefill of up to `graphed_prefill_tokens` (a chunk, a question, an
+image) replays a CUDA graph too (SlotGraphs), all captured at start-up; longer prefills run
+eagerly. A decode step takes its token ids from the device (the engine's sampler keeps each slot's
+last choice there) and its positions through pinned memory, so a graphed step never makes the host
+wait: the engine queues the next one before reading this one.
 """
-
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -24,31 +23,10 @@ from omni_local.engine.decoder_stack import LayerRegions, mrope_positions, run_l
 from omni_local.engine.host_copies import to_device
 from omni_local.engine.kv_store import GraphedSlotWriter, KVShape, KVStore, SlotWriter
 from omni_local.engine.media_encoder import MediaEncoder, deepstack_levels
+from omni_local.engine.prefill_chunks import PreparedPrompt
 from omni_local.errors import SettingsError
 from omni_local.engine.talker import TalkerRows
 from omni_local.prompts import Prompt, build_prompt
-
-
-@dataclass
-class PreparedPrompt:
-    """What a prefill needs: the embeddings and 3D positions of the prompt's tokens from `start` on
-    (those before are in the KV already), tensors on the model's device."""
-
-    start: int
-    embeds: torch.Tensor  # [1, L - start, hidden]
-    positions: torch.Tensor  # [3, 1, L - start]
-    rope_delta: int  # position of token t after the prompt is t + rope_delta
-    visual_mask: torch.Tensor | None  # [1, L - start], where deepstack features are added
-    deepstack: list[torch.Tensor] | None  # one [visual tokens, hidden] per deepstack layer
-    ids: torch.Tensor  # [1, L - start] the tail's token ids
-    media: MediaCounts
-
-
-# Prefill graphs are captured for tails of up to this many tokens, in buckets from 16: a new
-# question after a cached prefix (about 30 tokens), a first message, a 480x640 image's question
-# (about 400). Each bucket is one graph per attention length, captured at start-up; eager, any of
-# these prefills costs 70 to 120 ms of host work on an H200.
-GRAPHED_PREFILL_TOKENS = 512
 
 
 class ThinkerRunner:
@@ -58,11 +36,13 @@ class ThinkerRunner:
         encoder: MediaEncoder,
         kv_budget_bytes: int,
         max_tokens: int,
+        graphed_prefill_tokens: int,
         talker_rows: TalkerRows | None = None,
         cuda_graphs: bool = False,
         compiled_layers: bool = False,
     ) -> None:
         self.thinker = thinker
+        self.graphed_prefill_tokens = graphed_prefill_tokens  # the longest prefill graph's new tokens
         self.talker_rows = talker_rows
         self.encoder = encoder
         self.model = thinker.model  # Qwen3OmniMoeThinkerModel: .visual, .audio_tower, .language_model
@@ -108,7 +88,8 @@ class ThinkerRunner:
 
     def _capture(self, slot: int) -> None:
         """The decode step for every batch of chats up to all the slots, and prefills of up to
-        GRAPHED_PREFILL_TOKENS, each for every attention length; in one memory pool."""
+        `graphed_prefill_tokens` new tokens (in buckets from 16), each for every attention length; in
+        one memory pool."""
         pool, config = torch.cuda.graph_pool_handle(), self.text.config
         ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         self.decode_graphs = SlotGraphs(self._decode_step, self.kv, ids, slot, config,
@@ -116,7 +97,7 @@ class ThinkerRunner:
         width = (1 + self._deepstack_levels) * config.hidden_size
         dense = torch.zeros((1, 1, width), dtype=self.dtype, device=self.device)
         self.prefill_graphs = SlotGraphs(self._dense_prefill_step, self.kv, dense, slot, config,
-                                         lengths=size_buckets(16, GRAPHED_PREFILL_TOKENS), pool=pool)
+                                         lengths=size_buckets(16, self.graphed_prefill_tokens), pool=pool)
 
     @torch.inference_mode()
     def prepare(self, prompt: Prompt, start: int, remember: bool = True) -> PreparedPrompt:
@@ -137,18 +118,22 @@ class ThinkerRunner:
         if sounds:
             embeds = _scatter(embeds, tail == config.audio_token_id, torch.cat(sounds))
         visuals = [o for m, o in zip(media, outputs) if m.is_image or m.is_video]
-        visual_mask, deepstack = None, None
+        visual_mask, deepstack, visual_before = None, None, None
         if visuals:
-            visual_ids = torch.tensor([config.image_token_id, config.video_token_id], device=tail.device)
-            visual_mask = torch.isin(tail, visual_ids)
+            # On the host first: each chunk finds its DeepStack rows by counting there.
+            visual = torch.isin(prompt.input_ids[0, start:], torch.tensor([config.image_token_id, config.video_token_id]))
+            visual_before = torch.cat([torch.zeros(1, dtype=torch.long), visual.cumsum(0)])
+            visual_mask = visual[None].to(self.device)
             embeds = _scatter(embeds, visual_mask, torch.cat([o["embeds"] for o in visuals]))
             deepstack = [level.to(embeds.dtype) for level in deepstack_levels(visuals)]
-        return PreparedPrompt(start, embeds, positions[:, :, start:], rope_delta, visual_mask, deepstack, tail, counts)
+        return PreparedPrompt(start, embeds, positions[:, :, start:], rope_delta, visual_mask, deepstack, tail, counts,
+                              visual_before)
 
     @torch.inference_mode()
     def prefill(self, slot: int, prepared: PreparedPrompt) -> torch.Tensor:
-        """Compute the prompt's tail into the slot, after the `start` rows it holds; returns the last
-        token's logits [vocab]. With a Talker, each new token's Talker row is written too."""
+        """Compute `prepared` (a prompt's tail, or a part of it: `PreparedPrompt.rows`) into the slot,
+        after the `start` rows it holds, in one forward; returns the last token's logits [vocab]. With
+        a Talker, each new token's Talker row is written too."""
         p, rows, graphs = prepared, self.talker_rows, self.prefill_graphs
         length = p.embeds.shape[1]
         if graphs is not None and graphs.fits(1, length, p.start):
