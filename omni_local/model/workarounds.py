@@ -120,15 +120,17 @@ def _guard_spoken_generate(model: Qwen3OmniMoeForConditionalGeneration) -> None:
 
 
 def init_talker_experts(model: Qwen3OmniMoeForConditionalGeneration, std: float) -> None:
-    # `_init_weights` initialises the Thinker's MoE experts but not the Talker's
-    # (`Qwen3OmniMoeTalkerTextExperts` is `torch.empty`), so a model built from a config, not loaded,
-    # has uninitialised memory there: weights that differ run to run and can be NaN.
+    # `_init_weights` initialises the Thinker's MoE experts and routers but not the Talker's
+    # (`Qwen3OmniMoeTalkerTextExperts` is `torch.empty`, its router `torch.zeros`), so a model built
+    # from a config, not loaded, has uninitialised memory there (weights that differ run to run and
+    # can be NaN), and a router that ties every expert, so which experts run is topk's tie-break.
     with torch.no_grad():
         for layer in model.talker.model.layers:
             experts = getattr(layer.mlp, "experts", None)
             if experts is not None:
                 torch.nn.init.normal_(experts.gate_up_proj, std=std)
                 torch.nn.init.normal_(experts.down_proj, std=std)
+                torch.nn.init.normal_(layer.mlp.gate.weight, std=std)
 
 
 def router_past_hooks(router: torch.nn.Module, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
