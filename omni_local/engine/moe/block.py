@@ -3,6 +3,7 @@ the routed experts (3-D `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I]), an
 a shared expert that every token goes through, gated by a sigmoid."""
 
 import torch
+from transformers.activations import SiLUActivation
 
 
 def is_sparse_moe(mlp: torch.nn.Module) -> bool:
@@ -14,6 +15,11 @@ def renormalizes(mlp: torch.nn.Module) -> bool:
     """Whether the router scales its top-k probabilities to sum to one (`norm_topk_prob`; routers
     without the flag always do)."""
     return bool(getattr(mlp.gate, "norm_topk_prob", True))
+
+
+def experts_use_silu(mlp: torch.nn.Module) -> bool:
+    """Whether the routed experts' activation is SiLU (Qwen3-Omni's `hidden_act`), the one our kernels apply."""
+    return isinstance(mlp.experts.act_fn, (SiLUActivation, torch.nn.SiLU))
 
 
 def shared_expert_output(mlp: torch.nn.Module, flat: torch.Tensor) -> torch.Tensor | None:
