@@ -96,3 +96,22 @@ def test_the_decode_step_bench_smoke_run_prints_a_step_time_for_each_batch_and_c
     table = [line for line in done.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [line.split(" | ")[0] for line in table] == ["| 1", "| 2", "| 4", "| 8", "| 16"][: len(table)]
     assert len(table) >= 2 and all(float(cell) > 0 for line in table for cell in line.strip("| ").split(" | ")[1:])
+
+
+def test_the_decode_step_bench_runs_the_moe_backend_and_the_rows_and_columns_asked_for(
+    demo_settings, demo_checkpoint, tmp_path
+):
+    # The triton backend on the CPU runs in Triton's interpreter: conftest.py sets it for this
+    # process, and the bench inherits it.
+    done = subprocess.run(
+        [sys.executable, "-m", "omni_local.bench.decode_steps", "--runs", "1", "--device", "cpu",
+         "--moe-backend", "triton", "--chats", "1", "2", "--contexts", "256",
+         "--demo-dir", str(demo_settings.demo_path), "--cache-dir", str(tmp_path / "cache"),
+         "--gpu-cache-bytes", str(64 << 20), "--max-context-tokens", "1024", "--max-prompt-tokens", "960"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "MoE backend triton" in done.stdout
+    assert "| chats | context 256 |" in done.stdout
+    table = [line for line in done.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [line.split(" | ")[0] for line in table] == ["| 1", "| 2"]

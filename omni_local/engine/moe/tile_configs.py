@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 
 TILE_CONFIG_DIR = Path(__file__).resolve().parent / "tile_configs"
-# The token counts the tuning script times; at or below 16 is the small-batch (decode) path.
-TUNED_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# The token counts the tuning script times, most used first: decode batches (up to 16 tokens, the
+# small-batch path), then prefill lengths.
+TUNED_TOKENS = (1, 16, 4, 8, 2, 128, 512, 32, 64, 256)
 
 
 @dataclass(frozen=True)
