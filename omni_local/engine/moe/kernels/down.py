@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from omni_local.engine.moe.kernels.gate_up import dot_precision
+from omni_local.engine.moe.kernels.sorting import sorted_block
 from omni_local.engine.moe.tile_configs import GemmTile
 
 
@@ -19,13 +20,10 @@ def _down_kernel(inter_ptr, weight_ptr, sorted_ptr, experts_ptr, routing_ptr, ou
                  hidden_size, intermediate, inter_stride, weight_expert_stride, weight_row_stride,
                  out_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  DOT_PRECISION: tl.constexpr):
-    block, tile = tl.program_id(0), tl.program_id(1)
-    first = tl.load(sorted_ptr + block * BLOCK_M)
+    first, expert, pair, real = sorted_block(sorted_ptr, experts_ptr, pairs, BLOCK_M)
     if first >= pairs:
         return  # a block past the last expert's
-    expert = tl.load(experts_ptr + first).to(tl.int64)
-    pair = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-    real = pair < pairs
+    tile = tl.program_id(1)
     row = tl.where(real, pair, 0).to(tl.int64)
     columns = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     inside = columns < hidden_size

@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from omni_local.engine.moe.kernels.sorting import sorted_block
 from omni_local.engine.moe.tile_configs import GemmTile
 
 
@@ -17,13 +18,10 @@ def _gate_up_kernel(hidden_ptr, weight_ptr, sorted_ptr, experts_ptr, out_ptr, pa
                     intermediate, hidden_stride, weight_expert_stride, weight_row_stride, out_stride,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    block, tile = tl.program_id(0), tl.program_id(1)
-    first = tl.load(sorted_ptr + block * BLOCK_M)
+    first, expert, pair, real = sorted_block(sorted_ptr, experts_ptr, pairs, BLOCK_M)
     if first >= pairs:
         return  # a block past the last expert's
-    expert = tl.load(experts_ptr + first).to(tl.int64)
-    pair = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-    real = pair < pairs
+    tile = tl.program_id(1)
     token = tl.where(real, pair // TOP_K, 0).to(tl.int64)
     columns = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     inside = columns < intermediate

@@ -40,6 +40,17 @@ def _sort_kernel(experts_ptr, sorted_ptr, pairs, num_experts, rows,
         next_row += tl.sum(hits, axis=0)
 
 
+@triton.jit
+def sorted_block(sorted_ptr, experts_ptr, pairs, BLOCK_M: tl.constexpr):
+    """For the GEMM program of block `program_id(0)`: its first pair (`pairs` for a block past the last
+    expert's, which has nothing to do), its expert (int64), its pairs [BLOCK_M], and which are real."""
+    rows = sorted_ptr + tl.program_id(0) * BLOCK_M
+    first = tl.load(rows)
+    expert = tl.load(experts_ptr + first, mask=first < pairs, other=0).to(tl.int64)
+    pair = tl.load(rows + tl.arange(0, BLOCK_M))
+    return first, expert, pair, pair < pairs
+
+
 def sorted_rows(pairs: int, num_experts: int, block_m: int) -> int:
     """Rows the sort writes: every pair, plus the most padding its experts can need (at most
     min(pairs, experts) runs are padded, each by under a block), in whole blocks."""
