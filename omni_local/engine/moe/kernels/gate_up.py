@@ -61,6 +61,7 @@ def gate_up_silu(hidden: torch.Tensor, gate_up: torch.Tensor, order: torch.Tenso
     return out
 
 
-def dot_precision(dtype: torch.dtype) -> str:
-    """float32 products in full precision, as torch's float32 matmuls (TF32 off); 16-bit ones are exact."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+def dot_precision(dtype: torch.dtype) -> str | None:
+    """float32 products in full precision, as torch's float32 matmuls (TF32 off); None (Triton's
+    default) for 16-bit inputs, whose products are exact."""
+    return "ieee" if dtype == torch.float32 else None
