@@ -25,14 +25,14 @@ from omni_local.engine.moe.tile_configs import TileConfig, tile_config
 def weighted_expert_rows(hidden: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                          top_k: int, renormalize: bool, config: TileConfig | None = None) -> torch.Tensor:
     """Each token's top-k experts' outputs, scaled by their routing weights: [tokens, top_k, hidden]
-    float32, for `hidden` [tokens, hidden], router `logits` [tokens, E], and the experts' `gate_up`
-    [E, 2I, hidden] and `down` [E, hidden, I]; `config` None takes the tuned one."""
+    float32, for `hidden` [tokens, hidden], router `logits` [tokens, E], and the experts' contiguous
+    `gate_up` [E, 2I, hidden] and `down` [E, hidden, I]; `config` None takes the tuned one."""
     tokens, width = hidden.shape
     num_experts, intermediate = gate_up.shape[0], down.shape[2]
     if tokens == 0:
         return hidden.new_zeros((0, top_k, width), dtype=torch.float32)
     config = config or tile_config(num_experts, width, intermediate, tokens, hidden.device)
-    weights, experts = route(logits, top_k, renormalize)
+    weights, experts = route(logits.contiguous(), top_k, renormalize)
     order = sort_by_expert(experts, num_experts, config.block_m)
     activated = gate_up_silu(hidden.contiguous(), gate_up, order, experts, config.block_m, config.gate_up)
     rows = weighted_down(activated, down, order, experts, weights, config.block_m, config.down)
