@@ -41,8 +41,8 @@ def test_a_shape_or_gpu_without_a_tuned_file_takes_the_default_for_its_path(conf
     assert tile_config(128, 2048, 768, 17, CPU) == PREFILL_DEFAULT
 
 
-def test_file_names_spell_the_gpu_as_torch_names_it_without_spaces():
-    assert config_file_name(128, 2048, 768, "NVIDIA H200") == "E=128,H=2048,I=768,device=NVIDIA_H200.json"
+def test_file_names_hold_the_shape_and_the_gpu_in_letters_digits_and_underscores_only():
+    assert config_file_name(128, 2048, 768, "NVIDIA H200") == "experts128_hidden2048_intermediate768_NVIDIA_H200.json"
 
 
 @pytest.mark.parametrize("path", sorted(TILE_CONFIG_DIR.glob("*.json")), ids=lambda p: p.name)

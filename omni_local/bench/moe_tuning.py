@@ -7,7 +7,7 @@ For each shape (the Thinker's and the Talker's experts at full size, bfloat16) a
 of TUNED_TOKENS (most used first), it times the gate_up and the down kernel over a set of tiles for
 each BLOCK_M the count can use, each the median of --runs CUDA-event-timed runs with the L2 cache
 flushed, and keeps the BLOCK_M and tiles of the fastest pair. Tiles a GPU cannot hold (shared
-memory) are skipped. The JSON goes to DIR/E=..,H=..,I=..,device=<GPU>.json, one file per shape,
+memory) are skipped. The JSON goes to DIR/experts<E>_hidden<H>_intermediate<I>_<GPU>.json, one per shape,
 written after each count, so a run stopped by --seconds leaves every count it finished (a count
 that is not there takes the next one above at run time). Commit the files to
 omni_local/engine/moe/tile_configs/.
@@ -69,10 +69,10 @@ def tune_count(shape: MoeShape, block: torch.nn.Module, tokens: int, runs: int) 
 
     def gemms_ms(block_m: int, gate_up_tile: GemmTile, down_tile: GemmTile | None) -> float:
         order = sort_by_expert(experts, shape.experts, block_m)
-        activated = gate_up_silu(hidden, gate_up, order, experts, block_m, gate_up_tile)
         first = timed(lambda: gate_up_silu(hidden, gate_up, order, experts, block_m, gate_up_tile), runs)
-        if down_tile is None:
+        if down_tile is None or first == float("inf"):
             return first
+        activated = gate_up_silu(hidden, gate_up, order, experts, block_m, gate_up_tile)
         return first + timed(lambda: weighted_down(activated, down, order, experts, weights, block_m, down_tile),
                              runs)
 

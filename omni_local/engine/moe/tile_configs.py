@@ -1,6 +1,7 @@
 """Tile configs of the expert GEMMs, per (experts, hidden, intermediate, GPU) and token count.
 
-Tuned configs are committed data: tile_configs/E=128,H=2048,I=768,device=NVIDIA_H200.json, written by
+Tuned configs are committed data: each file of tile_configs/, named as
+experts128_hidden2048_intermediate768_NVIDIA_H200.json, written by
 `python -m omni_local.bench.moe_tuning`, maps a token count to a config; a call takes the config of
 the smallest listed count at or above its own (the largest listed past them). Any other shape or GPU
 takes DEFAULT: tiles small enough for the shared memory of every GPU from Ampere on (3 stages of a
@@ -8,6 +9,7 @@ takes DEFAULT: tiles small enough for the shared memory of every GPU from Ampere
 """
 
 import json
+import re
 from dataclasses import asdict, dataclass
 from functools import cache
 from pathlib import Path
@@ -59,7 +61,10 @@ def default_config(tokens: int) -> TileConfig:
 
 
 def config_file_name(experts: int, hidden: int, intermediate: int, device_name: str) -> str:
-    return f"E={experts},H={hidden},I={intermediate},device={device_name.replace(' ', '_')}.json"
+    # Letters, digits and underscores only: a GPU's name holds spaces and dashes, and such a file
+    # must be safe to name on any system and to pass through any tool.
+    gpu = re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_")
+    return f"experts{experts}_hidden{hidden}_intermediate{intermediate}_{gpu}.json"
 
 
 def device_name(device: torch.device) -> str:
