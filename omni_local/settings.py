@@ -71,6 +71,11 @@ class Settings:
         " as compiled regions (inside the CUDA graphs too); compiling adds start-up time, least when inductor's"
         " cache has them",
     )
+    moe_backend: Literal["auto", "torch", "triton"] = setting(
+        "engine", "auto",
+        "what runs the MoE layers' experts: 'triton' (our fused kernels), 'torch' (transformers' own), or 'auto'"
+        " (triton on a CUDA GPU, torch elsewhere)",
+    )
     video_fps: float = setting(
         "engine", 2.0, "video frames read per second (Qwen's default; the checkpoint's own if it sets one)"
     )

@@ -10,7 +10,16 @@ flip a greedy choice of the tiny random model.
 """
 
 import os
-import subprocess
+
+TEST_DEVICE = os.environ.get("OMNI_LOCAL_TEST_DEVICE", "cpu")
+# On the CPU, our Triton kernels (the `triton` MoE backend) run in Triton's interpreter. `triton.jit`
+# reads the variable as it decorates a function, its own language's functions at triton's import
+# (which importing transformers' models makes), so it is set before any import here. On a GPU run the
+# kernels are compiled, as in the app.
+if TEST_DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import subprocess  # noqa: E402 (after the variable)
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -32,13 +41,14 @@ from omni_local.settings import Settings
 pytest_plugins = ["browser_page"]
 
 
+
 @pytest.fixture(scope="session")
 def demo_settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
     """Default settings, with the demo model and every cache in a private temporary folder."""
     root = tmp_path_factory.mktemp("omni_local")
     return Settings(
         model="demo", demo_dir=str(root / "demo"), cache_dir=str(root / "cache"),
-        device=os.environ.get("OMNI_LOCAL_TEST_DEVICE", "cpu"), dtype="float32",
+        device=TEST_DEVICE, dtype="float32",
         gpu_cache_bytes=64 << 20,  # 32 chats of the demo's 2 KiB per token x 1024 tokens
         max_context_tokens=1024, max_prompt_tokens=960,
     )

@@ -110,3 +110,22 @@ def test_the_longest_gap_beside_a_prefill_counts_the_gaps_across_its_edges_and_n
     assert longest_gap(arrivals, start=4.1, end=4.6) == 4.5  # 4.5 to 9 holds the end
     assert math.isnan(longest_gap(arrivals, start=2.0, end=9.5)), "the stream ended before the prefill did"
     assert math.isnan(longest_gap(arrivals[2:], start=2.0, end=4.2)), "the stream began after the prefill did"
+
+
+def test_the_decode_step_bench_runs_the_moe_backend_and_the_rows_and_columns_asked_for(
+    demo_settings, demo_checkpoint, tmp_path
+):
+    # The triton backend on the CPU runs in Triton's interpreter: conftest.py sets it for this
+    # process, and the bench inherits it.
+    done = subprocess.run(
+        [sys.executable, "-m", "omni_local.bench.decode_steps", "--runs", "1", "--device", "cpu",
+         "--moe-backend", "triton", "--chats", "1", "2", "--contexts", "256",
+         "--demo-dir", str(demo_settings.demo_path), "--cache-dir", str(tmp_path / "cache"),
+         "--gpu-cache-bytes", str(64 << 20), "--max-context-tokens", "1024", "--max-prompt-tokens", "960"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "MoE backend triton" in done.stdout
+    assert "| chats | context 256 |" in done.stdout
+    table = [line for line in done.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [line.split(" | ")[0] for line in table] == ["| 1", "| 2"]

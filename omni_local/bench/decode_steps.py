@@ -2,6 +2,10 @@
 
     python -m omni_local.bench.decode_steps                                # demo model, CPU smoke run
     python -m omni_local.bench.decode_steps --random-weights CONFIG.json   # full size, random weights
+    python -m omni_local.bench.decode_steps --random-weights CONFIG.json --moe-backend torch --chats 1 16
+
+Any setting can be given as for the app: `--moe-backend torch|triton` picks what runs the experts
+(`auto`, the default, is triton on a GPU); `--chats` and `--contexts` pick the table's rows and columns.
 
 The main bench's ITL at c8 or c16 also holds the other chats' prefills, which stall every reply
 while the chats start; this is the steady state after that, when nothing but decoding runs: the time
@@ -37,16 +41,19 @@ def step_ms(runner: ThinkerRunner, batch: int, context: int, runs: int) -> float
 
 def main() -> None:
     parser = bench_parser("python -m omni_local.bench.decode_steps")
+    parser.add_argument("--chats", type=int, nargs="+", default=BATCHES, help="chats decoding together (rows)")
+    parser.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS, help="rows of context (columns)")
     args = parser.parse_args()
     settings, loaded = settings_and_model(args)
     with OmniLocal(settings, loaded=loaded) as app:
         runner = app.backend.engine.runner
         # The engine's worker is idle: the slots it does not hold are ours for the steps.
-        batches = [b for b in BATCHES if b <= runner.kv.free_slots]
-        contexts = [c for c in CONTEXTS if c <= runner.kv.shape.max_tokens]
+        batches = [b for b in args.chats if b <= runner.kv.free_slots]
+        contexts = [c for c in args.contexts if c <= runner.kv.shape.max_tokens]
         graphed = "graphed" if runner.decode_graphs is not None else "eager"
-        print(f"Thinker decode step ({graphed}), ms per step, median of {args.runs}; device "
-              f"{torch.cuda.get_device_name() if runner.device.type == 'cuda' else 'cpu'}, dtype {runner.dtype}\n")
+        print(f"Thinker decode step ({graphed}, MoE backend {runner.regions.moe.name}), ms per step, median of "
+              f"{args.runs}; device {torch.cuda.get_device_name() if runner.device.type == 'cuda' else 'cpu'}, "
+              f"dtype {runner.dtype}\n")
         print("| chats | " + " | ".join(f"context {c}" for c in contexts) + " |")
         print("| --- |" + " --- |" * len(contexts))
         for batch in batches:

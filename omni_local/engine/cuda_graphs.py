@@ -15,6 +15,7 @@ the first request pays no capture.
 
 import gc
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from functools import partial
 from typing import Any
 
@@ -22,7 +23,6 @@ import torch
 
 from omni_local.engine.host_copies import copy_from_host
 from omni_local.engine.kv_store import GraphedSlotWriter, KVStore
-from omni_local.model.workarounds import capturable_experts
 
 # What a forward returns: a tensor, or a tuple of them (the Talker's hidden state and logits).
 Outputs = torch.Tensor | tuple[torch.Tensor, ...]
@@ -57,7 +57,8 @@ class SlotGraphs:
     """`forward` captured at construction for every (batch, length, rows) bucket, and replayed from
     the smallest that holds a call. `input_like` is one token's input ([1, 1] ids or [1, 1, hidden]
     embeddings); `slot` is a slot the caller holds and nobody reads (the captures write its first
-    rows); `stack_config` is the decoder stack's, whose MoE experts must run in a capturable way.
+    rows); the captures run inside `capturable`, where the stack's MoE experts can be captured
+    (`MoeBackend.capturable`).
 
     A call with fewer sequences than its batch bucket is padded with copies of its first sequence
     (their writes are that sequence's own, the same values to the same rows); a shorter prefill with
@@ -66,7 +67,8 @@ class SlotGraphs:
     """
 
     def __init__(self, forward: SlotForward, store: KVStore, input_like: torch.Tensor, slot: int,
-                 stack_config: Any, batches: Sequence[int] = (1,), lengths: Sequence[int] = (1,),
+                 capturable: AbstractContextManager[None], batches: Sequence[int] = (1,),
+                 lengths: Sequence[int] = (1,),
                  pool: tuple | None = None) -> None:
         self.store, self.batches, self.lengths = store, list(batches), list(lengths)
         self.buckets = attention_buckets(store.shape.max_tokens)
@@ -82,7 +84,7 @@ class SlotGraphs:
         self._slots.fill_(slot)
         pool = pool or torch.cuda.graph_pool_handle()
         self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, Outputs]] = {}
-        with capturable_experts(stack_config, store.dtype):
+        with capturable:
             for batch in reversed(self.batches):  # largest first: the smaller ones reuse its pool memory
                 for length in reversed(self.lengths):
                     # A prefill padded to `length` tokens is more than half new tokens: fewer rows never hold it.

@@ -5,20 +5,21 @@ The layers' modules, rotary embedding and norm are transformers' own; we pass th
 SlotWriter, or in a CUDA graph a GraphedSlotWriter), its mask and the 3D positions ourselves. Each
 decoder layer runs as transformers' forward does, the same operations in the same order, but split
 in three around the cache: the work before the cache write (norm, projections, rotary embedding),
-the write and attention, and the work after (output projection, norm, MLP or MoE). The halves
-before and after touch no cache, so `LayerRegions(compiled=True)` can run them as compiled regions:
+the write and attention, and the work after (output projection, norm, MLP or MoE, the MoE's routed
+experts run by a MoeBackend). The halves before and after touch no cache, so `LayerRegions(compiled=True)` can run them as compiled regions:
 inductor fuses their elementwise work (each RMSNorm is six kernels eager, the rotary embedding a
 dozen, the MoE router several), which a CUDA graph alone replays one kernel at a time.
 """
 
 import sys
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from omni_local.engine.kv_store import GraphedSlotWriter, SlotWriter
-from omni_local.model.workarounds import mlp_past_output_hooks
+from omni_local.engine.moe import TORCH, MoeBackend, mlp_output
 from omni_local.prompts import Prompt
 
 
@@ -36,24 +37,26 @@ def attention_inputs(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Te
     return queries, keys, values
 
 
-def attention_output_and_mlp(layer: torch.nn.Module, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+def attention_output_and_mlp(layer: torch.nn.Module, hidden: torch.Tensor, attended: torch.Tensor,
+                             moe: MoeBackend = TORCH) -> torch.Tensor:
     """The layer's output [B, n, hidden] from its input `hidden` and the attention kernel's output
-    `attended` [B, n, heads, head_dim]: its forward after the attention."""
+    `attended` [B, n, heads, head_dim]: its forward after the attention, a MoE's experts run by `moe`."""
     hidden = hidden + layer.self_attn.o_proj(attended.reshape(*hidden.shape[:-1], -1).contiguous())
-    return hidden + mlp_past_output_hooks(layer.mlp, layer.post_attention_layernorm(hidden))
+    return hidden + mlp_output(layer.mlp, layer.post_attention_layernorm(hidden), moe)
 
 
 class LayerRegions:
     """How each decoder layer runs: eagerly, or with the work before and after its cache write
     compiled (one compiled function each for every layer of every stack: they differ only in
-    weights, which the compiled code takes as inputs)."""
+    weights, which the compiled code takes as inputs); MoE experts by `moe`."""
 
-    def __init__(self, compiled: bool = False) -> None:
+    def __init__(self, compiled: bool = False, moe: MoeBackend = TORCH) -> None:
+        self.moe = moe
         self._before: Callable = attention_inputs
-        self._after: Callable = attention_output_and_mlp
+        self._after: Callable = partial(attention_output_and_mlp, moe=moe)
         if compiled:
             self._before = _compiled_for_any_batch(attention_inputs)
-            self._after = _compiled_for_any_batch(attention_output_and_mlp)
+            self._after = _compiled_for_any_batch(self._after)
 
     def run(self, layer: torch.nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None,
             cache: SlotWriter | GraphedSlotWriter, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -53,6 +53,7 @@ from omni_local.engine.detokenizer import IncrementalDetokenizer
 from omni_local.engine.encoders import Encoders
 from omni_local.engine.host_copies import Readback
 from omni_local.engine.media_encoder import MediaEncoder
+from omni_local.engine.moe import moe_backend
 from omni_local.engine.prefill_chunks import chunk_end
 from omni_local.engine.reasoning import ReasoningText, prompt_opens_reasoning
 from omni_local.engine.request import Failed, Request
@@ -90,13 +91,14 @@ class Engine:
         encoder = MediaEncoder(_encoders(thinker.model, loaded.processor, settings), loaded.processor,
                                self.encoder_cache)
         talker_rows = TalkerRows(loaded.model) if loaded.speech else None
+        moe = moe_backend(settings.moe_backend, loaded.device)
         with current_device(loaded.device):  # the graphs' streams and pools, on the model's GPU
             self.runner = ThinkerRunner(thinker, encoder, settings.gpu_cache_bytes, settings.max_context_tokens,
                                         settings.prefill_chunk_tokens, talker_rows, cuda_graphs=settings.cuda_graphs,
-                                        compiled_layers=settings.compiled_layers)
+                                        compiled_layers=settings.compiled_layers, moe=moe)
             self.runner.warm_up()
             # One Talker slot per Thinker slot: each cached chat can keep its spoken turns' Talker KV.
-            self.speaker = Speaker(loaded.model, settings, self.runner.kv.slots) if loaded.speech else None
+            self.speaker = Speaker(loaded.model, settings, self.runner.kv.slots, moe) if loaded.speech else None
             if self.speaker is not None:
                 self.speaker.warm_up()
         self.cache = PrefixCache(self.runner.kv, settings.host_cache_bytes, enabled=settings.prefix_cache)

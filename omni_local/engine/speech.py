@@ -23,6 +23,7 @@ from omni_local.api.events import SPEECH_SAMPLE_RATE, SpeechReport
 from omni_local.api.params import SamplingParams, SpeechParams
 from omni_local.cache.prefix_cache import Claim, Match, PrefixCache, common_prefix
 from omni_local.engine.kv_store import KVStore
+from omni_local.engine.moe import TORCH, MoeBackend
 from omni_local.engine.sampling import Sampler
 from omni_local.engine.talker import OPENING_ROWS, TalkerPrompt, TalkerRunner, user_positions
 from omni_local.engine.vocoder import AudioStream, Vocoder
@@ -73,13 +74,14 @@ class SpokenReply:
 class Speaker:
     """The engine's speech part: the Talker runner, its KV cache, and Code2Wav."""
 
-    def __init__(self, model: torch.nn.Module, settings: Settings, slots: int) -> None:
+    def __init__(self, model: torch.nn.Module, settings: Settings, slots: int, moe: MoeBackend = TORCH) -> None:
         self.vocoder = Vocoder(model.code2wav, settings.first_audio_frames, settings.audio_chunk_frames,
                                settings.audio_left_context_frames, cuda_graphs=settings.cuda_graphs)
         self.max_frames = max(1, round(settings.max_speech_seconds * SPEECH_SAMPLE_RATE / self.vocoder.samples_per_frame))
         # Room for every user token of a full context, the assistant rows and the frames.
         self.runner = TalkerRunner(model, settings.max_context_tokens + OPENING_ROWS + self.max_frames, slots,
-                                   cuda_graphs=settings.cuda_graphs, compiled_layers=settings.compiled_layers)
+                                   cuda_graphs=settings.cuda_graphs, compiled_layers=settings.compiled_layers,
+                                   moe=moe)
         # Talker KV of user turns is small; an entry pushed off the device is dropped, not moved.
         self.cache = PrefixCache(self.runner.kv, 0, enabled=settings.prefix_cache)
         self.im_start, self.user = model.config.im_start_token_id, model.config.user_token_id

@@ -26,6 +26,7 @@ from omni_local.engine.cuda_graphs import SlotGraphs, StaticGraph, graphable
 from omni_local.engine.decoder_stack import LayerRegions, mrope_positions, run_layers
 from omni_local.engine.kv_store import GraphedSlotWriter, KVShape, KVStore, SlotWriter
 from omni_local.engine.host_copies import Readback, to_device
+from omni_local.engine.moe import TORCH, MoeBackend
 from omni_local.engine.sampling import SampleBatch, SlotSampler
 from omni_local.errors import RequestError
 from omni_local.prompts import Prompt
@@ -72,7 +73,7 @@ class TalkerPrompt:
 
 class TalkerRunner:
     def __init__(self, model: torch.nn.Module, max_tokens: int, slots: int, cuda_graphs: bool = False,
-                 compiled_layers: bool = False) -> None:
+                 compiled_layers: bool = False, moe: MoeBackend = TORCH) -> None:
         self.config = model.config
         self.talker = model.talker
         self.stack = self.talker.model
@@ -106,7 +107,7 @@ class TalkerRunner:
         self._row_zero = torch.zeros(1, dtype=torch.long, device=self.device)
         self._no_ids = torch.empty(0, dtype=torch.long, device=self.device)
         # The Talker's and the code predictor's layers, as the Thinker's (on the GPU only).
-        self.regions = LayerRegions(compiled=compiled_layers and self.device.type == "cuda")
+        self.regions = LayerRegions(compiled=compiled_layers and self.device.type == "cuda", moe=moe)
         self.voices = {name.lower(): int(i) for name, i in talker_config.speaker_id.items()}
         self.codec_eos = talker_config.codec_eos_token_id
         vocab = text.vocab_size
@@ -141,7 +142,8 @@ class TalkerRunner:
                 self.frame_graph = StaticGraph(partial(self._frame, sampling=True), [start, keys])
             if self._capture_steps:
                 row = self.tts_pad[None]  # [1, 1, width], shaped as a step's input
-                self.step_graphs = SlotGraphs(self._forward, self.kv, row, slot, self.stack.config)
+                capturable = self.regions.moe.capturable(self.stack.config, self.dtype)
+                self.step_graphs = SlotGraphs(self._forward, self.kv, row, slot, capturable)
             return codes
         finally:
             self.kv.release(slot)

@@ -23,6 +23,7 @@ from omni_local.engine.decoder_stack import LayerRegions, mrope_positions, run_l
 from omni_local.engine.host_copies import to_device
 from omni_local.engine.kv_store import GraphedSlotWriter, KVShape, KVStore, SlotWriter
 from omni_local.engine.media_encoder import MediaEncoder, deepstack_levels
+from omni_local.engine.moe import TORCH, MoeBackend
 from omni_local.engine.prefill_chunks import PreparedPrompt
 from omni_local.errors import SettingsError
 from omni_local.engine.talker import TalkerRows
@@ -40,6 +41,7 @@ class ThinkerRunner:
         talker_rows: TalkerRows | None = None,
         cuda_graphs: bool = False,
         compiled_layers: bool = False,
+        moe: MoeBackend = TORCH,
     ) -> None:
         self.thinker = thinker
         self.graphed_prefill_tokens = graphed_prefill_tokens  # the longest prefill graph's new tokens
@@ -62,7 +64,7 @@ class ThinkerRunner:
             )
         self._capture_graphs = cuda_graphs and graphable(config, self.device)
         # Compiled on the GPU only: on the CPU the compile takes longer than it saves.
-        self.regions = LayerRegions(compiled=compiled_layers and self.device.type == "cuda")
+        self.regions = LayerRegions(compiled=compiled_layers and self.device.type == "cuda", moe=moe)
         self._deepstack_levels = len(self.model.config.vision_config.deepstack_visual_indexes)
         self.kv = KVStore(shape, slots, self.dtype, self.device, zeroed=self._capture_graphs)
         self.decode_graphs: SlotGraphs | None = None  # set once captured, by warm_up
@@ -91,12 +93,15 @@ class ThinkerRunner:
         `graphed_prefill_tokens` new tokens (in buckets from 16), each for every attention length; in
         one memory pool."""
         pool, config = torch.cuda.graph_pool_handle(), self.text.config
+        moe = self.regions.moe
         ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-        self.decode_graphs = SlotGraphs(self._decode_step, self.kv, ids, slot, config,
+        self.decode_graphs = SlotGraphs(self._decode_step, self.kv, ids, slot,
+                                        moe.capturable(config, self.dtype),
                                         batches=size_buckets(1, self.kv.slots), pool=pool)
         width = (1 + self._deepstack_levels) * config.hidden_size
         dense = torch.zeros((1, 1, width), dtype=self.dtype, device=self.device)
-        self.prefill_graphs = SlotGraphs(self._dense_prefill_step, self.kv, dense, slot, config,
+        self.prefill_graphs = SlotGraphs(self._dense_prefill_step, self.kv, dense, slot,
+                                         moe.capturable(config, self.dtype),
                                          lengths=size_buckets(16, self.graphed_prefill_tokens), pool=pool)
 
     @torch.inference_mode()

@@ -32,7 +32,7 @@ from omni_local.model.chat_template import CHAT_TEMPLATE
 from omni_local.model.workarounds import init_talker_experts
 
 # Bump when anything below changes what is written: an old demo folder is then rebuilt.
-BUILDER_VERSION = "1"
+BUILDER_VERSION = "2"
 MARKER_FILE = "omni_local_demo.json"
 
 _SEED = 1234

@@ -1,10 +1,9 @@
 """Every workaround for a transformers (5.24) Qwen3-Omni bug or gap, each with its reason.
 
 The loader calls `load_processor` for the processor and `apply_workarounds` once on each loaded
-model; the demo builder calls `init_talker_experts` on the random weights it makes; SlotGraphs
-captures the Thinker's decode steps and prefills and the Talker's steps inside `capturable_experts`;
-each decoder layer runs its MLP by `mlp_past_output_hooks`. Nothing else in omni_local works
-around transformers.
+model; the demo builder calls `init_talker_experts` on the random weights it makes; the `torch` MoE
+backend (engine/moe/) calls each router by `router_past_hooks`, and its experts are captured in CUDA
+graphs inside `capturable_experts`. Nothing else in omni_local works around transformers.
 """
 
 import functools
@@ -121,32 +120,25 @@ def _guard_spoken_generate(model: Qwen3OmniMoeForConditionalGeneration) -> None:
 
 
 def init_talker_experts(model: Qwen3OmniMoeForConditionalGeneration, std: float) -> None:
-    # `_init_weights` initialises the Thinker's MoE experts but not the Talker's
-    # (`Qwen3OmniMoeTalkerTextExperts` is `torch.empty`), so a model built from a config, not loaded,
-    # has uninitialised memory there: weights that differ run to run and can be NaN.
+    # `_init_weights` initialises the Thinker's MoE experts and routers but not the Talker's
+    # (`Qwen3OmniMoeTalkerTextExperts` is `torch.empty`, its router `torch.zeros`), so a model built
+    # from a config, not loaded, has uninitialised memory there (weights that differ run to run and
+    # can be NaN), and a router that ties every expert, so which experts run is topk's tie-break.
     with torch.no_grad():
         for layer in model.talker.model.layers:
             experts = getattr(layer.mlp, "experts", None)
             if experts is not None:
                 torch.nn.init.normal_(experts.gate_up_proj, std=std)
                 torch.nn.init.normal_(experts.down_proj, std=std)
+                torch.nn.init.normal_(layer.mlp.gate.weight, std=std)
 
 
-def mlp_past_output_hooks(mlp: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """`mlp(hidden)`. For a MoE block, the same operations as its forward, but with the router called
-    by `forward`, past its hooks."""
+def router_past_hooks(router: torch.nn.Module, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`router(flat)`: (logits, top-k weights, top-k experts), called by `forward`, past its hooks."""
     # Once transformers has run a model, its routers carry a hook that records their logits when
     # asked to (`output_router_logits`), and the hook reads a ContextVar, which dynamo (torch 2.11)
     # cannot trace: the compiled decoder layers failed on the Talker after a spoken `generate`.
-    router = getattr(mlp, "gate", None)
-    if not isinstance(router, torch.nn.Module) or not hasattr(mlp, "experts"):
-        return mlp(hidden)  # a dense MLP (the code predictor's)
-    flat = hidden.view(-1, hidden.shape[-1])
-    _, weights, chosen = router.forward(flat)
-    output = mlp.experts(flat, chosen, weights)
-    if hasattr(mlp, "shared_expert"):  # the Talker's: an expert every token goes through, gated
-        output = output + torch.sigmoid(mlp.shared_expert_gate(flat)) * mlp.shared_expert(flat)
-    return output.reshape(hidden.shape)
+    return router.forward(flat)
 
 
 @contextmanager

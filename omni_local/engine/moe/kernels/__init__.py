@@ -1,0 +1,13 @@
+"""Our Triton kernels for the MoE forward, in the order a layer runs them:
+
+1. routing.py: softmax, top-k and renormalisation of the router's logits, one program a token.
+2. sorting.py: the (token, k) pairs sorted by expert into blocks of BLOCK_M rows, each expert's
+   run padded to a whole block, in one single-program launch with fixed-size output (no host sync).
+3. gate_up.py: each block's rows times its expert's gate and up projections, SiLU(gate) * up in the
+   epilogue.
+4. down.py: the down projection, each row scaled by its routing weight in the epilogue, written to
+   the pair's own row: the top-k sum is then a fixed-order sum over k (see routed_experts.py).
+
+They take float32, float16 and bfloat16; Triton's CPU interpreter (TRITON_INTERPRET=1, the tests)
+multiplies bfloat16 wrongly, so it is tested there in float32 and float16.
+"""

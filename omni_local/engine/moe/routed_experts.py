@@ -1,0 +1,52 @@
+"""The routed experts of one MoE block by our kernels: route, sort, gate_up, down, and the top-k sum.
+
+`routed_experts` is registered as the torch op `omni_local::routed_experts`, so torch.compile
+leaves it whole inside the compiled decoder layers (the kernels pick their tile config from the
+token count at run time) and a CUDA graph captures its launches.
+
+The top-k sum: the down kernel writes each (token, k) pair's weighted row apart, in float32, and
+`partials.sum(1)` adds a token's k rows in one fixed order. Atomic adds into one row would need a
+zeroed float32 buffer and a cast pass anyway, and their order changes from run to run; this order
+does not depend on the token count, the batch or the tile config, which a deterministic mode needs.
+It costs a [tokens, top_k, hidden] float32 round trip (64 KiB a layer for one token at full size;
+32 MiB for a 512-token prefill, against 1.2 GB of expert weights read), and in the compiled layers
+the sum fuses into the residual add that follows.
+"""
+
+import torch
+
+from omni_local.engine.moe.kernels.down import weighted_down
+from omni_local.engine.moe.kernels.gate_up import gate_up_silu
+from omni_local.engine.moe.kernels.routing import route
+from omni_local.engine.moe.kernels.sorting import sort_by_expert
+from omni_local.engine.moe.tile_configs import TileConfig, tile_config
+
+
+def weighted_expert_rows(hidden: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                         top_k: int, renormalize: bool, config: TileConfig | None = None) -> torch.Tensor:
+    """Each token's top-k experts' outputs, scaled by their routing weights: [tokens, top_k, hidden]
+    float32, for `hidden` [tokens, hidden], router `logits` [tokens, E], and the experts' contiguous
+    `gate_up` [E, 2I, hidden] and `down` [E, hidden, I]; `config` None takes the tuned one."""
+    tokens, width = hidden.shape
+    num_experts, intermediate = gate_up.shape[0], down.shape[2]
+    if tokens == 0:
+        return hidden.new_zeros((0, top_k, width), dtype=torch.float32)
+    config = config or tile_config(num_experts, width, intermediate, tokens, hidden.device)
+    weights, experts = route(logits.contiguous(), top_k, renormalize)
+    order = sort_by_expert(experts, num_experts, config.block_m)
+    activated = gate_up_silu(hidden.contiguous(), gate_up, order, experts, config.block_m, config.gate_up)
+    rows = weighted_down(activated, down, order, experts, weights, config.block_m, config.down)
+    return rows.view(tokens, top_k, width)
+
+
+@torch.library.custom_op("omni_local::routed_experts", mutates_args=())
+def routed_experts(hidden: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                   top_k: int, renormalize: bool) -> torch.Tensor:
+    """`weighted_expert_rows` with the tuned config, as one op."""
+    return weighted_expert_rows(hidden, logits, gate_up, down, top_k, renormalize)
+
+
+@routed_experts.register_fake
+def _(hidden: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+      top_k: int, renormalize: bool) -> torch.Tensor:
+    return hidden.new_empty((hidden.shape[0], top_k, hidden.shape[1]), dtype=torch.float32)

@@ -1,0 +1,70 @@
+"""The MoE backends on the demo model: `torch` is transformers' own block bit for bit; `triton` (our
+kernels, in Triton's interpreter on CPU runs) gives the same blocks within float32 tolerance and the
+same greedy replies; and the setting picks a backend the device can run, or says why not."""
+
+import pytest
+import torch
+
+from omni_local.api import OmniLocal
+from omni_local.engine.moe import TORCH, mlp_output, moe_backend
+from omni_local.errors import SettingsError
+from replies import send
+
+FLOAT32 = dict(rtol=1e-5, atol=1e-6)
+
+
+def moe_blocks(model) -> dict[str, torch.nn.Module]:
+    return {"thinker": model.thinker.model.language_model.layers[0].mlp,
+            "talker, with its shared expert": model.talker.model.layers[0].mlp}
+
+
+def hidden_for(mlp: torch.nn.Module, tokens: int) -> torch.Tensor:
+    weight = mlp.gate.weight
+    generator = torch.Generator().manual_seed(tokens)
+    return torch.randn((1, tokens, weight.shape[1]), generator=generator).to(weight.device, weight.dtype)
+
+
+@pytest.mark.parametrize("block", ["thinker", "talker, with its shared expert"])
+@torch.inference_mode()
+def test_the_torch_backend_is_transformers_own_moe_block_bit_for_bit(speaking_app, block):
+    mlp = moe_blocks(speaking_app.backend.loaded.model)[block]
+    hidden = hidden_for(mlp, 9)
+
+    assert torch.equal(mlp_output(mlp, hidden, TORCH), mlp(hidden))
+
+
+@pytest.mark.parametrize("block", ["thinker", "talker, with its shared expert"])
+@pytest.mark.parametrize("tokens", [1, 23])
+@torch.inference_mode()
+def test_the_triton_backend_gives_the_torch_backends_moe_block(speaking_app, block, tokens):
+    mlp = moe_blocks(speaking_app.backend.loaded.model)[block]
+    hidden = hidden_for(mlp, tokens)
+    triton = moe_backend("triton", hidden.device)
+
+    torch.testing.assert_close(mlp_output(mlp, hidden, triton), mlp_output(mlp, hidden, TORCH), **FLOAT32)
+
+
+def test_greedy_replies_spoken_and_not_with_the_triton_backend_are_the_torch_backends(demo_settings,
+                                                                                    demo_checkpoint):
+    replies = {}
+    for backend in ("torch", "triton"):
+        settings = demo_settings.replace(moe_backend=backend, speech=True, max_speech_seconds=1.0)
+        with OmniLocal(settings) as app:
+            assert app.backend.engine.runner.regions.moe.name == backend
+            assert app.backend.engine.speaker.runner.regions.moe.name == backend
+            written = app.session().send("What do fishermen sing at night?", max_new_tokens=12).result()
+            spoken, frames, _, _ = send(app, app.session(), "Tell me about lighthouses.", voice="Chelsie")
+            replies[backend] = written.token_ids, spoken.token_ids, frames
+    assert replies["triton"] == replies["torch"]
+    assert all(replies["torch"])  # tokens written, tokens spoken, and codec frames
+
+
+def test_auto_runs_the_torch_backend_off_cuda_and_torch_is_torch_everywhere():
+    assert moe_backend("auto", torch.device("cpu")) is TORCH
+    assert moe_backend("torch", torch.device("cpu")) is TORCH
+
+
+def test_triton_where_triton_cannot_run_is_a_settings_error_saying_why(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(SettingsError, match="'moe_backend' is 'triton', but the model runs on the CPU"):
+        moe_backend("triton", torch.device("cpu"))

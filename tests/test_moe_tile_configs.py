@@ -1,0 +1,55 @@
+"""The expert GEMMs' tile configs: a tuned file's config for the nearest token count at or above a
+call's, the safe default for any shape or GPU without one, and committed files that parse."""
+
+import json
+
+import pytest
+import torch
+
+from omni_local.engine.moe import tile_configs
+from omni_local.engine.moe.tile_configs import (
+    PREFILL_DEFAULT,
+    SMALL_BATCH_DEFAULT,
+    TILE_CONFIG_DIR,
+    GemmTile,
+    TileConfig,
+    config_file_name,
+    tile_config,
+)
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def config_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(tile_configs, "TILE_CONFIG_DIR", tmp_path)
+    tile_configs._tuned_configs.cache_clear()
+    yield tmp_path
+    tile_configs._tuned_configs.cache_clear()
+
+
+def test_a_call_takes_the_tuned_config_of_the_smallest_count_at_or_above_its_own(config_dir):
+    small, large = TileConfig(16, GemmTile(32, 128, 4, 5), GemmTile(64, 64, 4, 4)), TileConfig(64, GemmTile(), GemmTile())
+    (config_dir / config_file_name(8, 64, 32, "cpu")).write_text(json.dumps({"4": small.to_json(),
+                                                                             "64": large.to_json()}))
+
+    assert [tile_config(8, 64, 32, tokens, CPU) for tokens in (1, 4, 5, 64, 512)] == [small, small, large, large, large]
+
+
+def test_a_shape_or_gpu_without_a_tuned_file_takes_the_default_for_its_path(config_dir):
+    assert tile_config(128, 2048, 768, 16, CPU) == SMALL_BATCH_DEFAULT
+    assert tile_config(128, 2048, 768, 17, CPU) == PREFILL_DEFAULT
+
+
+def test_file_names_hold_the_shape_and_the_gpu_in_letters_digits_and_underscores_only():
+    assert config_file_name(128, 2048, 768, "NVIDIA H200") == "experts128_hidden2048_intermediate768_NVIDIA_H200.json"
+
+
+@pytest.mark.parametrize("path", sorted(TILE_CONFIG_DIR.glob("*.json")), ids=lambda p: p.name)
+def test_every_committed_tile_config_parses_into_tiles_tl_dot_takes(path):
+    for tokens, data in json.loads(path.read_text()).items():
+        config = TileConfig.from_json(data)
+        assert int(tokens) > 0
+        for size in (config.block_m, config.gate_up.block_n, config.gate_up.block_k, config.down.block_n,
+                     config.down.block_k):
+            assert size >= 16 and size & (size - 1) == 0, (path.name, tokens, config)
