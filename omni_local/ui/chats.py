@@ -35,7 +35,7 @@ class SavedChat:
     title: str = ""  # empty until the first question (or a rename) names it
     system_prompt: str = ""
     history: list[dict[str, Any]] = field(default_factory=list)  # Gradio's messages
-    replies: dict[str, list[int]] = field(default_factory=dict)  # reply text, stripped -> its token ids
+    replies: dict[str, list[int]] = field(default_factory=dict)  # reply_key(answer, reasoning) -> its token ids
     updated: float = field(default_factory=time.time)
     created: float = field(default_factory=time.time)
     revision: int = 0  # saves so far: a page that saw an older one has missed another tab's change
