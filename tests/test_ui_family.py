@@ -1,6 +1,6 @@
-"""The chat page on the Thinking checkpoint, below Gradio (ui/chat.py's ChatTurns): a reply's
-reasoning shown folded above its answer, saved, and given back to the model with the reply's token
-ids."""
+"""The chat page on the Thinking and Captioner checkpoints, below Gradio (ui/chat.py's ChatTurns):
+a reply's reasoning shown folded above its answer, saved, and given back to the model with the
+reply's token ids; the Captioner's page, which takes one audio clip and refuses typed text."""
 
 import inspect
 import json
@@ -8,13 +8,16 @@ from contextlib import closing
 
 import gradio as gr
 import pytest
+import soundfile
 
+from samples import clip
 from omni_local.api import OmniLocal
+from omni_local.api.kinds import CAPTIONER_TAKES_NO_TEXT
 from omni_local.api.messages import Message, reply_key
 from omni_local.ui import sidebar
-from omni_local.ui.chat import ChatTurns
+from omni_local.ui.chat import ChatTurns, build_ui
 from omni_local.ui.chats import ChatShelves
-from omni_local.ui.history import REASONING_TITLE, ChatMemory, to_messages
+from omni_local.ui.history import AUDIO_SUFFIXES, ERROR_TITLE, REASONING_TITLE, ChatMemory, to_messages
 from omni_local.ui.messages import block_text, blocks, file_path
 
 QUESTION = "Why is the sky blue?"
@@ -53,6 +56,13 @@ def as_the_page_sends(history: list[dict]) -> list[dict]:
 
 def titles(messages: list) -> list[str | None]:
     return [(m.metadata or {}).get("title") if isinstance(m, gr.ChatMessage) else None for m in messages]
+
+
+def page_parts(app: OmniLocal, tmp_path) -> list:
+    return list(build_ui(app, tmp_path / "chats").blocks.values())
+
+
+# Thinking
 
 
 def test_the_reasoning_streams_open_and_is_folded_above_the_answer_once_the_answer_begins(answering, tmp_path):
@@ -119,3 +129,46 @@ def test_a_reply_stopped_while_reasoning_keeps_its_reasoning_shown_and_saved_for
     (_, reply) = to_messages(as_the_page_sends(chat), thinking, memory)
     assert (reply.text, reply.reasoning, reply.token_ids) == ("", inspect.cleandoc(stopped.reasoning),
                                                              stopped.token_ids)
+
+
+def test_a_checkpoint_without_a_talker_has_no_speech_settings_on_its_page(thinking, captioner, tmp_path):
+    for app in (thinking, captioner):
+        parts = page_parts(app, tmp_path)
+        speech = [part for part in parts if isinstance(part, (gr.Checkbox, gr.Dropdown))
+                  and part.label in ("Speak replies (start the app with --speech true)", "Voice")]
+        assert len(speech) == 2 and not any(part.visible for part in speech)
+        assert not [part for part in parts if isinstance(part, gr.Accordion) and part.label == "Voice conversation"]
+
+
+# The Captioner
+
+
+def test_the_captioners_message_box_takes_one_audio_file_and_its_page_has_no_system_prompt(captioner, tmp_path):
+    parts = page_parts(captioner, tmp_path)
+    (box,) = [part for part in parts if isinstance(part, gr.MultimodalTextbox)]
+    assert sorted(box.file_types) == sorted(AUDIO_SUFFIXES) and box.file_count == "single"
+    assert box.placeholder.startswith("Drop an audio file here to caption it")
+    (system,) = [part for part in parts if isinstance(part, gr.Textbox) and part.label == "System prompt"]
+    assert not system.visible
+
+
+def test_text_typed_for_the_captioner_is_refused_saying_why_and_the_next_clip_is_captioned_on_its_own(
+        captioner, tmp_path, built_prompts):
+    turns, memory = chat_turns(captioner, tmp_path), ChatMemory()
+    (refused,) = [update[0] for update in turns.respond({"text": "What is this?", "files": []}, [], memory=memory,
+                                                         **OPTIONS)]
+    assert (refused.content, refused.metadata["title"]) == (CAPTIONER_TAKES_NO_TEXT, ERROR_TITLE)
+    chat = saved(turns, memory)
+    assert chat == [{"role": "user", "content": ["What is this?"]},
+                    {"role": "assistant", "content": CAPTIONER_TAKES_NO_TEXT, "metadata": {"title": ERROR_TITLE}}]
+    sound = tmp_path / "sound.wav"
+    soundfile.write(sound, clip(5, 2.0), 16_000)
+    captions = []
+    for _ in range(2):  # the same clip twice: the second is captioned as if it came alone
+        list(turns.respond({"text": "", "files": [str(sound)]}, as_the_page_sends(chat), memory=memory, **OPTIONS))
+        captions.append(memory.turn.reply.result())
+        chat = saved(turns, memory)
+        assert len(built_prompts[-1].media) == 1
+    assert captions[0].text and captions[1].token_ids == captions[0].token_ids
+    assert captions[1].tokens.prompt == captions[0].tokens.prompt
+    assert [m["role"] for m in chat] == ["user", "assistant", *["user", "assistant", "assistant"] * 2]

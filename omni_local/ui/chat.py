@@ -100,7 +100,8 @@ class ChatTurns:
         listed = sidebar.chooser(store, memory.session_id)  # a new chat is in the list once asked
         try:
             session = self.app.session(system_prompt=system_prompt or None, session_id=memory.session_id)
-            session.history += to_messages(history, self.app, memory)
+            if self.app.info.kind != "captioner":  # it captions each clip alone: earlier clips are not decoded again
+                session.history += to_messages(history, self.app, memory)
             options = {"max_new_tokens": int(max_new_tokens), "temperature": temperature, "top_p": top_p}
             if speak:
                 options |= {"speak": True, "voice": voice}
