@@ -16,8 +16,10 @@ from omni_local.api.kinds import CAPTIONER_TAKES_NO_TEXT
 from omni_local.api.messages import Message, reply_key
 from omni_local.ui import sidebar
 from omni_local.ui.chat import ChatTurns, build_ui
-from omni_local.ui.chats import ChatShelves
-from omni_local.ui.history import AUDIO_SUFFIXES, ERROR_TITLE, REASONING_TITLE, ChatMemory, to_messages
+from omni_local.ui.chats import ChatShelves, ChatStore, SavedChat
+from omni_local.ui.history import (
+    AUDIO_SUFFIXES, ERROR_TITLE, REASONING_TITLE, ChatMemory, streaming_reply, to_messages,
+)
 from omni_local.ui.messages import block_text, blocks, file_path
 
 QUESTION = "Why is the sky blue?"
@@ -111,6 +113,22 @@ def test_two_replies_with_one_answer_but_other_reasoning_keep_their_own_token_id
             {"role": "assistant", "content": "I guess.", "metadata": {"title": REASONING_TITLE, "status": "done"}},
             {"role": "assistant", "content": "Blue."}]
     assert to_messages(page, answering, memory)[1].token_ids == [3, 4]
+
+
+def test_a_reasoning_the_page_cleans_keeps_its_token_ids_through_a_saved_chat_and_blank_reasoning_is_none(
+        answering, tmp_path):
+    made = "\nOkay.\n  So, blue."  # Gradio's cleaning leaves the indentation in; cleaned again, it goes
+    store = ChatStore(tmp_path / "chats")
+    chat = SavedChat(replies={reply_key("Blue.", made): [5, 6], reply_key("Grey.", "\n\n"): [7]})
+    store.save(chat)
+    page = [{"role": "user", "content": ["Why?"]},
+            {"role": "assistant", "content": inspect.cleandoc(made), "metadata": {"title": REASONING_TITLE}},
+            {"role": "assistant", "content": "Blue."},
+            {"role": "user", "content": ["And now?"]},
+            {"role": "assistant", "content": "Grey."}]
+    for replies in (chat.replies, store.get(chat.id).replies):  # as the chat was made, and opened again
+        assert [m.token_ids for m in to_messages(page, answering, ChatMemory(replies=replies))[1::2]] == [[5, 6], [7]]
+    assert streaming_reply("\n\n", "Grey.") == "Grey."  # and no blank "Reasoning" note is shown
 
 
 def test_a_reply_stopped_while_reasoning_keeps_its_reasoning_shown_and_saved_for_the_next_turn(thinking, tmp_path):

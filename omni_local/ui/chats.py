@@ -136,7 +136,9 @@ class ChatStore:
         if problem:
             log.warning("saved chat %s skipped: %s", path.name, problem)
             return None
-        chat.replies = {reply_key(text): ids for text, ids in chat.replies.items()}  # older files kept them as made
+        # Older files kept replies' texts as made. A key with a NUL, a reasoned reply's, was made by
+        # reply_key as it is (and made again from the whole key could differ).
+        chat.replies = {text if "\0" in text else reply_key(text): ids for text, ids in chat.replies.items()}
         return chat
 
 

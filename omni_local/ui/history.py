@@ -78,8 +78,9 @@ class ChatMemory:
 
 def streaming_reply(reasoning: str, text: str) -> str | list[gr.ChatMessage]:
     """A reply as it streams: its text, or, once it reasoned, its reasoning, open until the answer
-    begins, then folded above the answer so far."""
-    if not reasoning:
+    begins, then folded above the answer so far. (Reasoning of white space alone is none, as for
+    reply_key.)"""
+    if not reasoning.strip():
         return text
     return [reasoning_message(reasoning, streaming=not text), *([gr.ChatMessage(content=text)] if text else [])]
 
@@ -87,8 +88,8 @@ def streaming_reply(reasoning: str, text: str) -> str | list[gr.ChatMessage]:
 def saved_streaming_reply(reasoning: str, text: str) -> list[dict[str, Any]]:
     """A reply still streaming as its chat is saved: its reasoning folded, as a reloaded page shows
     a reply that no longer streams."""
-    saved = [as_dict(reasoning_message(reasoning, streaming=False))] if reasoning else []
-    if text or not reasoning:
+    saved = [as_dict(reasoning_message(reasoning, streaming=False))] if reasoning.strip() else []
+    if text or not saved:
         saved.append({"role": "assistant", "content": text})
     return saved
 
@@ -106,8 +107,8 @@ def finished_reply(event: Finished, audio: np.ndarray, uploads: Path, memory: Ch
     prompt. A reply stopped while it reasoned shows its reasoning and no answer."""
     if event.token_ids is not None:  # a remote server's replies have none: the next prompt sends their text
         memory.replies[reply_key(event.text, event.reasoning)] = event.token_ids
-    shown = [reasoning_message(event.reasoning, streaming=False)] if event.reasoning else []
-    if event.text or not event.reasoning:
+    shown = [reasoning_message(event.reasoning, streaming=False)] if event.reasoning.strip() else []
+    if event.text or not shown:
         shown.append(gr.ChatMessage(content=event.text))
     kept = keep_audio(uploads, audio) if audio.size else None
     if kept is not None:
