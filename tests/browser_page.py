@@ -397,6 +397,20 @@ def answered_again(page: "Page", action: Callable[[], None]) -> None:
     page.wait_for_function("() => window.omniLocalAnsweredAgain")
 
 
+def edit_retry_and_undo(page: "Page", edited: str, after: Callable[[str], None]) -> None:
+    """In a chat of two turns or more: edit the last question to `edited`, retry its reply, then undo
+    that turn, each step waited for, and `after(step)` run after each ("edited", "retried", "undone")."""
+    answered_again(page, lambda: edit_last_question(page, edited))
+    assert [text for who, text in shown_messages(page) if who == "user"][-1] == edited
+    after("edited")
+    answered_again(page, lambda: page.get_by_role("button", name="Retry").click())
+    after("retried")
+    asked = page.locator("[data-testid=user]").count()
+    page.get_by_role("button", name="Undo").click()
+    page.wait_for_function("(asked) => document.querySelectorAll('[data-testid=user]').length === asked - 1", arg=asked)
+    after("undone")
+
+
 def edit_last_question(page: "Page", text: str) -> None:
     """The pencil on the last question, its new text, and the tick that confirms it."""
     page.locator("[data-testid=user]").last.hover()

@@ -1,5 +1,5 @@
 """Fixtures shared by the test files: the demo checkpoint, built once per session, its model and
-the apps on it; bad uploads; the prompts an engine builds, and the ids they must have; a small disk
+the apps on it, and on the tiny Thinking and Captioner checkpoints written from it; bad uploads; the prompts an engine builds, and the ids they must have; a small disk
 to fill up; and the tests that need a CUDA GPU (marked `cuda`) or torchvision (marked
 `torchvision`), skipped, saying why, where it is missing.
 
@@ -69,6 +69,24 @@ def thinking_checkpoint(demo_checkpoint: Path, tmp_path_factory: pytest.TempPath
 def captioner_checkpoint(demo_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen3-Omni Captioner (checkpoint_family.py)."""
     return write_captioner(demo_checkpoint, tmp_path_factory.mktemp("family") / "captioner")
+
+
+@pytest.fixture(scope="module")
+def thinking(demo_settings: Settings, thinking_checkpoint: Path):
+    """The whole app on the tiny Thinking checkpoint, for one test file."""
+    from omni_local.api import OmniLocal
+
+    with OmniLocal(demo_settings.replace(model=str(thinking_checkpoint))) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def captioner(demo_settings: Settings, captioner_checkpoint: Path):
+    """The whole app on the tiny Captioner checkpoint, for one test file."""
+    from omni_local.api import OmniLocal
+
+    with OmniLocal(demo_settings.replace(model=str(captioner_checkpoint))) as running:
+        yield running
 
 
 @pytest.fixture(scope="session")

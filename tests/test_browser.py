@@ -13,10 +13,10 @@ from bad_files import media_error
 from browser_page import (
     AUDIO_ELEMENTS_JS, METRICS, PHONE, answered_again, as_shown, ask, assert_each_chunk_played_as_it_came,
     assert_message_box_uncovered, bot_texts, chat_files, choose_chat, clear, delete_chat, drop_file,
-    edit_last_question, latest_saved, new_chat, play_spoken_reply_again, reload, rename, saved_chats,
-    set_longest_reply, set_speak_replies, shown_messages, shown_title, stop, wait_for_answer, wait_for_metrics,
-    wait_for_note, wait_for_reply_to_start, wait_for_streaming_recorder, wait_until, wait_until_saved_as_shown,
-    watch_first_reply, window_chunks_in_order,
+    edit_last_question, edit_retry_and_undo, latest_saved, new_chat, play_spoken_reply_again, reload, rename,
+    saved_chats, set_longest_reply, set_speak_replies, shown_messages, shown_title, stop, wait_for_answer,
+    wait_for_metrics, wait_for_note, wait_for_reply_to_start, wait_for_streaming_recorder, wait_until,
+    wait_until_saved_as_shown, watch_first_reply, window_chunks_in_order,
 )
 from served_app import ServedApp, served_app
 
@@ -241,14 +241,7 @@ def test_one_chat_walked_through_every_action_is_saved_as_the_page_shows_it_afte
     ask(page, "Walk: the second question")
     wait_for_metrics(page, 2)
     saved_as_shown("asked-again")
-    answered_again(page, lambda: edit_last_question(page, "Walk: the second question, edited"))
-    assert [text for who, text in shown_messages(page) if who == "user"][-1] == "Walk: the second question, edited"
-    saved_as_shown("edited")
-    answered_again(page, lambda: page.get_by_role("button", name="Retry").click())
-    saved_as_shown("retried")
-    page.get_by_role("button", name="Undo").click()
-    page.wait_for_function("() => document.querySelectorAll('[data-testid=user]').length === 1")
-    saved_as_shown("undone")
+    edit_retry_and_undo(page, "Walk: the second question, edited", saved_as_shown)
     set_longest_reply(page, LONG_REPLY_TOKENS)
     ask(page, "Keep counting.")  # after the first reply, cut mid-count, the count goes on
     wait_for_reply_to_start(page, "Keep counting.")

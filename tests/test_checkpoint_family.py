@@ -24,18 +24,6 @@ QUESTION = "Tell me a story about a lighthouse keeper."
 LIMIT = 8  # reasoning tokens, well within NEW_TOKENS
 
 
-@pytest.fixture(scope="module")
-def thinking(demo_settings, thinking_checkpoint):
-    with OmniLocal(demo_settings.replace(model=str(thinking_checkpoint))) as app:
-        yield app
-
-
-@pytest.fixture(scope="module")
-def captioner(demo_settings, captioner_checkpoint):
-    with OmniLocal(demo_settings.replace(model=str(captioner_checkpoint))) as app:
-        yield app
-
-
 def _marks(app: OmniLocal):
     return reasoning_marks(app.backend.loaded.processor.tokenizer)
 

@@ -18,12 +18,6 @@ LIMIT = 6  # reasoning tokens
 
 
 @pytest.fixture(scope="module")
-def thinking(demo_settings, thinking_checkpoint):
-    with OmniLocal(demo_settings.replace(model=str(thinking_checkpoint))) as app:
-        yield app
-
-
-@pytest.fixture(scope="module")
 def api(thinking) -> openai.OpenAI:
     http = TestClient(Starlette(routes=[api_mount(thinking, None)]))
     return openai.OpenAI(base_url=f"{http.base_url}/v1", api_key="none", http_client=http, max_retries=0)

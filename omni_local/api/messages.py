@@ -56,6 +56,15 @@ def reply_key(text: str, reasoning: str = "") -> str:
     made it of (and so its cached KV, which text tokenized anew could miss). Gradio's chatbot cleans
     each text as a docstring (`inspect.cleandoc`: tabs expanded, indentation and the ends' blank
     lines removed); an API client may do the same, or trim the ends. Two replies with one answer
-    but different reasoning are different replies."""
-    answer = inspect.cleandoc(text).strip()
-    return f"{inspect.cleandoc(reasoning).strip()}\0{answer}" if reasoning else answer
+    but different reasoning are different replies; a reasoning of white space alone is none."""
+    answer, reasoning = _cleaned(text), _cleaned(reasoning)
+    return f"{reasoning}\0{answer}" if reasoning else answer
+
+
+def _cleaned(text: str) -> str:
+    """`text` cleaned as a docstring and trimmed, again until that changes nothing: a text cleaned
+    once can change when cleaned again (a blank first line leaves the next line's indentation in
+    the margin), and the page sends back the text Gradio cleaned."""
+    while (cleaned := inspect.cleandoc(text).strip()) != text:
+        text = cleaned
+    return text

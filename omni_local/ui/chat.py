@@ -21,7 +21,7 @@ import gradio as gr
 
 from omni_local.api import OmniLocal, Reply
 from omni_local.cache.folders import private_folder
-from omni_local.api.events import AudioChunk, Finished, TextDelta
+from omni_local.api.events import AudioChunk, Finished, ReasoningDelta, TextDelta
 from omni_local.errors import OmniLocalError, RequestError
 from omni_local.ui import sidebar
 from omni_local.ui.access import upload_folder
@@ -33,6 +33,8 @@ from omni_local.ui.history import (
     error_message,
     finished_reply,
     question,
+    saved_streaming_reply,
+    streaming_reply,
     to_messages,
 )
 from omni_local.ui.layout import CLOSE_SIDEBAR_ON_PHONES_JS, Page, context_use, lay_out
@@ -98,7 +100,8 @@ class ChatTurns:
         listed = sidebar.chooser(store, memory.session_id)  # a new chat is in the list once asked
         try:
             session = self.app.session(system_prompt=system_prompt or None, session_id=memory.session_id)
-            session.history += to_messages(history, self.app, memory)
+            if self.app.info.kind != "captioner":  # it captions each clip alone: earlier clips are not decoded again
+                session.history += to_messages(history, self.app, memory)
             options = {"max_new_tokens": int(max_new_tokens), "temperature": temperature, "top_p": top_p}
             if speak:
                 options |= {"speak": True, "voice": voice}
@@ -121,21 +124,24 @@ class ChatTurns:
 
     def _stream(self, turn: Turn, memory: ChatMemory, listed: Any) -> Iterator[tuple[Any, ...]]:
         """The turn's updates; the list of chats goes with the first (it holds the chat once asked)."""
-        text, chunks, saved_at = "", 0, time.monotonic()
+        reasoning, text, chunks, saved_at = "", "", 0, time.monotonic()
         try:
             for event in turn.reply:
                 if memory.left:  # its chat is no longer shown: the reply stops (in respond), saved in its own
                     return
                 update: tuple[Any, ...] | None = None
-                if isinstance(event, TextDelta):
-                    text += event.text
-                    update = _update(text, chats=listed)
+                if isinstance(event, (ReasoningDelta, TextDelta)):
+                    if isinstance(event, ReasoningDelta):
+                        reasoning += event.text
+                    else:
+                        text += event.text
+                    update = _update(streaming_reply(reasoning, text), chats=listed)
                     if time.monotonic() - saved_at > SAVE_EVERY_S:
-                        _save(turn.store, [*turn.asked, {"role": "assistant", "content": text}], turn.system_prompt,
+                        _save(turn.store, [*turn.asked, *saved_streaming_reply(reasoning, text)], turn.system_prompt,
                               memory)
                         saved_at = time.monotonic()
                 elif isinstance(event, AudioChunk):
-                    update = _update(text, audio=audio_payload(event, chunks), chats=listed)
+                    update = _update(streaming_reply(reasoning, text), audio=audio_payload(event, chunks), chats=listed)
                     chunks += 1
                 elif isinstance(event, Finished):
                     update = _update(self._end(turn, memory, event), context=turn.context, chats=listed)

@@ -35,7 +35,7 @@ class SavedChat:
     title: str = ""  # empty until the first question (or a rename) names it
     system_prompt: str = ""
     history: list[dict[str, Any]] = field(default_factory=list)  # Gradio's messages
-    replies: dict[str, list[int]] = field(default_factory=dict)  # reply text, stripped -> its token ids
+    replies: dict[str, list[int]] = field(default_factory=dict)  # reply_key(answer, reasoning) -> its token ids
     updated: float = field(default_factory=time.time)
     created: float = field(default_factory=time.time)
     revision: int = 0  # saves so far: a page that saw an older one has missed another tab's change
@@ -136,7 +136,9 @@ class ChatStore:
         if problem:
             log.warning("saved chat %s skipped: %s", path.name, problem)
             return None
-        chat.replies = {reply_key(text): ids for text, ids in chat.replies.items()}  # older files kept them as made
+        # Older files kept replies' texts as made. A key with a NUL, a reasoned reply's, was made by
+        # reply_key as it is (and made again from the whole key could differ).
+        chat.replies = {text if "\0" in text else reply_key(text): ids for text, ids in chat.replies.items()}
         return chat
 
 

@@ -4,8 +4,10 @@ Gradio keeps the visible history; each turn rebuilds the conversation from it, s
 edit (built into ChatInterface) need nothing from us. The shown chat keeps a `ChatMemory`: its
 session id (the saved chat's id), so every turn continues its own prefix-cache entry, and each
 reply's token ids, so the next prompt holds the reply exactly as generated and its cached KV is
-reused in full. Errors appear as a marked message in the chat and are left out of what the model
-sees. The WAV files a chat shows and owns, its spoken replies and voice questions, are written here.
+reused in full. A Thinking checkpoint's reasoning is a titled message before its answer, which
+Gradio folds (open while it streams); the model is given it back apart from the answer. Errors
+appear as a marked message in the chat and are left out of what the model sees. The WAV files a
+chat shows and owns, its spoken replies and voice questions, are written here.
 """
 
 import uuid
@@ -32,6 +34,7 @@ IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif"}
 AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".mp3"}
 VIDEO_SUFFIXES = {".mp4", ".webm", ".mov"}
 ERROR_TITLE = "Error"
+REASONING_TITLE = "Reasoning"
 SPOKEN_TITLE = "Spoken reply"
 # WAV files the app writes into the uploads folder, files of one chat's own (deleted with it).
 REPLY_PREFIX = "reply-"  # a spoken reply; a voice question's is chats.UTTERANCE_PREFIX
@@ -44,7 +47,7 @@ KEPT_MEDIA_BYTES = 512 << 20
 @dataclass
 class ChatMemory:
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    replies: dict[str, list[int]] = field(default_factory=dict)  # reply text (see reply_key) -> its token ids
+    replies: dict[str, list[int]] = field(default_factory=dict)  # reply_key(answer, reasoning) -> its token ids
     media: dict[str, Part] = field(default_factory=dict)  # upload path -> decoded, the most recently used last
     left: bool = False  # the page has opened another chat: this one's reply must not show there
     deleted: bool = False  # the chat was deleted: nothing saves it again
@@ -73,12 +76,40 @@ class ChatMemory:
             total -= _nbytes(self.media.pop(next(iter(self.media))))
 
 
+def streaming_reply(reasoning: str, text: str) -> str | list[gr.ChatMessage]:
+    """A reply as it streams: its text, or, once it reasoned, its reasoning, open until the answer
+    begins, then folded above the answer so far. (Reasoning of white space alone is none, as for
+    reply_key.)"""
+    if not reasoning.strip():
+        return text
+    return [reasoning_message(reasoning, streaming=not text), *([gr.ChatMessage(content=text)] if text else [])]
+
+
+def saved_streaming_reply(reasoning: str, text: str) -> list[dict[str, Any]]:
+    """A reply still streaming as its chat is saved: its reasoning folded, as a reloaded page shows
+    a reply that no longer streams."""
+    saved = [as_dict(reasoning_message(reasoning, streaming=False))] if reasoning.strip() else []
+    if text or not saved:
+        saved.append({"role": "assistant", "content": text})
+    return saved
+
+
+def reasoning_message(reasoning: str, streaming: bool) -> gr.ChatMessage:
+    """A reply's reasoning, a titled message: Gradio shows it open while its status is pending and
+    folds it once done."""
+    return gr.ChatMessage(content=reasoning, metadata={"title": REASONING_TITLE,
+                                                       "status": "pending" if streaming else "done"})
+
+
 def finished_reply(event: Finished, audio: np.ndarray, uploads: Path, memory: ChatMemory) -> list[gr.ChatMessage]:
-    """A finished reply as the chat shows it: its text, its speech (kept in `uploads`, to play
-    again) and its metrics. Its token ids are remembered for the next turn's prompt."""
+    """A finished reply as the chat shows it: its reasoning (folded), its text, its speech (kept in
+    `uploads`, to play again) and its metrics. Its token ids are remembered for the next turn's
+    prompt. A reply stopped while it reasoned shows its reasoning and no answer."""
     if event.token_ids is not None:  # a remote server's replies have none: the next prompt sends their text
-        memory.replies[reply_key(event.text)] = event.token_ids
-    shown = [gr.ChatMessage(content=event.text)]
+        memory.replies[reply_key(event.text, event.reasoning)] = event.token_ids
+    shown = [reasoning_message(event.reasoning, streaming=False)] if event.reasoning.strip() else []
+    if event.text or not shown:
+        shown.append(gr.ChatMessage(content=event.text))
     kept = keep_audio(uploads, audio) if audio.size else None
     if kept is not None:
         shown.append(gr.ChatMessage(content={"path": str(kept)}, metadata={"title": SPOKEN_TITLE}))
@@ -124,12 +155,19 @@ def to_messages(history: list[dict[str, Any]], app: OmniLocal, memory: ChatMemor
 
     Gradio 6 keeps one user entry per turn (text and files together). A question answered by an
     error, or by nothing (stopped early), never reached the model: it is dropped before its files
-    are read, so a bad upload cannot fail every later turn. Error and metrics notes are left out.
+    are read, so a bad upload cannot fail every later turn. A reply is its reasoning message (if it
+    reasoned) and its answer, one assistant message; error, speech and metrics notes are left out.
     """
     memory = memory or ChatMemory()
 
     def parts(message: dict[str, Any]) -> list[Part]:
         return _parts(message, lambda path: _remembered(path, app, memory))
+
+    def add(reply: Message, entry: dict[str, Any], title: str | None) -> None:
+        if title == REASONING_TITLE:
+            reply.reasoning += "".join(text for block in blocks(entry) if (text := block_text(block)) is not None)
+        else:
+            reply.parts += parts(entry)
 
     messages: list[Message] = []
     asked: dict[str, Any] | None = None  # the last user entry, until its reply comes
@@ -139,16 +177,16 @@ def to_messages(history: list[dict[str, Any]], app: OmniLocal, memory: ChatMemor
             asked = entry
         elif title == ERROR_TITLE:
             asked = None
-        elif title:
+        elif title and title != REASONING_TITLE:
             continue
-        elif asked is not None:
-            answer = parts(entry)
-            ids = memory.replies.get(reply_key("".join(p for p in answer if isinstance(p, str))))
-            question_parts = sorted(parts(asked), key=_send_order)
-            messages += [Message("user", question_parts), Message("assistant", answer, token_ids=ids)]
+        elif asked is not None:  # the reply begins: its reasoning, or its answer
+            messages += [Message("user", sorted(parts(asked), key=_send_order)), Message("assistant")]
+            add(messages[-1], entry, title)
             asked = None
         elif messages:
-            messages[-1].parts += parts(entry)  # one reply shown as several messages
+            add(messages[-1], entry, title)  # one reply shown as several messages
+    for reply in messages[1::2]:  # questions and replies, in turn
+        reply.token_ids = memory.replies.get(reply_key(reply.text, reply.reasoning))
     return messages
 
 

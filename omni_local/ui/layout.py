@@ -45,29 +45,27 @@ class Page:
 
 
 def lay_out(app: OmniLocal, respond: Callable, voices: list[str]) -> Page:
-    """The page's parts, `respond` answering the chat's messages."""
-    textbox = gr.MultimodalTextbox(
-        file_types=sorted(IMAGE_SUFFIXES | AUDIO_SUFFIXES | VIDEO_SUFFIXES),
-        file_count="multiple",
-        sources=["upload", "microphone"],
-        placeholder="Ask something, or drop an image, audio or video file here",
-        stop_btn=True,  # a custom textbox keeps its own (off by default): ChatInterface's is ignored
-    )
+    """The page's parts, `respond` answering the chat's messages. The Captioner's page takes audio
+    alone and has no system prompt (it captions each clip as it is); a checkpoint without a Talker
+    has no speech settings."""
+    captioner, talker = app.info.kind == "captioner", app.info.kind == "instruct"
+    textbox = message_box(captioner)  # made outside the page: ChatInterface renders it in its place
     with gr.Blocks(title=f"omni_local · {app.info.model}", fill_height=True) as ui:
         gr.Markdown(header(app), elem_id="omni-header")
         memory = gr.State(ChatMemory())  # each page's own (ChatMemory.__deepcopy__)
         audio_feed = gr.JSON(visible=False)
         # Rendered by ChatInterface, under "Additional inputs"; voice mode asks with them too.
-        system = gr.Textbox(label="System prompt", lines=2, render=False)
+        system = gr.Textbox(label="System prompt", lines=2, visible=not captioner, render=False)
         longest = gr.Slider(1, longest_reply(app), value=min(app.settings.max_new_tokens, longest_reply(app)), step=1,
                             label="Longest reply (tokens)", render=False)
         temperature = gr.Slider(0.0, 2.0, value=app.settings.temperature, step=0.05,
                                 label="Temperature (0 is greedy)", render=False)
         top_p = gr.Slider(0.05, 1.0, value=app.settings.top_p, step=0.05, label="Top-p", render=False)
-        speak = gr.Checkbox(value=False, render=False, interactive=bool(voices),
+        speak = gr.Checkbox(value=False, render=False, interactive=bool(voices), visible=talker,
                             label="Speak replies" if voices else "Speak replies (start the app with --speech true)")
         # An unknown voice is the engine's clear error, like any request's.
-        voice = gr.Dropdown(voices, value=app.settings.voice, label="Voice", allow_custom_value=True, render=False)
+        voice = gr.Dropdown(voices, value=app.settings.voice, label="Voice", allow_custom_value=True, visible=talker,
+                            render=False)
         # Under the chat; each reply updates it, so it is one of the chat's outputs.
         context_use = gr.Markdown("", label="Context", elem_id="context-use", render=False)
         with gr.Sidebar(label="Chats", open=True):
@@ -93,6 +91,23 @@ def lay_out(app: OmniLocal, respond: Callable, voices: list[str]) -> Page:
         shown_id = gr.Textbox(visible=False)
     return Page(ui, chat, memory, audio_feed, [system, longest, temperature, top_p, voice], speak, new_chat, chooser,
                 title, rename, delete, shown_id, context_use)
+
+
+def message_box(captioner: bool) -> gr.MultimodalTextbox:
+    """The box a question is asked in: text and files of every kind the model takes, or for the
+    Captioner one audio clip (Gradio's box always takes typed text too: sent, it is refused saying why)."""
+    if captioner:
+        types, count, placeholder = AUDIO_SUFFIXES, "single", "Drop an audio file here to caption it, or record one"
+    else:
+        types, count = IMAGE_SUFFIXES | AUDIO_SUFFIXES | VIDEO_SUFFIXES, "multiple"
+        placeholder = "Ask something, or drop an image, audio or video file here"
+    return gr.MultimodalTextbox(
+        file_types=sorted(types),
+        file_count=count,
+        sources=["upload", "microphone"],
+        placeholder=placeholder,
+        stop_btn=True,  # a custom textbox keeps its own (off by default): ChatInterface's is ignored
+    )
 
 
 def header(app: OmniLocal) -> str:
