@@ -33,16 +33,6 @@ def test_the_torch_backend_is_transformers_own_moe_block_bit_for_bit(speaking_ap
     assert torch.equal(mlp_output(mlp, hidden, TORCH), mlp(hidden))
 
 
-@torch.inference_mode()
-def test_the_triton_backend_leaves_an_input_over_its_longest_to_transformers_experts(speaking_app, monkeypatch):
-    mlp = moe_blocks(speaking_app.backend.loaded.model)["thinker"]
-    triton = moe_backend("triton", mlp.gate.weight.device)
-    monkeypatch.setattr(triton, "longest_tokens", 8)
-    hidden = hidden_for(mlp, 9)
-
-    assert torch.equal(mlp_output(mlp, hidden, triton), mlp_output(mlp, hidden, TORCH))
-
-
 @pytest.mark.parametrize("block", ["thinker", "talker, with its shared expert"])
 @pytest.mark.parametrize("tokens", [1, 23])
 @torch.inference_mode()
