@@ -163,6 +163,8 @@ def main() -> None:
             if way == "replay" and all(category(name) == KV for work in profiled for name, _ in work):
                 print("The profiler recorded no kernel of the graph's replay: profiling the eager step instead.\n")
                 way, profiled = "eager", profiled_steps(steps["eager"], args.runs, cuda)
+            if not any(profiled):
+                raise SystemExit("The profiler recorded no kernel at all: on a GPU, torch's profiler needs CUPTI")
             walls = {name: median_wall_ms(step, args.runs) for name, step in steps.items()}
         what = "kernels" if cuda else "ATen ops, self CPU time"
         print(f"Thinker decode step by kernel category ({way}, MoE backend {runner.regions.moe.name}), "
