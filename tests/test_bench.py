@@ -9,6 +9,9 @@ from pathlib import Path
 from transformers.utils import is_torchvision_available
 
 from omni_local.bench.beside import longest_gap
+from omni_local.bench.profile_decode import (
+    ATTENTION, CATEGORIES, DENSE, ELEMENTWISE, EXPERTS, KV, OTHER, ROUTING, category,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE_ON, CACHE_OFF = "omni_local, cache on", "omni_local, cache off"
@@ -89,15 +92,21 @@ def test_the_bench_smoke_run_times_every_scenario_and_the_cache_rows_compute_onl
     assert all("rtf" in rows[scenario, system] for scenario in spoken for system in EXPECTED[scenario])
 
 
-def test_the_decode_step_bench_smoke_run_prints_a_step_time_for_each_batch_and_context(
-    demo_settings, demo_checkpoint, tmp_path
-):
-    done = subprocess.run(
-        [sys.executable, "-m", "omni_local.bench.decode_steps", "--runs", "1", "--device", "cpu",
+def run_part_bench(module: str, demo_settings, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """`python -m omni_local.bench.<module> *args` on the demo model on the CPU, with KV for 32 chats
+    of 1,024 tokens."""
+    return subprocess.run(
+        [sys.executable, "-m", f"omni_local.bench.{module}", *args, "--device", "cpu",
          "--demo-dir", str(demo_settings.demo_path), "--cache-dir", str(tmp_path / "cache"),
          "--gpu-cache-bytes", str(64 << 20), "--max-context-tokens", "1024", "--max-prompt-tokens", "960"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )
+
+
+def test_the_decode_step_bench_smoke_run_prints_a_step_time_for_each_batch_and_context(
+    demo_settings, demo_checkpoint, tmp_path
+):
+    done = run_part_bench("decode_steps", demo_settings, tmp_path, "--runs", "1")
     assert done.returncode == 0, done.stderr
     table = [line for line in done.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [line.split(" | ")[0] for line in table] == ["| 1", "| 2", "| 4", "| 8", "| 16"][: len(table)]
@@ -117,15 +126,53 @@ def test_the_decode_step_bench_runs_the_moe_backend_and_the_rows_and_columns_ask
 ):
     # The triton backend on the CPU runs in Triton's interpreter: conftest.py sets it for this
     # process, and the bench inherits it.
-    done = subprocess.run(
-        [sys.executable, "-m", "omni_local.bench.decode_steps", "--runs", "1", "--device", "cpu",
-         "--moe-backend", "triton", "--chats", "1", "2", "--contexts", "256",
-         "--demo-dir", str(demo_settings.demo_path), "--cache-dir", str(tmp_path / "cache"),
-         "--gpu-cache-bytes", str(64 << 20), "--max-context-tokens", "1024", "--max-prompt-tokens", "960"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )
+    done = run_part_bench("decode_steps", demo_settings, tmp_path, "--runs", "1", "--moe-backend", "triton",
+                          "--chats", "1", "2", "--contexts", "256")
     assert done.returncode == 0, done.stderr
     assert "MoE backend triton" in done.stdout
     assert "| chats | context 256 |" in done.stdout
     table = [line for line in done.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [line.split(" | ")[0] for line in table] == ["| 1", "| 2"]
+
+
+def test_the_decode_profile_smoke_run_prints_every_category_and_their_times_add_up_to_the_total(
+    demo_settings, demo_checkpoint, tmp_path
+):
+    done = run_part_bench("profile_decode", demo_settings, tmp_path, "--runs", "2", "--chats", "1", "--context", "64")
+    assert done.returncode == 0, done.stderr
+    assert "(eager, MoE backend torch), 1 chats at 64 rows of context" in done.stdout
+    assert "| category | kernels per step | ms per step | share |" in done.stdout
+    rows = [line.strip("| ").split(" | ") for line in done.stdout.splitlines()
+            if line.startswith("| ") and not line.startswith(("| category", "| ---"))]
+    assert [row[0] for row in rows] == [*CATEGORIES, "total"]
+    *categories, (_, kernels, ms, share) = rows
+    assert float(ms) > 0 and share == "100.0%"
+    assert abs(sum(float(row[2]) for row in categories) - float(ms)) <= 0.001 * len(categories)  # each cell rounded
+    assert sum(float(row[1]) for row in categories) == float(kernels)
+    assert float(dict((row[0], row[2]) for row in categories)[DENSE]) > 0  # the projections and lm_head ran
+    assert "Wall time per step, unprofiled, median of 2: eager " in done.stdout
+
+
+def test_the_decode_profile_puts_each_backends_kernels_and_the_compiled_layers_fusions_in_their_category():
+    names = {
+        "_gate_up_kernel": EXPERTS, "_down_kernel": EXPERTS,  # the triton backend's experts
+        "void cutlass::device_kernel<GemmUniversal<cutlass::gemm::GroupProblemShape<cute::tuple<int, int, int>>>>":
+            EXPERTS,  # torch._grouped_mm
+        "aten::_grouped_mm": EXPERTS,
+        "_route_kernel": ROUTING, "_sort_kernel": ROUTING,
+        "void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>": ROUTING,
+        "void at::native::bitonicSortKVInPlace<-2, -1, 16, 16, long, long>": ROUTING,
+        "void at::native::kernelHistogram1D<float, int, long, 1, 2, -1>": ROUTING,
+        "void at::native::index_put_with_sort_kernel<float>": KV,  # the cache write, whatever its name holds
+        "void at::native::indexSelectSmallIndex<c10::BFloat16, long, unsigned int, 2, 2, -2>": KV,
+        "Memcpy DtoD (Device -> Device)": KV,
+        "triton_poi_fused__to_copy_add_mul_0": ELEMENTWISE,  # inductor's fusion, not a copy
+        "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_1": ELEMENTWISE,
+        "fmha_cutlassF_bf16_aligned_64x128_rf_sm80": ATTENTION,
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x64_4x1x1": ATTENTION,
+        "nvjet_tst_64x8_64x16_4x1_v_bz_TNT": DENSE, "void gemv2T_kernel_val<int, int, __nv_bfloat16>": DENSE,
+        "aten::addmm": DENSE,
+        "aten::expand": OTHER, "aten::div_": ELEMENTWISE,
+        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": ELEMENTWISE,
+    }
+    assert {name: category(name) for name in names} == names

@@ -38,6 +38,12 @@ def elapsed_s(call: Callable[[], object]) -> float:
     return synced_now() - start
 
 
+def median_wall_ms(call: Callable[[], object], runs: int) -> float:
+    """Median milliseconds of `call` over `runs` calls, after one warm-up call."""
+    call()
+    return statistics.median(elapsed_s(call) * 1e3 for _ in range(runs))
+
+
 def synced_now() -> float:
     """The clock, read once the GPU's queued work is done."""
     if torch.cuda.is_available():

@@ -14,29 +14,45 @@ rows before it as they are (their values do not change the time); the step is ti
 of --runs after a warm-up step.
 """
 
-import statistics
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
 
 import torch
 
 from omni_local.api import OmniLocal
-from omni_local.bench.common import bench_parser, elapsed_s, settings_and_model
+from omni_local.bench.common import bench_parser, median_wall_ms, settings_and_model
 from omni_local.engine.thinker import ThinkerRunner
 
 BATCHES = [1, 2, 4, 8, 16]
 CONTEXTS = [256, 1024, 4096]
 
 
-def step_ms(runner: ThinkerRunner, batch: int, context: int, runs: int) -> float:
+@contextmanager
+def held_slots(runner: ThinkerRunner, batch: int) -> Iterator[list[int]]:
+    """`batch` of the runner's free slots, given back after. The engine's worker is idle: the slots
+    it does not hold are ours for the steps."""
     slots = [runner.kv.allocate() for _ in range(batch)]
     try:
-        def step() -> None:
-            runner.decode(slots, [0] * batch, [context - 1] * batch, [0] * batch)
-
-        step()
-        return statistics.median(elapsed_s(step) * 1e3 for _ in range(runs))
+        yield slots
     finally:
         for slot in slots:
             runner.kv.release(slot)
+
+
+def decode_step(runner: ThinkerRunner, slots: list[int], context: int) -> Callable[[], object]:
+    """The step timed here: each slot's chat decodes token 0 at row `context - 1`."""
+    batch = len(slots)
+    return partial(runner.decode, slots, [0] * batch, [context - 1] * batch, [0] * batch)
+
+
+def device_label(runner: ThinkerRunner) -> str:
+    return f"device {torch.cuda.get_device_name() if runner.device.type == 'cuda' else 'cpu'}, dtype {runner.dtype}"
+
+
+def step_ms(runner: ThinkerRunner, batch: int, context: int, runs: int) -> float:
+    with held_slots(runner, batch) as slots:
+        return median_wall_ms(decode_step(runner, slots, context), runs)
 
 
 def main() -> None:
@@ -47,13 +63,11 @@ def main() -> None:
     settings, loaded = settings_and_model(args)
     with OmniLocal(settings, loaded=loaded) as app:
         runner = app.backend.engine.runner
-        # The engine's worker is idle: the slots it does not hold are ours for the steps.
         batches = [b for b in args.chats if b <= runner.kv.free_slots]
         contexts = [c for c in args.contexts if c <= runner.kv.shape.max_tokens]
         graphed = "graphed" if runner.decode_graphs is not None else "eager"
         print(f"Thinker decode step ({graphed}, MoE backend {runner.regions.moe.name}), ms per step, median of "
-              f"{args.runs}; device {torch.cuda.get_device_name() if runner.device.type == 'cuda' else 'cpu'}, "
-              f"dtype {runner.dtype}\n")
+              f"{args.runs}; {device_label(runner)}\n")
         print("| chats | " + " | ".join(f"context {c}" for c in contexts) + " |")
         print("| --- |" + " --- |" * len(contexts))
         for batch in batches:
