@@ -140,6 +140,11 @@ def test_a_saved_chat_of_the_wrong_shape_is_skipped_with_a_warning_and_the_other
     assert any("saved chat" in record.message and "skipped" in record.message for record in caplog.records)
 
 
+def test_a_chat_begun_with_files_alone_is_named_after_the_first(tmp_path):
+    clip = {"path": str(tmp_path / "birdsong at dawn.wav")}
+    assert SavedChat(history=[{"role": "user", "content": [clip]}]).shown_title == "birdsong at dawn.wav"
+
+
 def test_a_title_is_the_first_question_on_one_line_and_a_voice_chat_is_named_by_its_time(tmp_path):
     two_lines = SavedChat(history=[{"role": "user", "content": ["What is\nthis  thing?"]}])
     assert two_lines.shown_title == "What is this thing?"

@@ -43,13 +43,20 @@ class SavedChat:
 
     @property
     def shown_title(self) -> str:
-        return self.title or first_question(self.history) or self._voice_title() or "New chat"
+        return (self.title or first_question(self.history) or self._voice_title() or self._file_title()
+                or "New chat")
 
     def _voice_title(self) -> str:
         """"Voice chat, 14:05" for a chat that began with a recording and no text."""
         spoken = any(Path(file_path(block) or "").name.startswith(UTTERANCE_PREFIX)
                      for message in self.history[:1] for block in blocks(message))
         return f"Voice chat, {time.strftime('%H:%M', time.localtime(self.created))}" if spoken else ""
+
+    def _file_title(self) -> str:
+        """The first file's name, for a chat that began with files and no text (a clip to caption)."""
+        names = [Path(path).name for message in self.history[:1] for block in blocks(message)
+                 if (path := file_path(block))]
+        return _cut(names[0]) if names else ""
 
 
 def first_question(history: list[dict[str, Any]]) -> str:
@@ -59,8 +66,12 @@ def first_question(history: list[dict[str, Any]]) -> str:
             words = " ".join(text for block in blocks(message) if (text := block_text(block)) is not None).split()
             text = " ".join(words)
             if text:
-                return text if len(text) <= TITLE_CHARS else text[: TITLE_CHARS - 1] + "…"
+                return _cut(text)
     return ""
+
+
+def _cut(title: str) -> str:
+    return title if len(title) <= TITLE_CHARS else title[: TITLE_CHARS - 1] + "…"
 
 
 class ChatStore:
