@@ -4,7 +4,7 @@ import numpy as np
 import torch
 
 from omni_local.cache.digests import token_keys
-from omni_local.cache.prefix_cache import PrefixCache
+from omni_local.engine.prefix_cache import PrefixCache
 from omni_local.engine.kv_store import KVShape, KVStore
 from omni_local.prompts import MediaItem, Prompt
 

@@ -47,7 +47,7 @@ from omni_local.api.messages import Message
 from omni_local.api.params import SamplingParams, SpeechParams
 from omni_local.cache.encoder_cache import EncoderCache, encoder_namespace
 from omni_local.cache.folders import keep_compiled_code_in
-from omni_local.cache.prefix_cache import PrefixCache
+from omni_local.engine.prefix_cache import PrefixCache
 from omni_local.engine.context_window import fit_prompt
 from omni_local.engine.detokenizer import IncrementalDetokenizer
 from omni_local.engine.encoders import Encoders

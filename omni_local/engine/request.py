@@ -18,7 +18,7 @@ from omni_local.api.events import (
 )
 from omni_local.api.messages import Message
 from omni_local.api.params import SamplingParams, SpeechParams
-from omni_local.cache.prefix_cache import Claim
+from omni_local.engine.prefix_cache import Claim
 from omni_local.engine.detokenizer import IncrementalDetokenizer
 from omni_local.engine.reasoning import ReasoningText
 from omni_local.engine.speech import SpokenReply

@@ -21,7 +21,7 @@ import torch
 
 from omni_local.api.events import SPEECH_SAMPLE_RATE, SpeechReport
 from omni_local.api.params import SamplingParams, SpeechParams
-from omni_local.cache.prefix_cache import Claim, Match, PrefixCache, common_prefix
+from omni_local.engine.prefix_cache import Claim, Match, PrefixCache, common_prefix
 from omni_local.engine.kv_store import KVStore
 from omni_local.engine.moe import TORCH, MoeBackend
 from omni_local.engine.sampling import Sampler
