@@ -18,10 +18,10 @@ import torch
 
 from samples import clip
 from omni_local.api import OmniLocal
-from omni_local.engine.prefix_cache import PrefixCache
 from omni_local.engine.cuda_graphs import SMALLEST_BUCKET
 from omni_local.engine.engine import NOT_A_NUMBER
 from omni_local.engine.kv_store import GraphedSlotWriter, KVStore
+from omni_local.engine.prefix_cache import PrefixCache
 from omni_local.engine.thinker import ThinkerRunner
 from omni_local.errors import RequestError
 from omni_local.api.messages import Message

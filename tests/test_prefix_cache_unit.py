@@ -4,8 +4,8 @@ import numpy as np
 import torch
 
 from omni_local.cache.digests import token_keys
-from omni_local.engine.prefix_cache import PrefixCache
 from omni_local.engine.kv_store import KVShape, KVStore
+from omni_local.engine.prefix_cache import PrefixCache
 from omni_local.prompts import MediaItem, Prompt
 
 SHAPE = KVShape(num_layers=2, kv_heads=1, head_dim=2, max_tokens=32)

@@ -21,9 +21,9 @@ import torch
 
 from omni_local.api.events import SPEECH_SAMPLE_RATE, SpeechReport
 from omni_local.api.params import SamplingParams, SpeechParams
-from omni_local.engine.prefix_cache import Claim, Match, PrefixCache, common_prefix
 from omni_local.engine.kv_store import KVStore
 from omni_local.engine.moe import TORCH, MoeBackend
+from omni_local.engine.prefix_cache import Claim, Match, PrefixCache, common_prefix
 from omni_local.engine.sampling import Sampler
 from omni_local.engine.talker import OPENING_ROWS, TalkerPrompt, TalkerRunner, user_positions
 from omni_local.engine.vocoder import AudioStream, Vocoder

@@ -27,7 +27,7 @@ from omni_local.engine.decoder_stack import LayerRegions, mrope_positions, run_l
 from omni_local.engine.kv_store import GraphedSlotWriter, KVShape, KVStore, SlotWriter
 from omni_local.engine.host_copies import Readback, to_device
 from omni_local.engine.moe import TORCH, MoeBackend
-from omni_local.engine.sampling import SampleBatch, SlotSampler
+from omni_local.engine.sampling import SampleBatch, SeatSampler
 from omni_local.errors import RequestError
 from omni_local.prompts import Prompt
 
@@ -103,7 +103,7 @@ class TalkerRunner:
         self.frame_graph: StaticGraph | None = None  # set once captured, by warm_up
         # The code predictor's sampling row: a reply's parameters and seed are loaded into it at
         # each frame (spoken replies take turns), at fixed addresses the frame's graph reads.
-        self.predictor_sampler = SlotSampler(1, self.predictor.config.vocab_size, self.device)
+        self.predictor_sampler = SeatSampler(1, self.predictor.config.vocab_size, self.device)
         self._row_zero = torch.zeros(1, dtype=torch.long, device=self.device)
         self._no_ids = torch.empty(0, dtype=torch.long, device=self.device)
         # The Talker's and the code predictor's layers, as the Thinker's (on the GPU only).

@@ -4,10 +4,10 @@ transformers' modules do the maths (embedding, encoders, decoder layers, lm_head
 decides what runs when: the encoders for the media of the uncached tail (MediaEncoder), a prefill
 of that tail after the cached rows (whole, or the part of it the engine asks for: a chunk,
 prefill_chunks.py), then one decode step per token, each writing its keys and values into the
-request's slot of the KVStore. On a GPU, with graphs, the decode step of every chat decoding at the
+request's KV slot in the KVStore. On a GPU, with graphs, the decode step of every chat decoding at the
 time runs as one batch, and a prefill of up to `graphed_prefill_tokens` (a chunk, a question, an
 image) replays a CUDA graph too (SlotGraphs), all captured at start-up; longer prefills run
-eagerly. A decode step takes its token ids from the device (the engine's sampler keeps each slot's
+eagerly. A decode step takes its token ids from the device (the engine's sampler keeps each seat's
 last choice there) and its positions through pinned memory, so a graphed step never makes the host
 wait: the engine queues the next one before reading this one.
 """
