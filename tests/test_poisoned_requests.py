@@ -20,7 +20,7 @@ from samples import clip
 from omni_local.api import OmniLocal
 from omni_local.engine.cuda_graphs import SMALLEST_BUCKET
 from omni_local.engine.engine import NOT_A_NUMBER
-from omni_local.engine.kv_store import GraphedSlotWriter, KVStore
+from omni_local.engine.kv_store import GraphedKVWriter, KVStore
 from omni_local.engine.prefix_cache import PrefixCache
 from omni_local.engine.thinker import ThinkerRunner
 from omni_local.errors import RequestError
@@ -174,7 +174,7 @@ def bucket_decode(runner: ThinkerRunner, store: KVStore, slot: int, text: str) -
     first = runner._prefill_step(store.view(slot, 0), prepared.embeds, prepared.positions).argmax(-1)
     index, device = prompt.num_tokens, runner.device
     on_device = torch.tensor([slot, index, 0], device=device)
-    cache = GraphedSlotWriter(store, on_device[:1], on_device[1:2].view(1, 1), on_device[2:], rows=SMALLEST_BUCKET)
+    cache = GraphedKVWriter(store, on_device[:1], on_device[1:2].view(1, 1), on_device[2:], rows=SMALLEST_BUCKET)
     positions = torch.full((3, 1, 1), index + prepared.rope_delta, device=device)
     return runner._decode_step(cache, first[:, None], positions)
 

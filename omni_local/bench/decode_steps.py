@@ -9,7 +9,7 @@ Any setting can be given as for the app: `--moe-backend torch|triton` picks what
 
 The main bench's ITL at c8 or c16 also holds the other chats' prefills, which stall every reply
 while the chats start; this is the steady state after that, when nothing but decoding runs: the time
-per token each chat sees. Each chat decodes at row `context - 1` of its slot, attending over the
+per token each chat sees. Each chat decodes at row `context - 1` of its KV slot, attending over the
 rows before it as they are (their values do not change the time); the step is timed as the median
 of --runs after a warm-up step.
 """
@@ -27,16 +27,16 @@ CONTEXTS = [256, 1024, 4096]
 
 
 def step_ms(runner: ThinkerRunner, batch: int, context: int, runs: int) -> float:
-    slots = [runner.kv.allocate() for _ in range(batch)]
+    kv_slots = [runner.kv.allocate() for _ in range(batch)]
     try:
         def step() -> None:
-            runner.decode(slots, [0] * batch, [context - 1] * batch, [0] * batch)
+            runner.decode(kv_slots, [0] * batch, [context - 1] * batch, [0] * batch)
 
         step()
         return statistics.median(elapsed_s(step) * 1e3 for _ in range(runs))
     finally:
-        for slot in slots:
-            runner.kv.release(slot)
+        for kv_slot in kv_slots:
+            runner.kv.release(kv_slot)
 
 
 def main() -> None:
@@ -47,7 +47,7 @@ def main() -> None:
     settings, loaded = settings_and_model(args)
     with OmniLocal(settings, loaded=loaded) as app:
         runner = app.backend.engine.runner
-        # The engine's worker is idle: the slots it does not hold are ours for the steps.
+        # The engine's worker is idle: the KV slots it does not hold are ours for the steps.
         batches = [b for b in args.chats if b <= runner.kv.free_slots]
         contexts = [c for c in args.contexts if c <= runner.kv.shape.max_tokens]
         graphed = "graphed" if runner.decode_graphs is not None else "eager"
