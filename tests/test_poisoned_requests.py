@@ -157,7 +157,7 @@ def test_a_scrubbed_slot_is_zeroed_and_its_sessions_entry_dropped_even_where_row
     prompt = build_prompt([Message("user", ["Hello."])], app.backend.loaded.processor)
     claim = cache.claim("chat", prompt, cache.match(prompt))
     for layer in store.keys + store.values:
-        layer[claim.entry.slot].fill_(float("nan"))
+        layer[claim.entry.kv_slot].fill_(float("nan"))
 
     cache.discard(claim)
 
@@ -230,8 +230,8 @@ def test_with_cuda_graphs_rows_past_a_chats_end_that_are_not_numbers_never_reach
     entry = poisoned.backend.engine.cache.entries[session.id]
     # What a chat leaves past its end in its slot (garbage, here NaN), read masked by a graph's bucket.
     for layer in kv.keys + kv.values:
-        layer[entry.slot, :, entry.length :].fill_(float("nan"))
-    slot = entry.slot
+        layer[entry.kv_slot, :, entry.length :].fill_(float("nan"))
+    slot = entry.kv_slot
 
     with slots_allocated(kv) as handed:
         replies = [reply(poisoned, poisoned.session(), text) for text in MORE_CHATS]

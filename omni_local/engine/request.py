@@ -75,7 +75,7 @@ class Request:
 
     @property
     def kv_slot(self) -> int:
-        return self.claim.entry.slot
+        return self.claim.entry.kv_slot
 
     @property
     def prefilling(self) -> bool:

@@ -64,7 +64,7 @@ class SpokenReply:
 
     @property
     def kv_slot(self) -> int:
-        return self.claim.entry.slot
+        return self.claim.entry.kv_slot
 
     def report(self, submitted_at: float) -> SpeechReport:
         audio_s = self.stream.sent / SPEECH_SAMPLE_RATE
