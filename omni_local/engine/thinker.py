@@ -55,8 +55,8 @@ class ThinkerRunner:
         shape = KVShape(config.num_hidden_layers, config.num_key_value_heads, head_dim, max_tokens, talker_dim)
         self.device = thinker.lm_head.weight.device
         self.dtype = thinker.lm_head.weight.dtype
-        slots = kv_budget_bytes // shape.slot_bytes(self.dtype)
-        if slots < 1:
+        kv_slots = kv_budget_bytes // shape.slot_bytes(self.dtype)
+        if kv_slots < 1:
             need = shape.slot_bytes(self.dtype)
             raise SettingsError(
                 f"setting 'gpu_cache_bytes' ({kv_budget_bytes:,}) is below the {need:,} bytes one conversation of "
@@ -66,7 +66,7 @@ class ThinkerRunner:
         # Compiled on the GPU only: on the CPU the compile takes longer than it saves.
         self.regions = LayerRegions(compiled=compiled_layers and self.device.type == "cuda", moe=moe)
         self._deepstack_levels = len(self.model.config.vision_config.deepstack_visual_indexes)
-        self.kv = KVStore(shape, slots, self.dtype, self.device, zeroed=self._capture_graphs)
+        self.kv = KVStore(shape, kv_slots, self.dtype, self.device, zeroed=self._capture_graphs)
         self.decode_graphs: BatchGraphs | None = None  # set once captured, by warm_up
         self.prefill_graphs: BatchGraphs | None = None
 
