@@ -2,22 +2,21 @@
 
 Each turn of the loop is schedule (admit waiting requests: build the prompt, match it in the prefix
 cache, claim a KV slot, take a seat), run (forwards, and sampling on the device), postprocess
-(stream, finish).
-A turn runs the prefill of the oldest request still waiting for its first token (of what the cache
-could not supply), then one decode step of every request that was decoding (one batched forward when
-graphed), then one frame of every spoken reply. While another reply is decoding or speaking, that
-prefill is one chunk a turn (prefill_chunks.py), so a new question, however long, holds up each
-reply by one chunk at a time; with nobody to hold up, it is the whole rest of the prompt in one
-forward. A long reply does not hold up a new question's first token. A spoken reply gives its
-seat and KV slot back when its text ends and stays in the turns until its speech ends.
+(stream, finish). A turn runs the prefill of the oldest request still waiting for its first token
+(of what the cache could not supply), then one decode step of every request that was decoding (one
+batched forward when graphed), then one frame of every spoken reply. While another reply is decoding
+or speaking, that prefill is one chunk a turn (prefill_chunks.py), so a new question, however long,
+holds up each reply by one chunk at a time; with nobody to hold up, it is the whole rest of the
+prompt in one forward. A long reply does not hold up a new question's first token. A spoken reply
+gives its seat and KV slot back when its text ends and stays in the turns until its speech ends.
 
 The host does not wait for a decode step it queues. A step's tokens are chosen on the device
-(SeatSampler, one row per seat) and are the next step's input there; the host reads them one turn late, after the
-next step is queued, so the device computes that step while the host streams the tokens, checks
-for the end of each reply and publishes to the prefix cache. What must be read at once still
-waits for everything queued before it, this turn's step included: a prefill's first token, and a
-spoken reply's codes. A reply that ended at a token was computed one step more meanwhile: that
-step's token is dropped, and the KV row it wrote is not counted (`Request.written`).
+(SeatSampler, one row per seat) and are the next step's input there; the host reads them one turn
+late, after the next step is queued, so the device computes that step while the host streams the
+tokens, checks for the end of each reply and publishes to the prefix cache. What must be read at
+once still waits for everything queued before it, this turn's step included: a prefill's first
+token, and a spoken reply's codes. A reply that ended at a token was computed one step more
+meanwhile: that step's token is dropped, and the KV row it wrote is not counted (`Request.written`).
 Max-new-tokens and the context's end are known in advance: no step is queued past them.
 
 A prompt's rows are published to the prefix cache once its last row is computed and its logits
@@ -313,8 +312,8 @@ class Engine:
         """One token more of each request, queued on the device (one forward for them all when
         graphed): its last token in, as the device holds it; its next token out, read in the next
         turn by `_collect`. Nothing here waits for the device."""
-        # Each token's index in its reply; the inputs come from the requests' seats.
-        batch = self.sampler.batch([r.seat for r in requests], [r.launched for r in requests])
+        seats = [r.seat for r in requests]
+        batch = self.sampler.batch(seats, [r.launched for r in requests])  # each token's index in its reply
         # Reply token `launched - 1`, the input, goes to row `prompt + launched - 1` of the KV slot.
         indices = [r.prompt.num_tokens + r.launched - 1 for r in requests]
         logits = self.runner.decode([r.kv_slot for r in requests], self.sampler.inputs(batch), indices,
