@@ -208,7 +208,7 @@ def test_a_prefill_cancelled_between_its_chunks_leaves_its_sessions_entry_as_it_
     entry = chunking_apps[0].backend.engine.cache.entries[chat.cached.id]
     assert len(chunks) == 2 and entry.length == written(first) and entry.pins == 0
     if runner.kv.zeroed:  # graphs read past a chat's end: the cut prefill's rows must not be there
-        assert not any(layer[entry.slot, :, entry.length :].any() for layer in runner.kv.keys + runner.kv.values)
+        assert not any(layer[entry.kv_slot, :, entry.length :].any() for layer in runner.kv.keys + runner.kv.values)
     del chat.cached.history[-2:]  # the cancelled turn, asked again
     again = chat.send(LONG)
     assert again.tokens.computed == again.tokens.prompt - written(first)

@@ -14,7 +14,7 @@ import torch
 from replies import model_inputs, reference_tokens, send, transformers_speech
 from samples import picture
 from omni_local.api import OmniLocal
-from omni_local.engine.cuda_graphs import SMALLEST_BUCKET, SlotGraphs
+from omni_local.engine.cuda_graphs import SMALLEST_BUCKET, BatchGraphs
 from omni_local.engine.thinker import ThinkerRunner
 from omni_local.api.messages import Message
 from omni_local.prompts import Prompt, build_prompt
@@ -124,7 +124,7 @@ def test_three_chats_decoding_as_one_graphed_batch_give_the_tokens_each_gives_al
 
 
 @contextmanager
-def replays(graphs: SlotGraphs) -> Iterator[list[tuple[int, int, int]]]:
+def replays(graphs: BatchGraphs) -> Iterator[list[tuple[int, int, int]]]:
     """(sequences, first start, new tokens) of each call `graphs` replays meanwhile."""
     calls, replay = [], graphs.replay
     graphs.replay = lambda slots, x, starts, positions: calls.append((len(slots), starts[0], x.shape[1])) or replay(

@@ -155,6 +155,7 @@ def test_requests_from_several_threads_are_all_served_and_match_their_lone_answe
             thread.start()
         for thread in threads:
             thread.join(timeout=60)
+        assert app.backend.engine.seats.free == 2  # each reply gave its seat back as its text ended
     assert results == [alone] * 6
 
 

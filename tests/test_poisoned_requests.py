@@ -18,10 +18,10 @@ import torch
 
 from samples import clip
 from omni_local.api import OmniLocal
-from omni_local.cache.prefix_cache import PrefixCache
 from omni_local.engine.cuda_graphs import SMALLEST_BUCKET
 from omni_local.engine.engine import NOT_A_NUMBER
-from omni_local.engine.kv_store import GraphedSlotWriter, KVStore
+from omni_local.engine.kv_store import GraphedKVWriter, KVStore
+from omni_local.engine.prefix_cache import PrefixCache
 from omni_local.engine.thinker import ThinkerRunner
 from omni_local.errors import RequestError
 from omni_local.api.messages import Message
@@ -157,7 +157,7 @@ def test_a_scrubbed_slot_is_zeroed_and_its_sessions_entry_dropped_even_where_row
     prompt = build_prompt([Message("user", ["Hello."])], app.backend.loaded.processor)
     claim = cache.claim("chat", prompt, cache.match(prompt))
     for layer in store.keys + store.values:
-        layer[claim.entry.slot].fill_(float("nan"))
+        layer[claim.entry.kv_slot].fill_(float("nan"))
 
     cache.discard(claim)
 
@@ -174,7 +174,7 @@ def bucket_decode(runner: ThinkerRunner, store: KVStore, slot: int, text: str) -
     first = runner._prefill_step(store.view(slot, 0), prepared.embeds, prepared.positions).argmax(-1)
     index, device = prompt.num_tokens, runner.device
     on_device = torch.tensor([slot, index, 0], device=device)
-    cache = GraphedSlotWriter(store, on_device[:1], on_device[1:2].view(1, 1), on_device[2:], rows=SMALLEST_BUCKET)
+    cache = GraphedKVWriter(store, on_device[:1], on_device[1:2].view(1, 1), on_device[2:], rows=SMALLEST_BUCKET)
     positions = torch.full((3, 1, 1), index + prepared.rope_delta, device=device)
     return runner._decode_step(cache, first[:, None], positions)
 
@@ -230,8 +230,8 @@ def test_with_cuda_graphs_rows_past_a_chats_end_that_are_not_numbers_never_reach
     entry = poisoned.backend.engine.cache.entries[session.id]
     # What a chat leaves past its end in its slot (garbage, here NaN), read masked by a graph's bucket.
     for layer in kv.keys + kv.values:
-        layer[entry.slot, :, entry.length :].fill_(float("nan"))
-    slot = entry.slot
+        layer[entry.kv_slot, :, entry.length :].fill_(float("nan"))
+    slot = entry.kv_slot
 
     with slots_allocated(kv) as handed:
         replies = [reply(poisoned, poisoned.session(), text) for text in MORE_CHATS]

@@ -114,7 +114,7 @@ def test_a_session_resumes_from_host_memory_after_its_entry_moved_there(small_ap
     Chat((with_host, uncached), "Session B talks about bread.").send("Tell me about bread.")
     Chat((with_host, uncached), "Session C talks about cheese.").send("Tell me about cheese.")
     entry = with_host.backend.engine.cache.entries[a.cached.id]
-    assert entry.slot is None and entry.host is not None  # moved off the device to make room
+    assert entry.kv_slot is None and entry.host is not None  # moved off the device to make room
     final = a.send("And green ones?")
     assert final.tokens.reused_host == written(first)
     assert final.tokens.computed == final.tokens.prompt - written(first)

@@ -4,8 +4,8 @@ import numpy as np
 import torch
 
 from omni_local.cache.digests import token_keys
-from omni_local.cache.prefix_cache import PrefixCache
 from omni_local.engine.kv_store import KVShape, KVStore
+from omni_local.engine.prefix_cache import PrefixCache
 from omni_local.prompts import MediaItem, Prompt
 
 SHAPE = KVShape(num_layers=2, kv_heads=1, head_dim=2, max_tokens=32)
@@ -56,24 +56,24 @@ def test_a_session_continues_in_its_own_slot_and_another_gets_a_copy():
     kv = store()
     cache = PrefixCache(kv, host_budget_bytes=0, enabled=True)
     run(cache, "a", prompt([1, 2, 3, 4, 5]))
-    slot_a = cache.entries["a"].slot
+    slot_a = cache.entries["a"].kv_slot
     assert run(cache, "a", prompt([1, 2, 3, 4, 5, 6, 7])) == 5
-    assert cache.entries["a"].slot == slot_a
+    assert cache.entries["a"].kv_slot == slot_a
     assert run(cache, "b", prompt([1, 2, 3, 8])) == 3
-    assert cache.entries["b"].slot != slot_a
+    assert cache.entries["b"].kv_slot != slot_a
 
 
 def test_the_least_recently_used_idle_entry_moves_to_host_and_comes_back():
     kv = store(slots=2)
     cache = PrefixCache(kv, host_budget_bytes=1 << 20, enabled=True)
     run(cache, "a", prompt([1, 2, 3]))
-    kv.keys[0][cache.entries["a"].slot, :, :2] = torch.tensor([[[7.0, 7.0], [8.0, 8.0]]])
+    kv.keys[0][cache.entries["a"].kv_slot, :, :2] = torch.tensor([[[7.0, 7.0], [8.0, 8.0]]])
     run(cache, "b", prompt([4, 5, 6]))
     run(cache, "c", prompt([7, 8, 9]))
-    assert cache.entries["a"].host is not None and cache.entries["a"].slot is None
+    assert cache.entries["a"].host is not None and cache.entries["a"].kv_slot is None
     claim = cache.claim("a", prompt([1, 2, 3, 10]), cache.match(prompt([1, 2, 3, 10])))
     assert claim.reused_host == 3
-    assert torch.equal(kv.keys[0][claim.entry.slot, :, :2], torch.tensor([[[7.0, 7.0], [8.0, 8.0]]]))
+    assert torch.equal(kv.keys[0][claim.entry.kv_slot, :, :2], torch.tensor([[[7.0, 7.0], [8.0, 8.0]]]))
 
 
 def test_an_entry_in_use_is_never_moved_and_a_request_waits_when_every_slot_is_in_use():

@@ -11,7 +11,7 @@ import torch
 from transformers import RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
 
 from omni_local.engine.sampling import (
-    Sampler, SamplingRows, SlotSampler, _filtered, _penalize_repeats, _uniform,
+    Sampler, SamplingRows, SeatSampler, _filtered, _penalize_repeats, _uniform,
 )
 from omni_local.api.params import SamplingParams
 from omni_local.errors import RequestError
@@ -25,16 +25,16 @@ def logits(seed: int = 0, vocab: int = VOCAB) -> torch.Tensor:
 
 
 def started(params: list[SamplingParams], seeds: list[int] | None = None, prompt: tuple[int, ...] = (0,),
-            suppressed: list[int] | None = None, vocab: int = VOCAB) -> SlotSampler:
-    """A sampler with a slot per `params`, each started with its seed (its slot number by default)."""
-    table = SlotSampler(len(params), vocab, CPU, torch.tensor(suppressed) if suppressed else None)
-    for slot, p in enumerate(params):
-        table.start(slot, p, seeds[slot] if seeds else slot, torch.tensor(prompt))
+            suppressed: list[int] | None = None, vocab: int = VOCAB) -> SeatSampler:
+    """A sampler with a seat per `params`, each started with its seed (its seat number by default)."""
+    table = SeatSampler(len(params), vocab, CPU, torch.tensor(suppressed) if suppressed else None)
+    for seat, p in enumerate(params):
+        table.start(seat, p, seeds[seat] if seeds else seat, torch.tensor(prompt))
     return table
 
 
-def draw(table: SlotSampler, rows: torch.Tensor, slots: list[int], draws: list[int]) -> list[int]:
-    return table.sample(rows, table.batch(slots, draws)).tolist()
+def draw(table: SeatSampler, rows: torch.Tensor, seats: list[int], draws: list[int]) -> list[int]:
+    return table.sample(rows, table.batch(seats, draws)).tolist()
 
 
 def one_row(vocab: int = VOCAB, top_k: int = 0, top_p: float = 1.0, temperature: float = 1.0) -> SamplingRows:
@@ -140,14 +140,14 @@ def test_the_penalty_also_covers_tokens_the_reply_already_produced():
     assert [draw(table, scores, [0], [0]), draw(table, scores, [0], [1])] == [[1], [2]]  # 3 / 2 falls below 2
 
 
-def test_each_chosen_token_is_its_slots_next_decode_input():
+def test_each_chosen_token_is_its_seats_next_decode_input():
     table = started([SamplingParams(), SamplingParams(temperature=1.0), SamplingParams()])
     batch = table.batch([2, 0], [0, 0])
     chosen = table.sample(torch.stack([logits(1), logits(2)]), batch)
     assert torch.equal(table.inputs(batch), chosen)
 
 
-def test_a_seed_gives_the_same_tokens_whatever_else_is_in_the_batch_in_any_order_and_slot():
+def test_a_seed_gives_the_same_tokens_whatever_else_is_in_the_batch_in_any_order_and_seat():
     params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=20), SamplingParams(),
               SamplingParams(temperature=1.3, top_p=0.9, repetition_penalty=1.2)]
     seeds = [11, 22, 33, 44]
@@ -175,7 +175,7 @@ def test_sampled_tokens_follow_the_distribution(temperature, share):
     assert abs(sum(picks) / n - share) < 0.03  # 4 standard deviations at most
 
 
-def test_the_one_row_sampler_draws_what_a_slot_with_its_seed_draws():
+def test_the_one_row_sampler_draws_what_a_seat_with_its_seed_draws():
     params = SamplingParams(temperature=1.0, top_k=50, top_p=0.8, repetition_penalty=1.1)
     one = Sampler(params, 9, torch.tensor([0]))
     table = started([params], [9])

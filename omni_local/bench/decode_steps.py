@@ -9,7 +9,7 @@ Any setting can be given as for the app: `--moe-backend torch|triton` picks what
 
 The main bench's ITL at c8 or c16 also holds the other chats' prefills, which stall every reply
 while the chats start; this is the steady state after that, when nothing but decoding runs: the time
-per token each chat sees. Each chat decodes at row `context - 1` of its slot, attending over the
+per token each chat sees. Each chat decodes at row `context - 1` of its KV slot, attending over the
 rows before it as they are (their values do not change the time); the step is timed as the median
 of --runs after a warm-up step.
 """
@@ -29,21 +29,21 @@ CONTEXTS = [256, 1024, 4096]
 
 
 @contextmanager
-def held_slots(runner: ThinkerRunner, batch: int) -> Iterator[list[int]]:
-    """`batch` of the runner's free slots, given back after. The engine's worker is idle: the slots
-    it does not hold are ours for the steps."""
-    slots = [runner.kv.allocate() for _ in range(batch)]
+def held_kv_slots(runner: ThinkerRunner, batch: int) -> Iterator[list[int]]:
+    """`batch` of the runner's free KV slots, given back after. The engine's worker is idle: the KV
+    slots it does not hold are ours for the steps."""
+    kv_slots = [runner.kv.allocate() for _ in range(batch)]
     try:
-        yield slots
+        yield kv_slots
     finally:
-        for slot in slots:
-            runner.kv.release(slot)
+        for kv_slot in kv_slots:
+            runner.kv.release(kv_slot)
 
 
-def decode_step(runner: ThinkerRunner, slots: list[int], context: int) -> Callable[[], object]:
-    """The step timed here: each slot's chat decodes token 0 at row `context - 1`."""
-    batch = len(slots)
-    return partial(runner.decode, slots, [0] * batch, [context - 1] * batch, [0] * batch)
+def decode_step(runner: ThinkerRunner, kv_slots: list[int], context: int) -> Callable[[], object]:
+    """The step timed here: each KV slot's chat decodes token 0 at row `context - 1`."""
+    batch = len(kv_slots)
+    return partial(runner.decode, kv_slots, [0] * batch, [context - 1] * batch, [0] * batch)
 
 
 def device_label(runner: ThinkerRunner) -> str:
@@ -51,8 +51,8 @@ def device_label(runner: ThinkerRunner) -> str:
 
 
 def step_ms(runner: ThinkerRunner, batch: int, context: int, runs: int) -> float:
-    with held_slots(runner, batch) as slots:
-        return median_wall_ms(decode_step(runner, slots, context), runs)
+    with held_kv_slots(runner, batch) as kv_slots:
+        return median_wall_ms(decode_step(runner, kv_slots, context), runs)
 
 
 def main() -> None:

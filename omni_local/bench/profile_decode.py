@@ -31,9 +31,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from omni_local.api import OmniLocal
 from omni_local.bench.common import bench_parser, median_wall_ms, settings_and_model
-from omni_local.bench.decode_steps import decode_step, device_label, held_slots
+from omni_local.bench.decode_steps import decode_step, device_label, held_kv_slots
 from omni_local.engine.cuda_graphs import attention_buckets
-from omni_local.engine.kv_store import GraphedSlotWriter
+from omni_local.engine.kv_store import GraphedKVWriter
 from omni_local.engine.thinker import ThinkerRunner
 
 EXPERTS, ROUTING, DENSE, ATTENTION = "MoE experts GEMMs", "MoE routing", "dense GEMM/GEMV", "attention"
@@ -108,15 +108,15 @@ def category_rows(steps: list[Work]) -> list[tuple[str, float, float]]:
     return [(c, statistics.median(n[c] for n in counts), statistics.median(t[c] for t in times)) for c in CATEGORIES]
 
 
-def eager_step(runner: ThinkerRunner, slots: list[int], context: int) -> Callable[[], object]:
+def eager_step(runner: ThinkerRunner, kv_slots: list[int], context: int) -> Callable[[], object]:
     """decode_step's step as the decode graph captured it, run eagerly: `_decode_step` over a
-    GraphedSlotWriter (its index_put_ and index_select, the bucket of rows holding `context`), in the
+    GraphedKVWriter (its index_put_ and index_select, the bucket of rows holding `context`), in the
     MoE backend's capturable context."""
-    device, batch = runner.device, len(slots)
+    device, batch = runner.device, len(kv_slots)
     indices = torch.full((batch, 1), context - 1, device=device)
     rows = next(r for r in attention_buckets(runner.kv.shape.max_tokens) if context <= r)
-    cache = GraphedSlotWriter(runner.kv, torch.tensor(slots, device=device), indices,
-                              torch.zeros(batch, dtype=torch.long, device=device), rows)
+    cache = GraphedKVWriter(runner.kv, torch.tensor(kv_slots, device=device), indices,
+                            torch.zeros(batch, dtype=torch.long, device=device), rows)
     ids = torch.zeros((batch, 1), dtype=torch.long, device=device)
     positions = indices.view(1, batch, 1).expand(3, -1, -1)
 
@@ -149,14 +149,14 @@ def main() -> None:
         runner = app.backend.engine.runner
         if args.chats > runner.kv.free_slots or args.context > runner.kv.shape.max_tokens:
             parser.error(f"{args.chats} chats of {args.context} rows: the KV store has {runner.kv.free_slots} free "
-                         f"slots of {runner.kv.shape.max_tokens} rows")
+                         f"KV slots of {runner.kv.shape.max_tokens} rows")
         if args.step == "replay" and runner.decode_graphs is None:
             parser.error("--step replay: the runner captured no decode graphs (on the CPU, or with cuda_graphs off)")
         cuda = runner.device.type == "cuda"
-        with held_slots(runner, args.chats) as slots:
-            steps = {"eager": eager_step(runner, slots, args.context)}
+        with held_kv_slots(runner, args.chats) as kv_slots:
+            steps = {"eager": eager_step(runner, kv_slots, args.context)}
             if runner.decode_graphs is not None:
-                steps["replay"] = decode_step(runner, slots, args.context)
+                steps["replay"] = decode_step(runner, kv_slots, args.context)
             way = args.step or ("replay" if "replay" in steps else "eager")
             profiled = profiled_steps(steps[way], args.runs, cuda)
             # The replay's own input copies are all there is where CUPTI saw none of the graph's kernels.

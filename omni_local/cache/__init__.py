@@ -1,1 +1,2 @@
-"""What the engine keeps between requests: content digests and the Thinker's KV by prefix."""
+"""What the engine keeps of media between requests: content digests and the encoder cache, in
+private folders. (The KV's prefix cache lives in engine/, beside the KV storage it drives.)"""

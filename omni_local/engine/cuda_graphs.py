@@ -1,16 +1,16 @@
-"""Forwards captured as CUDA graphs: decode steps and short prefills of a decoder stack over
-KVStore slots, the Thinker's or the Talker's (SlotGraphs), and forwards of fixed shapes such as the
-code predictor's 15 steps of a frame (StaticGraph).
+"""Forwards captured as CUDA graphs: decode steps and short prefills of a decoder stack over a
+batch of sequences, each in its own KVStore slot, the Thinker's or the Talker's (BatchGraphs), and
+forwards of fixed shapes such as the code predictor's 15 steps of a frame (StaticGraph).
 
 Eager, a forward of transformers' modules is bound by kernel launches and host work (80 to 120 ms
 for the Thinker's decode step or a 25-token prefill, 41 ms for the Talker's step at full size on an
-H200); replaying the same kernels as a graph takes about 13, 19 and 5 ms. SlotGraphs captures one
+H200); replaying the same kernels as a graph takes about 13, 19 and 5 ms. BatchGraphs captures one
 graph per shape bucket: the batch (chats decoding together), the new tokens per chat (a prefill's
-length, padded), and the attention length (each graph reads only the slots' first `rows` rows, so
-a short chat does not attend over the whole slot). The slots, rows, positions and inputs are device
-tensors the graphs read when they replay: one graph serves every slot and position. All graphs are
-captured at start-up, into one memory pool per owner (its graphs never replay at the same time), so
-the first request pays no capture.
+length, padded), and the attention length (each graph reads only the KV slots' first `rows` rows, so
+a short chat does not attend over the whole slot). Each batch row's KV slot, its rows, positions and
+inputs are device tensors the graphs read when they replay: one graph serves every KV slot and
+position. All graphs are captured at start-up, into one memory pool per owner (its graphs never
+replay at the same time), so the first request pays no capture.
 """
 
 import gc
@@ -22,13 +22,13 @@ from typing import Any
 import torch
 
 from omni_local.engine.host_copies import copy_from_host
-from omni_local.engine.kv_store import GraphedSlotWriter, KVStore
+from omni_local.engine.kv_store import GraphedKVWriter, KVStore
 
 # What a forward returns: a tensor, or a tuple of them (the Talker's hidden state and logits).
 Outputs = torch.Tensor | tuple[torch.Tensor, ...]
 # (cache, input [B, L] token ids or [B, L, hidden] embeddings, positions [3, B, L]) -> outputs,
 # each with B first; the same function runs eager with B = 1.
-SlotForward = Callable[[GraphedSlotWriter, torch.Tensor, torch.Tensor], Outputs]
+BatchForward = Callable[[GraphedKVWriter, torch.Tensor, torch.Tensor], Outputs]
 
 SMALLEST_BUCKET = 256
 
@@ -48,16 +48,16 @@ def size_buckets(smallest: int, largest: int) -> list[int]:
 
 
 def graphable(stack_config: Any, device: torch.device) -> bool:
-    """Whether SlotGraphs can run a forward of a stack with this config: on CUDA, under an attention
+    """Whether BatchGraphs can run a forward of a stack with this config: on CUDA, under an attention
     that takes the bucket's mask (flash attention takes none)."""
     return device.type == "cuda" and stack_config._attn_implementation in ("sdpa", "eager")
 
 
-class SlotGraphs:
+class BatchGraphs:
     """`forward` captured at construction for every (batch, length, rows) bucket, and replayed from
     the smallest that holds a call. `input_like` is one token's input ([1, 1] ids or [1, 1, hidden]
-    embeddings); `slot` is a slot the caller holds and nobody reads (the captures write its first
-    rows); the captures run inside `capturable`, where the stack's MoE experts can be captured
+    embeddings); `kv_slot` is a KV slot the caller holds and nobody reads (the captures write its
+    first rows); the captures run inside `capturable`, where the stack's MoE experts can be captured
     (`MoeBackend.capturable`).
 
     A call with fewer sequences than its batch bucket is padded with copies of its first sequence
@@ -66,7 +66,7 @@ class SlotGraphs:
     and the next write there replaces.
     """
 
-    def __init__(self, forward: SlotForward, store: KVStore, input_like: torch.Tensor, slot: int,
+    def __init__(self, forward: BatchForward, store: KVStore, input_like: torch.Tensor, kv_slot: int,
                  capturable: AbstractContextManager[None], batches: Sequence[int] = (1,),
                  lengths: Sequence[int] = (1,),
                  pool: tuple | None = None) -> None:
@@ -76,12 +76,12 @@ class SlotGraphs:
         device = store.device
         self._input = input_like.new_zeros((b, n, *input_like.shape[2:]))  # static: copied into before each replay
         self._positions = torch.zeros((3, b, n), dtype=torch.long, device=device)
-        # indices [b, n], slots [b], last [b]: filled from the host by one non-blocking copy per
+        # indices [b, n], kv_slots [b], last [b]: filled from the host by one non-blocking copy per
         # replay (the input and the positions are copied on the device)
         self._layout = torch.zeros(b * n + 2 * b, dtype=torch.long, device=device)
         self._indices = self._layout[: b * n].view(b, n)
-        self._slots, self._last = self._layout[b * n : b * n + b], self._layout[b * n + b :]
-        self._slots.fill_(slot)
+        self._kv_slots, self._last = self._layout[b * n : b * n + b], self._layout[b * n + b :]
+        self._kv_slots.fill_(kv_slot)
         pool = pool or torch.cuda.graph_pool_handle()
         self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, Outputs]] = {}
         with capturable:
@@ -89,21 +89,21 @@ class SlotGraphs:
                 for length in reversed(self.lengths):
                     # A prefill padded to `length` tokens is more than half new tokens: fewer rows never hold it.
                     for rows in (r for r in reversed(self.buckets) if r >= length):
-                        cache = GraphedSlotWriter(store, self._slots[:batch], self._indices[:batch, :length],
-                                                  self._last[:batch], rows)
+                        cache = GraphedKVWriter(store, self._kv_slots[:batch], self._indices[:batch, :length],
+                                                self._last[:batch], rows)
                         run = partial(forward, cache, self._input[:batch, :length],
                                       self._positions[:, :batch, :length])
                         self._graphs[batch, length, rows] = capture_graph(run, pool)
 
     def fits(self, batch: int, length: int, start: int) -> bool:
         """Whether a call of `batch` sequences of `length` new tokens after `start` rows has a graph
-        (its padded rows within the slot)."""
+        (its padded rows within the KV slot)."""
         padded = next((n for n in self.lengths if length <= n), None)
         return batch <= self.batches[-1] and padded is not None and start + padded <= self.store.shape.max_tokens
 
-    def replay(self, slots: list[int], x: torch.Tensor, starts: list[int], positions: torch.Tensor) -> Outputs:
+    def replay(self, kv_slots: list[int], x: torch.Tensor, starts: list[int], positions: torch.Tensor) -> Outputs:
         """The forward's outputs for input `x` ([B, n] or [B, n, hidden]) at `positions` [3, B, n],
-        both on the device, sequence i's new tokens written from row `starts[i]` of `slots[i]`;
+        both on the device, sequence i's new tokens written from row `starts[i]` of KV slot `kv_slots[i]`;
         outputs for the B sequences, first. Check `fits` first."""
         count, length = x.shape[0], x.shape[1]
         if not self.fits(count, length, max(starts)):
@@ -126,19 +126,19 @@ class SlotGraphs:
         # A padded prefill's extra tokens take the last real position: any valid one would do.
         last = self._positions[:, :batch, length - 1 : length]
         self._positions[:, :batch, length:padded].copy_(last.expand(-1, -1, padded - length))
-        copy_from_host(self._layout, self._host_layout(slots + slots[:1] * pad, starts + starts[:1] * pad, padded,
-                                                       length))
+        copy_from_host(self._layout, self._host_layout(kv_slots + kv_slots[:1] * pad, starts + starts[:1] * pad,
+                                                       padded, length))
         graph, outputs = self._graphs[batch, padded, rows]
         graph.replay()
         return cloned(outputs, count)
 
-    def _host_layout(self, slots: list[int], starts: list[int], padded: int, length: int) -> torch.Tensor:
+    def _host_layout(self, kv_slots: list[int], starts: list[int], padded: int, length: int) -> torch.Tensor:
         """The layout buffer's contents, built on the host: each sequence's `padded` rows from its
-        start, its slot, and its last real token."""
+        start, its KV slot, and its last real token."""
         indices = torch.zeros(self._indices.shape, dtype=torch.long)
         indices[: len(starts), :padded] = torch.tensor(starts)[:, None] + torch.arange(padded)
-        filled = torch.zeros(self._slots.shape, dtype=torch.long)
-        filled[: len(slots)] = torch.tensor(slots)
+        filled = torch.zeros(self._kv_slots.shape, dtype=torch.long)
+        filled[: len(kv_slots)] = torch.tensor(kv_slots)
         return torch.cat([indices.flatten(), filled, torch.full(self._last.shape, length - 1)])
 
 

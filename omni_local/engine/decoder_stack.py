@@ -2,7 +2,7 @@
 predictor's) over a KVStore slot.
 
 The layers' modules, rotary embedding and norm are transformers' own; we pass the cache (a
-SlotWriter, or in a CUDA graph a GraphedSlotWriter), its mask and the 3D positions ourselves. Each
+KVWriter, or in a CUDA graph a GraphedKVWriter), its mask and the 3D positions ourselves. Each
 decoder layer runs as transformers' forward does, the same operations in the same order, but split
 in three around the cache: the work before the cache write (norm, projections, rotary embedding),
 the write and attention, and the work after (output projection, norm, MLP or MoE, the MoE's routed
@@ -18,7 +18,7 @@ from functools import partial
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from omni_local.engine.kv_store import GraphedSlotWriter, SlotWriter
+from omni_local.engine.kv_store import GraphedKVWriter, KVWriter
 from omni_local.engine.moe import TORCH, MoeBackend, mlp_output
 from omni_local.prompts import Prompt
 
@@ -59,7 +59,7 @@ class LayerRegions:
             self._after = _compiled_for_any_batch(self._after)
 
     def run(self, layer: torch.nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None,
-            cache: SlotWriter | GraphedSlotWriter, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            cache: KVWriter | GraphedKVWriter, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """`layer`'s output for `hidden` [B, n, hidden], its keys and values written to `cache`."""
         attention = layer.self_attn
         queries, keys, values = self._before(layer, hidden, *rotary)
@@ -101,7 +101,7 @@ def _compiled_for_any_batch(region: Callable) -> Callable:
 
 def run_layers(
     stack: torch.nn.Module,
-    cache: SlotWriter | GraphedSlotWriter,
+    cache: KVWriter | GraphedKVWriter,
     embeds: torch.Tensor,
     positions: torch.Tensor,
     visual_mask: torch.Tensor | None = None,
@@ -109,8 +109,8 @@ def run_layers(
     keep_layer: int | None = None,
     regions: LayerRegions = EAGER,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run `embeds` [B, n, hidden] at `positions` [3, B, n] after the rows each slot already holds
-    (B = 1 except in a graphed batch), each layer as `regions` runs it.
+    """Run `embeds` [B, n, hidden] at `positions` [3, B, n] after the rows each sequence's KV slot
+    already holds (B = 1 except in a graphed batch), each layer as `regions` runs it.
 
     Returns the normed hidden state [B, 1, hidden] of each sequence's last token (the one
     `cache.last_states` picks) and, if `keep_layer` is given, the hidden states [B, n, hidden]

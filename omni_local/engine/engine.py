@@ -1,22 +1,22 @@
 """The engine: one worker thread owns the model; requests arrive from any thread.
 
 Each turn of the loop is schedule (admit waiting requests: build the prompt, match it in the prefix
-cache, claim a KV slot), run (forwards, and sampling on the device), postprocess (stream, finish).
-A turn runs the prefill of the oldest request still waiting for its first token (of what the cache
-could not supply), then one decode step of every request that was decoding (one batched forward when
-graphed), then one frame of every spoken reply. While another reply is decoding or speaking, that
-prefill is one chunk a turn (prefill_chunks.py), so a new question, however long, holds up each
-reply by one chunk at a time; with nobody to hold up, it is the whole rest of the prompt in one
-forward. A long reply does not hold up a new question's first token. A spoken reply gives its
-Thinker slot back when its text ends and stays in the turns until its speech ends.
+cache, claim a KV slot, take a seat), run (forwards, and sampling on the device), postprocess
+(stream, finish). A turn runs the prefill of the oldest request still waiting for its first token
+(of what the cache could not supply), then one decode step of every request that was decoding (one
+batched forward when graphed), then one frame of every spoken reply. While another reply is decoding
+or speaking, that prefill is one chunk a turn (prefill_chunks.py), so a new question, however long,
+holds up each reply by one chunk at a time; with nobody to hold up, it is the whole rest of the
+prompt in one forward. A long reply does not hold up a new question's first token. A spoken reply
+gives its seat and KV slot back when its text ends and stays in the turns until its speech ends.
 
 The host does not wait for a decode step it queues. A step's tokens are chosen on the device
-(SlotSampler) and are the next step's input there; the host reads them one turn late, after the
-next step is queued, so the device computes that step while the host streams the tokens, checks
-for the end of each reply and publishes to the prefix cache. What must be read at once still
-waits for everything queued before it, this turn's step included: a prefill's first token, and a
-spoken reply's codes. A reply that ended at a token was computed one step more meanwhile: that
-step's token is dropped, and the KV row it wrote is not counted (`Request.written`).
+(SeatSampler, one row per seat) and are the next step's input there; the host reads them one turn
+late, after the next step is queued, so the device computes that step while the host streams the
+tokens, checks for the end of each reply and publishes to the prefix cache. What must be read at
+once still waits for everything queued before it, this turn's step included: a prefill's first
+token, and a spoken reply's codes. A reply that ended at a token was computed one step more
+meanwhile: that step's token is dropped, and the KV row it wrote is not counted (`Request.written`).
 Max-new-tokens and the context's end are known in advance: no step is queued past them.
 
 A prompt's rows are published to the prefix cache once its last row is computed and its logits
@@ -47,7 +47,6 @@ from omni_local.api.messages import Message
 from omni_local.api.params import SamplingParams, SpeechParams
 from omni_local.cache.encoder_cache import EncoderCache, encoder_namespace
 from omni_local.cache.folders import keep_compiled_code_in
-from omni_local.cache.prefix_cache import PrefixCache
 from omni_local.engine.context_window import fit_prompt
 from omni_local.engine.detokenizer import IncrementalDetokenizer
 from omni_local.engine.encoders import Encoders
@@ -55,9 +54,11 @@ from omni_local.engine.host_copies import Readback
 from omni_local.engine.media_encoder import MediaEncoder
 from omni_local.engine.moe import moe_backend
 from omni_local.engine.prefill_chunks import chunk_end
+from omni_local.engine.prefix_cache import PrefixCache
 from omni_local.engine.reasoning import ReasoningText, prompt_opens_reasoning
 from omni_local.engine.request import Failed, Request
-from omni_local.engine.sampling import SlotSampler
+from omni_local.engine.sampling import SeatSampler
+from omni_local.engine.seats import Seats
 from omni_local.engine.speech import Speaker
 from omni_local.engine.talker import TalkerRows
 from omni_local.engine.thinker import ThinkerRunner
@@ -97,7 +98,7 @@ class Engine:
                                         settings.prefill_chunk_tokens, talker_rows, cuda_graphs=settings.cuda_graphs,
                                         compiled_layers=settings.compiled_layers, moe=moe)
             self.runner.warm_up()
-            # One Talker slot per Thinker slot: each cached chat can keep its spoken turns' Talker KV.
+            # One Talker KV slot per Thinker KV slot: each cached chat can keep its spoken turns' Talker KV.
             self.speaker = Speaker(loaded.model, settings, self.runner.kv.slots, moe) if loaded.speech else None
             if self.speaker is not None:
                 self.speaker.warm_up()
@@ -108,13 +109,15 @@ class Engine:
         suppressed = torch.tensor(self.suppressed_ids, dtype=torch.long, device=self.runner.device)
         # Only a Thinking checkpoint's replies are split into reasoning and answer.
         self.reasoning_marks = reasoning_marks(loaded.processor.tokenizer) if loaded.kind == "thinking" else None
-        self.sampler = SlotSampler(self.runner.kv.slots, thinker.lm_head.out_features, self.runner.device, suppressed,
+        # As many seats as KV slots: every running request holds one of each.
+        self.seats = Seats(self.runner.kv.slots)
+        self.sampler = SeatSampler(self.seats.count, thinker.lm_head.out_features, self.runner.device, suppressed,
                                    self.reasoning_marks.end if self.reasoning_marks else None)
         self._inbox: "queue.Queue[Request | None]" = queue.Queue()
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self._in_flight: DecodeStep | None = None  # the last decode step, read in the next turn
-        self._slots_blocked = False  # the first waiting request found no slot; a release clears it
+        self._kv_slots_blocked = False  # the first waiting request found no KV slot; a release clears it
         self._worker = threading.Thread(target=self._loop, name="omni-engine", daemon=True)
         self._worker.start()
 
@@ -181,7 +184,7 @@ class Engine:
         for request in [r for r in self._waiting if r.cancelled.is_set()]:
             self._waiting.remove(request)
             self._finish(request, "cancelled")
-        while self._waiting and not self._slots_blocked:
+        while self._waiting and not self._kv_slots_blocked:
             request = self._waiting[0]
             try:
                 if request.prompt is None:
@@ -193,11 +196,12 @@ class Engine:
                 self._fail(request, self._failure_message(error))
                 continue
             if request.claim is None:
-                # Every slot is held by a running request: matching again before one lets go would
+                # Every KV slot is held by a running request: matching again before one lets go would
                 # only repeat the same work at every decode step.
-                self._slots_blocked = True
+                self._kv_slots_blocked = True
                 return
             self._waiting.popleft()
+            request.seat = self.seats.take()
             request.prefilled = request.claim.start
             request.reused = (request.claim.reused_gpu, request.claim.reused_host)
             request.started_at = time.perf_counter()
@@ -262,7 +266,7 @@ class Engine:
             request.media = request.prepared.media
         begin, prompt_end = request.prefilled, request.prompt.num_tokens
         end = chunk_end(begin, prompt_end, self.settings.prefill_chunk_tokens) if in_chunks else prompt_end
-        logits = self.runner.prefill(request.slot, request.prepared.rows(begin, end))
+        logits = self.runner.prefill(request.kv_slot, request.prepared.rows(begin, end))
         request.advance_prefill(end)
         if not request.prefilling:
             self._first_token(request, logits)
@@ -273,9 +277,9 @@ class Engine:
         room = self.settings.max_context_tokens - prompt.num_tokens
         request.max_new_tokens = min(request.params.max_new_tokens, room)
         reasoning_limit = self._start_text(request)
-        self.sampler.start(request.slot, request.params, request.seed, prompt.input_ids[0], reasoning_limit)
+        self.sampler.start(request.seat, request.params, request.seed, prompt.input_ids[0], reasoning_limit)
         # The first token is read at once: speech starts from it, and it ends the time to first token.
-        tokens = self.sampler.sample(logits[None], self.sampler.batch([request.slot], [0]))
+        tokens = self.sampler.sample(logits[None], self.sampler.batch([request.seat], [0]))
         (token,), (finite,) = _chosen_and_finite(tokens, logits[None]).tolist()
         request.launched = 1
         if not finite:
@@ -308,11 +312,11 @@ class Engine:
         """One token more of each request, queued on the device (one forward for them all when
         graphed): its last token in, as the device holds it; its next token out, read in the next
         turn by `_collect`. Nothing here waits for the device."""
-        slots = [r.slot for r in requests]
-        batch = self.sampler.batch(slots, [r.launched for r in requests])  # each token's index in its reply
-        # Reply token `launched - 1`, the input, goes to row `prompt + launched - 1` of the slot.
+        seats = [r.seat for r in requests]
+        batch = self.sampler.batch(seats, [r.launched for r in requests])  # each token's index in its reply
+        # Reply token `launched - 1`, the input, goes to row `prompt + launched - 1` of the KV slot.
         indices = [r.prompt.num_tokens + r.launched - 1 for r in requests]
-        logits = self.runner.decode(slots, self.sampler.inputs(batch), indices,
+        logits = self.runner.decode([r.kv_slot for r in requests], self.sampler.inputs(batch), indices,
                                     [r.prepared.rope_delta for r in requests])
         step = DecodeStep(requests, Readback(_chosen_and_finite(self.sampler.sample(logits, batch), logits)))
         for request in requests:
@@ -342,9 +346,9 @@ class Engine:
         if not request.output_ids:
             request.first_token_at = time.perf_counter()
             if request.speech is not None and token not in self.eos_ids:
-                # Now, while the Thinker's slot (and the Talker rows in it) is surely still held.
+                # Now, while the Thinker's KV slot (and the Talker rows in it) is surely still held.
                 request.spoken = self.speaker.begin(request.speech, request.session, request.seed, request.prompt,
-                                                    token, self.runner.kv, request.slot)
+                                                    token, self.runner.kv, request.kv_slot)
         request.output_ids.append(token)
         if token in self.eos_ids:
             return self._end_text(request, "end_of_turn")
@@ -372,8 +376,8 @@ class Engine:
             request.events.put(ReasoningDelta(delta))
 
     def _end_text(self, request: Request, reason: StopReason) -> None:
-        """The Thinker is done with `request`: the rest of its text goes out and its slot is given
-        back (its KV kept for the session's next turn); speech may go on."""
+        """The Thinker is done with `request`: the rest of its text goes out, its seat is given back
+        and so is its KV slot (its KV kept for the session's next turn); speech may go on."""
         request.text_done, request.text_done_at, request.stop_reason = True, time.perf_counter(), reason
         if request.reasoning is not None and request.reasoning.inside:  # it stopped while reasoning
             self._stream_reasoning(request, request.reasoning.rest())
@@ -387,10 +391,13 @@ class Engine:
             elif request.prepared is not None:
                 # A prefill begun and cut short (cancelled, failed) published nothing, and the logits of
                 # the rows it wrote were never checked: no graph may read them, past the session's end.
-                self.runner.kv.forget_rows(request.slot, request.claim.start)
+                self.runner.kv.forget_rows(request.kv_slot, request.claim.start)
             self.cache.release(request.claim)
             request.claim = None
-            self._slots_blocked = False
+            self._kv_slots_blocked = False
+        if request.seat is not None:
+            self.seats.give_back(request.seat)
+            request.seat = None
         request.prepared = request.detokenizer = None  # tensors and state go now
 
     def _finish(self, request: Request, reason: StopReason) -> None:
@@ -408,14 +415,14 @@ class Engine:
 
     def _fail_poisoned(self, request: Request) -> None:
         """`request`'s logits were not numbers: it fails alone. Its KV would make whatever attends
-        to it NaN, its session's next turn included: the slot's rows are zeroed and the session's
+        to it NaN, its session's next turn included: its KV slot's rows are zeroed and the session's
         cache entry dropped. The encoder outputs of its media after the cached prefix are dropped
         too, so a fault in them is not kept (on disk, even) for the next prompt that holds them."""
         claim = request.claim
         self.runner.encoder.forget([m for m in request.prompt.media if m.start >= claim.start])
         self.cache.discard(claim)
         request.claim = None
-        self._slots_blocked = False
+        self._kv_slots_blocked = False
         self._fail(request, NOT_A_NUMBER)
 
     def _fail(self, request: Request, message: str) -> None:

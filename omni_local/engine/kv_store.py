@@ -97,8 +97,8 @@ class KVStore:
             for layer in self.keys + self.values:
                 layer[slot, :, start:].zero_()
 
-    def view(self, slot: int, start: int) -> "SlotWriter":
-        return SlotWriter(self, slot, start)
+    def view(self, slot: int, start: int) -> "KVWriter":
+        return KVWriter(self, slot, start)
 
     def copy_rows(self, source: int, target: int, rows: int) -> None:
         for layer in self.keys + self.values:
@@ -135,7 +135,7 @@ class KVStore:
         return self.keys + self.values + ([self.talker_rows] if self.talker_rows is not None else [])
 
 
-class SlotWriter:
+class KVWriter:
     """What transformers' attention modules receive as `cache` for one forward of one slot.
 
     The modules call `update(k, v, layer_idx)` with the new tokens' keys and values
@@ -165,7 +165,7 @@ class SlotWriter:
         return hidden[:, -1:]
 
 
-class GraphedSlotWriter:
+class GraphedKVWriter:
     """The `cache` of a forward captured in a CUDA graph: B sequences of L new tokens, each sequence
     in its own slot (B > 1: several chats decoding together; L > 1: a short prefill).
 

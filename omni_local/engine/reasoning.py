@@ -3,7 +3,7 @@
 The reasoning is the reply's tokens up to `</think>`: from its start where the prompt opened the
 block (Qwen's Thinking template does), or from a `<think>` the reply starts with. The markers are
 in neither text; every token stays in the reply's ids, so the prefix cache keeps the turn as made.
-Where a reasoning limit is set, the sampler ends the block on the device (SlotSampler).
+Where a reasoning limit is set, the sampler ends the block on the device (SeatSampler).
 """
 
 import numpy as np

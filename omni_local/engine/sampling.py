@@ -47,67 +47,68 @@ class SamplingRows:
 
 @dataclass(frozen=True)
 class SampleBatch:
-    """Whose rows the logits of one forward are: a slot per row, and the key of each row's random
+    """Whose rows the logits of one forward are: a seat per row, and the key of each row's random
     numbers (from its seed and the index in its reply of the token it chooses)."""
 
-    slots: torch.Tensor  # [B] long, on the device
+    seats: torch.Tensor  # [B] long, on the device
     keys: torch.Tensor  # [B] long (32-bit values), on the device
     sampling: bool  # some row samples; False (every row greedy, known on the host) skips the sampling maths
 
 
-class SlotSampler:
-    """The sampling rows of every KV slot, on the device. A request's parameters, seed and prompt ids
-    go to its slot's row at its prefill (`start`); the logits of a forward are sampled with its slots'
-    rows (`sample`), which also marks each chosen token seen and keeps it as its slot's next input
+class SeatSampler:
+    """The sampling rows of every seat, on the device: a running request's row here is its seat
+    (engine/seats.py), wherever its KV is. A request's parameters, seed and prompt ids
+    go to its seat's row at its prefill (`start`); the logits of a forward are sampled with its seats'
+    rows (`sample`), which also marks each chosen token seen and keeps it as its seat's next input
     (`inputs`): the next decode step reads it there, without the host."""
 
-    def __init__(self, slots: int, vocab: int, device: torch.device, suppressed: torch.Tensor | None = None,
+    def __init__(self, seats: int, vocab: int, device: torch.device, suppressed: torch.Tensor | None = None,
                  reasoning_end: int | None = None) -> None:
         """`reasoning_end`: the id that ends a reasoning block (`</think>`), for a Thinking checkpoint."""
         self.device = device
-        self.rows = SamplingRows.empty(slots, vocab, device)
-        self.last = torch.zeros(slots, dtype=torch.long, device=device)  # each slot's last chosen token
+        self.rows = SamplingRows.empty(seats, vocab, device)
+        self.last = torch.zeros(seats, dtype=torch.long, device=device)  # each seat's last chosen token
         self.suppressed = suppressed  # [n] ids never chosen, on the device
         self.reasoning_end = reasoning_end
-        # Per slot: reasoning tokens its reply may still choose before its block is ended for it; -1:
+        # Per seat: reasoning tokens its reply may still choose before its block is ended for it; -1:
         # no limit, or not reasoning. Kept on the device, since the host reads each token a step late.
-        self.reasoning_left = torch.full((slots,), -1, dtype=torch.long, device=device)
+        self.reasoning_left = torch.full((seats,), -1, dtype=torch.long, device=device)
         self._token_keys = _hash32(torch.arange(vocab, device=device))  # what each id adds to a row's key
-        # On the host, per slot: whether its request samples, and its seed.
-        self._sampling, self._seeds = [False] * slots, [0] * slots
+        # On the host, per seat: whether its request samples, and its seed.
+        self._sampling, self._seeds = [False] * seats, [0] * seats
 
     @torch.inference_mode()
-    def start(self, slot: int, params: SamplingParams, seed: int, prompt_ids: torch.Tensor,
+    def start(self, seat: int, params: SamplingParams, seed: int, prompt_ids: torch.Tensor,
               reasoning_limit: int = 0) -> None:
-        """Give `slot`'s row to a new request: its parameters, its seed, its prompt's ids as seen, and
+        """Give `seat`'s row to a new request: its parameters, its seed, its prompt's ids as seen, and
         how many tokens it may reason for (its prompt opened a reasoning block; 0: no limit)."""
         rows = self.rows
-        rows.temperature[slot] = params.temperature
-        rows.top_k[slot] = min(params.top_k, rows.seen.shape[1])  # any more is the whole vocabulary
-        rows.top_p[slot] = params.top_p
-        rows.penalty[slot] = params.repetition_penalty
-        rows.seen[slot] = False
-        rows.seen[slot, prompt_ids.to(self.device)] = True
-        self.reasoning_left[slot] = reasoning_limit if reasoning_limit > 0 else -1
-        self._sampling[slot], self._seeds[slot] = not params.greedy, seed
+        rows.temperature[seat] = params.temperature
+        rows.top_k[seat] = min(params.top_k, rows.seen.shape[1])  # any more is the whole vocabulary
+        rows.top_p[seat] = params.top_p
+        rows.penalty[seat] = params.repetition_penalty
+        rows.seen[seat] = False
+        rows.seen[seat, prompt_ids.to(self.device)] = True
+        self.reasoning_left[seat] = reasoning_limit if reasoning_limit > 0 else -1
+        self._sampling[seat], self._seeds[seat] = not params.greedy, seed
 
-    def batch(self, slots: list[int], draws: list[int]) -> SampleBatch:
-        """Rows for the slots `slots`, choosing token `draws[i]` of each reply; sent without waiting."""
-        sampling = any(self._sampling[slot] for slot in slots)
-        keys = [_draw_key(self._seeds[slot], draw) if sampling else 0 for slot, draw in zip(slots, draws)]
-        on_device = to_device(torch.tensor([slots, keys]), self.device)
+    def batch(self, seats: list[int], draws: list[int]) -> SampleBatch:
+        """Rows for the seats `seats`, choosing token `draws[i]` of each reply; sent without waiting."""
+        sampling = any(self._sampling[seat] for seat in seats)
+        keys = [_draw_key(self._seeds[seat], draw) if sampling else 0 for seat, draw in zip(seats, draws)]
+        on_device = to_device(torch.tensor([seats, keys]), self.device)
         return SampleBatch(on_device[0], on_device[1], sampling)
 
     def inputs(self, batch: SampleBatch) -> torch.Tensor:
-        """[B] the last token chosen in each slot of `batch`: the input of its next decode step."""
-        return self.last.index_select(0, batch.slots)
+        """[B] the last token chosen in each seat of `batch`: the input of its next decode step."""
+        return self.last.index_select(0, batch.seats)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, batch: SampleBatch) -> torch.Tensor:
         """The tokens [B] chosen from `logits` [B, vocab] float32, on the device: repeats penalised,
         sampled rows over their temperature, suppressed ids out, then the best (greedy rows, exactly
         as argmax picks it, ties to the first) or a draw (the others)."""
-        rows = self.rows.select(batch.slots)
+        rows = self.rows.select(batch.seats)
         scores = _penalize_repeats(logits, rows.seen, rows.penalty)
         if batch.sampling:  # a greedy row's scores stay as they are (over 1)
             scores = scores / torch.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]
@@ -120,24 +121,24 @@ class SlotSampler:
             drawn = (_filtered(scores, rows) + _gumbel(batch.keys, self._token_keys)).argmax(dim=-1)
             tokens = torch.where(rows.temperature > 0, drawn, tokens)
         if self.reasoning_end is not None:
-            tokens = self._end_reasoning_at_limit(tokens, batch.slots)
-        self.rows.seen.index_put_((batch.slots, tokens), torch.ones_like(tokens, dtype=torch.bool))
-        self.last.index_copy_(0, batch.slots, tokens)
+            tokens = self._end_reasoning_at_limit(tokens, batch.seats)
+        self.rows.seen.index_put_((batch.seats, tokens), torch.ones_like(tokens, dtype=torch.bool))
+        self.last.index_copy_(0, batch.seats, tokens)
         return tokens
 
-    def _end_reasoning_at_limit(self, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def _end_reasoning_at_limit(self, tokens: torch.Tensor, seats: torch.Tensor) -> torch.Tensor:
         """`tokens` with the end of the reasoning block in place of the choice of each row that has
         reasoned as long as it may; the rows' counts taken down (-1 once their block has ended)."""
-        left = self.reasoning_left.index_select(0, slots)
+        left = self.reasoning_left.index_select(0, seats)
         tokens = torch.where(left == 0, self.reasoning_end, tokens)
         left = torch.where(tokens == self.reasoning_end, -1, left - (left > 0).long())
-        self.reasoning_left.index_copy_(0, slots, left)
+        self.reasoning_left.index_copy_(0, seats, left)
         return tokens
 
 
 class Sampler:
     """One stream of tokens, each read by the host as it is chosen (the Talker's first code of each
-    frame, whose end-of-speech the host must see at once): the rule of SlotSampler on a table of one
+    frame, whose end-of-speech the host must see at once): the rule of SeatSampler on a table of one
     row, made at the first token (whose logits give the vocabulary)."""
 
     def __init__(
@@ -145,13 +146,13 @@ class Sampler:
     ) -> None:
         self._start = (params, seed, prompt_ids)
         self._suppressed = suppressed
-        self._table: SlotSampler | None = None
+        self._table: SeatSampler | None = None
         self._chosen = 0
 
     def next_token(self, logits: torch.Tensor) -> int:
         """logits: [vocab] float32."""
         if self._table is None:
-            self._table = SlotSampler(1, logits.shape[-1], logits.device, self._suppressed)
+            self._table = SeatSampler(1, logits.shape[-1], logits.device, self._suppressed)
             self._table.start(0, *self._start)
         token = self._table.sample(logits[None], self._table.batch([0], [self._chosen]))
         self._chosen += 1

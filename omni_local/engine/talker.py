@@ -10,7 +10,7 @@ What the Talker reads, as transformers' `Qwen3OmniMoeForConditionalGeneration.ge
   token's projected embedding (text-EOS after the last one, then padding).
 Each step makes the first code of a frame; the code predictor then makes the frame's other codes.
 On a GPU both replay CUDA graphs captured at start-up: the step one per attention bucket, as the
-Thinker's decode step (SlotGraphs); the code predictor's 15 steps of a frame, with their sampling
+Thinker's decode step (BatchGraphs); the code predictor's 15 steps of a frame, with their sampling
 on the device, one graph (StaticGraph).
 `TalkerRows` makes the per-token rows while the Thinker prefills, so they are kept with its KV.
 """
@@ -22,12 +22,12 @@ import numpy as np
 import torch
 
 from omni_local.api.params import SamplingParams
-from omni_local.engine.cuda_graphs import SlotGraphs, StaticGraph, graphable
+from omni_local.engine.cuda_graphs import BatchGraphs, StaticGraph, graphable
 from omni_local.engine.decoder_stack import LayerRegions, mrope_positions, run_layers
-from omni_local.engine.kv_store import GraphedSlotWriter, KVShape, KVStore, SlotWriter
+from omni_local.engine.kv_store import GraphedKVWriter, KVShape, KVStore, KVWriter
 from omni_local.engine.host_copies import Readback, to_device
 from omni_local.engine.moe import TORCH, MoeBackend
-from omni_local.engine.sampling import SampleBatch, SlotSampler
+from omni_local.engine.sampling import SampleBatch, SeatSampler
 from omni_local.errors import RequestError
 from omni_local.prompts import Prompt
 
@@ -72,7 +72,7 @@ class TalkerPrompt:
 
 
 class TalkerRunner:
-    def __init__(self, model: torch.nn.Module, max_tokens: int, slots: int, cuda_graphs: bool = False,
+    def __init__(self, model: torch.nn.Module, max_tokens: int, kv_slots: int, cuda_graphs: bool = False,
                  compiled_layers: bool = False, moe: MoeBackend = TORCH) -> None:
         self.config = model.config
         self.talker = model.talker
@@ -86,10 +86,11 @@ class TalkerRunner:
         self.dtype = self.talker.codec_head.weight.dtype
         shape = KVShape(text.num_hidden_layers, text.num_key_value_heads, text.head_dim, max_tokens)
         # The Talker's own step is a decode step like the Thinker's (about 41 ms eager at full size,
-        # 5 ms graphed): SlotGraphs, whose buckets read rows past each new token, so free slots are zeroed.
+        # 5 ms graphed): BatchGraphs, whose buckets read rows past each new token, so free KV slots
+        # are zeroed.
         self._capture_steps = cuda_graphs and graphable(self.stack.config, self.device)
-        self.kv = KVStore(shape, slots, self.dtype, self.device, zeroed=self._capture_steps)
-        self.step_graphs: SlotGraphs | None = None  # set once captured, by warm_up
+        self.kv = KVStore(shape, kv_slots, self.dtype, self.device, zeroed=self._capture_steps)
+        self.step_graphs: BatchGraphs | None = None  # set once captured, by warm_up
         # The code predictor's KV: one frame's rows (the Talker's state, then each code), one
         # frame at a time.
         predictor = self.predictor.config
@@ -103,7 +104,7 @@ class TalkerRunner:
         self.frame_graph: StaticGraph | None = None  # set once captured, by warm_up
         # The code predictor's sampling row: a reply's parameters and seed are loaded into it at
         # each frame (spoken replies take turns), at fixed addresses the frame's graph reads.
-        self.predictor_sampler = SlotSampler(1, self.predictor.config.vocab_size, self.device)
+        self.predictor_sampler = SeatSampler(1, self.predictor.config.vocab_size, self.device)
         self._row_zero = torch.zeros(1, dtype=torch.long, device=self.device)
         self._no_ids = torch.empty(0, dtype=torch.long, device=self.device)
         # The Talker's and the code predictor's layers, as the Thinker's (on the GPU only).
@@ -126,16 +127,16 @@ class TalkerRunner:
 
     @torch.inference_mode()
     def warm_up(self) -> list[int]:
-        """A short prompt, one frame and one step in a slot nobody reads, so the first spoken reply
+        """A short prompt, one frame and one step in a KV slot nobody reads, so the first spoken reply
         does not pay first-use costs, then the code predictor's and the step's graphs; returns the
         frame's codes."""
-        slot = self.kv.allocate()
+        kv_slot = self.kv.allocate()
         try:
             prompt = self.tts_pad.expand(4, -1)[None]
             positions = torch.arange(4, device=self.device).expand(3, 1, -1)
-            hidden, _ = self._forward(self.kv.view(slot, 0), prompt, positions)
+            hidden, _ = self._forward(self.kv.view(kv_slot, 0), prompt, positions)
             codes, codec_sum = self.complete_frame(hidden, 0, SamplingParams(), seed=0, frame=0)
-            self.step(slot, 4, codec_sum + self.tts_pad, 0)
+            self.step(kv_slot, 4, codec_sum + self.tts_pad, 0)
             if self._capture_predictor:
                 # Captured sampling: greedy rows still take the argmax, the graph serves both.
                 start, keys = hidden.new_zeros((1, 2, hidden.shape[-1])), self._row_zero.expand(len(codes) - 1)
@@ -143,10 +144,10 @@ class TalkerRunner:
             if self._capture_steps:
                 row = self.tts_pad[None]  # [1, 1, width], shaped as a step's input
                 capturable = self.regions.moe.capturable(self.stack.config, self.dtype)
-                self.step_graphs = SlotGraphs(self._forward, self.kv, row, slot, capturable)
+                self.step_graphs = BatchGraphs(self._forward, self.kv, row, kv_slot, capturable)
             return codes
         finally:
-            self.kv.release(slot)
+            self.kv.release(kv_slot)
 
     def voice_id(self, voice: str) -> int:
         """The codec id of `voice` (any case); a `RequestError` listing the voices otherwise."""
@@ -183,22 +184,22 @@ class TalkerRunner:
         return TalkerPrompt(prompt, user_rows, text + codec, user_positions)
 
     @torch.inference_mode()
-    def prefill(self, slot: int, talker: TalkerPrompt, start: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Compute the prompt from `start` on (the rows before are in the slot). Returns the last
-        hidden state [1, 1, width], its codec logits [vocab] and the rope delta of later steps."""
+    def prefill(self, kv_slot: int, talker: TalkerPrompt, start: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Compute the prompt from `start` on (the rows before are in KV slot `kv_slot`). Returns the
+        last hidden state [1, 1, width], its codec logits [vocab] and the rope delta of later steps."""
         positions, rope_delta = mrope_positions(self.talker, talker.prompt, self.device)
         rows = torch.cat([talker.user_rows, talker.opening])[start:]
-        hidden, logits = self._forward(self.kv.view(slot, start), rows[None], positions[:, :, start:])
+        hidden, logits = self._forward(self.kv.view(kv_slot, start), rows[None], positions[:, :, start:])
         return hidden, logits[0], rope_delta
 
     @torch.inference_mode()
-    def step(self, slot: int, index: int, embed: torch.Tensor, rope_delta: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, kv_slot: int, index: int, embed: torch.Tensor, rope_delta: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One step at row `index` from `embed` [1, 1, width]: its hidden state and codec logits."""
         positions = torch.full((3, 1, 1), index + rope_delta, device=self.device, dtype=torch.long)
         if self.step_graphs is not None:
-            hidden, logits = self.step_graphs.replay([slot], embed, [index], positions)
+            hidden, logits = self.step_graphs.replay([kv_slot], embed, [index], positions)
         else:
-            hidden, logits = self._forward(self.kv.view(slot, index), embed, positions)
+            hidden, logits = self._forward(self.kv.view(kv_slot, index), embed, positions)
         return hidden, logits[0]
 
     @torch.inference_mode()
@@ -246,7 +247,7 @@ class TalkerRunner:
                              regions=self.regions)
         return self.predictor.lm_head[group](last)[0, -1].float()
 
-    def _forward(self, cache: SlotWriter | GraphedSlotWriter, embeds: torch.Tensor,
+    def _forward(self, cache: KVWriter | GraphedKVWriter, embeds: torch.Tensor,
                  positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The last hidden state [1, 1, width] and its codec logits [1, vocab] of `embeds` [1, n, width]
         at `positions` [3, 1, n]; with n = 1, what the step's graphs capture."""

@@ -4,10 +4,10 @@ transformers' modules do the maths (embedding, encoders, decoder layers, lm_head
 decides what runs when: the encoders for the media of the uncached tail (MediaEncoder), a prefill
 of that tail after the cached rows (whole, or the part of it the engine asks for: a chunk,
 prefill_chunks.py), then one decode step per token, each writing its keys and values into the
-request's slot of the KVStore. On a GPU, with graphs, the decode step of every chat decoding at the
+request's KV slot in the KVStore. On a GPU, with graphs, the decode step of every chat decoding at the
 time runs as one batch, and a prefill of up to `graphed_prefill_tokens` (a chunk, a question, an
-image) replays a CUDA graph too (SlotGraphs), all captured at start-up; longer prefills run
-eagerly. A decode step takes its token ids from the device (the engine's sampler keeps each slot's
+image) replays a CUDA graph too (BatchGraphs), all captured at start-up; longer prefills run
+eagerly. A decode step takes its token ids from the device (the engine's sampler keeps each seat's
 last choice there) and its positions through pinned memory, so a graphed step never makes the host
 wait: the engine queues the next one before reading this one.
 """
@@ -18,10 +18,10 @@ from PIL import Image
 
 from omni_local.api.events import MediaCounts
 from omni_local.api.messages import Message
-from omni_local.engine.cuda_graphs import SlotGraphs, graphable, size_buckets
+from omni_local.engine.cuda_graphs import BatchGraphs, graphable, size_buckets
 from omni_local.engine.decoder_stack import LayerRegions, mrope_positions, run_layers
 from omni_local.engine.host_copies import to_device
-from omni_local.engine.kv_store import GraphedSlotWriter, KVShape, KVStore, SlotWriter
+from omni_local.engine.kv_store import GraphedKVWriter, KVShape, KVStore, KVWriter
 from omni_local.engine.media_encoder import MediaEncoder, deepstack_levels
 from omni_local.engine.moe import TORCH, MoeBackend
 from omni_local.engine.prefill_chunks import PreparedPrompt
@@ -55,8 +55,8 @@ class ThinkerRunner:
         shape = KVShape(config.num_hidden_layers, config.num_key_value_heads, head_dim, max_tokens, talker_dim)
         self.device = thinker.lm_head.weight.device
         self.dtype = thinker.lm_head.weight.dtype
-        slots = kv_budget_bytes // shape.slot_bytes(self.dtype)
-        if slots < 1:
+        kv_slots = kv_budget_bytes // shape.slot_bytes(self.dtype)
+        if kv_slots < 1:
             need = shape.slot_bytes(self.dtype)
             raise SettingsError(
                 f"setting 'gpu_cache_bytes' ({kv_budget_bytes:,}) is below the {need:,} bytes one conversation of "
@@ -66,43 +66,43 @@ class ThinkerRunner:
         # Compiled on the GPU only: on the CPU the compile takes longer than it saves.
         self.regions = LayerRegions(compiled=compiled_layers and self.device.type == "cuda", moe=moe)
         self._deepstack_levels = len(self.model.config.vision_config.deepstack_visual_indexes)
-        self.kv = KVStore(shape, slots, self.dtype, self.device, zeroed=self._capture_graphs)
-        self.decode_graphs: SlotGraphs | None = None  # set once captured, by warm_up
-        self.prefill_graphs: SlotGraphs | None = None
+        self.kv = KVStore(shape, kv_slots, self.dtype, self.device, zeroed=self._capture_graphs)
+        self.decode_graphs: BatchGraphs | None = None  # set once captured, by warm_up
+        self.prefill_graphs: BatchGraphs | None = None
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """A small prompt with an image and a clip through a prefill and a decode step, in a slot
+        """A small prompt with an image and a clip through a prefill and a decode step, in a KV slot
         nobody reads, so the first request does not pay first-use costs (kernel loading, library
         heuristics: about 2 s for a first image on an H200), and captures the graphs. Nothing
         is cached."""
         parts = [Image.new("RGB", (64, 64), (90, 140, 200)), np.zeros(16_000, np.float32), "Hello."]
         prompt = build_prompt([Message("user", parts)], self.encoder.processor)
-        slot = self.kv.allocate()
+        kv_slot = self.kv.allocate()
         try:
             prepared = self.prepare(prompt, 0, remember=False)
-            token = int(self.prefill(slot, prepared).argmax())
-            self.decode([slot], [token], [prompt.num_tokens], [prepared.rope_delta])
+            token = int(self.prefill(kv_slot, prepared).argmax())
+            self.decode([kv_slot], [token], [prompt.num_tokens], [prepared.rope_delta])
             if self._capture_graphs:
-                self._capture(slot)
+                self._capture(kv_slot)
         finally:
-            self.kv.release(slot)
+            self.kv.release(kv_slot)
 
-    def _capture(self, slot: int) -> None:
-        """The decode step for every batch of chats up to all the slots, and prefills of up to
+    def _capture(self, kv_slot: int) -> None:
+        """The decode step for every batch of chats up to all the KV slots, and prefills of up to
         `graphed_prefill_tokens` new tokens (in buckets from 16), each for every attention length; in
         one memory pool."""
         pool, config = torch.cuda.graph_pool_handle(), self.text.config
         moe = self.regions.moe
         ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-        self.decode_graphs = SlotGraphs(self._decode_step, self.kv, ids, slot,
-                                        moe.capturable(config, self.dtype),
-                                        batches=size_buckets(1, self.kv.slots), pool=pool)
+        self.decode_graphs = BatchGraphs(self._decode_step, self.kv, ids, kv_slot,
+                                         moe.capturable(config, self.dtype),
+                                         batches=size_buckets(1, self.kv.slots), pool=pool)
         width = (1 + self._deepstack_levels) * config.hidden_size
         dense = torch.zeros((1, 1, width), dtype=self.dtype, device=self.device)
-        self.prefill_graphs = SlotGraphs(self._dense_prefill_step, self.kv, dense, slot,
-                                         moe.capturable(config, self.dtype),
-                                         lengths=size_buckets(16, self.graphed_prefill_tokens), pool=pool)
+        self.prefill_graphs = BatchGraphs(self._dense_prefill_step, self.kv, dense, kv_slot,
+                                          moe.capturable(config, self.dtype),
+                                          lengths=size_buckets(16, self.graphed_prefill_tokens), pool=pool)
 
     @torch.inference_mode()
     def prepare(self, prompt: Prompt, start: int, remember: bool = True) -> PreparedPrompt:
@@ -135,46 +135,47 @@ class ThinkerRunner:
                               visual_before)
 
     @torch.inference_mode()
-    def prefill(self, slot: int, prepared: PreparedPrompt) -> torch.Tensor:
-        """Compute `prepared` (a prompt's tail, or a part of it: `PreparedPrompt.rows`) into the slot,
-        after the `start` rows it holds, in one forward; returns the last token's logits [vocab]. With
+    def prefill(self, kv_slot: int, prepared: PreparedPrompt) -> torch.Tensor:
+        """Compute `prepared` (a prompt's tail, or a part of it: `PreparedPrompt.rows`) into KV slot
+        `kv_slot`, after the `start` rows it holds, in one forward; returns the last token's logits [vocab]. With
         a Talker, each new token's Talker row is written too."""
         p, rows, graphs = prepared, self.talker_rows, self.prefill_graphs
         length = p.embeds.shape[1]
         if graphs is not None and graphs.fits(1, length, p.start):
-            outputs = graphs.replay([slot], self._dense_input(p), [p.start], p.positions)
+            outputs = graphs.replay([kv_slot], self._dense_input(p), [p.start], p.positions)
         else:
-            outputs = self._prefill_step(self.kv.view(slot, p.start), p.embeds, p.positions, p.visual_mask,
-                                         p.deepstack)
+            outputs = self._prefill_step(self.kv.view(kv_slot, p.start), p.embeds, p.positions,
+                                         p.visual_mask, p.deepstack)
         logits, kept = outputs if rows is not None else (outputs, None)
         if rows is not None:
-            self.kv.talker_rows[slot, p.start : p.start + length] = rows.project(p.ids, p.embeds, kept[:, :length])[0]
+            talker_rows = rows.project(p.ids, p.embeds, kept[:, :length])[0]
+            self.kv.talker_rows[kv_slot, p.start : p.start + length] = talker_rows
         return logits[0]
 
     @torch.inference_mode()
-    def decode(self, slots: list[int], tokens: list[int] | torch.Tensor, indices: list[int],
+    def decode(self, kv_slots: list[int], tokens: list[int] | torch.Tensor, indices: list[int],
                rope_deltas: list[int]) -> torch.Tensor:
-        """Compute token `tokens[i]` at sequence index `indices[i]` of `slots[i]`, for every i; returns
-        their logits [B, vocab]. `tokens` may be a tensor [B] on the device: the engine's, chosen by
-        the step before and never read by the host. Graphed, this waits for the device nowhere (the
-        host lists go to it through pinned memory), so the engine queues step after step; eager, the
-        steps run one after another (a batch of slots filled to different lengths would need a mask,
-        and eager speed is not the point)."""
+        """Compute token `tokens[i]` at sequence index `indices[i]` of KV slot `kv_slots[i]`, for
+        every i; returns their logits [B, vocab]. `tokens` may be a tensor [B] on the device: the
+        engine's, chosen by the step before and never read by the host. Graphed, this waits for the
+        device nowhere (the host lists go to it through pinned memory), so the engine queues step
+        after step; eager, the steps run one after another (a batch of KV slots filled to different
+        lengths would need a mask, and eager speed is not the point)."""
         ids = tokens if isinstance(tokens, torch.Tensor) else to_device(torch.tensor(tokens), self.device)
         positions = to_device(torch.tensor(indices) + torch.tensor(rope_deltas), self.device)
         ids, positions = ids[:, None], positions.view(1, -1, 1).expand(3, -1, -1)
         if self.decode_graphs is not None:
-            return self.decode_graphs.replay(slots, ids, indices, positions)
-        return torch.cat([self._decode_step(self.kv.view(slot, index), ids[i : i + 1], positions[:, i : i + 1])
-                          for i, (slot, index) in enumerate(zip(slots, indices))])
+            return self.decode_graphs.replay(kv_slots, ids, indices, positions)
+        return torch.cat([self._decode_step(self.kv.view(kv_slot, index), ids[i : i + 1], positions[:, i : i + 1])
+                          for i, (kv_slot, index) in enumerate(zip(kv_slots, indices))])
 
-    def _decode_step(self, cache: SlotWriter | GraphedSlotWriter, ids: torch.Tensor,
+    def _decode_step(self, cache: KVWriter | GraphedKVWriter, ids: torch.Tensor,
                      positions: torch.Tensor) -> torch.Tensor:
         """Logits [B, vocab] of one token per sequence (ids [B, 1], positions [3, B, 1])."""
         last, _ = run_layers(self.text, cache, self.model.get_input_embeddings()(ids), positions, regions=self.regions)
         return self._logits(last)
 
-    def _prefill_step(self, cache: SlotWriter | GraphedSlotWriter, embeds: torch.Tensor, positions: torch.Tensor,
+    def _prefill_step(self, cache: KVWriter | GraphedKVWriter, embeds: torch.Tensor, positions: torch.Tensor,
                       visual_mask: torch.Tensor | None = None, deepstack: list[torch.Tensor] | None = None
                       ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits [1, vocab] of the last of `embeds` [1, n, hidden]; with a Talker, also the hidden
@@ -191,7 +192,7 @@ class ThinkerRunner:
         levels = [_scatter(zeros, p.visual_mask, level) for level in p.deepstack] if p.deepstack else []
         return torch.cat([p.embeds, *levels, *[zeros] * (self._deepstack_levels - len(levels))], dim=-1)
 
-    def _dense_prefill_step(self, cache: GraphedSlotWriter, dense: torch.Tensor,
+    def _dense_prefill_step(self, cache: GraphedKVWriter, dense: torch.Tensor,
                             positions: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`_prefill_step` of a `_dense_input`: what the prefill graphs capture."""
         embeds, *levels = (part.contiguous() for part in dense.split(self.text.config.hidden_size, dim=-1))

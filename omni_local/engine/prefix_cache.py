@@ -1,17 +1,17 @@
 """The prefix cache: each chat session's KV, kept so that its next turn, or another session that
 starts the same way, computes only what is new.
 
-An entry is one session's sequence: the keys of the tokens whose KV is written (published only
-after the compute that fills them), where that KV is (a device slot, or host memory), and the
+An entry is one session's sequence: the keys of the tokens whose KV is written (published only after
+the compute that fills them), where that KV is (a KV slot on the device, or host memory), and the
 digests of its media. A new prompt is matched against every entry: the longest common prefix of
-keys, cut so that it never ends inside an image or a clip, verified medium by medium by full
-digest, and always leaving the last prompt token to compute (its logits pick the first reply
-token). The session's own entry is continued in place; another entry's prefix is copied, so no
-session's later writes change what another reads.
+keys, cut so that it never ends inside an image or a clip, verified medium by medium by full digest,
+and always leaving the last prompt token to compute (its logits pick the first reply token). The
+session's own entry is continued in place; another entry's prefix is copied, so no session's later
+writes change what another reads.
 
-Memory: device slots are the first tier; when none is free, the least recently used entry that no
-running request holds moves to host memory (the second tier, its own byte budget) and comes back
-on a hit; past that budget the oldest host entries are dropped.
+Memory: KV slots on the device are the first tier; when none is free, the least recently used entry
+that no running request holds moves to host memory (the second tier, its own byte budget) and comes
+back on a hit; past that budget the oldest host entries are dropped.
 """
 
 import itertools
@@ -28,7 +28,7 @@ class Entry:
     session: str
     keys: np.ndarray  # [n] keys of the tokens whose KV is written, in order
     media: dict[int, bytes]  # start -> full digest, for every medium in `keys`
-    slot: int | None = None  # where the KV is: a device slot ...
+    kv_slot: int | None = None  # where the KV is: a KV slot on the device ...
     host: HostCopy | None = None  # ... or host memory
     pins: int = 0  # running requests that read or write it
     last_used: int = 0
@@ -38,7 +38,7 @@ class Entry:
         return len(self.keys)
 
     def __post_init__(self) -> None:
-        assert (self.slot is None) != (self.host is None), "an entry lives in exactly one tier"
+        assert (self.kv_slot is None) != (self.host is None), "an entry lives in exactly one tier"
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class Match:
 
 @dataclass
 class Claim:
-    """What a request holds while it runs: its session's entry, in a device slot."""
+    """What a request holds while it runs: its session's entry, in a KV slot."""
 
     entry: Entry
     start: int  # rows already valid: the request computes from here
@@ -74,7 +74,7 @@ class PrefixCache:
     @property
     def gpu_bytes(self) -> int:
         """Device bytes of cached KV: at most the store's allocation, which is the budget."""
-        return sum(e.length for e in self.entries.values() if e.slot is not None) * self.token_bytes
+        return sum(e.length for e in self.entries.values() if e.kv_slot is not None) * self.token_bytes
 
     @property
     def host_bytes(self) -> int:
@@ -89,46 +89,46 @@ class PrefixCache:
         best = Match(None, 0)
         for entry in self.entries.values():
             length = _verified_prefix(entry, prompt)
-            better = length > best.length or (length == best.length and length and entry.slot is not None
-                                              and best.entry.slot is None)
+            better = length > best.length or (length == best.length and length and entry.kv_slot is not None
+                                              and best.entry.kv_slot is None)
             if better:
                 best = Match(entry, length)
         return best
 
     def claim(self, session: str, prompt: Prompt, match: Match) -> Claim | None:
-        """A device slot for `session` holding the matched prefix, or None if every slot is held by a
+        """A KV slot for `session` holding the matched prefix, or None if every KV slot is held by a
         running request (the request then waits). The session's entry is pinned until `release`."""
         own = self.entries.get(session)
-        slot = self._slot_for(own, keep=match.entry)
-        if slot is None and match.entry is not None:
-            # Only the match's own source can make room (one slot, say): let it move, then match
+        kv_slot = self._kv_slot_for(own, keep=match.entry)
+        if kv_slot is None and match.entry is not None:
+            # Only the match's own source can make room (one KV slot, say): let it move, then match
             # again, now against wherever it went (host memory, or nowhere).
-            slot = self._slot_for(own, keep=None)
-            if slot is not None:
+            kv_slot = self._kv_slot_for(own, keep=None)
+            if kv_slot is not None:
                 match = self.match(prompt)
-        if slot is None:
+        if kv_slot is None:
             return None
         reused_gpu = reused_host = 0
         source = match.entry
         if source is not None and match.length:
-            if source.slot is not None:
-                if source.slot != slot:
-                    self.kv.copy_rows(source.slot, slot, match.length)
+            if source.kv_slot is not None:
+                if source.kv_slot != kv_slot:
+                    self.kv.copy_rows(source.kv_slot, kv_slot, match.length)
                 reused_gpu = match.length
             else:
-                self.kv.from_host(source.host, slot, match.length)
+                self.kv.from_host(source.host, kv_slot, match.length)
                 reused_host = match.length
             source.last_used = next(self._clock)
-        if own is not None and own.slot is None:
+        if own is not None and own.kv_slot is None:
             own.host = None  # replaced by the state this request starts from
         keys = prompt.keys[: match.length].copy()
         media = {m.start: m.digest for m in prompt.media if m.end <= match.length}
-        entry = Entry(session, keys, media, slot=slot, pins=1, last_used=next(self._clock))
+        entry = Entry(session, keys, media, kv_slot=kv_slot, pins=1, last_used=next(self._clock))
         self.entries[session] = entry
         return Claim(entry, match.length, reused_gpu, reused_host)
 
     def publish(self, claim: Claim, prompt: Prompt, reply: list[int], written: int) -> None:
-        """The KV of the first `written` tokens of prompt-then-reply is in the slot now."""
+        """The KV of the first `written` tokens of prompt-then-reply is in its KV slot now."""
         entry = claim.entry
         if written <= prompt.num_tokens:
             entry.keys = prompt.keys[:written].copy()
@@ -146,7 +146,7 @@ class PrefixCache:
 
     def discard(self, claim: Claim) -> None:
         """Release `claim` and forget what its request wrote: its outputs were not numbers, so its
-        rows must reach no attention again. The slot's rows are zeroed and the session's entry is
+        rows must reach no attention again. The KV slot's rows are zeroed and the session's entry is
         dropped (its next turn starts afresh). No other entry holds a copy of them: a request
         publishes its prompt's rows only once its first token's logits are checked, and its
         reply's only when it ends."""
@@ -158,30 +158,30 @@ class PrefixCache:
     # Memory ---------------------------------------------------------------------------------
 
     def make_room(self) -> None:
-        """Free one device slot ahead of need, so moving an entry to host memory (a copy of all its
+        """Free one KV slot ahead of need, so moving an entry to host memory (a copy of all its
         KV) is not paid inside the next request's time to first token."""
         if self.kv.free_slots == 0:
             victim = self._least_recent_on_device(keep=None)
             if victim is not None:
                 self._move_to_host(victim, keep=None)
 
-    def _slot_for(self, own: Entry | None, keep: Entry | None) -> int | None:
-        """A free device slot; `keep` (the match's source) is neither moved nor dropped meanwhile."""
-        if own is not None and own.slot is not None:
+    def _kv_slot_for(self, own: Entry | None, keep: Entry | None) -> int | None:
+        """A free KV slot; `keep` (the match's source) is neither moved nor dropped meanwhile."""
+        if own is not None and own.kv_slot is not None:
             if own.pins:
                 return None  # the session's previous request still runs in it
-            return own.slot  # continued in place: rows past the match are rewritten
-        slot = self.kv.allocate()
-        while slot is None:
+            return own.kv_slot  # continued in place: rows past the match are rewritten
+        kv_slot = self.kv.allocate()
+        while kv_slot is None:
             victim = self._least_recent_on_device(keep)
             if victim is None:
                 return None
             self._move_to_host(victim, keep)
-            slot = self.kv.allocate()
-        return slot
+            kv_slot = self.kv.allocate()
+        return kv_slot
 
     def _least_recent_on_device(self, keep: Entry | None) -> Entry | None:
-        candidates = [e for e in self.entries.values() if e.slot is not None and e.pins == 0 and e is not keep]
+        candidates = [e for e in self.entries.values() if e.kv_slot is not None and e.pins == 0 and e is not keep]
         return min(candidates, key=lambda e: e.last_used, default=None)
 
     def _move_to_host(self, entry: Entry, keep: Entry | None) -> None:
@@ -189,9 +189,9 @@ class PrefixCache:
         while self.host_bytes + size > self.host_budget and self._drop_oldest_on_host(keep):
             pass
         if entry.length and self.host_bytes + size <= self.host_budget:
-            entry.host = self.kv.to_host(entry.slot, entry.length)
-            self.kv.release(entry.slot)
-            entry.slot = None
+            entry.host = self.kv.to_host(entry.kv_slot, entry.length)
+            self.kv.release(entry.kv_slot)
+            entry.kv_slot = None
         else:
             self._drop(entry)
 
@@ -204,9 +204,9 @@ class PrefixCache:
         return True
 
     def _drop(self, entry: Entry, scrub: bool = False) -> None:
-        if entry.slot is not None:
-            self.kv.release(entry.slot, scrub=scrub)
-        entry.slot, entry.host = None, None
+        if entry.kv_slot is not None:
+            self.kv.release(entry.kv_slot, scrub=scrub)
+        entry.kv_slot, entry.host = None, None
         if self.entries.get(entry.session) is entry:
             del self.entries[entry.session]
 
