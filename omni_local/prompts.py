@@ -20,7 +20,7 @@ from omni_local.api.messages import Message, Part, check_text
 from omni_local.cache.digests import media_digest, token_keys
 from omni_local.errors import RequestError
 from omni_local.media.video import Video
-from omni_local.model.reasoning import reasoning_marks
+from omni_local.model.reasoning import ReasoningMarks
 from omni_local.template_tokens import TemplateIds
 
 
@@ -101,9 +101,10 @@ class Prompt:
         return {**inputs, **preprocess(self.media, processor)}
 
 
-def build_prompt(messages: list[Message], processor: Any) -> Prompt:
-    """Tokenize a conversation ending in a user turn, with its images and clips in order."""
-    pieces = _template_ids(messages, processor)
+def build_prompt(messages: list[Message], processor: Any, reasoning: ReasoningMarks | None = None) -> Prompt:
+    """Tokenize a conversation ending in a user turn, with its images and clips in order. `reasoning`:
+    a Thinking checkpoint's markers, by which its earlier replies' reasoning is told apart."""
+    pieces = _template_ids(messages, processor, reasoning)
     parts = [p for m in messages for p in m.parts if not isinstance(p, str)]
     tokenizer = processor.tokenizer
     pad_ids = {tokenizer.convert_tokens_to_ids(processor.image_token): "image",
@@ -128,7 +129,7 @@ def build_prompt(messages: list[Message], processor: Any) -> Prompt:
     return Prompt(input_ids, media, token_keys(input_ids[0].numpy(), [(m.start, m.length, m.digest) for m in media]))
 
 
-def _template_ids(messages: list[Message], processor: Any) -> list[int]:
+def _template_ids(messages: list[Message], processor: Any, reasoning: ReasoningMarks | None) -> list[int]:
     """The conversation's ids through the chat template: the template's control tokens where it puts
     them and nowhere else, every text part as plain text (a typed `<|im_start|>` is the ids of `<`,
     `|`, ...), and each earlier reply with token ids as those very ids."""
@@ -137,7 +138,7 @@ def _template_ids(messages: list[Message], processor: Any) -> list[int]:
     nonce = secrets.token_hex(8)
     texts: list[str] = []
     replies: list[list[int]] = []
-    chat = [_template_message(m, nonce, texts, replies, processor.tokenizer) for m in messages]
+    chat = [_template_message(m, nonce, texts, replies, processor.tokenizer, reasoning) for m in messages]
     rendered = processor.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     segments = re.split(f"<(text|reply) {nonce} (\\d+)>", rendered)
     ids = TemplateIds(processor.tokenizer)
@@ -152,13 +153,13 @@ def _template_ids(messages: list[Message], processor: Any) -> list[int]:
 
 
 def _template_message(message: Message, nonce: str, texts: list[str], replies: list[list[int]],
-                      tokenizer: Any) -> dict[str, Any]:
+                      tokenizer: Any, marks: ReasoningMarks | None) -> dict[str, Any]:
     """The message for the template, its text and a reply's ids left in `texts` and `replies` with a
     marker in their place. A reply's reasoning goes apart, as `reasoning_content`: the template
     decides whether the next prompt holds it (Qwen's Thinking template keeps it only after the last
     question, so an earlier turn's reasoning is left out)."""
     if message.role == "assistant" and (message.reasoning or message.token_ids is not None):
-        return _reply_message(message, nonce, texts, replies, tokenizer)
+        return _reply_message(message, nonce, texts, replies, tokenizer, marks)
     blocks = []
     for part in message.parts:
         if isinstance(part, str):
@@ -169,8 +170,7 @@ def _template_message(message: Message, nonce: str, texts: list[str], replies: l
 
 
 def _reply_message(message: Message, nonce: str, texts: list[str], replies: list[list[int]],
-                   tokenizer: Any) -> dict[str, Any]:
-    marks = reasoning_marks(tokenizer)
+                   tokenizer: Any, marks: ReasoningMarks | None) -> dict[str, Any]:
     ids = message.token_ids
     if ids is None:  # a reply known by its text alone (from a remote server)
         answer, reasoning = _text_block(message.text, nonce, texts), message.reasoning

@@ -141,8 +141,8 @@ def built_prompts(monkeypatch: pytest.MonkeyPatch) -> list[Prompt]:
 
     built: list[Prompt] = []
 
-    def building(messages: list[Message], processor: Any) -> Prompt:
-        built.append(build_prompt(messages, processor))
+    def building(messages: list[Message], processor: Any, reasoning: Any = None) -> Prompt:
+        built.append(build_prompt(messages, processor, reasoning))
         return built[-1]
 
     monkeypatch.setattr(context_window, "build_prompt", building)

@@ -120,8 +120,8 @@ def test_turn_two_leaves_turn_ones_reasoning_out_as_the_template_does_and_reuses
     session = thinking.session()
     first = session.send(QUESTION, max_new_tokens=NEW_TOKENS, max_reasoning_tokens=LIMIT).result()
     second = session.send("And then?", max_new_tokens=NEW_TOKENS, max_reasoning_tokens=LIMIT).result()
-    prompt = build_prompt(session.history[:-1], thinking.backend.loaded.processor).input_ids[0].tolist()
     marks = _marks(thinking)
+    prompt = build_prompt(session.history[:-1], thinking.backend.loaded.processor, marks).input_ids[0].tolist()
     assert prompt.count(marks.end) == 0 and prompt.count(marks.start) == 1  # the generation prompt's own
     # Turn one's prompt up to its reply's "<think>\n", which turn two's does not hold there.
     assert second.tokens.reused == first.tokens.prompt - 2

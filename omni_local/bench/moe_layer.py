@@ -15,17 +15,10 @@ import torch
 
 from omni_local.bench.cuda_timing import median_cuda_ms
 from omni_local.bench.moe_shapes import SHAPES, moe_block
+from omni_local.engine.cuda_graphs import capture_graph
 from omni_local.engine.moe import TORCH, MoeBackend, mlp_output, moe_backend
 
 TOKENS = [1, 16, 128, 512]
-
-
-def graphed(call) -> torch.cuda.CUDAGraph:
-    call()  # first use (kernel compiles, library handles) outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    return graph
 
 
 def layer_ms(block: torch.nn.Module, backend: MoeBackend, tokens: int, runs: int) -> tuple[float, float]:
@@ -37,7 +30,7 @@ def layer_ms(block: torch.nn.Module, backend: MoeBackend, tokens: int, runs: int
 
     eager = median_cuda_ms(call, runs)
     with backend.capturable(block.experts.config, torch.bfloat16):
-        graph = graphed(call)
+        graph, _ = capture_graph(call, torch.cuda.graph_pool_handle())
     return eager, median_cuda_ms(graph.replay, runs)
 
 

@@ -19,15 +19,18 @@ import numpy as np
 
 from omni_local.api.messages import Message
 from omni_local.errors import RequestError
+from omni_local.model.reasoning import ReasoningMarks
 from omni_local.prompts import Prompt, build_prompt
 
 STEPS_PER_LIMIT = 4  # turns are left out a quarter of the prompt limit at a time
 
 
-def fit_prompt(messages: list[Message], processor: Any, limit: int) -> tuple[Prompt, int]:
+def fit_prompt(messages: list[Message], processor: Any, limit: int,
+               reasoning: ReasoningMarks | None = None) -> tuple[Prompt, int]:
     """The prompt for `messages` (ending in the user turn being asked) in at most `limit` tokens, and
-    how many of the earliest turns it leaves out to get there (their media go with them)."""
-    prompt = build_prompt(messages, processor)
+    how many of the earliest turns it leaves out to get there (their media go with them). `reasoning`:
+    as build_prompt takes it."""
+    prompt = build_prompt(messages, processor, reasoning)
     if prompt.num_tokens <= limit:
         return prompt, 0
     at = _message_starts(prompt, len(messages), processor.tokenizer)
@@ -44,7 +47,7 @@ def fit_prompt(messages: list[Message], processor: Any, limit: int) -> tuple[Pro
     left_out = turns_to_leave_out(earlier, kept, limit)
     # The rest has the tokens counted for it here: the template renders each message alone, and its
     # control tokens cut the text the tokenizer sees, so a message's tokens do not depend on its neighbours.
-    return build_prompt([*messages[:head], *messages[turns[left_out]:]], processor), left_out
+    return build_prompt([*messages[:head], *messages[turns[left_out]:]], processor, reasoning), left_out
 
 
 def turns_to_leave_out(sizes: list[int], kept: int, limit: int) -> int:

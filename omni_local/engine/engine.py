@@ -189,7 +189,8 @@ class Engine:
             try:
                 if request.prompt is None:
                     request.prompt, request.turns_left_out = fit_prompt(
-                        request.messages, self.loaded.processor, self.settings.max_prompt_tokens)
+                        request.messages, self.loaded.processor, self.settings.max_prompt_tokens,
+                        self.reasoning_marks)
                 request.claim = self.cache.claim(request.session, request.prompt, self.cache.match(request.prompt))
             except Exception as error:  # noqa: BLE001 - one request's failure must not stop the worker
                 self._waiting.popleft()

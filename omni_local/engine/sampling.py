@@ -53,6 +53,7 @@ class SampleBatch:
     seats: torch.Tensor  # [B] long, on the device
     keys: torch.Tensor  # [B] long (32-bit values), on the device
     sampling: bool  # some row samples; False (every row greedy, known on the host) skips the sampling maths
+    limits_reasoning: bool = False  # some row's reasoning has a limit; False skips that maths
 
 
 class SeatSampler:
@@ -76,6 +77,7 @@ class SeatSampler:
         self._token_keys = _hash32(torch.arange(vocab, device=device))  # what each id adds to a row's key
         # On the host, per seat: whether its request samples, and its seed.
         self._sampling, self._seeds = [False] * seats, [0] * seats
+        self._limits_reasoning = [False] * seats
 
     @torch.inference_mode()
     def start(self, seat: int, params: SamplingParams, seed: int, prompt_ids: torch.Tensor,
@@ -90,6 +92,7 @@ class SeatSampler:
         rows.seen[seat] = False
         rows.seen[seat, prompt_ids.to(self.device)] = True
         self.reasoning_left[seat] = reasoning_limit if reasoning_limit > 0 else -1
+        self._limits_reasoning[seat] = reasoning_limit > 0
         self._sampling[seat], self._seeds[seat] = not params.greedy, seed
 
     def batch(self, seats: list[int], draws: list[int]) -> SampleBatch:
@@ -97,7 +100,7 @@ class SeatSampler:
         sampling = any(self._sampling[seat] for seat in seats)
         keys = [_draw_key(self._seeds[seat], draw) if sampling else 0 for seat, draw in zip(seats, draws)]
         on_device = to_device(torch.tensor([seats, keys]), self.device)
-        return SampleBatch(on_device[0], on_device[1], sampling)
+        return SampleBatch(on_device[0], on_device[1], sampling, any(self._limits_reasoning[seat] for seat in seats))
 
     def inputs(self, batch: SampleBatch) -> torch.Tensor:
         """[B] the last token chosen in each seat of `batch`: the input of its next decode step."""
@@ -120,7 +123,7 @@ class SeatSampler:
         if batch.sampling:
             drawn = (_filtered(scores, rows) + _gumbel(batch.keys, self._token_keys)).argmax(dim=-1)
             tokens = torch.where(rows.temperature > 0, drawn, tokens)
-        if self.reasoning_end is not None:
+        if batch.limits_reasoning:
             tokens = self._end_reasoning_at_limit(tokens, batch.seats)
         self.rows.seen.index_put_((batch.seats, tokens), torch.ones_like(tokens, dtype=torch.bool))
         self.last.index_copy_(0, batch.seats, tokens)

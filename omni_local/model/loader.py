@@ -43,8 +43,7 @@ def load_model(settings: Settings) -> LoadedModel:
     dtype = resolve_dtype(settings.dtype, device)
     _check_attention(settings.attn_implementation)
 
-    config = _read_config(path)
-    talker = _has_talker(path, config)
+    config, talker = _read_config(path)
     if settings.speech and not talker:
         raise CheckpointError(f"checkpoint '{path}' has no Talker (enable_audio_output is false): set speech = false")
     try:
@@ -153,20 +152,18 @@ def _load_weights(
     return model
 
 
-def _has_talker(path: Path, config: Qwen3OmniMoeConfig) -> bool:
-    # The config class fills in a default Talker where the file names none (Thinking's and the
-    # Captioner's do not), so the file says whether there is one.
-    written = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    return bool(config.enable_audio_output) and "talker_config" in written
-
-
-def _read_config(path: Path) -> Qwen3OmniMoeConfig:
+def _read_config(path: Path) -> tuple[Qwen3OmniMoeConfig, bool]:
+    """The checkpoint's config, and whether it has a Talker."""
     config_file = path / "config.json"
     try:
-        model_type = json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
+        written = json.loads(config_file.read_text(encoding="utf-8"))
+        model_type = written.get("model_type")
         if model_type != Qwen3OmniMoeConfig.model_type:
             raise CheckpointError(f"'{config_file}' describes a {model_type!r} model, not Qwen3-Omni (qwen3_omni_moe)")
-        return Qwen3OmniMoeConfig.from_pretrained(path)
+        config = Qwen3OmniMoeConfig.from_pretrained(path)
+        # The config class fills in a default Talker where the file names none (Thinking's and the
+        # Captioner's do not), so the file says whether there is one.
+        return config, bool(config.enable_audio_output) and "talker_config" in written
     except (OSError, ValueError, TypeError, AttributeError) as error:
         raise CheckpointError(f"could not read '{config_file}': {error}") from None
 

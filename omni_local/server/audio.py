@@ -1,5 +1,5 @@
-"""Spoken replies on the wire: 16-bit signed little-endian PCM, mono, 24 kHz (what Code2Wav makes),
-as base64; a non-streamed reply may ask for the same samples as a WAV file instead."""
+"""A non-streamed spoken reply as a WAV file in base64; streamed, and where a reply asks for it, its
+samples go as base64 PCM16 (media/pcm16.py's `base64_pcm16`): mono, 24 kHz, what Code2Wav makes."""
 
 import base64
 import io
@@ -9,10 +9,6 @@ import soundfile
 
 from omni_local.api.events import SPEECH_SAMPLE_RATE
 from omni_local.media.pcm16 import to_pcm16
-
-
-def base64_pcm16(samples: np.ndarray) -> str:
-    return base64.b64encode(to_pcm16(samples).tobytes()).decode("ascii")
 
 
 def base64_wav(samples: np.ndarray) -> str:

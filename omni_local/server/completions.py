@@ -89,9 +89,8 @@ class ChatCompletions:
     def _speech(self, body: ChatRequest) -> SpeechParams:
         """The spoken reply asked for: in the request's voice, else the `voice` setting's."""
         given = body.audio.voice if body.audio is not None else None
-        if body.talker_temperature is None:
-            return SpeechParams(given or self.app.settings.voice)
-        return SpeechParams(given or self.app.settings.voice, temperature=body.talker_temperature)
+        temperature = SpeechParams.temperature if body.talker_temperature is None else body.talker_temperature
+        return SpeechParams(given or self.app.settings.voice, temperature=temperature)
 
     async def _sse(self, first: Event, events: AsyncIterator[Event], shapes: ReplyShapes, session: str,
                    messages: list[Message]) -> AsyncIterator[str]:

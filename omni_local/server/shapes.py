@@ -27,7 +27,8 @@ import uuid
 import numpy as np
 
 from omni_local.api.events import AudioChunk, Finished, ReasoningDelta, TextDelta
-from omni_local.server.audio import base64_pcm16, base64_wav
+from omni_local.media.pcm16 import base64_pcm16
+from omni_local.server.audio import base64_wav
 from omni_local.server.figures import finish_reason, omni_local_figures, usage
 
 

@@ -94,6 +94,13 @@ def saved_streaming_reply(reasoning: str, text: str) -> list[dict[str, Any]]:
     return saved
 
 
+def reply_messages(reasoning: str, text: str) -> list[gr.ChatMessage]:
+    """A reply's reasoning, folded, then its answer; a reply stopped while it reasoned has no answer
+    shown, and one without reasoning is its answer alone."""
+    shown = [reasoning_message(reasoning, streaming=False)] if reasoning.strip() else []
+    return shown + [gr.ChatMessage(content=text)] if text or not shown else shown
+
+
 def reasoning_message(reasoning: str, streaming: bool) -> gr.ChatMessage:
     """A reply's reasoning, a titled message: Gradio shows it open while its status is pending and
     folds it once done."""
@@ -107,9 +114,7 @@ def finished_reply(event: Finished, audio: np.ndarray, uploads: Path, memory: Ch
     prompt. A reply stopped while it reasoned shows its reasoning and no answer."""
     if event.token_ids is not None:  # a remote server's replies have none: the next prompt sends their text
         memory.replies[reply_key(event.text, event.reasoning)] = event.token_ids
-    shown = [reasoning_message(event.reasoning, streaming=False)] if event.reasoning.strip() else []
-    if event.text or not shown:
-        shown.append(gr.ChatMessage(content=event.text))
+    shown = reply_messages(event.reasoning, event.text)
     kept = keep_audio(uploads, audio) if audio.size else None
     if kept is not None:
         shown.append(gr.ChatMessage(content={"path": str(kept)}, metadata={"title": SPOKEN_TITLE}))

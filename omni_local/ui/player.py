@@ -7,12 +7,11 @@ chunk or a list of items; a chunk numbered 0 starts a new reply and cuts whateve
 a stop item cuts it too (barge-in in voice mode).
 """
 
-import base64
 import time
 from typing import Any
 
 from omni_local.api.events import AudioChunk
-from omni_local.media.pcm16 import to_pcm16
+from omni_local.media.pcm16 import base64_pcm16
 
 PLAYER_JS = """
 (payload) => {
@@ -53,7 +52,6 @@ STOP: dict[str, Any] = {"stop": True}
 
 def audio_payload(chunk: AudioChunk, index: int) -> dict[str, Any]:
     """A chunk for the page's player: 16-bit PCM in base64, which JSON carries."""
-    pcm = to_pcm16(chunk.samples)
-    return {"index": index, "rate": chunk.sample_rate, "pcm": base64.b64encode(pcm.tobytes()).decode("ascii"),
+    return {"index": index, "rate": chunk.sample_rate, "pcm": base64_pcm16(chunk.samples),
             "sent_at": time.time()}  # wall clock, so the page can tell how long the chunk took to reach it
 

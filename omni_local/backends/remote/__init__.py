@@ -32,7 +32,7 @@ Replies (reply.py, chunks.py, audio.py, figures.py): text as `TextDelta`, sound 
 24 kHz (another rate is resampled), then one `Finished`. Its figures are our server's own where it
 reports them (an `"omni_local"` object on the last chunk), else `usage` and what this side measures;
 the rest is None, shown as unknown. Our server's model entry may hold an `"omni_local"` object too:
-`{"speech", "voices", "max_prompt_tokens", "video", "runs_on", "model"}` (backend.py says what is
+`{"speech", "voices", "max_prompt_tokens", "video", "runs_on", "model", "kind"}` (backend.py says what is
 assumed of a server without it).
 
 Errors: an error status is a `RequestError` with the server's own message (429 and 503: the server is

@@ -10,6 +10,7 @@ takes DEFAULT: tiles small enough for the shared memory of every GPU from Ampere
 
 import json
 import re
+from bisect import bisect_left
 from dataclasses import asdict, dataclass
 from functools import cache
 from pathlib import Path
@@ -74,16 +75,24 @@ def device_name(device: torch.device) -> str:
 
 def tile_config(experts: int, hidden: int, intermediate: int, tokens: int, device: torch.device) -> TileConfig:
     """The config for `tokens` tokens through experts of this shape on `device`."""
-    tuned = _tuned_configs(config_file_name(experts, hidden, intermediate, device_name(device)))
+    # Called for every MoE layer of every forward that is not a graph's replay: the lookups are cached.
+    tuned = _tuned_configs(_file_name(experts, hidden, intermediate, device))
     if not tuned:
         return default_config(tokens)
-    counts = sorted(tuned)
-    return tuned[next((c for c in counts if c >= tokens), counts[-1])]
+    counts = list(tuned)  # ascending
+    return tuned[counts[min(bisect_left(counts, tokens), len(counts) - 1)]]
+
+
+@cache
+def _file_name(experts: int, hidden: int, intermediate: int, device: torch.device) -> str:
+    return config_file_name(experts, hidden, intermediate, device_name(device))
 
 
 @cache
 def _tuned_configs(file_name: str) -> dict[int, TileConfig]:
+    """The file's configs by token count, in ascending order."""
     path = TILE_CONFIG_DIR / file_name
     if not path.exists():
         return {}
-    return {int(tokens): TileConfig.from_json(data) for tokens, data in json.loads(path.read_text()).items()}
+    configs = {int(tokens): TileConfig.from_json(data) for tokens, data in json.loads(path.read_text()).items()}
+    return dict(sorted(configs.items()))
