@@ -476,7 +476,7 @@ def test_a_cancelled_reply_stops_reading_and_ends_with_a_finished_that_says_canc
     assert "stopped" in metrics_line(rest[0])
 
 
-def test_each_reply_has_a_connection_of_its_own_so_cancel_shuts_no_other_requests_socket():
+def test_each_reply_asks_for_a_connection_of_its_own_with_connection_close():
     server = RecordedServer(replies=[text_stream(["a"])])
     events(server.backend())
     assert server.headers[0]["connection"] == "close"
