@@ -87,9 +87,18 @@ def step_work(step: Callable[[], object], cuda: bool) -> Work:
         if cuda:
             torch.cuda.synchronize()
     if cuda:
-        return [(e.name, e.time_range.elapsed_us()) for e in prof.events()
-                if e.device_type == DeviceType.CUDA and e.activity_type in DEVICE_WORK]
-    return [(e.name, e.self_cpu_time_total) for e in prof.events() if e.activity_type == "cpu_op"]
+        return [(e.name, e.time_range.elapsed_us()) for e in prof.events() if _is_work(e, DeviceType.CUDA, DEVICE_WORK)]
+    return [(e.name, e.self_cpu_time_total) for e in prof.events() if _is_work(e, DeviceType.CPU, ("cpu_op",))]
+
+
+def _is_work(event: object, device: DeviceType, activities: tuple[str, ...]) -> bool:
+    """Whether a profiler event is work on `device` (not a range of record_function's, nor the
+    profiler's own overhead). torch 2.13 on tells its activity; before, where it ran and whether it
+    is a range is all an event says."""
+    activity = getattr(event, "activity_type", None)
+    if activity is not None:
+        return activity in activities
+    return event.device_type == device and not event.is_user_annotation
 
 
 def profiled_steps(step: Callable[[], object], runs: int, cuda: bool) -> list[Work]:
