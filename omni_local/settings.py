@@ -44,7 +44,10 @@ class Settings:
     )
     demo_dir: str = setting("model", "", "where the demo model is written; '' is <cache_dir>/demo")
     # [engine]
-    max_context_tokens: int = setting("engine", 8192, "prompt plus reply, per request (KV rows per slot)")
+    max_context_tokens: int = setting("engine", 8192, "prompt plus reply, per request")
+    max_running_requests: int = setting(
+        "engine", 16, "requests computed at once (a decode step's largest batch); more wait their turn"
+    )
     compile: bool = setting(
         "engine", False, "compile the vision and audio encoders at start-up (one graph for every size)"
     )
@@ -101,7 +104,10 @@ class Settings:
     cache_dir: str = setting("cache", "~/.cache/omni_local", "private folder for app data")
     prefix_cache: bool = setting("cache", True, "keep each chat's KV so its next turn computes only what is new")
     gpu_cache_bytes: int = setting(
-        "cache", 4 << 30, "device memory for the Thinker's KV: max_context_tokens rows per chat"
+        "cache", 4 << 30, "device memory for the Thinker's KV, in blocks shared by every chat"
+    )
+    kv_block_tokens: int = setting(
+        "cache", 16, "tokens per KV block: what chats share of a common prefix, and the least a chat holds"
     )
     host_cache_bytes: int = setting("cache", 8 << 30, "host memory for KV moved off the device")
     encoder_cache: bool = setting("cache", True, "keep encoder outputs by image or clip content")
@@ -160,6 +166,7 @@ class Settings:
             "max_upload_bytes", "max_image_pixels", "max_prompt_tokens", "ui_port", "max_audio_seconds",
             "first_audio_frames", "audio_chunk_frames", "audio_left_context_frames", "max_speech_seconds",
             "video_fps", "max_video_seconds", "api_port", "api_max_requests", "prefill_chunk_tokens",
+            "max_running_requests", "kv_block_tokens",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -172,6 +179,8 @@ class Settings:
                 f"setting 'max_prompt_tokens' ({self.max_prompt_tokens}) must be below "
                 f"'max_context_tokens' ({self.max_context_tokens}), to leave room for a reply"
             )
+        if self.kv_block_tokens & (self.kv_block_tokens - 1) or 256 % self.kv_block_tokens:
+            raise SettingsError(f"setting 'kv_block_tokens' must be a power of two up to 256, got {self.kv_block_tokens}")
         for port in ("ui_port", "api_port"):
             if getattr(self, port) > 65535:
                 raise SettingsError(f"setting '{port}' must be a port number, 1 to 65535, got {getattr(self, port)}")

@@ -61,9 +61,9 @@ def forwards_of(app: OmniLocal, decodes: bool = False) -> Iterator[list]:
     runner, calls = app.backend.engine.runner, []
     prefill, decode = runner.prefill, runner.decode
 
-    def recording_prefill(slot, prepared):
+    def recording_prefill(table, prepared):
         calls.append((prepared.start, prepared.end))
-        return prefill(slot, prepared)
+        return prefill(table, prepared)
 
     def recording_decode(*args):
         if decodes:
@@ -158,11 +158,11 @@ def test_a_prompt_begun_in_chunks_beside_a_reply_that_then_stops_ends_in_one_for
     next(event for event in steady if isinstance(event, TextDelta))  # it decodes now
     prefill, calls = runner.prefill, []
 
-    def stopping_the_other_after_two_chunks(slot, prepared):
+    def stopping_the_other_after_two_chunks(table, prepared):
         calls.append((prepared.start, prepared.end))
         if len(calls) == 2:
             steady.cancel()  # it ends at the next turn's start, before that turn's prefill
-        return prefill(slot, prepared)
+        return prefill(table, prepared)
 
     monkeypatch.setattr(runner, "prefill", stopping_the_other_after_two_chunks)
     long = app.session().send(LONG, max_new_tokens=6).result()
@@ -207,8 +207,10 @@ def test_a_prefill_cancelled_between_its_chunks_leaves_its_sessions_entry_as_it_
 
     entry = chunking_apps[0].backend.engine.cache.entries[chat.cached.id]
     assert len(chunks) == 2 and entry.length == written(first) and entry.pins == 0
-    if runner.kv.zeroed:  # graphs read past a chat's end: the cut prefill's rows must not be there
-        assert not any(layer[entry.kv_slot, :, entry.length :].any() for layer in runner.kv.keys + runner.kv.values)
+    block, offset = divmod(entry.length, runner.kv.shape.block_tokens)
+    if runner.kv.zeroed and offset:  # graphs read past a chat's end: the cut prefill's rows must not be there
+        last = entry.table[block]
+        assert not any(layer[last, :, offset:].any() for layer in runner.kv.keys + runner.kv.values)
     del chat.cached.history[-2:]  # the cancelled turn, asked again
     again = chat.send(LONG)
     assert again.tokens.computed == again.tokens.prompt - written(first)
@@ -231,4 +233,11 @@ def test_out_of_memory_between_two_chunks_fails_only_that_request(chunking, monk
     monkeypatch.undo()
     assert len(chunks) == 2
     assert app.session().send(LONG, max_new_tokens=4).result().tokens.generated == 4
-    assert runner.kv.free_slots == runner.kv.slots  # the failed request let go of its slot
+    assert held_by_entries_only(app)  # the failed request let go of its blocks
+
+
+def held_by_entries_only(app) -> bool:
+    """Every block held is held by a cache entry: no request still holds any."""
+    cache = app.backend.engine.cache
+    kept = {block for entry in cache.entries.values() if entry.table for block in entry.table}
+    return cache.pool.held == len(kept) and all(entry.pins == 0 for entry in cache.entries.values())

@@ -25,11 +25,13 @@ STORY = "The lighthouse keeper counted the ships that passed his rock every nigh
 SONG = "A fisherman sang about the moon and the tide while he mended his nets in the harbour. "
 
 
-def runner(app: OmniLocal, cuda_graphs: bool, slots: int = 2) -> ThinkerRunner:
-    """A runner of the app's Thinker with `slots` slots of its own, warmed up (graphs captured)."""
+def runner(app: OmniLocal, cuda_graphs: bool, chats: int = 2) -> ThinkerRunner:
+    """A runner of the app's Thinker with blocks for `chats` chats of its own and decode steps of
+    that many, warmed up (graphs captured)."""
     kv = app.backend.engine.runner.kv
-    built = ThinkerRunner(app.backend.loaded.model.thinker, app.backend.engine.runner.encoder, slots * kv.shape.slot_bytes(kv.dtype),
-                          kv.shape.max_tokens, app.settings.prefill_chunk_tokens, cuda_graphs=cuda_graphs)
+    budget = (chats * kv.shape.table_blocks + 1) * kv.shape.block_bytes(kv.dtype)
+    built = ThinkerRunner(app.backend.loaded.model.thinker, app.backend.engine.runner.encoder, budget,
+                          kv.shape.max_tokens, app.settings.prefill_chunk_tokens, chats, cuda_graphs=cuda_graphs)
     built.warm_up()
     return built
 
@@ -49,31 +51,31 @@ def text_under_bucket(app: OmniLocal, sentence: str) -> str:
 def greedy_in_turns(
     thinker: ThinkerRunner, prompts: list[Prompt], steps: int, banned: torch.Tensor
 ) -> list[list[int]]:
-    """Greedy replies to `prompts`, each in its own slot, their decode steps taken in turns."""
-    slots = [thinker.kv.allocate() for _ in prompts]
+    """Greedy replies to `prompts`, each in its own blocks, their decode steps taken in turns."""
+    tables = [thinker.kv.take(thinker.kv.shape.table_blocks) for _ in prompts]
     prepared = [thinker.prepare(prompt, 0, remember=False) for prompt in prompts]
-    replies = [[pick(thinker.prefill(slot, p), banned)] for slot, p in zip(slots, prepared)]
+    replies = [[pick(thinker.prefill(table, p), banned)] for table, p in zip(tables, prepared)]
     for step in range(steps - 1):
-        for slot, p, prompt, reply in zip(slots, prepared, prompts, replies):
-            logits = thinker.decode([slot], [reply[-1]], [prompt.num_tokens + step], [p.rope_delta])[0]
+        for table, p, prompt, reply in zip(tables, prepared, prompts, replies):
+            logits = thinker.decode([table], [reply[-1]], [prompt.num_tokens + step], [p.rope_delta])[0]
             reply.append(pick(logits, banned))
-    for slot in slots:
-        thinker.kv.release(slot)
+    for table in tables:
+        thinker.kv.pool.release(table)
     return replies
 
 
 def greedy_together(thinker: ThinkerRunner, prompts: list[Prompt], steps: int, banned: torch.Tensor) -> list[list[int]]:
-    """Greedy replies to `prompts`, each in its own slot, each decode step one forward of them all."""
-    slots = [thinker.kv.allocate() for _ in prompts]
+    """Greedy replies to `prompts`, each in its own blocks, each decode step one forward of them all."""
+    tables = [thinker.kv.take(thinker.kv.shape.table_blocks) for _ in prompts]
     prepared = [thinker.prepare(prompt, 0, remember=False) for prompt in prompts]
-    replies = [[pick(thinker.prefill(slot, p), banned)] for slot, p in zip(slots, prepared)]
+    replies = [[pick(thinker.prefill(table, p), banned)] for table, p in zip(tables, prepared)]
     for step in range(steps - 1):
-        logits = thinker.decode(slots, [reply[-1] for reply in replies], [p.num_tokens + step for p in prompts],
+        logits = thinker.decode(tables, [reply[-1] for reply in replies], [p.num_tokens + step for p in prompts],
                                 [p.rope_delta for p in prepared])
         for reply, row in zip(replies, logits):
             reply.append(pick(row, banned))
-    for slot in slots:
-        thinker.kv.release(slot)
+    for table in tables:
+        thinker.kv.pool.release(table)
     return replies
 
 
@@ -89,7 +91,7 @@ def generate(app: OmniLocal, prompt: Prompt, steps: int, banned: list[int]) -> l
     return output[0, prompt.num_tokens :].tolist()
 
 
-def test_graphed_decode_in_two_slots_across_a_bucket_boundary_matches_eager_and_generate(on_gpu):
+def test_graphed_decode_of_two_chats_across_a_bucket_boundary_matches_eager_and_generate(on_gpu):
     app = on_gpu
     prompts = [one_turn(app, text_under_bucket(app, sentence)) for sentence in (STORY, SONG)]
     # Past the first bucket's rows for both replies; the end of turn is banned so none stops early.
@@ -114,7 +116,7 @@ def test_three_chats_decoding_as_one_graphed_batch_give_the_tokens_each_gives_al
     steps = SMALLEST_BUCKET - max(p.num_tokens for p in prompts) + 12  # the longest crosses a bucket
     banned = [*app.backend.engine.suppressed_ids, *app.backend.engine.eos_ids]
     banned_ids = torch.tensor(banned, device=app.backend.engine.runner.device)
-    graphed = runner(app, cuda_graphs=True, slots=4)
+    graphed = runner(app, cuda_graphs=True, chats=4)
     assert graphed.decode_graphs.batches == [1, 2, 4]
 
     together = greedy_together(graphed, prompts, steps, banned_ids)
@@ -127,8 +129,8 @@ def test_three_chats_decoding_as_one_graphed_batch_give_the_tokens_each_gives_al
 def replays(graphs: BatchGraphs) -> Iterator[list[tuple[int, int, int]]]:
     """(sequences, first start, new tokens) of each call `graphs` replays meanwhile."""
     calls, replay = [], graphs.replay
-    graphs.replay = lambda slots, x, starts, positions: calls.append((len(slots), starts[0], x.shape[1])) or replay(
-        slots, x, starts, positions)
+    graphs.replay = lambda tables, x, starts, positions: calls.append((len(tables), starts[0], x.shape[1])) or replay(
+        tables, x, starts, positions)
     try:
         yield calls
     finally:

@@ -279,7 +279,7 @@ def test_the_start_up_warm_up_leaves_nothing_in_any_cache(settings):
     with OmniLocal(settings.replace(prefix_cache=True)) as app:
         assert app.backend.engine.encoder_cache.memory_bytes == 0
         assert app.backend.engine.cache.entries == {}
-        assert app.backend.engine.runner.kv.free_slots == app.backend.engine.runner.kv.slots
+        assert app.backend.engine.runner.kv.pool.free == app.backend.engine.runner.kv.pool.usable
 
 
 def test_a_cached_output_of_the_wrong_shape_is_not_used(settings, counted):

@@ -5,6 +5,7 @@ import threading
 import pytest
 import torch
 
+from kv_budget import kv_rows
 from omni_local.api import OmniLocal
 from omni_local.api.events import Finished, TextDelta
 from omni_local.errors import RequestError
@@ -99,9 +100,9 @@ def test_the_step_queued_after_a_reply_ended_leaves_no_token_and_no_counted_kv_r
     first_three = app.session().send(QUESTION, max_new_tokens=3).result().token_ids
     original, rows = app.backend.engine.runner.decode, []
 
-    def decode(slots, tokens, indices, rope_deltas):
+    def decode(tables, tokens, indices, rope_deltas):
         rows.append(indices[0])
-        logits = original(slots, tokens, indices, rope_deltas).clone()
+        logits = original(tables, tokens, indices, rope_deltas).clone()
         if len(rows) == 3:
             logits[:, end_of_turn] = logits.max() + 1  # decode step 3 chooses the end of turn
         return logits
@@ -137,20 +138,19 @@ def test_out_of_memory_fails_only_that_request(app, monkeypatch):
         app.session().send(QUESTION).result()
     monkeypatch.setattr(app.backend.engine.runner, "prefill", original)
     assert app.session().send(QUESTION, max_new_tokens=4).result().tokens.generated == 4
-    assert no_entry_is_pinned(app)  # the failed request let go of its slot
+    assert no_entry_is_pinned(app)  # the failed request let go of its blocks
 
 
 def test_requests_from_several_threads_are_all_served_and_match_their_lone_answers(demo_settings):
-    two_slots = demo_settings.replace(gpu_cache_bytes=2 * demo_settings.max_context_tokens * 2048)
-    with OmniLocal(two_slots) as app:
-        assert app.backend.engine.runner.kv.slots == 2
+    with OmniLocal(demo_settings.replace(max_running_requests=2)) as app:
+        assert app.backend.engine.seats.count == 2
         alone = app.session().send(QUESTION, max_new_tokens=10).result().token_ids
         results = [None] * 6
 
         def ask(i: int) -> None:
             results[i] = app.session().send(QUESTION, max_new_tokens=10).result().token_ids
 
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]  # more requests than slots
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]  # more requests than seats
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -208,15 +208,14 @@ def test_closing_the_engine_ends_a_reply_still_streaming_with_a_clear_error(demo
     assert outcome == ["the engine was closed"]
 
 
-def test_a_request_waiting_for_a_slot_is_not_matched_again_at_every_decode_step(demo_settings):
-    one_slot = demo_settings.replace(gpu_cache_bytes=demo_settings.max_context_tokens * 2048)
-    with OmniLocal(one_slot) as app:
+def test_a_request_waiting_for_blocks_is_not_matched_again_at_every_decode_step(demo_settings):
+    with OmniLocal(kv_rows(demo_settings, 64)) as app:  # the first request's blocks are all there are
         matched = []
         match = app.backend.engine.cache.match
         app.backend.engine.cache.match = lambda prompt: matched.append(prompt.num_tokens) or match(prompt)
         first = app.session().send(QUESTION, max_new_tokens=30)
         second = app.session().send("Another question entirely?", max_new_tokens=3)
         assert first.result().tokens.generated == 30 and second.result().tokens.generated == 3
-    # The first request once; the second once while blocked, then once when a slot came free and
-    # once more after its match (the first's entry, in that one slot) moved to host to make room.
+    # The first request once; the second once while blocked, then once when blocks came free and
+    # once more after its match (the first's entry, in those blocks) moved to host to make room.
     assert 3 <= len(matched) <= 4

@@ -1,18 +1,22 @@
-"""The prefix cache's rules, on a tiny KV store and hand-made prompts (no model)."""
+"""The prefix cache's rules, on a tiny KV store of 4-token blocks and hand-made prompts (no model)."""
 
 import numpy as np
+import pytest
 import torch
 
 from omni_local.cache.digests import token_keys
 from omni_local.engine.kv_store import KVShape, KVStore
 from omni_local.engine.prefix_cache import PrefixCache
+from omni_local.errors import RequestError
 from omni_local.prompts import MediaItem, Prompt
 
-SHAPE = KVShape(num_layers=2, kv_heads=1, head_dim=2, max_tokens=32)
+SHAPE = KVShape(num_layers=2, kv_heads=1, head_dim=2, max_tokens=32, block_tokens=4)
+TABLE = SHAPE.table_blocks  # 8 blocks: the longest sequence
 
 
-def store(slots: int = 2) -> KVStore:
-    return KVStore(SHAPE, slots, torch.float32, torch.device("cpu"))
+def store(sequences: int = 2, blocks: int | None = None, shape: KVShape = SHAPE) -> KVStore:
+    """Blocks for `sequences` of the longest sequences (or `blocks` in all), and the pad block."""
+    return KVStore(shape, blocks or sequences * shape.table_blocks + 1, torch.float32, torch.device("cpu"))
 
 
 def prompt(ids: list[int], media: list[tuple[int, int, bytes]] = ()) -> Prompt:
@@ -21,18 +25,23 @@ def prompt(ids: list[int], media: list[tuple[int, int, bytes]] = ()) -> Prompt:
     return Prompt(torch.tensor([ids]), items, token_keys(array, list(media)))
 
 
-def run(cache: PrefixCache, session: str, p: Prompt, reply: list[int] = ()) -> int:
+def run(cache: PrefixCache, session: str, p: Prompt, reply: list[int] = (), rows: int | None = None) -> int:
     """Claim, 'compute' and release like the engine; returns the tokens reused."""
-    claim = cache.claim(session, p, cache.match(p))
+    claim = cache.claim(session, p, cache.match(p), rows or p.num_tokens + len(reply))
     cache.publish(claim, p, list(reply), p.num_tokens + max(len(reply) - 1, 0))
     cache.release(claim)
     return claim.start
 
 
+def fill(kv: KVStore, block: int, value: float) -> None:
+    for layer in kv.keys + kv.values:
+        layer[block].fill_(value)
+
+
 def test_the_last_prompt_token_is_always_computed():
     cache = PrefixCache(store(), host_budget_bytes=0, enabled=True)
-    run(cache, "a", prompt([1, 2, 3, 4]))
-    assert cache.match(prompt([1, 2, 3, 4])).length == 3
+    run(cache, "a", prompt([1, 2, 3, 4, 5, 6, 7, 8]))
+    assert cache.match(prompt([1, 2, 3, 4, 5, 6, 7, 8])).length == 7
 
 
 def test_a_match_never_ends_inside_a_medium():
@@ -41,7 +50,7 @@ def test_a_match_never_ends_inside_a_medium():
     run(cache, "a", same)
     entry = cache.entries["a"]
     entry.keys = entry.keys[:4]  # an entry that holds only half of the medium
-    assert cache.match(same).length == 2
+    assert cache.match(same).length == 2  # its first block, found by hash, ends inside the medium too
 
 
 def test_a_medium_whose_short_keys_clash_is_still_told_apart_by_its_full_digest():
@@ -52,45 +61,99 @@ def test_a_medium_whose_short_keys_clash_is_still_told_apart_by_its_full_digest(
     assert cache.match(clash).length == 2
 
 
-def test_a_session_continues_in_its_own_slot_and_another_gets_a_copy():
+def test_a_session_continues_in_its_own_blocks():
     kv = store()
     cache = PrefixCache(kv, host_budget_bytes=0, enabled=True)
     run(cache, "a", prompt([1, 2, 3, 4, 5]))
-    slot_a = cache.entries["a"].kv_slot
+    before = cache.entries["a"].table
     assert run(cache, "a", prompt([1, 2, 3, 4, 5, 6, 7])) == 5
-    assert cache.entries["a"].kv_slot == slot_a
-    assert run(cache, "b", prompt([1, 2, 3, 8])) == 3
-    assert cache.entries["b"].kv_slot != slot_a
+    assert cache.entries["a"].table == before  # its partly filled second block continued in place
+
+
+def test_sessions_that_begin_alike_hold_the_shared_blocks_once():
+    kv = store(sequences=4)
+    cache = PrefixCache(kv, host_budget_bytes=0, enabled=True)
+    system = list(range(100, 109))  # two full blocks and one token
+    run(cache, "first", prompt(system + [1]))
+    for session in range(16):
+        assert run(cache, f"chat {session}", prompt(system + [200 + session, 2])) == 9
+    shared = cache.entries["first"].table[:2]
+    assert all(cache.entries[f"chat {s}"].table[:2] == shared for s in range(16))
+    assert [kv.pool.holders(block) for block in shared] == [17, 17]
+    assert kv.pool.held == 2 + 17  # the shared blocks once, and a last block for each chat
+
+
+def test_a_partly_shared_last_block_is_copied_before_it_is_written():
+    kv = store()
+    cache = PrefixCache(kv, host_budget_bytes=0, enabled=True)
+    run(cache, "a", prompt([1, 2, 3, 4, 5, 6]))
+    a_table = cache.entries["a"].table
+    fill(kv, a_table[1], 7.0)
+    p = prompt([1, 2, 3, 4, 5, 6, 7, 8])
+    claim = cache.claim("b", p, cache.match(p), p.num_tokens)
+    b_table = claim.entry.table
+    assert claim.start == 6 and claim.reused_gpu == 6
+    assert b_table[0] == a_table[0] and b_table[1] != a_table[1]
+    assert kv.pool.holders(a_table[1]) == 1  # a's own again once copied
+    assert all(torch.equal(layer[b_table[1], :, :2], layer[a_table[1], :, :2]) for layer in kv.keys + kv.values)
+
+
+def test_a_block_of_another_session_is_copied_even_when_the_prompt_ends_at_its_end():
+    kv = store()
+    cache = PrefixCache(kv, host_budget_bytes=0, enabled=True)
+    run(cache, "a", prompt([1, 2, 3, 4, 5, 6]))
+    a_table = cache.entries["a"].table
+    # A session's own block already shared with another must be copied as well: "b" shares a's first
+    # block, and its second one of its own.
+    assert run(cache, "b", prompt([1, 2, 3, 4, 5, 6, 9])) == 6
+    assert cache.entries["b"].table[0] == a_table[0] and cache.entries["b"].table[1] != a_table[1]
+
+
+def test_blocks_of_a_dropped_entry_are_found_by_hash_while_nobody_has_been_handed_them():
+    kv = store()
+    cache = PrefixCache(kv, host_budget_bytes=0, enabled=True, headroom_blocks=kv.pool.usable)
+    run(cache, "a", prompt([1, 2, 3, 4, 5, 6, 7, 8, 9]))
+    cache.make_room()  # with no host memory, "a" is dropped to free every block
+    assert "a" not in cache.entries and kv.pool.free == kv.pool.usable
+    p = prompt([1, 2, 3, 4, 5, 6, 7, 8, 10])
+    claim = cache.claim("b", p, cache.match(p), p.num_tokens)
+    assert claim.start == 8 and claim.reused_gpu == 8
 
 
 def test_the_least_recently_used_idle_entry_moves_to_host_and_comes_back():
-    kv = store(slots=2)
+    kv = store(sequences=1)
     cache = PrefixCache(kv, host_budget_bytes=1 << 20, enabled=True)
     run(cache, "a", prompt([1, 2, 3]))
-    kv.keys[0][cache.entries["a"].kv_slot, :, :2] = torch.tensor([[[7.0, 7.0], [8.0, 8.0]]])
-    run(cache, "b", prompt([4, 5, 6]))
-    run(cache, "c", prompt([7, 8, 9]))
-    assert cache.entries["a"].host is not None and cache.entries["a"].kv_slot is None
-    claim = cache.claim("a", prompt([1, 2, 3, 10]), cache.match(prompt([1, 2, 3, 10])))
+    kv.keys[0][cache.entries["a"].table[0], :, :2] = torch.tensor([[[7.0, 7.0], [8.0, 8.0]]])
+    run(cache, "b", prompt([4, 5, 6]), rows=SHAPE.max_tokens)  # every block, once "a" is moved out
+    assert cache.entries["a"].host is not None and cache.entries["a"].table is None
+    claim = cache.claim("a", prompt([1, 2, 3, 10]), cache.match(prompt([1, 2, 3, 10])), 4)
     assert claim.reused_host == 3
-    assert torch.equal(kv.keys[0][claim.entry.kv_slot, :, :2], torch.tensor([[[7.0, 7.0], [8.0, 8.0]]]))
+    assert torch.equal(kv.keys[0][claim.entry.table[0], :, :2], torch.tensor([[[7.0, 7.0], [8.0, 8.0]]]))
 
 
-def test_an_entry_in_use_is_never_moved_and_a_request_waits_when_every_slot_is_in_use():
-    cache = PrefixCache(store(slots=1), host_budget_bytes=1 << 20, enabled=True)
+def test_an_entry_in_use_is_never_moved_and_a_request_waits_while_running_ones_hold_the_blocks():
+    cache = PrefixCache(store(sequences=1), host_budget_bytes=1 << 20, enabled=True)
     first = prompt([1, 2, 3])
-    held = cache.claim("a", first, cache.match(first))
+    held = cache.claim("a", first, cache.match(first), SHAPE.max_tokens)
     other = prompt([4, 5, 6])
-    assert cache.claim("b", other, cache.match(other)) is None
+    assert cache.claim("b", other, cache.match(other), 4) is None
     cache.release(held)
-    assert cache.claim("b", other, cache.match(other)) is not None
+    assert cache.claim("b", other, cache.match(other), 4) is not None
+
+
+def test_a_request_of_more_blocks_than_the_pool_has_fails_at_once():
+    cache = PrefixCache(store(blocks=5), host_budget_bytes=0, enabled=True)
+    p = prompt([1, 2, 3])
+    with pytest.raises(RequestError, match="more than the 16 the device holds"):
+        cache.claim("a", p, cache.match(p), 17)
 
 
 def test_past_the_host_budget_the_oldest_entries_are_dropped():
     token_bytes = 2 * SHAPE.num_layers * SHAPE.kv_heads * SHAPE.head_dim * 4
-    cache = PrefixCache(store(slots=1), host_budget_bytes=3 * token_bytes, enabled=True)
+    cache = PrefixCache(store(sequences=1), host_budget_bytes=3 * token_bytes, enabled=True)
     for session, ids in (("a", [1, 2, 3]), ("b", [4, 5, 6]), ("c", [7, 8, 9])):
-        run(cache, session, prompt(ids))
+        run(cache, session, prompt(ids), rows=SHAPE.max_tokens)
     assert cache.host_bytes <= 3 * token_bytes
     assert set(cache.entries) == {"b", "c"}  # "a" moved to host, then made room for "b"
 
@@ -98,41 +161,53 @@ def test_past_the_host_budget_the_oldest_entries_are_dropped():
 def test_with_the_cache_off_nothing_is_kept_and_nothing_matches():
     kv = store()
     cache = PrefixCache(kv, host_budget_bytes=1 << 20, enabled=False)
-    run(cache, "a", prompt([1, 2, 3]))
-    assert cache.entries == {} and kv.free_slots == kv.slots
-    assert cache.match(prompt([1, 2, 3])).length == 0
+    run(cache, "a", prompt([1, 2, 3, 4, 5, 6]))
+    assert cache.entries == {} and kv.pool.free == kv.pool.usable
+    assert cache.match(prompt([1, 2, 3, 4, 5, 6])).length == 0
 
 
-def test_when_the_match_holds_the_only_slot_it_moves_to_host_and_is_read_back_from_there():
-    kv = store(slots=1)
+def test_when_the_match_holds_the_blocks_needed_it_moves_to_host_and_is_read_back_from_there():
+    kv = store(sequences=1)
     cache = PrefixCache(kv, host_budget_bytes=1 << 20, enabled=True)
     run(cache, "a", prompt([1, 2, 3, 4]))
-    claim = cache.claim("b", prompt([1, 2, 3, 9]), cache.match(prompt([1, 2, 3, 9])))
+    p = prompt([1, 2, 3, 9])
+    claim = cache.claim("b", p, cache.match(p), SHAPE.max_tokens)
     assert claim is not None and claim.reused_host == 3
     assert cache.entries["a"].host is not None
 
 
-def test_when_the_match_holds_the_only_slot_and_host_memory_is_off_it_is_dropped_and_nothing_is_reused():
-    cache = PrefixCache(store(slots=1), host_budget_bytes=0, enabled=True)
+def test_when_the_match_holds_the_blocks_needed_and_host_memory_is_off_it_is_dropped_and_nothing_is_reused():
+    cache = PrefixCache(store(sequences=1), host_budget_bytes=0, enabled=True)
     run(cache, "a", prompt([1, 2, 3, 4]))
-    claim = cache.claim("b", prompt([1, 2, 3, 9]), cache.match(prompt([1, 2, 3, 9])))
+    p = prompt([1, 2, 3, 9])
+    claim = cache.claim("b", p, cache.match(p), SHAPE.max_tokens)
     assert claim is not None and claim.start == 0
     assert "a" not in cache.entries
 
 
-def test_talker_rows_travel_with_their_kv_between_slots_and_to_host_and_back():
-    kv = KVStore(KVShape(num_layers=2, kv_heads=1, head_dim=2, max_tokens=8, talker_dim=3), 2, torch.float32,
-                 torch.device("cpu"))
+def test_a_request_gives_back_the_blocks_it_did_not_write():
+    kv = store()
+    cache = PrefixCache(kv, host_budget_bytes=0, enabled=True)
+    run(cache, "a", prompt([1, 2, 3, 4, 5]), rows=SHAPE.max_tokens)
+    assert len(cache.entries["a"].table) == 2 and kv.pool.held == 2
+
+
+def test_talker_rows_travel_with_their_kv_between_blocks_and_to_host_and_back():
+    shape = KVShape(num_layers=2, kv_heads=1, head_dim=2, max_tokens=8, talker_dim=3, block_tokens=4)
+    kv = store(sequences=2, shape=shape)
+    source, copy = kv.take(2), kv.take(2)
     for layer in kv.keys + kv.values:
-        layer[0].copy_(torch.randn(layer[0].shape))
-    kv.talker_rows[0].copy_(torch.randn(8, 3))
-    kv.copy_rows(0, 1, rows=5)
-    assert torch.equal(kv.talker_rows[1, :5], kv.talker_rows[0, :5])
-    moved = [layer[0, :, :5].clone() for layer in kv.keys + kv.values], kv.talker_rows[0, :5].clone()
-    host = kv.to_host(0, rows=5)
-    assert host.nbytes == 5 * kv.shape.token_bytes(torch.float32)
+        layer[source].copy_(torch.randn(layer[source].shape))
+    kv.talker_rows[source].copy_(torch.randn(2, 4, 3))
+    kv.copy_block(source[1], copy[1], rows=1)
+    assert torch.equal(kv.talker_rows[copy[1], :1], kv.talker_rows[source[1], :1])
+    moved = kv.to_host(source, rows=5)
+    assert moved.nbytes == 5 * kv.token_bytes
+    expected = [layer[source].transpose(0, 1).flatten(1, 2)[:, :5].clone() for layer in kv.keys + kv.values]
+    rows = kv.talker_rows[source].flatten(0, 1)[:5].clone()
     for tensor in [*kv.keys, *kv.values, kv.talker_rows]:
-        tensor.zero_()  # the slots go to other chats, which overwrite them
-    kv.from_host(host, 1, rows=5)
-    assert torch.equal(kv.talker_rows[1, :5], moved[1])
-    assert all(torch.equal(layer[1, :, :5], rows) for layer, rows in zip(kv.keys + kv.values, moved[0]))
+        tensor.zero_()  # the blocks go to other chats, which overwrite them
+    kv.from_host(moved, copy, rows=5)
+    assert torch.equal(kv.talker_rows[copy].flatten(0, 1)[:5], rows)
+    assert all(torch.equal(layer[copy].transpose(0, 1).flatten(1, 2)[:, :5], want)
+               for layer, want in zip(kv.keys + kv.values, expected))

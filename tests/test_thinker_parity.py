@@ -59,7 +59,7 @@ def test_an_image_prefill_given_its_deepstack_features_dense_computes_what_the_m
                                                                                                demo_checkpoint):
     """The prefill graphs take DeepStack features as dense rows, zero but at the visual tokens; adding
     zero elsewhere must change nothing, so the graphed prefill of an image computes the eager one.
-    Its own app: it takes two KV slots, which the shared app's cached chats may all hold."""
+    Its own app: it takes blocks for two prompts, which the shared app's cached chats may all hold."""
     with OmniLocal(demo_settings) as app:
         _dense_and_masked_prefills_agree(app)
 
@@ -69,16 +69,17 @@ def _dense_and_masked_prefills_agree(app: OmniLocal) -> None:
     prompt = build_prompt([Message("user", [picture(1), "What is in this picture?"])], app.backend.loaded.processor)
     prepared = runner.prepare(prompt, 0, remember=False)
     assert prepared.deepstack is not None
-    slots = [runner.kv.allocate() for _ in range(2)]
+    kv = runner.kv
+    tables = [kv.take(kv.shape.blocks_for(prompt.num_tokens)) for _ in range(2)]
     try:
         with torch.inference_mode():
-            masked = runner._prefill_step(runner.kv.view(slots[0], 0), prepared.embeds, prepared.positions,
+            masked = runner._prefill_step(kv.writer(tables[0], 0), prepared.embeds, prepared.positions,
                                           prepared.visual_mask, prepared.deepstack)
-            dense = runner._dense_prefill_step(runner.kv.view(slots[1], 0), runner._dense_input(prepared),
+            dense = runner._dense_prefill_step(kv.writer(tables[1], 0), runner._dense_input(prepared),
                                                prepared.positions)
         torch.testing.assert_close(dense, masked, rtol=0, atol=0)
         rows = prompt.num_tokens
-        assert all(torch.equal(k[slots[0], :, :rows], k[slots[1], :, :rows]) for k in runner.kv.keys)
+        assert torch.equal(kv.to_host(tables[0], rows).kv, kv.to_host(tables[1], rows).kv)
     finally:
-        for slot in slots:
-            runner.kv.release(slot)
+        for table in tables:
+            kv.pool.release(table)

@@ -56,7 +56,7 @@ class LocalBackend:
             voices=self.engine.speaker.voices if self.engine.speaker else [],
             max_context_tokens=settings.max_context_tokens,
             max_prompt_tokens=settings.max_prompt_tokens,
-            concurrency=self.engine.runner.kv.slots,
+            concurrency=self.engine.seats.count,
             video=video_supported(self.loaded.processor),
             kind=self.loaded.kind,
         )

@@ -9,13 +9,14 @@ reuse only what a real user's next request would. "cache off" means every cache 
 encoder), so a first send really runs its encoder. The table goes to stdout, JSON to --json.
 
 A timed turn is sent --reading-seconds (0.5) after the turns before it finished, as a person
-reads a reply before the next question. The engine uses such idle time to free a KV slot ahead of
-need (moving the least recently used chat to host memory, a copy of its whole KV); a request sent
-back to back with the one before would wait for that move.
+reads a reply before the next question. The engine uses such idle time to keep blocks free ahead
+of need (moving the least recently used chats to host memory, a copy of their whole KV); a request
+sent back to back with the one before would wait for that move.
 
 Concurrent rows (c8, c16): that many sessions send their timed turn at once; the row is the median
-over the requests of each one's TTFT and ITL (the engine's own timings). Give the engine a KV slot
-per session (--gpu-cache-bytes), or the rows include waiting for one. transformers runs those
+over the requests of each one's TTFT and ITL (the engine's own timings). Give the engine a seat
+per session (--max-running-requests, 16 by default) and room for their KV (--gpu-cache-bytes),
+or the rows include waiting for them. transformers runs those
 requests one after another ("transformers, sequential"): each one's TTFT includes the whole replies
 before it, as with a server that does not batch.
 
@@ -126,7 +127,7 @@ def main() -> None:
         systems = (("omni_local, cache on", cached, engine), ("omni_local, cache off", cold, engine),
                    ("transformers", cold, transformers_run))
         chosen = [s for s in _available(cached) if not args.only or any(text in s.name for text in args.only)]
-        _warn_if_few_slots(cached, chosen)
+        _warn_if_few_seats(cached, chosen)
         environment = _environment(cached, args)
         print(_table_head(environment), flush=True)
         rows = []
@@ -155,11 +156,11 @@ def _rows(scenario: Scenario, systems: tuple[System, ...], args: argparse.Namesp
         yield {"scenario": scenario.name, "system": system, **result}
 
 
-def _warn_if_few_slots(app: OmniLocal, chosen: list[Scenario]) -> None:
-    most, slots = max((s.concurrency for s in chosen), default=1), app.backend.engine.runner.kv.slots
-    if most > slots:
-        print(f"note: {slots} KV slots for {most} concurrent chats, so some wait for a slot "
-              "(raise --gpu-cache-bytes)", file=sys.stderr)
+def _warn_if_few_seats(app: OmniLocal, chosen: list[Scenario]) -> None:
+    most, seats = max((s.concurrency for s in chosen), default=1), app.backend.engine.seats.count
+    if most > seats:
+        print(f"note: {seats} requests run at once for {most} concurrent chats, so some wait for a seat "
+              "(raise --max-running-requests)", file=sys.stderr)
 
 
 def _environment(app: OmniLocal, args: argparse.Namespace) -> dict[str, str]:

@@ -9,9 +9,10 @@ Any setting can be given as for the app: `--moe-backend torch|triton` picks what
 
 The main bench's ITL at c8 or c16 also holds the other chats' prefills, which stall every reply
 while the chats start; this is the steady state after that, when nothing but decoding runs: the time
-per token each chat sees. Each chat decodes at row `context - 1` of its KV slot, attending over the
-rows before it as they are (their values do not change the time); the step is timed as the median
-of --runs after a warm-up step.
+per token each chat sees. Each chat decodes at row `context - 1` of its own blocks, attending over
+the rows before it as they are (their values do not change the time); the step is timed as the
+median of --runs after a warm-up step. B chats of C rows need B x C rows of KV: pass
+--gpu-cache-bytes for the largest (16 chats of 4,096 rows: 6 GiB at full size).
 """
 
 from collections.abc import Callable, Iterator
@@ -22,6 +23,7 @@ import torch
 
 from omni_local.api import OmniLocal
 from omni_local.bench.common import bench_parser, median_wall_ms, settings_and_model
+from omni_local.engine.kv_store import BlockTable
 from omni_local.engine.thinker import ThinkerRunner
 
 BATCHES = [1, 2, 4, 8, 16]
@@ -29,21 +31,27 @@ CONTEXTS = [256, 1024, 4096]
 
 
 @contextmanager
-def held_kv_slots(runner: ThinkerRunner, batch: int) -> Iterator[list[int]]:
-    """`batch` of the runner's free KV slots, given back after. The engine's worker is idle: the KV
-    slots it does not hold are ours for the steps."""
-    kv_slots = [runner.kv.allocate() for _ in range(batch)]
+def held_tables(runner: ThinkerRunner, batch: int, context: int) -> Iterator[list[BlockTable]]:
+    """Block tables of `context` rows for `batch` chats, from the runner's free blocks, given back
+    after. The engine's worker is idle: the blocks it does not hold are ours for the steps."""
+    tables = [runner.kv.take(runner.kv.shape.blocks_for(context)) for _ in range(batch)]
     try:
-        yield kv_slots
+        yield tables
     finally:
-        for kv_slot in kv_slots:
-            runner.kv.release(kv_slot)
+        for table in tables:
+            runner.kv.pool.release(table)
 
 
-def decode_step(runner: ThinkerRunner, kv_slots: list[int], context: int) -> Callable[[], object]:
-    """The step timed here: each KV slot's chat decodes token 0 at row `context - 1`."""
-    batch = len(kv_slots)
-    return partial(runner.decode, kv_slots, [0] * batch, [context - 1] * batch, [0] * batch)
+def fits(runner: ThinkerRunner, batch: int, context: int) -> bool:
+    """Whether `batch` chats of `context` rows fit the free blocks and the decode step's batch."""
+    kv = runner.kv
+    return batch <= runner.max_batch and batch * kv.shape.blocks_for(context) <= kv.pool.free
+
+
+def decode_step(runner: ThinkerRunner, tables: list[BlockTable], context: int) -> Callable[[], object]:
+    """The step timed here: each chat decodes token 0 at row `context - 1` of its blocks."""
+    batch = len(tables)
+    return partial(runner.decode, tables, [0] * batch, [context - 1] * batch, [0] * batch)
 
 
 def device_label(runner: ThinkerRunner) -> str:
@@ -51,8 +59,8 @@ def device_label(runner: ThinkerRunner) -> str:
 
 
 def step_ms(runner: ThinkerRunner, batch: int, context: int, runs: int) -> float:
-    with held_kv_slots(runner, batch) as kv_slots:
-        return median_wall_ms(decode_step(runner, kv_slots, context), runs)
+    with held_tables(runner, batch, context) as tables:
+        return median_wall_ms(decode_step(runner, tables, context), runs)
 
 
 def main() -> None:
@@ -63,8 +71,8 @@ def main() -> None:
     settings, loaded = settings_and_model(args)
     with OmniLocal(settings, loaded=loaded) as app:
         runner = app.backend.engine.runner
-        batches = [b for b in args.chats if b <= runner.kv.free_slots]
         contexts = [c for c in args.contexts if c <= runner.kv.shape.max_tokens]
+        batches = [b for b in args.chats if fits(runner, b, max(contexts))]
         graphed = "graphed" if runner.decode_graphs is not None else "eager"
         print(f"Thinker decode step ({graphed}, MoE backend {runner.regions.moe.name}), ms per step, median of "
               f"{args.runs}; {device_label(runner)}\n")

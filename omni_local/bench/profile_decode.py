@@ -5,7 +5,7 @@
     python -m omni_local.bench.profile_decode --random-weights CONFIG.json --moe-backend torch --chats 16
 
 The step is one of bench.decode_steps' (`--chats` chats decoding together, each at row `--context` - 1
-of its slot), profiled one of two ways (`--step`):
+of its blocks), profiled one of two ways (`--step`):
 - `replay`, the default where the runner captured its decode graphs: the graph's replay, as the
   engine runs it. CUPTI records each kernel a graph launches, by name, though no CPU op launches it;
   where it records none, the script says so and profiles `eager` instead.
@@ -31,9 +31,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from omni_local.api import OmniLocal
 from omni_local.bench.common import bench_parser, median_wall_ms, settings_and_model
-from omni_local.bench.decode_steps import decode_step, device_label, held_kv_slots
+from omni_local.bench.decode_steps import decode_step, device_label, fits, held_tables
 from omni_local.engine.cuda_graphs import attention_buckets
-from omni_local.engine.kv_store import GraphedKVWriter
+from omni_local.engine.kv_store import BlockTable, GraphedKVWriter
 from omni_local.engine.thinker import ThinkerRunner
 
 EXPERTS, ROUTING, DENSE, ATTENTION = "MoE experts GEMMs", "MoE routing", "dense GEMM/GEMV", "attention"
@@ -55,9 +55,9 @@ PATTERNS = [
     # the torch backend's batched_mm experts (outside bfloat16) on the CPU, where nothing else in a
     # decode step runs bmm; cuBLAS's batched kernels on the GPU are named as its dense ones
     (r"aten::bmm$", EXPERTS),
-    # the graph's cache writer: index_put_ of the new rows, index_select of the bucket's; before
-    # the "sort" of routing, which index_put_with_sort_kernel holds
-    (r"index_put|index_?select", KV),
+    # the graph's cache writer: index_put_ of the new rows, the gather (aten::index) of the bucket's
+    # blocks; before the "sort" of routing, which index_put_with_sort_kernel holds
+    (r"index_put|index_?select|aten::index$", KV),
     # the triton backend's kernels; the torch backend's ATen kernels, which inductor leaves alone
     (r"_route_kernel|_sort_kernel|topk|sort|histc|histogram|cumsum|scan", ROUTING),
     (r"triton_(poi|red|per)_", ELEMENTWISE),  # inductor's fusions in the compiled layers; names like _to_copy_mul_
@@ -117,15 +117,20 @@ def category_rows(steps: list[Work]) -> list[tuple[str, float, float]]:
     return [(c, statistics.median(n[c] for n in counts), statistics.median(t[c] for t in times)) for c in CATEGORIES]
 
 
-def eager_step(runner: ThinkerRunner, kv_slots: list[int], context: int) -> Callable[[], object]:
+def eager_step(runner: ThinkerRunner, tables: list[BlockTable], context: int) -> Callable[[], object]:
     """decode_step's step as the decode graph captured it, run eagerly: `_decode_step` over a
-    GraphedKVWriter (its index_put_ and index_select, the bucket of rows holding `context`), in the
+    GraphedKVWriter (its index_put_ and its gather of the bucket of rows holding `context`), in the
     MoE backend's capturable context."""
-    device, batch = runner.device, len(kv_slots)
+    device, batch, size = runner.device, len(tables), runner.kv.shape.block_tokens
     indices = torch.full((batch, 1), context - 1, device=device)
     rows = next(r for r in attention_buckets(runner.kv.shape.max_tokens) if context <= r)
-    cache = GraphedKVWriter(runner.kv, torch.tensor(kv_slots, device=device), indices,
-                            torch.zeros(batch, dtype=torch.long, device=device), rows)
+    width = runner.kv.shape.blocks_for(rows)
+    padded = torch.zeros((batch, width), dtype=torch.long)
+    for row, table in enumerate(tables):
+        padded[row, : len(table)] = torch.tensor(table)
+    on_device = padded.to(device)
+    cache = GraphedKVWriter(runner.kv, on_device, indices, on_device[:, (context - 1) // size, None],
+                            indices % size, torch.zeros(batch, dtype=torch.long, device=device), rows)
     ids = torch.zeros((batch, 1), dtype=torch.long, device=device)
     positions = indices.view(1, batch, 1).expand(3, -1, -1)
 
@@ -156,16 +161,17 @@ def main() -> None:
     settings, loaded = settings_and_model(args)
     with OmniLocal(settings, loaded=loaded) as app:
         runner = app.backend.engine.runner
-        if args.chats > runner.kv.free_slots or args.context > runner.kv.shape.max_tokens:
-            parser.error(f"{args.chats} chats of {args.context} rows: the KV store has {runner.kv.free_slots} free "
-                         f"KV slots of {runner.kv.shape.max_tokens} rows")
+        if args.context > runner.kv.shape.max_tokens or not fits(runner, args.chats, args.context):
+            parser.error(f"{args.chats} chats of {args.context} rows: the KV store has {runner.kv.pool.free} free "
+                         f"blocks of {runner.kv.shape.block_tokens} rows, a decode step {runner.max_batch} chats at "
+                         "most (--gpu-cache-bytes, --max-running-requests)")
         if args.step == "replay" and runner.decode_graphs is None:
             parser.error("--step replay: the runner captured no decode graphs (on the CPU, or with cuda_graphs off)")
         cuda = runner.device.type == "cuda"
-        with held_kv_slots(runner, args.chats) as kv_slots:
-            steps = {"eager": eager_step(runner, kv_slots, args.context)}
+        with held_tables(runner, args.chats, args.context) as tables:
+            steps = {"eager": eager_step(runner, tables, args.context)}
             if runner.decode_graphs is not None:
-                steps["replay"] = decode_step(runner, kv_slots, args.context)
+                steps["replay"] = decode_step(runner, tables, args.context)
             way = args.step or ("replay" if "replay" in steps else "eager")
             profiled = profiled_steps(steps[way], args.runs, cuda)
             # The replay's own input copies are all there is where CUPTI saw none of the graph's kernels.

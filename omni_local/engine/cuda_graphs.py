@@ -1,16 +1,16 @@
 """Forwards captured as CUDA graphs: decode steps and short prefills of a decoder stack over a
-batch of sequences, each in its own KVStore slot, the Thinker's or the Talker's (BatchGraphs), and
-forwards of fixed shapes such as the code predictor's 15 steps of a frame (StaticGraph).
+batch of sequences, each in its own blocks of a KVStore, the Thinker's or the Talker's (BatchGraphs),
+and forwards of fixed shapes such as the code predictor's 15 steps of a frame (StaticGraph).
 
 Eager, a forward of transformers' modules is bound by kernel launches and host work (80 to 120 ms
 for the Thinker's decode step or a 25-token prefill, 41 ms for the Talker's step at full size on an
 H200); replaying the same kernels as a graph takes about 13, 19 and 5 ms. BatchGraphs captures one
 graph per shape bucket: the batch (chats decoding together), the new tokens per chat (a prefill's
-length, padded), and the attention length (each graph reads only the KV slots' first `rows` rows, so
-a short chat does not attend over the whole slot). Each batch row's KV slot, its rows, positions and
-inputs are device tensors the graphs read when they replay: one graph serves every KV slot and
-position. All graphs are captured at start-up, into one memory pool per owner (its graphs never
-replay at the same time), so the first request pays no capture.
+length, padded), and the attention length (each graph reads only the sequences' first `rows` rows, so
+a short chat does not attend over a whole context). Each batch row's block table, where its new rows
+go, its positions and inputs are device tensors the graphs read when they replay: one graph serves
+every sequence and position. All graphs are captured at start-up, into one memory pool per owner
+(its graphs never replay at the same time), so the first request pays no capture.
 """
 
 import gc
@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from omni_local.engine.host_copies import copy_from_host
-from omni_local.engine.kv_store import GraphedKVWriter, KVStore
+from omni_local.engine.kv_blocks import PAD_BLOCK
+from omni_local.engine.kv_store import BlockTable, GraphedKVWriter, KVStore
 
 # What a forward returns: a tensor, or a tuple of them (the Talker's hidden state and logits).
 Outputs = torch.Tensor | tuple[torch.Tensor, ...]
@@ -56,32 +57,35 @@ def graphable(stack_config: Any, device: torch.device) -> bool:
 class BatchGraphs:
     """`forward` captured at construction for every (batch, length, rows) bucket, and replayed from
     the smallest that holds a call. `input_like` is one token's input ([1, 1] ids or [1, 1, hidden]
-    embeddings); `kv_slot` is a KV slot the caller holds and nobody reads (the captures write its
-    first rows); the captures run inside `capturable`, where the stack's MoE experts can be captured
-    (`MoeBackend.capturable`).
+    embeddings); `table` is a block table the caller holds and nobody reads (the captures write
+    its first rows); the captures run inside `capturable`, where the stack's MoE experts can be
+    captured (`MoeBackend.capturable`).
 
     A call with fewer sequences than its batch bucket is padded with copies of its first sequence
     (their writes are that sequence's own, the same values to the same rows); a shorter prefill with
-    zero inputs after its own, written to the rows after its end, which later steps read only masked
-    and the next write there replaces.
+    zero inputs after its own, written to the rows after its end (in its blocks, or past them in the
+    pad block), which later steps read only masked and the next write there replaces.
     """
 
-    def __init__(self, forward: BatchForward, store: KVStore, input_like: torch.Tensor, kv_slot: int,
+    def __init__(self, forward: BatchForward, store: KVStore, input_like: torch.Tensor, table: BlockTable,
                  capturable: AbstractContextManager[None], batches: Sequence[int] = (1,),
                  lengths: Sequence[int] = (1,),
                  pool: tuple | None = None) -> None:
         self.store, self.batches, self.lengths = store, list(batches), list(lengths)
         self.buckets = attention_buckets(store.shape.max_tokens)
-        b, n = max(batches), max(lengths)
+        b, n, width = max(batches), max(lengths), store.shape.table_blocks
         device = store.device
         self._input = input_like.new_zeros((b, n, *input_like.shape[2:]))  # static: copied into before each replay
         self._positions = torch.zeros((3, b, n), dtype=torch.long, device=device)
-        # indices [b, n], kv_slots [b], last [b]: filled from the host by one non-blocking copy per
-        # replay (the input and the positions are copied on the device)
-        self._layout = torch.zeros(b * n + 2 * b, dtype=torch.long, device=device)
-        self._indices = self._layout[: b * n].view(b, n)
-        self._kv_slots, self._last = self._layout[b * n : b * n + b], self._layout[b * n + b :]
-        self._kv_slots.fill_(kv_slot)
+        # indices, blocks and offsets [b, n], tables [b, width], last [b]: filled from the host by one
+        # non-blocking copy per replay (the input and the positions are copied on the device)
+        self._layout = torch.zeros(3 * b * n + b * width + b, dtype=torch.long, device=device)
+        self._indices, self._blocks, self._offsets = self._layout[: 3 * b * n].view(3, b, n)
+        self._tables = self._layout[3 * b * n : 3 * b * n + b * width].view(b, width)
+        self._last = self._layout[3 * b * n + b * width :]
+        self._host_tables = torch.full((b, width), PAD_BLOCK, dtype=torch.long)
+        self._tables.copy_(self._filled_tables([table] * b))
+        self._blocks.fill_(table[0])
         pool = pool or torch.cuda.graph_pool_handle()
         self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, Outputs]] = {}
         with capturable:
@@ -89,7 +93,8 @@ class BatchGraphs:
                 for length in reversed(self.lengths):
                     # A prefill padded to `length` tokens is more than half new tokens: fewer rows never hold it.
                     for rows in (r for r in reversed(self.buckets) if r >= length):
-                        cache = GraphedKVWriter(store, self._kv_slots[:batch], self._indices[:batch, :length],
+                        cache = GraphedKVWriter(store, self._tables[:batch], self._indices[:batch, :length],
+                                                self._blocks[:batch, :length], self._offsets[:batch, :length],
                                                 self._last[:batch], rows)
                         run = partial(forward, cache, self._input[:batch, :length],
                                       self._positions[:, :batch, :length])
@@ -97,14 +102,14 @@ class BatchGraphs:
 
     def fits(self, batch: int, length: int, start: int) -> bool:
         """Whether a call of `batch` sequences of `length` new tokens after `start` rows has a graph
-        (its padded rows within the KV slot)."""
+        (its padded rows within a sequence's most)."""
         padded = next((n for n in self.lengths if length <= n), None)
         return batch <= self.batches[-1] and padded is not None and start + padded <= self.store.shape.max_tokens
 
-    def replay(self, kv_slots: list[int], x: torch.Tensor, starts: list[int], positions: torch.Tensor) -> Outputs:
+    def replay(self, tables: list[BlockTable], x: torch.Tensor, starts: list[int], positions: torch.Tensor) -> Outputs:
         """The forward's outputs for input `x` ([B, n] or [B, n, hidden]) at `positions` [3, B, n],
-        both on the device, sequence i's new tokens written from row `starts[i]` of KV slot `kv_slots[i]`;
-        outputs for the B sequences, first. Check `fits` first."""
+        both on the device, sequence i's new tokens written from row `starts[i]` of block table
+        `tables[i]`; outputs for the B sequences, first. Check `fits` first."""
         count, length = x.shape[0], x.shape[1]
         if not self.fits(count, length, max(starts)):
             raise IndexError(f"no graph for {count} sequences of {length} new tokens after row {max(starts)}")
@@ -126,20 +131,30 @@ class BatchGraphs:
         # A padded prefill's extra tokens take the last real position: any valid one would do.
         last = self._positions[:, :batch, length - 1 : length]
         self._positions[:, :batch, length:padded].copy_(last.expand(-1, -1, padded - length))
-        copy_from_host(self._layout, self._host_layout(kv_slots + kv_slots[:1] * pad, starts + starts[:1] * pad,
+        copy_from_host(self._layout, self._host_layout(tables + tables[:1] * pad, starts + starts[:1] * pad,
                                                        padded, length))
         graph, outputs = self._graphs[batch, padded, rows]
         graph.replay()
         return cloned(outputs, count)
 
-    def _host_layout(self, kv_slots: list[int], starts: list[int], padded: int, length: int) -> torch.Tensor:
+    def _host_layout(self, tables: list[BlockTable], starts: list[int], padded: int, length: int) -> torch.Tensor:
         """The layout buffer's contents, built on the host: each sequence's `padded` rows from its
-        start, its KV slot, and its last real token."""
+        start, where each is in the pool, its block table, and its last real token."""
+        size = self.store.shape.block_tokens
+        filled = self._filled_tables(tables)
         indices = torch.zeros(self._indices.shape, dtype=torch.long)
         indices[: len(starts), :padded] = torch.tensor(starts)[:, None] + torch.arange(padded)
-        filled = torch.zeros(self._kv_slots.shape, dtype=torch.long)
-        filled[: len(kv_slots)] = torch.tensor(kv_slots)
-        return torch.cat([indices.flatten(), filled, torch.full(self._last.shape, length - 1)])
+        # A padding token past a sequence's blocks is written to the pad block, which the table holds there.
+        blocks = filled.gather(1, (indices // size).clamp(max=filled.shape[1] - 1))
+        return torch.cat([indices.flatten(), blocks.flatten(), (indices % size).flatten(), filled.flatten(),
+                          torch.full(self._last.shape, length - 1)])
+
+    def _filled_tables(self, tables: list[BlockTable]) -> torch.Tensor:
+        """[b, width] of `tables` on the host, each padded with the pad block."""
+        filled = self._host_tables.fill_(PAD_BLOCK).clone()
+        for row, table in enumerate(tables):
+            filled[row, : len(table)] = torch.tensor(table, dtype=torch.long)
+        return filled
 
 
 class StaticGraph:

@@ -1,5 +1,5 @@
 """One forward of a transformers decoder stack (the Thinker's, the Talker's or its code
-predictor's) over a KVStore slot.
+predictor's) over a sequence's blocks of a KVStore.
 
 The layers' modules, rotary embedding and norm are transformers' own; we pass the cache (a
 KVWriter, or in a CUDA graph a GraphedKVWriter), its mask and the 3D positions ourselves. Each
@@ -109,7 +109,7 @@ def run_layers(
     keep_layer: int | None = None,
     regions: LayerRegions = EAGER,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run `embeds` [B, n, hidden] at `positions` [3, B, n] after the rows each sequence's KV slot
+    """Run `embeds` [B, n, hidden] at `positions` [3, B, n] after the rows each sequence's blocks
     already holds (B = 1 except in a graphed batch), each layer as `regions` runs it.
 
     Returns the normed hidden state [B, 1, hidden] of each sequence's last token (the one

@@ -1,14 +1,14 @@
 """The engine: one worker thread owns the model; requests arrive from any thread.
 
 Each turn of the loop is schedule (admit waiting requests: build the prompt, match it in the prefix
-cache, claim a KV slot, take a seat), run (forwards, and sampling on the device), postprocess
+cache, claim blocks for all it may write, take a seat), run (forwards, and sampling on the device), postprocess
 (stream, finish). A turn runs the prefill of the oldest request still waiting for its first token
 (of what the cache could not supply), then one decode step of every request that was decoding (one
 batched forward when graphed), then one frame of every spoken reply. While another reply is decoding
 or speaking, that prefill is one chunk a turn (prefill_chunks.py), so a new question, however long,
 holds up each reply by one chunk at a time; with nobody to hold up, it is the whole rest of the
 prompt in one forward. A long reply does not hold up a new question's first token. A spoken reply
-gives its seat and KV slot back when its text ends and stays in the turns until its speech ends.
+gives its seat and blocks back when its text ends and stays in the turns until its speech ends.
 
 The host does not wait for a decode step it queues. A step's tokens are chosen on the device
 (SeatSampler, one row per seat) and are the next step's input there; the host reads them one turn
@@ -95,29 +95,35 @@ class Engine:
         moe = moe_backend(settings.moe_backend, loaded.device)
         with current_device(loaded.device):  # the graphs' streams and pools, on the model's GPU
             self.runner = ThinkerRunner(thinker, encoder, settings.gpu_cache_bytes, settings.max_context_tokens,
-                                        settings.prefill_chunk_tokens, talker_rows, cuda_graphs=settings.cuda_graphs,
+                                        settings.prefill_chunk_tokens, settings.max_running_requests,
+                                        settings.kv_block_tokens, talker_rows, cuda_graphs=settings.cuda_graphs,
                                         compiled_layers=settings.compiled_layers, moe=moe)
             self.runner.warm_up()
-            # One Talker KV slot per Thinker KV slot: each cached chat can keep its spoken turns' Talker KV.
-            self.speaker = Speaker(loaded.model, settings, self.runner.kv.slots, moe) if loaded.speech else None
+            kv = self.runner.kv
+            # The Talker's blocks hold as many of its longest sequences as the Thinker's hold of its own.
+            sequences = kv.capacity_tokens // settings.max_context_tokens
+            self.speaker = Speaker(loaded.model, settings, sequences, moe) if loaded.speech else None
             if self.speaker is not None:
                 self.speaker.warm_up()
-        self.cache = PrefixCache(self.runner.kv, settings.host_cache_bytes, enabled=settings.prefix_cache)
+        # Kept free while idle: a typical next request's blocks (a chunk of prompt and a default reply).
+        headroom = kv.shape.blocks_for(settings.prefill_chunk_tokens + settings.max_new_tokens)
+        self.cache = PrefixCache(kv, settings.host_cache_bytes, enabled=settings.prefix_cache, headroom_blocks=headroom)
+        log.info("KV: %s blocks of %d tokens, %s tokens in all (%d chats of %d tokens)", f"{kv.pool.usable:,}",
+                 kv.shape.block_tokens, f"{kv.capacity_tokens:,}", sequences, settings.max_context_tokens)
         self.eos_ids = set(thinker_eos_token_ids(loaded))
         # A reply is text: a media placeholder in it would be taken for a medium in the next prompt.
         self.suppressed_ids = media_markup_token_ids(loaded)
         suppressed = torch.tensor(self.suppressed_ids, dtype=torch.long, device=self.runner.device)
         # Only a Thinking checkpoint's replies are split into reasoning and answer.
         self.reasoning_marks = reasoning_marks(loaded.processor.tokenizer) if loaded.kind == "thinking" else None
-        # As many seats as KV slots: every running request holds one of each.
-        self.seats = Seats(self.runner.kv.slots)
+        self.seats = Seats(settings.max_running_requests)
         self.sampler = SeatSampler(self.seats.count, thinker.lm_head.out_features, self.runner.device, suppressed,
                                    self.reasoning_marks.end if self.reasoning_marks else None)
         self._inbox: "queue.Queue[Request | None]" = queue.Queue()
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self._in_flight: DecodeStep | None = None  # the last decode step, read in the next turn
-        self._kv_slots_blocked = False  # the first waiting request found no KV slot; a release clears it
+        self._short_of_blocks = False  # the first waiting request found too few blocks; a release clears it
         self._worker = threading.Thread(target=self._loop, name="omni-engine", daemon=True)
         self._worker.start()
 
@@ -180,26 +186,27 @@ class Engine:
             return True
 
     def _admit(self) -> None:
-        """Start waiting requests in order while KV slots can be had; the rest wait their turn."""
+        """Start waiting requests in order while seats and blocks can be had; the rest wait their turn."""
         for request in [r for r in self._waiting if r.cancelled.is_set()]:
             self._waiting.remove(request)
             self._finish(request, "cancelled")
-        while self._waiting and not self._kv_slots_blocked:
+        while self._waiting and not self._short_of_blocks and self.seats.free:
             request = self._waiting[0]
             try:
                 if request.prompt is None:
                     request.prompt, request.turns_left_out = fit_prompt(
                         request.messages, self.loaded.processor, self.settings.max_prompt_tokens,
                         self.reasoning_marks)
-                request.claim = self.cache.claim(request.session, request.prompt, self.cache.match(request.prompt))
+                request.claim = self.cache.claim(request.session, request.prompt, self.cache.match(request.prompt),
+                                                 self._rows_for(request))
             except Exception as error:  # noqa: BLE001 - one request's failure must not stop the worker
                 self._waiting.popleft()
                 self._fail(request, self._failure_message(error))
                 continue
             if request.claim is None:
-                # Every KV slot is held by a running request: matching again before one lets go would
+                # Running requests hold the blocks it needs: matching again before one lets go would
                 # only repeat the same work at every decode step.
-                self._kv_slots_blocked = True
+                self._short_of_blocks = True
                 return
             self._waiting.popleft()
             request.seat = self.seats.take()
@@ -207,6 +214,10 @@ class Engine:
             request.reused = (request.claim.reused_gpu, request.claim.reused_host)
             request.started_at = time.perf_counter()
             self._running.append(request)
+
+    def _rows_for(self, request: Request) -> int:
+        """KV rows `request` may write: its prompt and its longest reply, within the context."""
+        return min(request.prompt.num_tokens + request.params.max_new_tokens, self.settings.max_context_tokens)
 
     def _run_turn(self) -> None:
         """One prefill, or one chunk of it; one decode step of the requests decoding, queued before the
@@ -267,7 +278,7 @@ class Engine:
             request.media = request.prepared.media
         begin, prompt_end = request.prefilled, request.prompt.num_tokens
         end = chunk_end(begin, prompt_end, self.settings.prefill_chunk_tokens) if in_chunks else prompt_end
-        logits = self.runner.prefill(request.kv_slot, request.prepared.rows(begin, end))
+        logits = self.runner.prefill(request.table, request.prepared.rows(begin, end))
         request.advance_prefill(end)
         if not request.prefilling:
             self._first_token(request, logits)
@@ -315,9 +326,9 @@ class Engine:
         turn by `_collect`. Nothing here waits for the device."""
         seats = [r.seat for r in requests]
         batch = self.sampler.batch(seats, [r.launched for r in requests])  # each token's index in its reply
-        # Reply token `launched - 1`, the input, goes to row `prompt + launched - 1` of the KV slot.
+        # Reply token `launched - 1`, the input, goes to row `prompt + launched - 1` of its sequence.
         indices = [r.prompt.num_tokens + r.launched - 1 for r in requests]
-        logits = self.runner.decode([r.kv_slot for r in requests], self.sampler.inputs(batch), indices,
+        logits = self.runner.decode([r.table for r in requests], self.sampler.inputs(batch), indices,
                                     [r.prepared.rope_delta for r in requests])
         step = DecodeStep(requests, Readback(_chosen_and_finite(self.sampler.sample(logits, batch), logits)))
         for request in requests:
@@ -347,9 +358,9 @@ class Engine:
         if not request.output_ids:
             request.first_token_at = time.perf_counter()
             if request.speech is not None and token not in self.eos_ids:
-                # Now, while the Thinker's KV slot (and the Talker rows in it) is surely still held.
+                # Now, while the Thinker's blocks (and the Talker rows in them) are surely still held.
                 request.spoken = self.speaker.begin(request.speech, request.session, request.seed, request.prompt,
-                                                    token, self.runner.kv, request.kv_slot)
+                                                    token, self.runner.kv, request.table)
         request.output_ids.append(token)
         if token in self.eos_ids:
             return self._end_text(request, "end_of_turn")
@@ -378,7 +389,7 @@ class Engine:
 
     def _end_text(self, request: Request, reason: StopReason) -> None:
         """The Thinker is done with `request`: the rest of its text goes out, its seat is given back
-        and so is its KV slot (its KV kept for the session's next turn); speech may go on."""
+        and so are its blocks (its KV kept for the session's next turn); speech may go on."""
         request.text_done, request.text_done_at, request.stop_reason = True, time.perf_counter(), reason
         if request.reasoning is not None and request.reasoning.inside:  # it stopped while reasoning
             self._stream_reasoning(request, request.reasoning.rest())
@@ -392,10 +403,10 @@ class Engine:
             elif request.prepared is not None:
                 # A prefill begun and cut short (cancelled, failed) published nothing, and the logits of
                 # the rows it wrote were never checked: no graph may read them, past the session's end.
-                self.runner.kv.forget_rows(request.kv_slot, request.claim.start)
+                self.runner.kv.forget_rows(request.table, request.claim.start)
             self.cache.release(request.claim)
             request.claim = None
-            self._kv_slots_blocked = False
+            self._short_of_blocks = False
         if request.seat is not None:
             self.seats.give_back(request.seat)
             request.seat = None
@@ -416,14 +427,14 @@ class Engine:
 
     def _fail_poisoned(self, request: Request) -> None:
         """`request`'s logits were not numbers: it fails alone. Its KV would make whatever attends
-        to it NaN, its session's next turn included: its KV slot's rows are zeroed and the session's
+        to it NaN, its session's next turn included: its blocks' rows are zeroed and the session's
         cache entry dropped. The encoder outputs of its media after the cached prefix are dropped
         too, so a fault in them is not kept (on disk, even) for the next prompt that holds them."""
         claim = request.claim
         self.runner.encoder.forget([m for m in request.prompt.media if m.start >= claim.start])
         self.cache.discard(claim)
         request.claim = None
-        self._kv_slots_blocked = False
+        self._short_of_blocks = False
         self._fail(request, NOT_A_NUMBER)
 
     def _fail(self, request: Request, message: str) -> None:

@@ -1,19 +1,28 @@
-"""The Thinker's KV, owned by the engine and allocated once at start-up.
+"""The KV of the Thinker (and of the Talker), owned by the engine and allocated once at start-up.
 
-Layout, per decoder layer: keys and values of shape [slots, kv_heads, max_tokens, head_dim].
-A chat session's sequence lives in one slot; token t of it in row t of that slot in every layer.
-Fixed addresses are what a CUDA graph needs, a slot is what a session's next turn continues in
-place, and several slots decoding together are one batch. Rows move between slots, and out to
-host memory and back, for the prefix cache.
+Layout, per decoder layer: keys and values of shape [blocks, kv_heads, block_tokens, head_dim], one
+pool of blocks for every sequence. A sequence is its block table (kv_blocks.py keeps the books):
+token t in row t % block_tokens of block t // block_tokens, in every layer. Fixed addresses are what
+a CUDA graph needs; a table is what a session's next turn continues, and what another session that
+begins the same way shares, block by block, instead of copying. Only a partly filled block is ever
+copied (its next writer would change what the other reads), and sequences move to host memory and
+back for the prefix cache.
 
-With speech, each token also has a Talker row ([slots, max_tokens, talker_hidden]): what the
-Talker reads for it when it is a user token. Kept beside the KV and moved with it, so a spoken reply
-to a cached prompt finds every user token's row without recomputing the Thinker.
+With speech, each token also has a Talker row ([blocks, block_tokens, talker_dim]): what the Talker
+reads for it when it is a user token. Kept in the token's block and shared and moved with it, so a
+spoken reply to a cached prompt finds every user token's row without recomputing the Thinker.
 """
 
 from dataclasses import dataclass
 
 import torch
+
+from omni_local.engine.host_copies import to_device
+from omni_local.engine.kv_blocks import BlockPool
+
+DEFAULT_BLOCK_TOKENS = 16
+
+BlockTable = list[int]  # a sequence's blocks, in order
 
 
 @dataclass(frozen=True)
@@ -21,19 +30,28 @@ class KVShape:
     num_layers: int
     kv_heads: int
     head_dim: int
-    max_tokens: int  # rows per slot
+    max_tokens: int  # rows a sequence may have
     talker_dim: int = 0  # width of each token's Talker row; 0: none kept
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
 
     def token_bytes(self, dtype: torch.dtype) -> int:
         return (2 * self.num_layers * self.kv_heads * self.head_dim + self.talker_dim) * dtype.itemsize
 
-    def slot_bytes(self, dtype: torch.dtype) -> int:
-        return self.token_bytes(dtype) * self.max_tokens
+    def block_bytes(self, dtype: torch.dtype) -> int:
+        return self.token_bytes(dtype) * self.block_tokens
+
+    def blocks_for(self, rows: int) -> int:
+        return -(-rows // self.block_tokens)
+
+    @property
+    def table_blocks(self) -> int:
+        """The blocks of the longest sequence: the width of a graph's block tables."""
+        return self.blocks_for(self.max_tokens)
 
 
 @dataclass(frozen=True)
 class HostCopy:
-    """A slot's first rows in host memory."""
+    """A sequence's first rows in host memory."""
 
     kv: torch.Tensor  # [layers, 2, kv_heads, rows, head_dim]
     talker_rows: torch.Tensor | None  # [rows, talker_dim]
@@ -46,115 +64,179 @@ class HostCopy:
 
 class KVStore:
     def __init__(
-        self, shape: KVShape, slots: int, dtype: torch.dtype, device: torch.device, zeroed: bool = False
+        self, shape: KVShape, blocks: int, dtype: torch.dtype, device: torch.device, zeroed: bool = False
     ) -> None:
-        self.shape, self.slots, self.dtype, self.device = shape, slots, dtype, device
-        size = (slots, shape.kv_heads, shape.max_tokens, shape.head_dim)
-        # Eager attention reads rows [0, end) of its own slot only, so rows are never read before
+        self.shape, self.dtype, self.device = shape, dtype, device
+        self.pool = BlockPool(blocks, shape.block_tokens)
+        size = (blocks, shape.kv_heads, shape.block_tokens, shape.head_dim)
+        # Eager attention reads rows [0, end) of its own table only, so rows are never read before
         # written and are left uninitialised (on the CPU, untouched pages cost no memory). Graphed
         # decode steps and prefills read a whole bucket of rows and mask those past each new token,
-        # but a zero attention weight does not cancel a NaN or an infinity (0 × NaN is NaN): one
-        # chat's bad rows, past the end of the next chat in its slot, would poison that chat's every
-        # output. So with `zeroed` every free slot holds zeros (from here, and again whenever a slot is
-        # given back), and a slot's rows past its holder's end are zeros or its own session's.
+        # but a zero attention weight does not cancel a NaN or an infinity (0 x NaN is NaN): one
+        # chat's bad rows, past the end of the next chat in its blocks, would poison that chat's every
+        # output. So with `zeroed` every block handed out holds zeros, and a sequence's rows past its
+        # end are zeros or its own session's.
         self.zeroed = zeroed
         make = torch.zeros if zeroed else torch.empty
         self.keys = [make(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
         self.values = [make(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
         self.talker_rows = (
-            torch.empty((slots, shape.max_tokens, shape.talker_dim), dtype=dtype, device=device)
+            make((blocks, shape.block_tokens, shape.talker_dim), dtype=dtype, device=device)
             if shape.talker_dim else None
         )
-        self._free = list(range(slots - 1, -1, -1))
+
+    @classmethod
+    def for_budget(cls, shape: KVShape, budget_bytes: int, dtype: torch.dtype, device: torch.device,
+                   zeroed: bool = False) -> "KVStore":
+        """As many blocks as `budget_bytes` holds, the pad block among them."""
+        return cls(shape, budget_bytes // shape.block_bytes(dtype), dtype, device, zeroed)
 
     @property
     def allocated_bytes(self) -> int:
-        return sum(t.nbytes for t in self._slot_tensors())
+        return sum(t.nbytes for t in self._block_tensors())
 
     @property
-    def free_slots(self) -> int:
-        return len(self._free)
+    def token_bytes(self) -> int:
+        return self.shape.token_bytes(self.dtype)
 
-    def allocate(self) -> int | None:
-        return self._free.pop() if self._free else None
+    @property
+    def capacity_tokens(self) -> int:
+        """Rows the pool holds for sequences."""
+        return self.pool.usable * self.shape.block_tokens
 
-    def release(self, slot: int, scrub: bool = False) -> None:
-        """Give `slot` back; its rows are zeroed first if the store keeps free slots zeroed, or if
-        `scrub` (its holder's rows are not numbers and must never be read again)."""
-        assert 0 <= slot < self.slots and slot not in self._free, f"slot {slot} is not held"
-        if self.zeroed or scrub:
-            # Once per hand-over, queued after every forward that wrote the slot, never inside a decode
-            # step: 768 MiB for a full-size Thinker slot of 8,192 rows, well under a millisecond of an
-            # H200's memory bandwidth.
-            for tensor in self._slot_tensors():
-                tensor[slot].zero_()
-        self._free.append(slot)
+    def take(self, count: int) -> BlockTable | None:
+        """`count` free blocks, held; None if fewer are free. Zeroed first in a store that keeps
+        them so: a block handed out again holds another sequence's rows."""
+        blocks = self.pool.take(count)
+        if blocks and self.zeroed:
+            self._zero(blocks)
+        return blocks
 
-    def forget_rows(self, slot: int, start: int) -> None:
-        """The KV rows of `slot` from `start` on hold nothing anyone vouches for (a prefill cut short
-        wrote them): zeroed if the store keeps rows past a chat's end for graphs to read."""
-        if self.zeroed:
+    def scrub(self, blocks: BlockTable) -> None:
+        """Zero `blocks`: their rows are not numbers and must never be read again."""
+        self.pool.unregister(blocks)
+        self._zero(blocks)
+
+    def forget_rows(self, table: BlockTable, start: int) -> None:
+        """Rows from `start` on hold nothing anyone vouches for (a prefill cut short wrote them):
+        zeroed if the store keeps rows past a sequence's end for graphs to read."""
+        if not self.zeroed:
+            return
+        first = start // self.shape.block_tokens
+        if first < len(table):
+            offset = start - first * self.shape.block_tokens
             for layer in self.keys + self.values:
-                layer[slot, :, start:].zero_()
+                layer[table[first], :, offset:].zero_()
+            self._zero(table[first + 1 :])
 
-    def view(self, slot: int, start: int) -> "KVWriter":
-        return KVWriter(self, slot, start)
+    def writer(self, table: BlockTable | torch.Tensor, start: int) -> "KVWriter":
+        return KVWriter(self, table, start)
 
-    def copy_rows(self, source: int, target: int, rows: int) -> None:
+    def copy_block(self, source: int, target: int, rows: int) -> None:
+        """The first `rows` rows of block `source` into block `target`: a partly shared block copied
+        before it is written."""
         for layer in self.keys + self.values:
             layer[target, :, :rows].copy_(layer[source, :, :rows])
         if self.talker_rows is not None:
             self.talker_rows[target, :rows].copy_(self.talker_rows[source, :rows])
 
-    def to_host(self, slot: int, rows: int) -> HostCopy:
-        """A copy of the slot's first `rows` rows in host memory, never a view of the slot (on the
-        CPU `.to("cpu")` alone would be one), whose rows the slot's next chat overwrites.
+    def write_talker_rows(self, table: BlockTable, start: int, rows: torch.Tensor) -> None:
+        """Talker rows [n, talker_dim] of the sequence's tokens from `start` on."""
+        blocks, offsets = self.addresses(self.device_table(table), start, start + rows.shape[0])
+        self.talker_rows[blocks, offsets] = rows
+
+    def read_talker_rows(self, table: BlockTable, positions: torch.Tensor) -> torch.Tensor:
+        """The Talker rows [n, talker_dim] of the sequence's tokens at `positions` (a device tensor)."""
+        blocks = self.device_table(table)[positions // self.shape.block_tokens]
+        return self.talker_rows[blocks, positions % self.shape.block_tokens]
+
+    def to_host(self, table: BlockTable, rows: int) -> HostCopy:
+        """A copy of the sequence's first `rows` rows in host memory, never a view of the pool (on the
+        CPU `.to("cpu")` alone would be one), whose blocks other sequences overwrite.
 
         The KV is gathered on the device first, then moved in one transfer, instead of one copy per layer
         into a fresh pinned buffer (requests that moved an entry that way ran about 60 ms slower on
         an H200; the move itself was not timed apart). The copy is waited for: an asynchronous one
         needs pinned memory, which torch's caching allocator rounds up to a power of two and keeps
         pinned, so host memory could reach twice `host_cache_bytes`."""
-        gathered = torch.stack([torch.stack([k[slot, :, :rows], v[slot, :, :rows]]) for k, v in self._pairs()])
-        talker_rows = self.talker_rows[slot, :rows].to("cpu", copy=True) if self.talker_rows is not None else None
+        index = self.device_table(table[: self.shape.blocks_for(rows)])
+        gathered = torch.stack([torch.stack([gather_rows(k, index, rows), gather_rows(v, index, rows)])
+                                for k, v in zip(self.keys, self.values)])
+        talker_rows = None
+        if self.talker_rows is not None:
+            talker_rows = self.talker_rows[index].flatten(0, 1)[:rows].to("cpu", copy=True)
         return HostCopy(gathered.to("cpu"), talker_rows)
 
-    def from_host(self, host: HostCopy, slot: int, rows: int) -> None:
+    def from_host(self, host: HostCopy, table: BlockTable, rows: int) -> None:
         on_device = host.kv[:, :, :, :rows].to(self.device)
-        for i, (k, v) in enumerate(self._pairs()):
-            k[slot, :, :rows].copy_(on_device[i, 0])
-            v[slot, :, :rows].copy_(on_device[i, 1])
+        blocks, offsets = self.addresses(self.device_table(table), 0, rows)
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            k[blocks, :, offsets] = on_device[i, 0].transpose(0, 1)
+            v[blocks, :, offsets] = on_device[i, 1].transpose(0, 1)
         if self.talker_rows is not None:
-            self.talker_rows[slot, :rows].copy_(host.talker_rows[:rows])
+            self.talker_rows[blocks, offsets] = host.talker_rows[:rows].to(self.device)
 
-    def _pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return list(zip(self.keys, self.values))
+    def device_table(self, table: BlockTable | torch.Tensor) -> torch.Tensor:
+        """`table` as a device tensor (one already is: the code predictor's, made once, since a copy
+        from the host inside a graph's capture would be replayed from memory since reused)."""
+        if isinstance(table, torch.Tensor):
+            return table
+        return to_device(torch.tensor(table, dtype=torch.long), self.device)
 
-    def _slot_tensors(self) -> list[torch.Tensor]:
-        """Every tensor with a slot as its first dimension."""
+    def addresses(self, table: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block and the row in it of each of the sequence's tokens [start, end), device tensors,
+        from its `table` on the device."""
+        rows = torch.arange(start, end, device=self.device)
+        return table[rows // self.shape.block_tokens], rows % self.shape.block_tokens
+
+    def _zero(self, blocks: BlockTable) -> None:
+        if blocks:
+            index = to_device(torch.tensor(blocks, dtype=torch.long), self.device)
+            for tensor in self._block_tensors():
+                tensor.index_fill_(0, index, 0)
+
+    def _block_tensors(self) -> list[torch.Tensor]:
+        """Every tensor with a block as its first dimension."""
         return self.keys + self.values + ([self.talker_rows] if self.talker_rows is not None else [])
 
 
+def gather_rows(pool: torch.Tensor, blocks: torch.Tensor, rows: int) -> torch.Tensor:
+    """[kv_heads, rows, head_dim]: a sequence's first `rows` rows from one layer's `pool`, its
+    `blocks` a device tensor [n] of its table's first blocks."""
+    gathered = pool[blocks]  # [n, kv_heads, block_tokens, head_dim]
+    return gathered.transpose(0, 1).flatten(1, 2)[:, :rows]
+
+
 class KVWriter:
-    """What transformers' attention modules receive as `cache` for one forward of one slot.
+    """What transformers' attention modules receive as `cache` for one forward of one sequence.
 
     The modules call `update(k, v, layer_idx)` with the new tokens' keys and values
-    ([1, kv_heads, n, head_dim]); we write them at rows [start, start + n) of the slot and hand
-    back every row the new tokens may attend to.
+    ([1, kv_heads, n, head_dim]); we write them at rows [start, start + n) of the sequence and hand
+    back every row the new tokens may attend to, gathered from its blocks.
     """
 
-    def __init__(self, store: KVStore, slot: int, start: int) -> None:
-        self.store, self.slot, self.start = store, slot, start
+    def __init__(self, store: KVStore, table: BlockTable | torch.Tensor, start: int) -> None:
+        self.store, self.table, self.start = store, store.device_table(table), start
+        self._placed: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        end = self.start + key_states.shape[2]
-        if end > self.store.shape.max_tokens:
-            raise IndexError(f"slot holds {self.store.shape.max_tokens} tokens, asked to write up to {end}")
-        keys = self.store.keys[layer_idx][self.slot : self.slot + 1]
-        values = self.store.values[layer_idx][self.slot : self.slot + 1]
-        keys[:, :, self.start : end] = key_states
-        values[:, :, self.start : end] = value_states
-        return keys[:, :, :end], values[:, :, :end]
+        end, blocks, offsets, gather = self._place(key_states.shape[2])
+        keys, values = self.store.keys[layer_idx], self.store.values[layer_idx]
+        keys[blocks, :, offsets] = key_states[0].transpose(0, 1)
+        values[blocks, :, offsets] = value_states[0].transpose(0, 1)
+        return gather_rows(keys, gather, end)[None], gather_rows(values, gather, end)[None]
+
+    def _place(self, length: int) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where this forward's `length` new rows go, worked out once for all its layers."""
+        end = self.start + length
+        if self._placed is None or self._placed[0] != end:
+            shape = self.store.shape
+            if end > shape.max_tokens or shape.blocks_for(end) > self.table.shape[0]:
+                raise IndexError(f"the sequence holds {self.table.shape[0] * shape.block_tokens} rows, "
+                                 f"asked to write up to {end}")
+            blocks, offsets = self.store.addresses(self.table, self.start, end)
+            self._placed = (end, blocks, offsets, self.table[: shape.blocks_for(end)])
+        return self._placed
 
     def attention_mask(self, implementation: str, length: int, like: torch.Tensor) -> torch.Tensor | None:
         """The mask for the `length` new tokens over the rows `update` hands back."""
@@ -166,30 +248,36 @@ class KVWriter:
 
 
 class GraphedKVWriter:
-    """The `cache` of a forward captured in a CUDA graph: B sequences of L new tokens, each sequence
-    in its own slot (B > 1: several chats decoding together; L > 1: a short prefill).
+    """The `cache` of a forward captured in a CUDA graph: B sequences of L new tokens each (B > 1:
+    several chats decoding together; L > 1: a short prefill).
 
-    `slots` [B], `indices` [B, L] (the row each new token is written to) and `last` [B] (which new
-    token's output is wanted) are device tensors read when the graph replays, so one graph serves
-    every slot and position. `update` hands back each slot's first `rows` rows (the graph's bucket),
-    not the filled length, whose size a graph cannot change; the mask hides the rows after each new
-    token, which is enough only because those rows hold numbers: zeros, or the session's own (a
-    store for graphs keeps its free slots zeroed).
+    Device tensors read when the graph replays, so one graph serves every sequence and position:
+    `tables` [B, blocks] (each sequence's block table, from its first block; a graph reads the
+    `rows` // block_tokens first), `indices` [B, L] (each new token's row in its sequence), `blocks`
+    and `offsets` [B, L] (where that row is in the pool) and `last` [B] (which new token's output is
+    wanted). `update` hands back each sequence's first `rows` rows (the graph's bucket), not the
+    filled length, whose size a graph cannot change; the mask hides the rows after each new token,
+    which is enough only because those rows hold numbers: zeros, or the session's own (a store for
+    graphs zeroes the blocks it hands out).
     """
 
-    def __init__(self, store: KVStore, slots: torch.Tensor, indices: torch.Tensor, last: torch.Tensor,
-                 rows: int) -> None:
-        self.store, self.slots, self.indices, self.last, self.rows = store, slots, indices, last, rows
+    def __init__(self, store: KVStore, tables: torch.Tensor, indices: torch.Tensor, blocks: torch.Tensor,
+                 offsets: torch.Tensor, last: torch.Tensor, rows: int) -> None:
+        self.store, self.indices, self.blocks, self.offsets, self.last = store, indices, blocks, offsets, last
+        self.rows = store.shape.blocks_for(rows) * store.shape.block_tokens
+        self.tables = tables[:, : store.shape.blocks_for(rows)]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         keys, values = self.store.keys[layer_idx], self.store.values[layer_idx]
-        # keys[slots[:, None], :, indices] is [B, L, kv_heads, head_dim]: each new token's row, an index_put_
-        where = (self.slots[:, None], slice(None), self.indices)
-        keys[where] = key_states.transpose(1, 2)
-        values[where] = value_states.transpose(1, 2)
-        # [B, kv_heads, rows, head_dim]: a copy of the bucket's rows; the slots are not known at capture
-        return (keys[:, :, : self.rows].index_select(0, self.slots),
-                values[:, :, : self.rows].index_select(0, self.slots))
+        # keys[blocks, :, offsets] is [B, L, kv_heads, head_dim]: each new token's row, an index_put_
+        keys[self.blocks, :, self.offsets] = key_states.transpose(1, 2)
+        values[self.blocks, :, self.offsets] = value_states.transpose(1, 2)
+        # [B, kv_heads, rows, head_dim]: a copy of the bucket's rows, gathered from each sequence's blocks
+        return self._gathered(keys), self._gathered(values)
+
+    def _gathered(self, pool: torch.Tensor) -> torch.Tensor:
+        gathered = pool[self.tables]  # [B, n, kv_heads, block_tokens, head_dim]
+        return gathered.transpose(1, 2).flatten(2, 3)
 
     def attention_mask(self, implementation: str, length: int, like: torch.Tensor) -> torch.Tensor:
         rows = torch.arange(self.rows, device=like.device)

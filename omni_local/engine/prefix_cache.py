@@ -2,16 +2,24 @@
 starts the same way, computes only what is new.
 
 An entry is one session's sequence: the keys of the tokens whose KV is written (published only after
-the compute that fills them), where that KV is (a KV slot on the device, or host memory), and the
-digests of its media. A new prompt is matched against every entry: the longest common prefix of
-keys, cut so that it never ends inside an image or a clip, verified medium by medium by full digest,
-and always leaving the last prompt token to compute (its logits pick the first reply token). The
-session's own entry is continued in place; another entry's prefix is copied, so no session's later
-writes change what another reads.
+the compute that fills them), where that KV is (a block table on the device, or host memory), and the
+digests of its media. A new prompt is matched two ways, and the longer match is taken:
+- against every entry: the longest common prefix of keys, cut so that it never ends inside an image
+  or a clip, verified medium by medium by full digest;
+- by its full blocks' chained hashes (kv_blocks.py), which also finds the blocks of entries moved to
+  host memory or dropped, while nobody has been handed them since.
+Either way the last prompt token is always left to compute (its logits pick the first reply token).
 
-Memory: KV slots on the device are the first tier; when none is free, the least recently used entry
+A claim builds the request's table: the matched prefix's full blocks are shared (held once more,
+never written: the request writes only rows after its start), a partly matched last block is copied
+to a block of its own unless the session's own entry alone holds it (then it is continued in place),
+and fresh blocks follow, enough for the prompt and every reply token the request may write, so a
+running request never waits for a block. A request that can never fit fails at once.
+
+Memory: the device's blocks are the first tier; when too few are free, the least recently used entry
 that no running request holds moves to host memory (the second tier, its own byte budget) and comes
-back on a hit; past that budget the oldest host entries are dropped.
+back on a hit; past that budget the oldest host entries are dropped. A block another entry shares
+stays on the device with it.
 """
 
 import itertools
@@ -19,7 +27,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from omni_local.engine.kv_store import HostCopy, KVStore
+from omni_local.engine.kv_blocks import PAD_BLOCK, chain
+from omni_local.engine.kv_store import BlockTable, HostCopy, KVStore
+from omni_local.errors import RequestError
 from omni_local.prompts import Prompt
 
 
@@ -28,28 +38,34 @@ class Entry:
     session: str
     keys: np.ndarray  # [n] keys of the tokens whose KV is written, in order
     media: dict[int, bytes]  # start -> full digest, for every medium in `keys`
-    kv_slot: int | None = None  # where the KV is: a KV slot on the device ...
+    table: BlockTable | None = None  # where the KV is: blocks on the device (held by the entry) ...
     host: HostCopy | None = None  # ... or host memory
     pins: int = 0  # running requests that read or write it
     last_used: int = 0
+    registered: int = 0  # its first blocks registered by hash
 
     @property
     def length(self) -> int:
         return len(self.keys)
 
     def __post_init__(self) -> None:
-        assert (self.kv_slot is None) != (self.host is None), "an entry lives in exactly one tier"
+        assert (self.table is None) != (self.host is None), "an entry lives in exactly one tier"
 
 
 @dataclass(frozen=True)
 class Match:
-    entry: Entry | None
-    length: int  # prompt tokens whose KV comes from `entry`
+    entry: Entry | None  # the entry whose rows are reused; None with `blocks` found by hash, or nothing
+    length: int  # prompt tokens whose KV comes from `entry` or `blocks`
+    blocks: tuple[int, ...] = ()
+
+    @property
+    def on_device(self) -> bool:
+        return bool(self.blocks) or (self.entry is not None and self.entry.table is not None)
 
 
 @dataclass
 class Claim:
-    """What a request holds while it runs: its session's entry, in a KV slot."""
+    """What a request holds while it runs: its session's entry, with blocks for all it may write."""
 
     entry: Entry
     start: int  # rows already valid: the request computes from here
@@ -58,23 +74,26 @@ class Claim:
 
 
 class PrefixCache:
-    def __init__(self, kv: KVStore, host_budget_bytes: int, enabled: bool) -> None:
+    def __init__(self, kv: KVStore, host_budget_bytes: int, enabled: bool, by_hash: bool = True,
+                 headroom_blocks: int = 0) -> None:
         self.kv = kv
+        self.pool = kv.pool
+        self.block_tokens = kv.shape.block_tokens
         self.host_budget = host_budget_bytes
         self.enabled = enabled
+        # The Talker's cache matches by entry only: its rows of a user token depend on the Thinker's
+        # whole prefix, which its keys do not hold (speech.py checks that per entry).
+        self.by_hash = by_hash
+        self.headroom_blocks = headroom_blocks  # kept free while idle (`make_room`)
         self.entries: dict[str, Entry] = {}
         self._clock = itertools.count(1)
 
     # Accounting -----------------------------------------------------------------------------
 
     @property
-    def token_bytes(self) -> int:
-        return self.kv.shape.token_bytes(self.kv.dtype)
-
-    @property
     def gpu_bytes(self) -> int:
-        """Device bytes of cached KV: at most the store's allocation, which is the budget."""
-        return sum(e.length for e in self.entries.values() if e.kv_slot is not None) * self.token_bytes
+        """Device bytes of the blocks held: at most the store's allocation, which is the budget."""
+        return self.pool.held * self.kv.shape.block_bytes(self.kv.dtype)
 
     @property
     def host_bytes(self) -> int:
@@ -83,115 +102,165 @@ class PrefixCache:
     # The request's life: match, claim, publish, release ---------------------------------------
 
     def match(self, prompt: Prompt) -> Match:
-        """The entry sharing the longest verified prefix with `prompt` (never its last token)."""
+        """The longest verified prefix of `prompt` held anywhere (never its last token)."""
         if not self.enabled:
             return Match(None, 0)
         best = Match(None, 0)
         for entry in self.entries.values():
             length = _verified_prefix(entry, prompt)
-            better = length > best.length or (length == best.length and length and entry.kv_slot is not None
-                                              and best.entry.kv_slot is None)
-            if better:
+            if length > best.length or (length == best.length and length and entry.table is not None
+                                        and not best.on_device):
                 best = Match(entry, length)
+        if self.by_hash:
+            found = self.pool.lookup(chain(prompt.keys, _spans(prompt), self.block_tokens,
+                                           (prompt.num_tokens - 1) // self.block_tokens))
+            own = {m.start: m.digest for m in prompt.media}
+            length = common_prefix(prompt.keys, own, prompt, len(found) * self.block_tokens)
+            if length > best.length or (length == best.length and length and not best.on_device):
+                best = Match(None, length, tuple(found[: self.kv.shape.blocks_for(length)]))
         return best
 
-    def claim(self, session: str, prompt: Prompt, match: Match) -> Claim | None:
-        """A KV slot for `session` holding the matched prefix, or None if every KV slot is held by a
-        running request (the request then waits). The session's entry is pinned until `release`."""
+    def claim(self, session: str, prompt: Prompt, match: Match, rows: int) -> Claim | None:
+        """Blocks for `session`'s request, `rows` rows in all (its prompt and the reply it may write),
+        the matched prefix in them; None while running requests hold too many blocks (the request
+        waits). The session's entry is pinned until `release`. A request of more blocks than the
+        pool has fails at once."""
+        need = self.kv.shape.blocks_for(rows)
+        if need > self.pool.usable:
+            raise RequestError(f"this request needs {rows:,} tokens of KV, more than the {self.kv.capacity_tokens:,} "
+                               "the device holds (gpu_cache_bytes): ask for a shorter reply or conversation")
         own = self.entries.get(session)
-        kv_slot = self._kv_slot_for(own, keep=match.entry)
-        if kv_slot is None and match.entry is not None:
-            # Only the match's own source can make room (one KV slot, say): let it move, then match
-            # again, now against wherever it went (host memory, or nowhere).
-            kv_slot = self._kv_slot_for(own, keep=None)
-            if kv_slot is not None:
-                match = self.match(prompt)
-        if kv_slot is None:
-            return None
-        reused_gpu = reused_host = 0
+        if own is not None and own.pins:
+            return None  # the session's previous request still runs
+        claim = self._claim(session, prompt, match, need)
         source = match.entry
-        if source is not None and match.length:
-            if source.kv_slot is not None:
-                if source.kv_slot != kv_slot:
-                    self.kv.copy_rows(source.kv_slot, kv_slot, match.length)
-                reused_gpu = match.length
-            else:
-                self.kv.from_host(source.host, kv_slot, match.length)
-                reused_host = match.length
+        if claim is None and source is not None and source is not own and source.table is not None:
+            # Only the match's own source can make room: let it move, then match again, now against
+            # wherever its rows went (host memory, its blocks found by hash, or nowhere).
+            self._move_to_host(source, keep=None)
+            claim = self._claim(session, prompt, self.match(prompt), need)
+        return claim
+
+    def _claim(self, session: str, prompt: Prompt, match: Match, need: int) -> Claim | None:
+        own = self.entries.get(session)
+        shared, tail, continued = self._shared_blocks(match, own)
+        self.pool.hold(shared)
+        borrowed = [tail] if tail is not None and not continued else []  # held by _shared_blocks until copied
+        fresh = need - len(shared)
+        mine = own.table if own is not None and own.table is not None else []
+        if not self._free_up(fresh, match.entry, own, freed_with_own=sum(self.pool.holders(b) == 1 for b in mine)):
+            self.pool.release(shared + borrowed)
+            return None
+        source = match.entry
+        host = source.host if match.length and not match.on_device else None  # kept while `own` is dropped
+        if own is not None:
+            self._drop(own)  # replaced by the state this request starts from; the blocks it shares are held
+        table = shared + self.kv.take(fresh)
+        reused_gpu = reused_host = 0
+        if host is not None:
+            self.kv.from_host(host, table, match.length)
+            reused_host = match.length
+        elif match.length:
+            if borrowed:
+                self.kv.copy_block(tail, table[len(shared)], match.length % self.block_tokens)
+            reused_gpu = match.length
+        self.pool.release(borrowed)
+        if source is not None:
             source.last_used = next(self._clock)
-        if own is not None and own.kv_slot is None:
-            own.host = None  # replaced by the state this request starts from
         keys = prompt.keys[: match.length].copy()
         media = {m.start: m.digest for m in prompt.media if m.end <= match.length}
-        entry = Entry(session, keys, media, kv_slot=kv_slot, pins=1, last_used=next(self._clock))
+        entry = Entry(session, keys, media, table=table, pins=1, last_used=next(self._clock))
         self.entries[session] = entry
         return Claim(entry, match.length, reused_gpu, reused_host)
 
+    def _shared_blocks(self, match: Match, own: Entry | None) -> tuple[list[int], int | None, bool]:
+        """The match's blocks the claim will hold: its full blocks, and its partly matched last block
+        when only the session's own entry holds that one (continued in place, `continued`); `tail`,
+        that last block, is held meanwhile either way (a copy is made of it)."""
+        if not match.length or not match.on_device:
+            return [], None, False
+        table = list(match.blocks) if match.blocks else match.entry.table
+        full, partial = divmod(match.length, self.block_tokens)
+        shared, tail = table[:full], table[full] if partial else None
+        continued = (tail is not None and match.entry is own and own is not None
+                     and self.pool.holders(tail) == 1 and not self.pool.is_registered(tail))
+        if continued:
+            return [*shared, tail], tail, True
+        if tail is not None:
+            self.pool.hold([tail])  # until copied: nothing hands it out meanwhile
+        return shared, tail, False
+
     def publish(self, claim: Claim, prompt: Prompt, reply: list[int], written: int) -> None:
-        """The KV of the first `written` tokens of prompt-then-reply is in its KV slot now."""
+        """The KV of the first `written` tokens of prompt-then-reply is in its blocks now: full blocks
+        among them are registered by hash."""
         entry = claim.entry
         if written <= prompt.num_tokens:
             entry.keys = prompt.keys[:written].copy()
         else:
             entry.keys = np.concatenate([prompt.keys, np.asarray(reply[: written - prompt.num_tokens], np.int64)])
         entry.media = {m.start: m.digest for m in prompt.media if m.end <= written}
+        full = written // self.block_tokens
+        if self.by_hash and self.enabled and full > entry.registered:
+            for index, key in enumerate(chain(entry.keys, _spans(prompt), self.block_tokens, full)):
+                if index >= entry.registered:
+                    self.pool.register(entry.table[index], key)
+            entry.registered = full
 
     def release(self, claim: Claim) -> None:
+        """The request is done with its blocks: those past what it wrote go back to the pool."""
         entry = claim.entry
         entry.pins -= 1
         assert entry.pins >= 0
         entry.last_used = next(self._clock)
+        keep = self.kv.shape.blocks_for(entry.length)
+        self.pool.release(entry.table[keep:])
+        entry.table = entry.table[:keep]
         if not self.enabled and entry.pins == 0:
             self._drop(entry)
 
     def discard(self, claim: Claim) -> None:
         """Release `claim` and forget what its request wrote: its outputs were not numbers, so its
-        rows must reach no attention again. The KV slot's rows are zeroed and the session's entry is
-        dropped (its next turn starts afresh). No other entry holds a copy of them: a request
-        publishes its prompt's rows only once its first token's logits are checked, and its
-        reply's only when it ends."""
+        rows must reach no attention again. Its own blocks (from the one its computed rows begin in)
+        are zeroed and unregistered, and the session's entry is dropped (its next turn starts afresh).
+        No other entry shares them: a request publishes its prompt's rows only once its first
+        token's logits are checked, and its reply's only when it ends."""
         entry = claim.entry
         entry.pins -= 1
         assert entry.pins == 0, "a session's entry is held by one request at a time"
-        self._drop(entry, scrub=True)
+        # The pad block too: a graphed prefill's padding past the request's blocks was written there.
+        self.kv.scrub([PAD_BLOCK, *entry.table[claim.start // self.block_tokens :]])
+        self._drop(entry)
 
     # Memory ---------------------------------------------------------------------------------
 
     def make_room(self) -> None:
-        """Free one KV slot ahead of need, so moving an entry to host memory (a copy of all its
-        KV) is not paid inside the next request's time to first token."""
-        if self.kv.free_slots == 0:
-            victim = self._least_recent_on_device(keep=None)
-            if victim is not None:
-                self._move_to_host(victim, keep=None)
+        """Keep `headroom_blocks` free while nobody waits, so moving an entry to host memory (a copy
+        of all its KV) is not paid inside the next request's time to first token."""
+        self._free_up(self.headroom_blocks, keep=None, own=None, freed_with_own=0)
 
-    def _kv_slot_for(self, own: Entry | None, keep: Entry | None) -> int | None:
-        """A free KV slot; `keep` (the match's source) is neither moved nor dropped meanwhile."""
-        if own is not None and own.kv_slot is not None:
-            if own.pins:
-                return None  # the session's previous request still runs in it
-            return own.kv_slot  # continued in place: rows past the match are rewritten
-        kv_slot = self.kv.allocate()
-        while kv_slot is None:
-            victim = self._least_recent_on_device(keep)
+    def _free_up(self, count: int, keep: Entry | None, own: Entry | None, freed_with_own: int) -> bool:
+        """Move idle entries (not `keep`, not `own`, whose blocks free `freed_with_own` more once
+        dropped) to host memory until `count` blocks can be had; whether they can."""
+        while self.pool.free + freed_with_own < count:
+            victim = self._least_recent_on_device(keep, own)
             if victim is None:
-                return None
+                return False
             self._move_to_host(victim, keep)
-            kv_slot = self.kv.allocate()
-        return kv_slot
+        return True
 
-    def _least_recent_on_device(self, keep: Entry | None) -> Entry | None:
-        candidates = [e for e in self.entries.values() if e.kv_slot is not None and e.pins == 0 and e is not keep]
+    def _least_recent_on_device(self, keep: Entry | None, own: Entry | None) -> Entry | None:
+        candidates = [e for e in self.entries.values()
+                      if e.table is not None and e.pins == 0 and e is not keep and e is not own]
         return min(candidates, key=lambda e: e.last_used, default=None)
 
     def _move_to_host(self, entry: Entry, keep: Entry | None) -> None:
-        size = entry.length * self.token_bytes
+        size = entry.length * self.kv.token_bytes
         while self.host_bytes + size > self.host_budget and self._drop_oldest_on_host(keep):
             pass
         if entry.length and self.host_bytes + size <= self.host_budget:
-            entry.host = self.kv.to_host(entry.kv_slot, entry.length)
-            self.kv.release(entry.kv_slot)
-            entry.kv_slot = None
+            entry.host = self.kv.to_host(entry.table, entry.length)
+            self.pool.release(entry.table)
+            entry.table = None
         else:
             self._drop(entry)
 
@@ -203,12 +272,17 @@ class PrefixCache:
         self._drop(oldest)
         return True
 
-    def _drop(self, entry: Entry, scrub: bool = False) -> None:
-        if entry.kv_slot is not None:
-            self.kv.release(entry.kv_slot, scrub=scrub)
-        entry.kv_slot, entry.host = None, None
+    def _drop(self, entry: Entry) -> None:
+        if entry.table is not None:
+            self.pool.release(entry.table)
+        entry.table, entry.host = None, None
         if self.entries.get(entry.session) is entry:
             del self.entries[entry.session]
+
+
+def _spans(prompt: Prompt) -> list[tuple[int, int, bytes]]:
+    """(start, end, full digest) of the prompt's media: a block's hash holds those its tokens are of."""
+    return [(m.start, m.end, m.digest) for m in prompt.media]
 
 
 def _verified_prefix(entry: Entry, prompt: Prompt) -> int:

@@ -19,6 +19,7 @@ from omni_local.api.events import (
 from omni_local.api.messages import Message
 from omni_local.api.params import SamplingParams, SpeechParams
 from omni_local.engine.detokenizer import IncrementalDetokenizer
+from omni_local.engine.kv_store import BlockTable
 from omni_local.engine.prefix_cache import Claim
 from omni_local.engine.reasoning import ReasoningText
 from omni_local.engine.speech import SpokenReply
@@ -50,16 +51,16 @@ class Request:
     submitted_at: float = field(default_factory=time.perf_counter)
     # Filled by the worker:
     prompt: Prompt | None = None
-    claim: Claim | None = None  # the session's cache entry and KV slot, while running
+    claim: Claim | None = None  # the session's cache entry and its blocks, while running
     seat: int | None = None  # its row in the sampler, from admission until its text ends
     prepared: PreparedPrompt | None = None  # from its prefill's first part on, until its text ends
-    prefilled: int = 0  # prompt rows in its KV slot: the cached prefix, then each part computed
+    prefilled: int = 0  # prompt rows in its blocks: the cached prefix, then each part computed
     max_new_tokens: int = 0
     computed: int = 0  # prompt tokens this request computed
     reused: tuple[int, int] = (0, 0)  # prompt tokens whose KV came from the device, from host memory
     media: MediaCounts = field(default_factory=MediaCounts)
     turns_left_out: int = 0  # the chat's earliest turns the prompt leaves out, to fit max_prompt_tokens
-    written: int = 0  # tokens of prompt-then-reply whose KV is in its KV slot, of accepted tokens only
+    written: int = 0  # tokens of prompt-then-reply whose KV is in its blocks, of accepted tokens only
     output_ids: list[int] = field(default_factory=list)  # the reply's tokens the host has accepted
     launched: int = 0  # reply tokens chosen on the device: the accepted ones and one of a step not read yet
     detokenizer: IncrementalDetokenizer | None = None  # the answer's
@@ -67,23 +68,23 @@ class Request:
     reasoning: ReasoningText | None = None  # a Thinking checkpoint's reply
     started_at: float = 0.0
     first_token_at: float = 0.0
-    text_done: bool = False  # the Thinker has finished; its seat and KV slot are given back
+    text_done: bool = False  # the Thinker has finished; its seat and blocks are given back
     text_done_at: float = 0.0
     stop_reason: StopReason = "end_of_turn"
     spoken: SpokenReply | None = None  # the speech, once the first token is known
     ended: bool = False  # Finished or Failed was sent: the engine is done with it
 
     @property
-    def kv_slot(self) -> int:
-        return self.claim.entry.kv_slot
+    def table(self) -> BlockTable:
+        return self.claim.entry.table
 
     @property
     def prefilling(self) -> bool:
-        """Part of its prompt is not in its KV slot yet: its next engine turn computes that part, or a chunk of it."""
+        """Part of its prompt is not in its blocks yet: its next engine turn computes that part, or a chunk of it."""
         return self.prompt is not None and self.prefilled < self.prompt.num_tokens
 
     def advance_prefill(self, end: int) -> None:
-        """Its prompt rows up to `end` are in its KV slot now."""
+        """Its prompt rows up to `end` are in its blocks now."""
         assert self.claim.start <= self.prefilled < end <= self.prompt.num_tokens, (self.prefilled, end)
         self.prefilled = end
         self.computed = end - self.claim.start

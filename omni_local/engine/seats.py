@@ -3,9 +3,9 @@ its KV is.
 
 A request's seat is its row in the sampler's device tables (parameters, seed, tokens seen, its
 last token: the next decode step's input), held from admission until its text ends. Its KV is held
-apart, through the prefix cache (a slot of the KV store today), so that how the KV is stored can
-change without touching how a batch is sampled. Every running request holds a KV slot too, so
-there are as many seats as KV slots and a request admitted always finds one.
+apart, as blocks through the prefix cache, so that how the KV is stored can change without touching
+how a batch is sampled. There are `max_running_requests` seats, the largest decode step's batch: a
+request waits for a seat as it waits for blocks.
 """
 
 
@@ -19,7 +19,7 @@ class Seats:
         return len(self._free)
 
     def take(self) -> int:
-        assert self._free, "more requests running than seats: each holds a KV slot, and there are as many seats"
+        assert self._free, "more requests running than seats: admission waits for a free one"
         return self._free.pop()
 
     def give_back(self, seat: int) -> None:

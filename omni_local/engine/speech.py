@@ -21,7 +21,7 @@ import torch
 
 from omni_local.api.events import SPEECH_SAMPLE_RATE, SpeechReport
 from omni_local.api.params import SamplingParams, SpeechParams
-from omni_local.engine.kv_store import KVStore
+from omni_local.engine.kv_store import BlockTable, KVStore
 from omni_local.engine.moe import TORCH, MoeBackend
 from omni_local.engine.prefix_cache import Claim, Match, PrefixCache, common_prefix
 from omni_local.engine.sampling import Sampler
@@ -53,9 +53,9 @@ class SpokenReply:
     prompt: TalkerPrompt
     sampler: Sampler  # the Talker's: each frame's first code
     seed: int  # the code predictor's draws' (its sampling row is the Talker runner's)
-    claim: Claim | None = None  # the session's Talker cache entry and its KV slot, once had
+    claim: Claim | None = None  # the session's Talker cache entry and its blocks, once had
     codec_sum: torch.Tensor | None = None  # the last frame's summed code embeddings: the next input
-    written: int = 0  # Talker KV rows in its KV slot
+    written: int = 0  # Talker KV rows in its blocks
     rope_delta: int = 0
     stream: AudioStream = field(default_factory=AudioStream)
     done: bool = False
@@ -63,8 +63,8 @@ class SpokenReply:
     last_audio_at: float = 0.0
 
     @property
-    def kv_slot(self) -> int:
-        return self.claim.entry.kv_slot
+    def table(self) -> BlockTable:
+        return self.claim.entry.table
 
     def report(self, submitted_at: float) -> SpeechReport:
         audio_s = self.stream.sent / SPEECH_SAMPLE_RATE
@@ -78,16 +78,16 @@ class SpokenReply:
 class Speaker:
     """The engine's speech part: the Talker runner, its KV cache, and Code2Wav."""
 
-    def __init__(self, model: torch.nn.Module, settings: Settings, kv_slots: int, moe: MoeBackend = TORCH) -> None:
+    def __init__(self, model: torch.nn.Module, settings: Settings, kv_sequences: int, moe: MoeBackend = TORCH) -> None:
         self.vocoder = Vocoder(model.code2wav, settings.first_audio_frames, settings.audio_chunk_frames,
                                settings.audio_left_context_frames, cuda_graphs=settings.cuda_graphs)
         self.max_frames = max(1, round(settings.max_speech_seconds * SPEECH_SAMPLE_RATE / self.vocoder.samples_per_frame))
         # Room for every user token of a full context, the assistant rows and the frames.
-        self.runner = TalkerRunner(model, settings.max_context_tokens + OPENING_ROWS + self.max_frames, kv_slots,
+        self.runner = TalkerRunner(model, settings.max_context_tokens + OPENING_ROWS + self.max_frames, kv_sequences,
                                    cuda_graphs=settings.cuda_graphs, compiled_layers=settings.compiled_layers,
                                    moe=moe)
         # Talker KV of user turns is small; an entry pushed off the device is dropped, not moved.
-        self.cache = PrefixCache(self.runner.kv, 0, enabled=settings.prefix_cache)
+        self.cache = PrefixCache(self.runner.kv, 0, enabled=settings.prefix_cache, by_hash=False)
         self.im_start, self.user = model.config.im_start_token_id, model.config.user_token_id
         self._made_from: dict[str, MadeFrom] = {}  # session -> what its Talker cache entry was made from
 
@@ -105,12 +105,13 @@ class Speaker:
 
     @torch.inference_mode()
     def begin(
-        self, params: SpeechParams, session: str, seed: int, prompt: Prompt, first_token: int, kv: KVStore, kv_slot: int
+        self, params: SpeechParams, session: str, seed: int, prompt: Prompt, first_token: int, kv: KVStore,
+        table: BlockTable
     ) -> SpokenReply:
         """Speech for a reply to `prompt` that begins with `first_token`; the Thinker's Talker rows
-        are read now from its KV slot `kv_slot`, which it may give up before the Talker starts."""
+        are read now from the blocks of `table`, which it may give up before the Talker starts."""
         positions = user_positions(prompt.input_ids[0], self.im_start, self.user)
-        rows = kv.talker_rows[kv_slot, torch.from_numpy(positions).to(kv.device)]
+        rows = kv.read_talker_rows(table, torch.from_numpy(positions).to(kv.device))
         voice = self.runner.voice_id(params.voice)
         talker_prompt = self.runner.build_prompt(prompt, rows, positions, first_token, voice)
         device = self.runner.device
@@ -128,7 +129,7 @@ class Speaker:
         if reply.claim is None:
             hidden, logits = self._start(reply)
             if hidden is None:
-                return None  # every Talker KV slot is held: try again next turn
+                return None  # running replies hold the Talker's blocks: try again next turn
             # Every spoken reply has at least one frame (transformers' `talker_min_new_tokens=1`).
             logits = logits.index_fill(0, torch.tensor([self.runner.codec_eos], device=logits.device), float("-inf"))
         else:
@@ -136,7 +137,7 @@ class Speaker:
             text_row = self._text_row(len(reply.stream.frames), reply_ids, text_done)
             if text_row is None:
                 return None  # the Thinker has not written that token yet
-            hidden, logits = self.runner.step(reply.kv_slot, reply.written, reply.codec_sum + text_row,
+            hidden, logits = self.runner.step(reply.table, reply.written, reply.codec_sum + text_row,
                                               reply.rope_delta)
             reply.written += 1
         first_code = reply.sampler.next_token(logits)
@@ -157,22 +158,23 @@ class Speaker:
         return samples, reply.stream.frames[start:]
 
     def end(self, reply: SpokenReply) -> None:
-        """Give the Talker KV slot back; the user turns' KV stays for the session's next spoken turn."""
+        """Give the Talker's blocks back; the user turns' KV stays for the session's next spoken turn."""
         if reply.claim is not None:
             self.cache.release(reply.claim)
 
     def _start(self, reply: SpokenReply) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The Talker's prefill, after what its cache holds: the last hidden state and logits, or
-        Nones while no Talker KV slot is free."""
+        Nones while too few of the Talker's blocks are free."""
         prompt = reply.prompt.prompt
-        reply.claim = self.cache.claim(reply.session, prompt, self._made_alike(reply, self.cache.match(prompt)))
+        rows = prompt.num_tokens + self.max_frames
+        reply.claim = self.cache.claim(reply.session, prompt, self._made_alike(reply, self.cache.match(prompt)), rows)
         if reply.claim is None:
             return None, None
         # From the claim on, the session's entry holds rows that agree with this reply's Thinker
         # prompt; sessions whose entries the cache has dropped are forgotten here too.
         self._made_from = {s: m for s, m in self._made_from.items() if s in self.cache.entries}
         self._made_from[reply.session] = MadeFrom.of(reply.thinker)
-        hidden, logits, reply.rope_delta = self.runner.prefill(reply.kv_slot, reply.prompt, reply.claim.start)
+        hidden, logits, reply.rope_delta = self.runner.prefill(reply.table, reply.prompt, reply.claim.start)
         reply.written = prompt.num_tokens
         self.cache.publish(reply.claim, prompt, [], len(reply.prompt.user_rows))
         return hidden, logits

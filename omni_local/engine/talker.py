@@ -24,7 +24,7 @@ import torch
 from omni_local.api.params import SamplingParams
 from omni_local.engine.cuda_graphs import BatchGraphs, StaticGraph, graphable
 from omni_local.engine.decoder_stack import LayerRegions, mrope_positions, run_layers
-from omni_local.engine.kv_store import GraphedKVWriter, KVShape, KVStore, KVWriter
+from omni_local.engine.kv_store import BlockTable, GraphedKVWriter, KVShape, KVStore, KVWriter
 from omni_local.engine.host_copies import Readback, to_device
 from omni_local.engine.moe import TORCH, MoeBackend
 from omni_local.engine.sampling import SampleBatch, SeatSampler
@@ -72,7 +72,7 @@ class TalkerPrompt:
 
 
 class TalkerRunner:
-    def __init__(self, model: torch.nn.Module, max_tokens: int, kv_slots: int, cuda_graphs: bool = False,
+    def __init__(self, model: torch.nn.Module, max_tokens: int, kv_sequences: int, cuda_graphs: bool = False,
                  compiled_layers: bool = False, moe: MoeBackend = TORCH) -> None:
         self.config = model.config
         self.talker = model.talker
@@ -86,17 +86,19 @@ class TalkerRunner:
         self.dtype = self.talker.codec_head.weight.dtype
         shape = KVShape(text.num_hidden_layers, text.num_key_value_heads, text.head_dim, max_tokens)
         # The Talker's own step is a decode step like the Thinker's (about 41 ms eager at full size,
-        # 5 ms graphed): BatchGraphs, whose buckets read rows past each new token, so free KV slots
-        # are zeroed.
+        # 5 ms graphed): BatchGraphs, whose buckets read rows past each new token, so the blocks it
+        # hands out are zeroed. Blocks for `kv_sequences` sequences of `max_tokens`, and the pad block.
         self._capture_steps = cuda_graphs and graphable(self.stack.config, self.device)
-        self.kv = KVStore(shape, kv_slots, self.dtype, self.device, zeroed=self._capture_steps)
+        self.kv = KVStore(shape, kv_sequences * shape.table_blocks + 1, self.dtype, self.device,
+                          zeroed=self._capture_steps)
         self.step_graphs: BatchGraphs | None = None  # set once captured, by warm_up
         # The code predictor's KV: one frame's rows (the Talker's state, then each code), one
         # frame at a time.
         predictor = self.predictor.config
         rows = KVShape(predictor.num_hidden_layers, predictor.num_key_value_heads, predictor.head_dim,
                        self.num_code_groups + 1)
-        self.predictor_kv = KVStore(rows, 1, self.dtype, self.device)
+        self.predictor_kv = KVStore(rows, rows.table_blocks + 1, self.dtype, self.device)
+        self._predictor_table = self.predictor_kv.device_table(self.predictor_kv.take(rows.table_blocks))
         # 15 small steps a frame: eager, launches and host work are most of each (about 5 ms at full
         # size against 0.8 ms graphed, ../shared/BENCHMARK_ANCHORS.md). All 15, their sampling on the
         # device included, are one graph: the host reads the codes once a frame, not once a code.
@@ -127,16 +129,16 @@ class TalkerRunner:
 
     @torch.inference_mode()
     def warm_up(self) -> list[int]:
-        """A short prompt, one frame and one step in a KV slot nobody reads, so the first spoken reply
+        """A short prompt, one frame and one step in blocks nobody reads, so the first spoken reply
         does not pay first-use costs, then the code predictor's and the step's graphs; returns the
         frame's codes."""
-        kv_slot = self.kv.allocate()
+        table = self.kv.take(self.kv.shape.table_blocks)
         try:
             prompt = self.tts_pad.expand(4, -1)[None]
             positions = torch.arange(4, device=self.device).expand(3, 1, -1)
-            hidden, _ = self._forward(self.kv.view(kv_slot, 0), prompt, positions)
+            hidden, _ = self._forward(self.kv.writer(table, 0), prompt, positions)
             codes, codec_sum = self.complete_frame(hidden, 0, SamplingParams(), seed=0, frame=0)
-            self.step(kv_slot, 4, codec_sum + self.tts_pad, 0)
+            self.step(table, 4, codec_sum + self.tts_pad, 0)
             if self._capture_predictor:
                 # Captured sampling: greedy rows still take the argmax, the graph serves both.
                 start, keys = hidden.new_zeros((1, 2, hidden.shape[-1])), self._row_zero.expand(len(codes) - 1)
@@ -144,10 +146,10 @@ class TalkerRunner:
             if self._capture_steps:
                 row = self.tts_pad[None]  # [1, 1, width], shaped as a step's input
                 capturable = self.regions.moe.capturable(self.stack.config, self.dtype)
-                self.step_graphs = BatchGraphs(self._forward, self.kv, row, kv_slot, capturable)
+                self.step_graphs = BatchGraphs(self._forward, self.kv, row, table, capturable)
             return codes
         finally:
-            self.kv.release(kv_slot)
+            self.kv.pool.release(table)
 
     def voice_id(self, voice: str) -> int:
         """The codec id of `voice` (any case); a `RequestError` listing the voices otherwise."""
@@ -184,22 +186,22 @@ class TalkerRunner:
         return TalkerPrompt(prompt, user_rows, text + codec, user_positions)
 
     @torch.inference_mode()
-    def prefill(self, kv_slot: int, talker: TalkerPrompt, start: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Compute the prompt from `start` on (the rows before are in KV slot `kv_slot`). Returns the
+    def prefill(self, table: BlockTable, talker: TalkerPrompt, start: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Compute the prompt from `start` on (the rows before are in the blocks of `table`). Returns the
         last hidden state [1, 1, width], its codec logits [vocab] and the rope delta of later steps."""
         positions, rope_delta = mrope_positions(self.talker, talker.prompt, self.device)
         rows = torch.cat([talker.user_rows, talker.opening])[start:]
-        hidden, logits = self._forward(self.kv.view(kv_slot, start), rows[None], positions[:, :, start:])
+        hidden, logits = self._forward(self.kv.writer(table, start), rows[None], positions[:, :, start:])
         return hidden, logits[0], rope_delta
 
     @torch.inference_mode()
-    def step(self, kv_slot: int, index: int, embed: torch.Tensor, rope_delta: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, table: BlockTable, index: int, embed: torch.Tensor, rope_delta: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One step at row `index` from `embed` [1, 1, width]: its hidden state and codec logits."""
         positions = torch.full((3, 1, 1), index + rope_delta, device=self.device, dtype=torch.long)
         if self.step_graphs is not None:
-            hidden, logits = self.step_graphs.replay([kv_slot], embed, [index], positions)
+            hidden, logits = self.step_graphs.replay([table], embed, [index], positions)
         else:
-            hidden, logits = self._forward(self.kv.view(kv_slot, index), embed, positions)
+            hidden, logits = self._forward(self.kv.writer(table, index), embed, positions)
         return hidden, logits[0]
 
     @torch.inference_mode()
@@ -243,7 +245,8 @@ class TalkerRunner:
         hidden state and first code (rows 0 and 1) for group 0, else code `group` (row group + 1)."""
         row = 0 if group == 0 else group + 1
         positions = torch.arange(row, row + step_input.shape[1], device=self.device)[None]
-        last, _ = run_layers(self.predictor.model, self.predictor_kv.view(0, row), step_input, positions,
+        last, _ = run_layers(self.predictor.model, self.predictor_kv.writer(self._predictor_table, row), step_input,
+                             positions,
                              regions=self.regions)
         return self.predictor.lm_head[group](last)[0, -1].float()
 

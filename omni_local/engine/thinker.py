@@ -4,7 +4,7 @@ transformers' modules do the maths (embedding, encoders, decoder layers, lm_head
 decides what runs when: the encoders for the media of the uncached tail (MediaEncoder), a prefill
 of that tail after the cached rows (whole, or the part of it the engine asks for: a chunk,
 prefill_chunks.py), then one decode step per token, each writing its keys and values into the
-request's KV slot in the KVStore. On a GPU, with graphs, the decode step of every chat decoding at the
+request's blocks of the KVStore. On a GPU, with graphs, the decode step of every chat decoding at the
 time runs as one batch, and a prefill of up to `graphed_prefill_tokens` (a chunk, a question, an
 image) replays a CUDA graph too (BatchGraphs), all captured at start-up; longer prefills run
 eagerly. A decode step takes its token ids from the device (the engine's sampler keeps each seat's
@@ -21,7 +21,7 @@ from omni_local.api.messages import Message
 from omni_local.engine.cuda_graphs import BatchGraphs, graphable, size_buckets
 from omni_local.engine.decoder_stack import LayerRegions, mrope_positions, run_layers
 from omni_local.engine.host_copies import to_device
-from omni_local.engine.kv_store import GraphedKVWriter, KVShape, KVStore, KVWriter
+from omni_local.engine.kv_store import DEFAULT_BLOCK_TOKENS, BlockTable, GraphedKVWriter, KVShape, KVStore, KVWriter
 from omni_local.engine.media_encoder import MediaEncoder, deepstack_levels
 from omni_local.engine.moe import TORCH, MoeBackend
 from omni_local.engine.prefill_chunks import PreparedPrompt
@@ -38,6 +38,8 @@ class ThinkerRunner:
         kv_budget_bytes: int,
         max_tokens: int,
         graphed_prefill_tokens: int,
+        max_batch: int,
+        block_tokens: int = DEFAULT_BLOCK_TOKENS,
         talker_rows: TalkerRows | None = None,
         cuda_graphs: bool = False,
         compiled_layers: bool = False,
@@ -52,12 +54,13 @@ class ThinkerRunner:
         config = self.text.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         talker_dim = talker_rows.width if talker_rows else 0
-        shape = KVShape(config.num_hidden_layers, config.num_key_value_heads, head_dim, max_tokens, talker_dim)
+        shape = KVShape(config.num_hidden_layers, config.num_key_value_heads, head_dim, max_tokens, talker_dim,
+                        block_tokens)
         self.device = thinker.lm_head.weight.device
         self.dtype = thinker.lm_head.weight.dtype
-        kv_slots = kv_budget_bytes // shape.slot_bytes(self.dtype)
-        if kv_slots < 1:
-            need = shape.slot_bytes(self.dtype)
+        self.max_batch = max_batch  # the largest decode step: the engine's seats
+        need = (shape.table_blocks + 1) * shape.block_bytes(self.dtype)  # the pad block too
+        if kv_budget_bytes < need:
             raise SettingsError(
                 f"setting 'gpu_cache_bytes' ({kv_budget_bytes:,}) is below the {need:,} bytes one conversation of "
                 f"'max_context_tokens' ({max_tokens}) needs: raise the first or lower the second"
@@ -66,41 +69,40 @@ class ThinkerRunner:
         # Compiled on the GPU only: on the CPU the compile takes longer than it saves.
         self.regions = LayerRegions(compiled=compiled_layers and self.device.type == "cuda", moe=moe)
         self._deepstack_levels = len(self.model.config.vision_config.deepstack_visual_indexes)
-        self.kv = KVStore(shape, kv_slots, self.dtype, self.device, zeroed=self._capture_graphs)
+        self.kv = KVStore.for_budget(shape, kv_budget_bytes, self.dtype, self.device, zeroed=self._capture_graphs)
         self.decode_graphs: BatchGraphs | None = None  # set once captured, by warm_up
         self.prefill_graphs: BatchGraphs | None = None
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """A small prompt with an image and a clip through a prefill and a decode step, in a KV slot
-        nobody reads, so the first request does not pay first-use costs (kernel loading, library
-        heuristics: about 2 s for a first image on an H200), and captures the graphs. Nothing
-        is cached."""
+        """A small prompt with an image and a clip through a prefill and a decode step, so the first
+        request does not pay first-use costs (kernel loading, library heuristics: about 2 s for a
+        first image on an H200), and captures the graphs, in blocks nobody reads. Nothing is cached."""
         parts = [Image.new("RGB", (64, 64), (90, 140, 200)), np.zeros(16_000, np.float32), "Hello."]
         prompt = build_prompt([Message("user", parts)], self.encoder.processor)
-        kv_slot = self.kv.allocate()
+        table = self.kv.take(self.kv.shape.table_blocks)
         try:
             prepared = self.prepare(prompt, 0, remember=False)
-            token = int(self.prefill(kv_slot, prepared).argmax())
-            self.decode([kv_slot], [token], [prompt.num_tokens], [prepared.rope_delta])
+            token = int(self.prefill(table, prepared).argmax())
+            self.decode([table], [token], [prompt.num_tokens], [prepared.rope_delta])
             if self._capture_graphs:
-                self._capture(kv_slot)
+                self._capture(table)
         finally:
-            self.kv.release(kv_slot)
+            self.kv.pool.release(table)
 
-    def _capture(self, kv_slot: int) -> None:
-        """The decode step for every batch of chats up to all the KV slots, and prefills of up to
+    def _capture(self, table: BlockTable) -> None:
+        """The decode step for every batch of chats up to `max_batch`, and prefills of up to
         `graphed_prefill_tokens` new tokens (in buckets from 16), each for every attention length; in
         one memory pool."""
         pool, config = torch.cuda.graph_pool_handle(), self.text.config
         moe = self.regions.moe
         ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-        self.decode_graphs = BatchGraphs(self._decode_step, self.kv, ids, kv_slot,
+        self.decode_graphs = BatchGraphs(self._decode_step, self.kv, ids, table,
                                          moe.capturable(config, self.dtype),
-                                         batches=size_buckets(1, self.kv.slots), pool=pool)
+                                         batches=size_buckets(1, self.max_batch), pool=pool)
         width = (1 + self._deepstack_levels) * config.hidden_size
         dense = torch.zeros((1, 1, width), dtype=self.dtype, device=self.device)
-        self.prefill_graphs = BatchGraphs(self._dense_prefill_step, self.kv, dense, kv_slot,
+        self.prefill_graphs = BatchGraphs(self._dense_prefill_step, self.kv, dense, table,
                                           moe.capturable(config, self.dtype),
                                           lengths=size_buckets(16, self.graphed_prefill_tokens), pool=pool)
 
@@ -135,39 +137,39 @@ class ThinkerRunner:
                               visual_before)
 
     @torch.inference_mode()
-    def prefill(self, kv_slot: int, prepared: PreparedPrompt) -> torch.Tensor:
-        """Compute `prepared` (a prompt's tail, or a part of it: `PreparedPrompt.rows`) into KV slot
-        `kv_slot`, after the `start` rows it holds, in one forward; returns the last token's logits [vocab]. With
-        a Talker, each new token's Talker row is written too."""
+    def prefill(self, table: BlockTable, prepared: PreparedPrompt) -> torch.Tensor:
+        """Compute `prepared` (a prompt's tail, or a part of it: `PreparedPrompt.rows`) into the blocks
+        of `table`, after the `start` rows they hold, in one forward; returns the last token's logits
+        [vocab]. With a Talker, each new token's Talker row is written too."""
         p, rows, graphs = prepared, self.talker_rows, self.prefill_graphs
         length = p.embeds.shape[1]
         if graphs is not None and graphs.fits(1, length, p.start):
-            outputs = graphs.replay([kv_slot], self._dense_input(p), [p.start], p.positions)
+            outputs = graphs.replay([table], self._dense_input(p), [p.start], p.positions)
         else:
-            outputs = self._prefill_step(self.kv.view(kv_slot, p.start), p.embeds, p.positions,
+            outputs = self._prefill_step(self.kv.writer(table, p.start), p.embeds, p.positions,
                                          p.visual_mask, p.deepstack)
         logits, kept = outputs if rows is not None else (outputs, None)
         if rows is not None:
             talker_rows = rows.project(p.ids, p.embeds, kept[:, :length])[0]
-            self.kv.talker_rows[kv_slot, p.start : p.start + length] = talker_rows
+            self.kv.write_talker_rows(table, p.start, talker_rows)
         return logits[0]
 
     @torch.inference_mode()
-    def decode(self, kv_slots: list[int], tokens: list[int] | torch.Tensor, indices: list[int],
+    def decode(self, tables: list[BlockTable], tokens: list[int] | torch.Tensor, indices: list[int],
                rope_deltas: list[int]) -> torch.Tensor:
-        """Compute token `tokens[i]` at sequence index `indices[i]` of KV slot `kv_slots[i]`, for
+        """Compute token `tokens[i]` at sequence index `indices[i]` of block table `tables[i]`, for
         every i; returns their logits [B, vocab]. `tokens` may be a tensor [B] on the device: the
         engine's, chosen by the step before and never read by the host. Graphed, this waits for the
         device nowhere (the host lists go to it through pinned memory), so the engine queues step
-        after step; eager, the steps run one after another (a batch of KV slots filled to different
+        after step; eager, the steps run one after another (a batch of sequences filled to different
         lengths would need a mask, and eager speed is not the point)."""
         ids = tokens if isinstance(tokens, torch.Tensor) else to_device(torch.tensor(tokens), self.device)
         positions = to_device(torch.tensor(indices) + torch.tensor(rope_deltas), self.device)
         ids, positions = ids[:, None], positions.view(1, -1, 1).expand(3, -1, -1)
         if self.decode_graphs is not None:
-            return self.decode_graphs.replay(kv_slots, ids, indices, positions)
-        return torch.cat([self._decode_step(self.kv.view(kv_slot, index), ids[i : i + 1], positions[:, i : i + 1])
-                          for i, (kv_slot, index) in enumerate(zip(kv_slots, indices))])
+            return self.decode_graphs.replay(tables, ids, indices, positions)
+        return torch.cat([self._decode_step(self.kv.writer(table, index), ids[i : i + 1], positions[:, i : i + 1])
+                          for i, (table, index) in enumerate(zip(tables, indices))])
 
     def _decode_step(self, cache: KVWriter | GraphedKVWriter, ids: torch.Tensor,
                      positions: torch.Tensor) -> torch.Tensor:
