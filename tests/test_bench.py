@@ -176,3 +176,17 @@ def test_the_decode_profile_puts_each_backends_kernels_and_the_compiled_layers_f
         "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": ELEMENTWISE,
     }
     assert {name: category(name) for name in names} == names
+
+
+def test_the_paged_attention_bench_smoke_run_times_each_way_for_each_batch_and_context():
+    # On the CPU the kernel runs in Triton's interpreter: conftest.py sets it for this process, and
+    # the bench inherits it.
+    done = subprocess.run([sys.executable, "-m", "omni_local.bench.paged_attention", "--device", "cpu", "--runs", "1"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "| chats | context | today (µs) | gathered (µs) | paged (µs) |" in done.stdout
+    table = [line.strip("| ").split(" | ") for line in done.stdout.splitlines()
+             if line.startswith("| ") and line[2].isdigit()]
+    assert [row[:2] for row in table] == [["1", "32"], ["1", "272"], ["2", "32"], ["2", "272"]]
+    assert all(float(cell) > 0 for row in table for cell in row[2:-1])  # the speed-up may round to 0.00x
+    assert all(row[-1].endswith("x") for row in table)

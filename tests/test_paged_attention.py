@@ -6,7 +6,11 @@ contiguously, on tiny shapes; at the Thinker's full size in bfloat16 on the GPU 
 Every pool here holds NaN wherever no sequence's row is: in unused blocks, in the rows of a last
 block past its sequence's end, and in the blocks the table lists past each sequence's end."""
 
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -197,6 +201,42 @@ def test_pools_of_different_layouts_are_refused():
     with pytest.raises(ValueError, match="one shape and one layout"):
         paged_attention(query, kv.key_pool, kv.value_pool.transpose(0, 1).contiguous().transpose(0, 1),
                         kv.block_tables, query_rows, SCALING)
+
+
+# Compiles (to an H200's cubin, ptxas included) what the interpreter runs loosely: a global that is
+# not a constexpr, say, runs there and fails to compile. bfloat16 at the Thinker's group of 8 and
+# head_dim 128: a decode step's split kernel and merge, and a tail's kernel.
+COMPILE_FOR_SM90 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from omni_local.engine.attention.paged import _attention_kernel, _merge_kernel, query_tile
+
+def compiled(kernel, pointers, constexprs, **options):
+    signature = {name: pointers.get(name, "i32") for name in kernel.arg_names}
+    signature.update({name: "constexpr" for name in constexprs})
+    where = {(kernel.arg_names.index(name),): value for name, value in constexprs.items()}
+    triton.compile(ASTSource(kernel, signature, where), target=GPUTarget("cuda", 90, 32), options=options)
+
+for length, table, partial in ((1, "*i32", True), (64, "*i64", False)):
+    block_l, block_g = query_tile(8, length)
+    out = "*fp32" if partial else "*bf16"
+    pointers = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", table_ptr=table, rows_ptr="*i64", out_ptr=out,
+                    stats_ptr=out, scale="fp32")
+    compiled(_attention_kernel, pointers, dict(GROUP=8, BLOCK_G=block_g, BLOCK_L=block_l, HEAD_DIM=128, BLOCK_D=128,
+             BLOCK_SIZE=16, BLOCK_N=64, PARTIAL=partial, DOT_PRECISION=None), num_warps=4, num_stages=2)
+compiled(_merge_kernel, dict(acc_ptr="*fp32", stats_ptr="*fp32", rows_ptr="*i64", out_ptr="*bf16"),
+         dict(HEAD_DIM=128, BLOCK_D=128), num_warps=1)
+"""
+
+
+@on_cpu
+def test_the_kernels_compile_for_an_h200_without_a_gpu():
+    compiler = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], cwd=Path(__file__).resolve().parent.parent,
+                          env=compiler, capture_output=True, text=True, timeout=300)
+
+    assert done.returncode == 0, done.stderr
 
 
 # The Thinker's attention (../shared/model-configs/qwen3-omni-30b-a3b-instruct.json), in bfloat16.

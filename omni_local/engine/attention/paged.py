@@ -31,7 +31,7 @@ SPLIT_ROWS = 256  # KV rows per program of a decode step (SGLang's deterministic
 BLOCK_N = 64  # KV rows per loop iteration: a tile of the scores' columns
 TAIL_QUERIES = 64  # query rows (new tokens x the group's heads) per program of an L > 1 tail
 MIN_DOT = 16  # tl.dot's smallest tile side
-LOG2E = 1.4426950408889634  # scores in base 2: exp2 is the GPU's native exponential
+LOG2E = tl.constexpr(1.4426950408889634)  # scores in base 2: exp2 is the GPU's native exponential
 
 
 @triton.jit
