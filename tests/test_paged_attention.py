@@ -106,8 +106,10 @@ CASES = {  # (heads, kv_heads, each sequence's new tokens' rows)
     "decode tokens of sequences of uneven lengths": (4, 2, [[2], [39], [16], [31]]),
     "a group of 8 query heads per kv head, as the Thinker's": (8, 1, [[20], [7]]),
     "one query head per kv head": (2, 2, [[9], [33]]),
+    "a group of 3 query heads per kv head, not a power of two": (6, 2, [[12], [40]]),
     "sequences on both sides of a split boundary": (4, 2, [[SPLIT_ROWS - 1], [SPLIT_ROWS], [SPLIT_ROWS + 40]]),
     "causal tails of new tokens on cached prefixes, one empty": (4, 2, [tail(30, 5), tail(0, 5), tail(11, 5)]),
+    "a tail of two query tiles in the Thinker's group of 8": (8, 1, [tail(20, 9)]),
     "a tail padded by repeating its last row, as a CUDA graph pads it": (4, 2, [[17, 18, 19, 19, 19]]),
 }
 
@@ -243,12 +245,13 @@ def test_the_kernels_compile_for_an_h200_without_a_gpu():
 HEADS, KV_HEADS, FULL_HEAD_DIM = 32, 4, 128
 
 
-def full_size(batch: int, context: int) -> tuple[torch.Tensor, torch.Tensor, PagedKV]:
-    """Decode tokens of `batch` sequences of uneven lengths up to `context` rows, a table `context`
-    rows wide (the graph bucket's), at the Thinker's size in bfloat16 on the GPU."""
+def full_size(batch: int, context: int, length: int = 1) -> tuple[torch.Tensor, torch.Tensor, PagedKV]:
+    """`length` new tokens (a decode step's one, or a tail) of `batch` sequences of uneven lengths up
+    to `context` rows, a table `context` rows wide (the graph bucket's), at the Thinker's size in
+    bfloat16 on the GPU."""
     lengths = [context - (37 * b) % 200 for b in range(batch)]
-    query, query_rows = new_tokens(HEADS, [[n - 1] for n in lengths], torch.bfloat16, device="cuda",
-                                   head_dim=FULL_HEAD_DIM)
+    query, query_rows = new_tokens(HEADS, [tail(n - length, length) for n in lengths], torch.bfloat16,
+                                   device="cuda", head_dim=FULL_HEAD_DIM)
     kv = paged_kv(lengths, KV_HEADS, torch.bfloat16, width=context // BLOCK_SIZE, device="cuda",
                   head_dim=FULL_HEAD_DIM)
     return query, query_rows, kv
@@ -260,7 +263,19 @@ def full_size(batch: int, context: int) -> tuple[torch.Tensor, torch.Tensor, Pag
 @pytest.mark.parametrize("context", [256, 4096])
 @torch.inference_mode()
 def test_the_kernel_at_full_size_in_bfloat16_matches_the_reference(batch, context):
-    query, query_rows, kv = full_size(batch, context)
+    assert_close_in_bfloat16(*full_size(batch, context))
+
+
+@pytest.mark.cuda
+@on_gpu
+@torch.inference_mode()
+def test_a_tail_on_a_cached_prefix_at_full_size_in_bfloat16_matches_the_reference():
+    assert_close_in_bfloat16(*full_size(2, 1024, length=100))
+
+
+def assert_close_in_bfloat16(query: torch.Tensor, query_rows: torch.Tensor, kv: PagedKV) -> None:
+    """The kernel's output within bfloat16 rounding of the float32 computation, at worst off by twice
+    as much as the reference's own bfloat16 SDPA."""
     exact = gathered_attention(query.float(), kv.key_pool.float(), kv.value_pool.float(), kv.block_tables,
                                query_rows, SCALING)
     theirs = paged_call(gathered_attention, query, kv, query_rows).float()
@@ -286,7 +301,7 @@ def test_the_kernel_replays_in_a_cuda_graph_with_the_eager_result():
     with torch.cuda.graph(graph):
         captured = run()
     query.copy_(torch.randn_like(query))
-    query_rows.copy_(torch.randint(0, 900, query_rows.shape, device="cuda"))
+    query_rows.copy_(torch.randint(0, 800, query_rows.shape, device="cuda"))  # within every sequence
     graph.replay()
 
     assert torch.equal(captured, run())

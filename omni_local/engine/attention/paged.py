@@ -5,7 +5,8 @@ of its kv head's group together (K and V loaded once per group), and walks its r
 time (several blocks, each row found through the block table) with an online softmax in float32.
 Rows past the tile's last allowed row are never loaded (their loads are masked to 0), and scores
 past each query's own row are -inf before the exponential: whatever those rows hold, NaN too, never
-reaches the output.
+reaches the output. (In a tail, a query's tile also loads the rows of its later new tokens, masked:
+this forward's own rows, numbers unless the forward itself made NaN.)
 
 - A decode step (L = 1), the fast path: the KV walk is split into SPLIT_ROWS rows per program
   (flash-decoding), so B = 1 with a long context still fills the GPU; each program writes its
@@ -15,6 +16,9 @@ reaches the output.
 - A tail of L > 1 new tokens on a cached prefix (a prefill chunk): correct, not tuned. One program
   per (sequence, kv head, tile of new tokens) walks the whole table, no split, and writes the output
   itself. Fast enough for long chunks (many tiles); a short chunk on a long prefix runs few programs.
+  Its walk is one running softmax in BLOCK_N tiles, not a decode step's splits: the same row's
+  output rounds differently from a tail and from a decode step (a deterministic mode would split
+  tails too).
 
 Capturable in a CUDA graph: the grid and the scratch buffers come from the tensors' shapes only
 (the table's width, not the sequences' lengths), each query's last row is read on the device, and
