@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -179,10 +180,10 @@ def test_the_decode_profile_puts_each_backends_kernels_and_the_compiled_layers_f
 
 
 def test_the_paged_attention_bench_smoke_run_times_each_way_for_each_batch_and_context():
-    # On the CPU the kernel runs in Triton's interpreter: conftest.py sets it for this process, and
-    # the bench inherits it.
+    # On the CPU the kernel runs in Triton's interpreter, on a GPU run too (conftest.py sets it only on the CPU's).
     done = subprocess.run([sys.executable, "-m", "omni_local.bench.paged_attention", "--device", "cpu", "--runs", "1"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+                          cwd=REPO, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, done.stderr
     assert "| chats | context | today (µs) | gathered (µs) | paged (µs) |" in done.stdout
     table = [line.strip("| ").split(" | ") for line in done.stdout.splitlines()
