@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -176,3 +177,17 @@ def test_the_decode_profile_puts_each_backends_kernels_and_the_compiled_layers_f
         "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": ELEMENTWISE,
     }
     assert {name: category(name) for name in names} == names
+
+
+def test_the_paged_attention_bench_smoke_run_times_each_way_for_each_batch_and_context():
+    # On the CPU the kernel runs in Triton's interpreter, on a GPU run too (conftest.py sets it only on the CPU's).
+    done = subprocess.run([sys.executable, "-m", "omni_local.bench.paged_attention", "--device", "cpu", "--runs", "1"],
+                          cwd=REPO, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "| chats | context | today (µs) | gathered (µs) | paged (µs) |" in done.stdout
+    table = [line.strip("| ").split(" | ") for line in done.stdout.splitlines()
+             if line.startswith("| ") and line[2].isdigit()]
+    assert [row[:2] for row in table] == [["1", "32"], ["1", "272"], ["2", "32"], ["2", "272"]]
+    assert all(float(cell) > 0 for row in table for cell in row[2:-1])  # the speed-up may round to 0.00x
+    assert all(row[-1].endswith("x") for row in table)

@@ -1,0 +1,27 @@
+"""Attention over a paged KV: per decoder layer a key pool and a value pool, each
+[num_blocks, kv_heads, block_size, head_dim], and per sequence a row of `block_tables` listing its
+blocks in order (token t of sequence b at pool[block_tables[b, t // block_size], :, t % block_size]).
+
+- `paged_attention` (paged.py): our Triton kernels, reading the blocks in place; CUDA-graph
+  capturable. It imports Triton, so it is imported only when asked for.
+- `gathered_attention` (reference.py): the blocks gathered into contiguous KV, then PyTorch's
+  SDPA; the reference, and the path off CUDA.
+
+Both take (query [B, heads, L, head_dim], key_pool, value_pool, block_tables [B, max_blocks],
+query_rows [B, L], scaling) and return [B, L, heads, head_dim] in the query's dtype: new token
+(b, l) attends to rows 0..query_rows[b, l] of its own sequence.
+"""
+
+from typing import Any
+
+from omni_local.engine.attention.reference import gathered_attention
+
+__all__ = ["gathered_attention", "paged_attention"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "paged_attention":
+        from omni_local.engine.attention.paged import paged_attention  # imports triton
+
+        return paged_attention
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

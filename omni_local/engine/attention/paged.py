@@ -1,0 +1,182 @@
+"""Paged attention in Triton: the KV read in place from the pools through the block tables.
+
+One program per (sequence, kv head, tile of new tokens, split of the KV rows) takes the query heads
+of its kv head's group together (K and V loaded once per group), and walks its rows BLOCK_N at a
+time (several blocks, each row found through the block table) with an online softmax in float32.
+Rows past the tile's last allowed row are never loaded (their loads are masked to 0), and scores
+past each query's own row are -inf before the exponential: whatever those rows hold, NaN too, never
+reaches the output. (In a tail, a query's tile also loads the rows of its later new tokens, masked:
+this forward's own rows, numbers unless the forward itself made NaN.)
+
+- A decode step (L = 1), the fast path: the KV walk is split into SPLIT_ROWS rows per program
+  (flash-decoding), so B = 1 with a long context still fills the GPU; each program writes its
+  partial (max, sum, unnormalised output) to a float32 scratch buffer, and a second kernel merges
+  a query's splits in split order. The split size is fixed, never chosen from the batch or the
+  context: a query's reduction order is the same however the batch looks.
+- A tail of L > 1 new tokens on a cached prefix (a prefill chunk): correct, not tuned. One program
+  per (sequence, kv head, tile of new tokens) walks the whole table, no split, and writes the output
+  itself. Fast enough for long chunks (many tiles); a short chunk on a long prefix runs few programs.
+  Its walk is one running softmax in BLOCK_N tiles, not a decode step's splits: the same row's
+  output rounds differently from a tail and from a decode step (a deterministic mode would split
+  tails too).
+
+Capturable in a CUDA graph: the grid and the scratch buffers come from the tensors' shapes only
+(the table's width, not the sequences' lengths), each query's last row is read on the device, and
+nothing is read back to the host. Programs past a sequence's end return at once.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from omni_local.engine.moe.kernels.gate_up import dot_precision
+
+SPLIT_ROWS = 256  # KV rows per program of a decode step (SGLang's deterministic mode also fixes 256)
+BLOCK_N = 64  # KV rows per loop iteration: a tile of the scores' columns
+TAIL_QUERIES = 64  # query rows (new tokens x the group's heads) per program of an L > 1 tail
+MIN_DOT = 16  # tl.dot's smallest tile side
+LOG2E = tl.constexpr(1.4426950408889634)  # scores in base 2: exp2 is the GPU's native exponential
+
+
+@triton.jit
+def _attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, out_ptr, stats_ptr, scale, length,
+                      heads, kv_heads, table_width, split_rows, num_splits, q_stride_b, q_stride_h,
+                      q_stride_l, pool_stride_block, pool_stride_head, pool_stride_row, table_stride,
+                      rows_stride, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_L: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                      BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    sequence = tl.program_id(0) // kv_heads
+    kv_head = tl.program_id(0) % kv_heads
+    split = tl.program_id(2)
+    # Query row m of the tile: new token `token`, query head `head` of this kv head's group.
+    m = tl.arange(0, BLOCK_L * BLOCK_G)
+    token = tl.program_id(1) * BLOCK_L + m // BLOCK_G
+    head = kv_head * GROUP + m % BLOCK_G
+    real = (token < length) & (m % BLOCK_G < GROUP)
+    d = tl.arange(0, BLOCK_D)
+    in_dim = d < HEAD_DIM
+    last = tl.load(rows_ptr + sequence * rows_stride + token, mask=real, other=-1)  # [M] each one's last row
+    first_row = split * split_rows
+    end = tl.minimum(tl.minimum(first_row + split_rows, tl.max(last, axis=0) + 1), table_width * BLOCK_SIZE)
+    if first_row >= end:
+        return  # a split past every query's rows: the merge never reads it
+    q_at = sequence.to(tl.int64) * q_stride_b + head[:, None] * q_stride_h + token[:, None] * q_stride_l
+    q = tl.load(q_ptr + q_at + d[None, :], mask=real[:, None] & in_dim[None, :], other=0.0)
+    row_max = tl.full([BLOCK_L * BLOCK_G], -float("inf"), dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_L * BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_L * BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for start in range(first_row, end, BLOCK_N):
+        rows = start + tl.arange(0, BLOCK_N)
+        inside = rows < end
+        block = tl.load(table_ptr + sequence * table_stride + rows // BLOCK_SIZE, mask=inside, other=0)
+        kv_at = (block.to(tl.int64) * pool_stride_block + kv_head * pool_stride_head
+                 + (rows % BLOCK_SIZE) * pool_stride_row)
+        k = tl.load(k_ptr + kv_at[None, :] + d[:, None], mask=in_dim[:, None] & inside[None, :], other=0.0)
+        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * (scale * LOG2E)  # [M, BLOCK_N]
+        allowed = (rows[None, :] <= last[:, None]) & inside[None, :]
+        scores = tl.where(allowed, scores, -float("inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        # A row with nothing allowed yet (padding lanes) keeps -inf: subtract 0 there, not -inf.
+        shift = tl.where(new_max == -float("inf"), 0.0, new_max)
+        weights = tl.exp2(scores - shift[:, None])
+        rescale = tl.exp2(row_max - shift)
+        row_sum = row_sum * rescale + tl.sum(weights, axis=1)
+        v = tl.load(v_ptr + kv_at[:, None] + d[None, :], mask=inside[:, None] & in_dim[None, :], other=0.0)
+        acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=DOT_PRECISION)
+        row_max = new_max
+    out_row = (sequence.to(tl.int64) * length + token) * heads + head  # (b, l, head) of [B, L, heads]
+    keep = real[:, None] & in_dim[None, :]
+    if PARTIAL:  # out_ptr is the float32 scratch [B * L * heads, num_splits, HEAD_DIM]
+        at = out_row * num_splits + split
+        tl.store(out_ptr + at[:, None] * HEAD_DIM + d[None, :], acc, mask=keep)
+        tl.store(stats_ptr + at * 2, row_max, mask=real)
+        tl.store(stats_ptr + at * 2 + 1, row_sum, mask=real)
+    else:  # every real query has row 0 allowed: its sum is > 0
+        out = acc / tl.where(real, row_sum, 1.0)[:, None]
+        tl.store(out_ptr + out_row[:, None] * HEAD_DIM + d[None, :], out.to(out_ptr.dtype.element_ty), mask=keep)
+
+
+@triton.jit
+def _merge_kernel(acc_ptr, stats_ptr, rows_ptr, out_ptr, length, heads, split_rows, num_splits,
+                  rows_stride, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    out_row = tl.program_id(0)  # (b, l, head) of [B, L, heads]
+    sequence = out_row // heads // length
+    token = out_row // heads % length
+    last = tl.load(rows_ptr + sequence * rows_stride + token)
+    used = tl.minimum(last // split_rows + 1, num_splits)  # the splits holding rows 0..last, each some
+    d = tl.arange(0, BLOCK_D)
+    in_dim = d < HEAD_DIM
+    at = out_row.to(tl.int64) * num_splits
+    # Split 0 always holds row 0: start from it, so no max is ever -inf.
+    row_max = tl.load(stats_ptr + at * 2)
+    row_sum = tl.load(stats_ptr + at * 2 + 1)
+    acc = tl.load(acc_ptr + at * HEAD_DIM + d, mask=in_dim, other=0.0)
+    for split in range(1, used):  # in split order: the same sum however the batch looks
+        split_max = tl.load(stats_ptr + (at + split) * 2)
+        split_sum = tl.load(stats_ptr + (at + split) * 2 + 1)
+        split_acc = tl.load(acc_ptr + (at + split) * HEAD_DIM + d, mask=in_dim, other=0.0)
+        new_max = tl.maximum(row_max, split_max)
+        old_scale, split_scale = tl.exp2(row_max - new_max), tl.exp2(split_max - new_max)
+        row_sum = row_sum * old_scale + split_sum * split_scale
+        acc = acc * old_scale + split_acc * split_scale
+        row_max = new_max
+    tl.store(out_ptr + out_row.to(tl.int64) * HEAD_DIM + d, (acc / row_sum).to(out_ptr.dtype.element_ty), mask=in_dim)
+
+
+def paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
+                    block_tables: torch.Tensor, query_rows: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Attention [B, L, heads, head_dim] of `query` [B, heads, L, head_dim] over the pools
+    [num_blocks, kv_heads, block_size, head_dim] through `block_tables` [B, max_blocks] (int32 or
+    int64); new token (b, l) attends to rows 0..query_rows[b, l] of sequence b. Softmax and sums in
+    float32; the output in the query's dtype."""
+    batch, heads, length, head_dim = query.shape
+    _, kv_heads, block_size, _ = key_pool.shape
+    check_layout(query, key_pool, value_pool, block_tables, query_rows)
+    group = heads // kv_heads
+    table_width = block_tables.shape[1]
+    split_rows = SPLIT_ROWS if length == 1 else table_width * block_size
+    num_splits = triton.cdiv(table_width * block_size, split_rows)
+    block_l, block_g = query_tile(group, length)
+    out = query.new_empty((batch, length, heads, head_dim))
+    if num_splits > 1:
+        partial_out = torch.empty((batch * length * heads, num_splits, head_dim), dtype=torch.float32,
+                                  device=query.device)
+        stats = torch.empty((batch * length * heads, num_splits, 2), dtype=torch.float32, device=query.device)
+    else:
+        partial_out, stats = out, out  # one split writes the output itself; no stats
+    grid = (batch * kv_heads, triton.cdiv(length, block_l), num_splits)
+    _attention_kernel[grid](query, key_pool, value_pool, block_tables, query_rows, partial_out, stats, scaling,
+                            length, heads, kv_heads, table_width, split_rows, num_splits, query.stride(0),
+                            query.stride(1), query.stride(2), key_pool.stride(0), key_pool.stride(1),
+                            key_pool.stride(2), block_tables.stride(0), query_rows.stride(0), GROUP=group,
+                            BLOCK_G=block_g, BLOCK_L=block_l, HEAD_DIM=head_dim,
+                            BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N,
+                            PARTIAL=num_splits > 1, DOT_PRECISION=dot_precision(query.dtype), num_warps=4,
+                            num_stages=2)
+    if num_splits > 1:
+        _merge_kernel[(batch * length * heads,)](partial_out, stats, query_rows, out, length, heads, split_rows,
+                                                 num_splits, query_rows.stride(0), HEAD_DIM=head_dim,
+                                                 BLOCK_D=triton.next_power_of_2(head_dim), num_warps=1)
+    return out
+
+
+def query_tile(group: int, length: int) -> tuple[int, int]:
+    """(new tokens, heads of the group) per program: a decode step's one token with its group's
+    heads; a tail's tokens by TAIL_QUERIES query rows. At least MIN_DOT rows, as tl.dot needs."""
+    block_g = triton.next_power_of_2(group)
+    block_l = 1 if length == 1 else min(max(1, TAIL_QUERIES // block_g), triton.next_power_of_2(length))
+    return block_l, max(block_g, MIN_DOT // block_l)
+
+
+def check_layout(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
+                 block_tables: torch.Tensor, query_rows: torch.Tensor) -> None:
+    """The kernel indexes the value pool with the key pool's strides, and steps through head_dim,
+    a table row and a row of query rows one element at a time."""
+    if value_pool.shape != key_pool.shape or value_pool.stride() != key_pool.stride():
+        raise ValueError("the key and value pools must have one shape and one layout")
+    if query.stride(-1) != 1 or key_pool.stride(-1) != 1:
+        raise ValueError("the query's and the pools' head_dim must be contiguous")
+    if block_tables.stride(1) != 1 or query_rows.stride(1) != 1:
+        raise ValueError("the block tables' and the query rows' rows must be contiguous")
+    if query.shape[1] % key_pool.shape[1]:
+        raise ValueError(f"{query.shape[1]} query heads are not a multiple of {key_pool.shape[1]} kv heads")

@@ -1,0 +1,52 @@
+"""Paged attention in plain PyTorch: each sequence's blocks gathered into contiguous KV, then SDPA
+with a boolean mask, dispatched over the kv heads as transformers' SDPA attention does it (the
+engine's attention today), so over contiguous KV it is the same computation, bit for bit.
+
+It reads a fixed number of blocks per sequence (`blocks`, default the table's width) whatever the
+sequences' lengths: a CUDA graph captured for a bucket of rows replays it unchanged.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def gathered_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
+                       block_tables: torch.Tensor, query_rows: torch.Tensor, scaling: float,
+                       blocks: int | None = None) -> torch.Tensor:
+    """Attention [B, L, heads, head_dim] of `query` [B, heads, L, head_dim] over the first `blocks`
+    blocks of each sequence's `block_tables` row [B, max_blocks] in the pools [num_blocks, kv_heads,
+    block_size, head_dim]; new token (b, l) attends to rows 0..query_rows[b, l] of sequence b."""
+    table = block_tables[:, : blocks or block_tables.shape[1]]
+    keys, values = gathered(key_pool, table), gathered(value_pool, table)
+    rows = torch.arange(keys.shape[2], device=query.device)
+    # Rows past a sequence's last new token may hold anything, NaN too, and a masked score does not
+    # cancel a NaN (SDPA adds -inf to it; a zero weight times NaN is NaN): they are zeroed first.
+    own = (rows[None, :] <= query_rows.amax(dim=1, keepdim=True))[:, None, :, None]  # [B, 1, rows, 1]
+    keys, values = keys.masked_fill(~own, 0), values.masked_fill(~own, 0)
+    allowed = rows[None, None, None, :] <= query_rows[:, None, :, None]  # [B, 1, L, rows]
+    return grouped_sdpa(query, keys, values, allowed, scaling)
+
+
+def gathered(pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """[B, kv_heads, n * block_size, head_dim]: the n blocks of each `table` row [B, n], in order."""
+    batch, n = table.shape
+    _, kv_heads, block_size, head_dim = pool.shape
+    picked = pool.index_select(0, table.flatten()).view(batch, n, kv_heads, block_size, head_dim)
+    return picked.transpose(1, 2).reshape(batch, kv_heads, n * block_size, head_dim)
+
+
+def grouped_sdpa(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,
+                 scaling: float) -> torch.Tensor:
+    """SDPA [B, L, heads, head_dim] of `query` [B, heads, L, head_dim] over `keys` and `values`
+    [B, kv_heads, rows, head_dim] under the boolean mask `allowed` [B, 1, L, rows], as transformers'
+    sdpa_attention_forward runs it with a mask: a decode step's query heads packed per kv head (CUDA's
+    SDPA takes no GQA with a mask but falls back to its slow math kernel), else the kv heads
+    repeated."""
+    batch, heads, length, head_dim = query.shape
+    group = heads // keys.shape[1]
+    if group > 1 and length == 1:
+        query = query.reshape(batch, heads // group, group, head_dim)  # the mask broadcasts over the group
+    elif group > 1:
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=allowed, scale=scaling)
+    return out.reshape(batch, heads, length, head_dim).transpose(1, 2).contiguous()

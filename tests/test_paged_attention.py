@@ -1,0 +1,307 @@
+"""Paged attention: our Triton kernel (in Triton's CPU interpreter on the CPU run; conftest.py sets
+TRITON_INTERPRET=1) and the gathered reference against PyTorch's SDPA over the same KV laid out
+contiguously, on tiny shapes; at the Thinker's full size in bfloat16 on the GPU run
+(OMNI_LOCAL_TEST_DEVICE=cuda).
+
+Every pool here holds NaN wherever no sequence's row is: in unused blocks, in the rows of a last
+block past its sequence's end, and in the blocks the table lists past each sequence's end."""
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from conftest import TEST_DEVICE
+from omni_local.engine.attention import gathered_attention, paged_attention
+from omni_local.engine.attention.paged import SPLIT_ROWS
+
+on_cpu = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the interpreter tests run on the CPU run")
+on_gpu = pytest.mark.skipif(TEST_DEVICE != "cuda", reason="the GPU tests run with OMNI_LOCAL_TEST_DEVICE=cuda")
+
+FLOAT32 = dict(rtol=1e-5, atol=1e-5)
+FLOAT16 = dict(rtol=1e-3, atol=1e-3)
+BLOCK_SIZE, HEAD_DIM, SCALING = 16, 16, 0.25
+
+
+@dataclass
+class PagedKV:
+    """The same KV two ways: contiguous [B, kv_heads, rows, head_dim], and paged in pools through a
+    block table whose block ids are scrambled."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_pool: torch.Tensor
+    value_pool: torch.Tensor
+    block_tables: torch.Tensor
+
+
+def paged_kv(lengths: list[int], kv_heads: int, dtype: torch.dtype, width: int | None = None,
+             filler: float = float("nan"), table_dtype: torch.dtype = torch.int32, device: str = "cpu",
+             head_dim: int = HEAD_DIM, seed: int = 0) -> PagedKV:
+    """Random KV for sequences of `lengths` rows, paged into blocks in a shuffled order among as many
+    unused ones; every pool row that is no sequence's holds `filler`. Table rows are `width` blocks
+    (default: the longest sequence's), their entries past a sequence's end an unused block."""
+    generator = torch.Generator(device).manual_seed(seed)
+    needed = [-(-n // BLOCK_SIZE) for n in lengths]
+    width = width or max(needed)
+    rows = width * BLOCK_SIZE
+    shape = (len(lengths), kv_heads, rows, head_dim)
+    keys = torch.randn(shape, generator=generator, device=device).to(dtype)
+    values = torch.randn(shape, generator=generator, device=device).to(dtype)
+    num_blocks = 2 * sum(needed) + 1
+    order = torch.randperm(num_blocks, generator=generator, device=device)
+    unused = order[-1]
+    key_pool = torch.full((num_blocks, kv_heads, BLOCK_SIZE, head_dim), filler, dtype=dtype, device=device)
+    value_pool = key_pool.clone()
+    tables = torch.full((len(lengths), width), int(unused), dtype=table_dtype, device=device)
+    taken = 0
+    for b, (length, count) in enumerate(zip(lengths, needed)):
+        blocks = order[taken : taken + count]
+        tables[b, :count] = blocks.to(table_dtype)
+        taken += count
+        for pool, contiguous in ((key_pool, keys), (value_pool, values)):
+            own = contiguous[b, :, : count * BLOCK_SIZE].clone()
+            own[:, length:] = filler
+            pool[blocks] = own.view(kv_heads, count, BLOCK_SIZE, head_dim).transpose(0, 1)
+    return PagedKV(keys, values, key_pool, value_pool, tables)
+
+
+def contiguous_sdpa(query: torch.Tensor, kv: PagedKV, query_rows: torch.Tensor) -> torch.Tensor:
+    """Plain SDPA [B, L, heads, head_dim] over the contiguous KV, each new token masked to its rows."""
+    rows = torch.arange(kv.keys.shape[2], device=query.device)
+    allowed = rows[None, None, None, :] <= query_rows[:, None, :, None]
+    out = F.scaled_dot_product_attention(query, kv.keys, kv.values, attn_mask=allowed, scale=SCALING,
+                                         enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+def paged_kv_in_float32(kv: PagedKV) -> PagedKV:
+    """The contiguous KV in float32: the oracle's, whatever the pools' dtype."""
+    return PagedKV(kv.keys.float(), kv.values.float(), kv.key_pool, kv.value_pool, kv.block_tables)
+
+
+def new_tokens(heads: int, query_rows: list[list[int]], dtype: torch.dtype, device: str = "cpu",
+               head_dim: int = HEAD_DIM) -> tuple[torch.Tensor, torch.Tensor]:
+    """(query [B, heads, L, head_dim], query_rows [B, L] int64) for new tokens at `query_rows`."""
+    rows = torch.tensor(query_rows, device=device)
+    generator = torch.Generator(device).manual_seed(1)
+    query = torch.randn((len(query_rows), heads, rows.shape[1], head_dim), generator=generator, device=device)
+    return query.to(dtype), rows
+
+
+def tail(start: int, length: int) -> list[int]:
+    """The rows of `length` new tokens after `start` cached ones."""
+    return list(range(start, start + length))
+
+
+CASES = {  # (heads, kv_heads, each sequence's new tokens' rows)
+    "one decode token, its sequence shorter than a block": (4, 2, [[4]]),
+    "decode tokens of sequences of uneven lengths": (4, 2, [[2], [39], [16], [31]]),
+    "a group of 8 query heads per kv head, as the Thinker's": (8, 1, [[20], [7]]),
+    "one query head per kv head": (2, 2, [[9], [33]]),
+    "a group of 3 query heads per kv head, not a power of two": (6, 2, [[12], [40]]),
+    "sequences on both sides of a split boundary": (4, 2, [[SPLIT_ROWS - 1], [SPLIT_ROWS], [SPLIT_ROWS + 40]]),
+    "causal tails of new tokens on cached prefixes, one empty": (4, 2, [tail(30, 5), tail(0, 5), tail(11, 5)]),
+    "a tail of two query tiles in the Thinker's group of 8": (8, 1, [tail(20, 9)]),
+    "a tail padded by repeating its last row, as a CUDA graph pads it": (4, 2, [[17, 18, 19, 19, 19]]),
+}
+
+
+def case_inputs(case: str, dtype: torch.dtype, **options) -> tuple[torch.Tensor, torch.Tensor, PagedKV]:
+    heads, kv_heads, rows = CASES[case]
+    query, query_rows = new_tokens(heads, rows, dtype)
+    kv = paged_kv([max(r) + 1 for r in rows], kv_heads, dtype, **options)
+    return query, query_rows, kv
+
+
+def paged_call(attention, query: torch.Tensor, kv: PagedKV, query_rows: torch.Tensor, **options) -> torch.Tensor:
+    return attention(query, kv.key_pool, kv.value_pool, kv.block_tables, query_rows, SCALING, **options)
+
+
+@on_cpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize("case", CASES)
+def test_the_kernel_and_the_gathered_reference_give_sdpa_over_contiguous_kv(case, dtype):
+    query, query_rows, kv = case_inputs(case, dtype)
+    expected = contiguous_sdpa(query.float(), paged_kv_in_float32(kv), query_rows)
+    tolerance = FLOAT32 if dtype == torch.float32 else FLOAT16
+
+    ours = paged_call(paged_attention, query, kv, query_rows)
+    reference = paged_call(gathered_attention, query, kv, query_rows)
+
+    assert ours.dtype == dtype and ours.shape == expected.shape
+    torch.testing.assert_close(ours.float(), expected, **tolerance)
+    torch.testing.assert_close(reference.float(), expected, **tolerance)
+
+
+@on_cpu
+@pytest.mark.parametrize("case", ["decode tokens of sequences of uneven lengths",
+                                  "causal tails of new tokens on cached prefixes, one empty"])
+def test_nan_in_rows_no_query_may_read_never_reaches_the_output(case):
+    query, query_rows, poisoned = case_inputs(case, torch.float32)
+    _, _, clean = case_inputs(case, torch.float32, filler=0.0)
+
+    ours = paged_call(paged_attention, query, poisoned, query_rows)
+    reference = paged_call(gathered_attention, query, poisoned, query_rows)
+
+    assert torch.isnan(poisoned.key_pool).any() and torch.isnan(poisoned.value_pool).any()
+    assert torch.equal(ours, paged_call(paged_attention, query, clean, query_rows))
+    assert torch.equal(reference, paged_call(gathered_attention, query, clean, query_rows))
+    assert ours.isfinite().all() and reference.isfinite().all()
+
+
+@on_cpu
+def test_the_kernel_reads_int32_and_int64_block_tables_alike():
+    case = "sequences on both sides of a split boundary"
+    query, query_rows, narrow = case_inputs(case, torch.float32, table_dtype=torch.int32)
+    _, _, wide = case_inputs(case, torch.float32, table_dtype=torch.int64)
+    assert narrow.block_tables.dtype == torch.int32 and wide.block_tables.dtype == torch.int64
+
+    assert torch.equal(paged_call(paged_attention, query, narrow, query_rows),
+                       paged_call(paged_attention, query, wide, query_rows))
+
+
+@on_cpu
+def test_padded_queries_repeating_a_row_get_that_rows_output():
+    query, query_rows, kv = case_inputs("a tail padded by repeating its last row, as a CUDA graph pads it",
+                                        torch.float32)
+    query[:, :, 3:] = query[:, :, 2:3]  # the padding repeats the last real token too
+
+    ours = paged_call(paged_attention, query, kv, query_rows)
+
+    assert torch.equal(ours[:, 3], ours[:, 2]) and torch.equal(ours[:, 4], ours[:, 2])
+
+
+@on_cpu
+@pytest.mark.parametrize("rows", [[[31]], [[16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31]]],
+                         ids=["a decode token", "a tail on a cached prefix"])
+def test_gathered_attention_over_just_the_sequences_blocks_is_transformers_sdpa_bit_for_bit(rows):
+    # Two blocks of 16 rows hold the 32 rows exactly; the table is wider, its other blocks NaN.
+    query, query_rows = new_tokens(8, rows, torch.float32)
+    kv = paged_kv([32], kv_heads=2, dtype=torch.float32, width=5)
+    allowed = torch.arange(32)[None, None, None, :] <= query_rows[:, None, :, None]
+    module = SimpleNamespace(num_key_value_groups=4, is_causal=True)
+    expected, _ = sdpa_attention_forward(module, query, kv.keys[:, :, :32], kv.values[:, :, :32], allowed,
+                                         scaling=SCALING)
+
+    ours = paged_call(gathered_attention, query, kv, query_rows, blocks=2)
+
+    assert torch.equal(ours, expected)
+
+
+@on_cpu
+def test_pools_of_different_layouts_are_refused():
+    query, query_rows, kv = case_inputs("one decode token, its sequence shorter than a block", torch.float32)
+
+    with pytest.raises(ValueError, match="one shape and one layout"):
+        paged_attention(query, kv.key_pool, kv.value_pool.transpose(0, 1).contiguous().transpose(0, 1),
+                        kv.block_tables, query_rows, SCALING)
+
+
+# Compiles (to an H200's cubin, ptxas included) what the interpreter runs loosely: a global that is
+# not a constexpr, say, runs there and fails to compile. bfloat16 at the Thinker's group of 8 and
+# head_dim 128: a decode step's split kernel and merge, and a tail's kernel.
+COMPILE_FOR_SM90 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from omni_local.engine.attention.paged import _attention_kernel, _merge_kernel, query_tile
+
+def compiled(kernel, pointers, constexprs, **options):
+    signature = {name: pointers.get(name, "i32") for name in kernel.arg_names}
+    signature.update({name: "constexpr" for name in constexprs})
+    where = {(kernel.arg_names.index(name),): value for name, value in constexprs.items()}
+    triton.compile(ASTSource(kernel, signature, where), target=GPUTarget("cuda", 90, 32), options=options)
+
+for length, table, partial in ((1, "*i32", True), (64, "*i64", False)):
+    block_l, block_g = query_tile(8, length)
+    out = "*fp32" if partial else "*bf16"
+    pointers = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", table_ptr=table, rows_ptr="*i64", out_ptr=out,
+                    stats_ptr=out, scale="fp32")
+    compiled(_attention_kernel, pointers, dict(GROUP=8, BLOCK_G=block_g, BLOCK_L=block_l, HEAD_DIM=128, BLOCK_D=128,
+             BLOCK_SIZE=16, BLOCK_N=64, PARTIAL=partial, DOT_PRECISION=None), num_warps=4, num_stages=2)
+compiled(_merge_kernel, dict(acc_ptr="*fp32", stats_ptr="*fp32", rows_ptr="*i64", out_ptr="*bf16"),
+         dict(HEAD_DIM=128, BLOCK_D=128), num_warps=1)
+"""
+
+
+@on_cpu
+def test_the_kernels_compile_for_an_h200_without_a_gpu():
+    compiler = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], cwd=Path(__file__).resolve().parent.parent,
+                          env=compiler, capture_output=True, text=True, timeout=300)
+
+    assert done.returncode == 0, done.stderr
+
+
+# The Thinker's attention (../shared/model-configs/qwen3-omni-30b-a3b-instruct.json), in bfloat16.
+HEADS, KV_HEADS, FULL_HEAD_DIM = 32, 4, 128
+
+
+def full_size(batch: int, context: int, length: int = 1) -> tuple[torch.Tensor, torch.Tensor, PagedKV]:
+    """`length` new tokens (a decode step's one, or a tail) of `batch` sequences of uneven lengths up
+    to `context` rows, a table `context` rows wide (the graph bucket's), at the Thinker's size in
+    bfloat16 on the GPU."""
+    lengths = [context - (37 * b) % 200 for b in range(batch)]
+    query, query_rows = new_tokens(HEADS, [tail(n - length, length) for n in lengths], torch.bfloat16,
+                                   device="cuda", head_dim=FULL_HEAD_DIM)
+    kv = paged_kv(lengths, KV_HEADS, torch.bfloat16, width=context // BLOCK_SIZE, device="cuda",
+                  head_dim=FULL_HEAD_DIM)
+    return query, query_rows, kv
+
+
+@pytest.mark.cuda
+@on_gpu
+@pytest.mark.parametrize("batch", [1, 16])
+@pytest.mark.parametrize("context", [256, 4096])
+@torch.inference_mode()
+def test_the_kernel_at_full_size_in_bfloat16_matches_the_reference(batch, context):
+    assert_close_in_bfloat16(*full_size(batch, context))
+
+
+@pytest.mark.cuda
+@on_gpu
+@torch.inference_mode()
+def test_a_tail_on_a_cached_prefix_at_full_size_in_bfloat16_matches_the_reference():
+    assert_close_in_bfloat16(*full_size(2, 1024, length=100))
+
+
+def assert_close_in_bfloat16(query: torch.Tensor, query_rows: torch.Tensor, kv: PagedKV) -> None:
+    """The kernel's output within bfloat16 rounding of the float32 computation, at worst off by twice
+    as much as the reference's own bfloat16 SDPA."""
+    exact = gathered_attention(query.float(), kv.key_pool.float(), kv.value_pool.float(), kv.block_tables,
+                               query_rows, SCALING)
+    theirs = paged_call(gathered_attention, query, kv, query_rows).float()
+
+    ours = paged_call(paged_attention, query, kv, query_rows).float()
+
+    # One bfloat16 rounding is 0.4% of a value; SDPA's bfloat16 kernel rounds its weights as ours does.
+    assert ((ours - exact).norm() / exact.norm()).item() <= 0.01
+    assert (ours - exact).abs().max() <= 2 * (theirs - exact).abs().max() + 1e-3
+
+
+@pytest.mark.cuda
+@on_gpu
+@torch.inference_mode()
+def test_the_kernel_replays_in_a_cuda_graph_with_the_eager_result():
+    query, query_rows, kv = full_size(16, 1024)
+
+    def run() -> torch.Tensor:
+        return paged_call(paged_attention, query, kv, query_rows)
+
+    run()  # compiles the kernels outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    query.copy_(torch.randn_like(query))
+    query_rows.copy_(torch.randint(0, 800, query_rows.shape, device="cuda"))  # within every sequence
+    graph.replay()
+
+    assert torch.equal(captured, run())
