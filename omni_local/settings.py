@@ -79,6 +79,12 @@ class Settings:
         "what runs the MoE layers' experts: 'triton' (our fused kernels), 'torch' (transformers' own), or 'auto'"
         " (triton on a CUDA GPU, torch elsewhere)",
     )
+    attention_backend: Literal["auto", "torch", "triton"] = setting(
+        "engine", "auto",
+        "what decode steps attend with: 'triton' (our kernel, reading each chat's KV blocks in place), 'torch'"
+        " (transformers' attention over the rows gathered from the blocks), or 'auto' (triton on a CUDA GPU, torch"
+        " elsewhere)",
+    )
     video_fps: float = setting(
         "engine", 2.0, "video frames read per second (Qwen's default; the checkpoint's own if it sets one)"
     )

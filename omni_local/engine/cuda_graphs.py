@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from omni_local.engine.attention import PagedAttention
 from omni_local.engine.host_copies import copy_from_host
 from omni_local.engine.kv_blocks import PAD_BLOCK
 from omni_local.engine.kv_store import BlockTable, GraphedKVWriter, KVStore
@@ -59,7 +60,8 @@ class BatchGraphs:
     the smallest that holds a call. `input_like` is one token's input ([1, 1] ids or [1, 1, hidden]
     embeddings); `table` is a block table the caller holds and nobody reads (the captures write
     its first rows); the captures run inside `capturable`, where the stack's MoE experts can be
-    captured (`MoeBackend.capturable`).
+    captured (`MoeBackend.capturable`). With a `kernel`, attention reads the blocks in place
+    (decode steps); else the bucket's rows are gathered for transformers' attention.
 
     A call with fewer sequences than its batch bucket is padded with copies of its first sequence
     (their writes are that sequence's own, the same values to the same rows); a shorter prefill with
@@ -69,8 +71,8 @@ class BatchGraphs:
 
     def __init__(self, forward: BatchForward, store: KVStore, input_like: torch.Tensor, table: BlockTable,
                  capturable: AbstractContextManager[None], batches: Sequence[int] = (1,),
-                 lengths: Sequence[int] = (1,),
-                 pool: tuple | None = None) -> None:
+                 lengths: Sequence[int] = (1,), pool: tuple | None = None,
+                 kernel: PagedAttention | None = None) -> None:
         self.store, self.batches, self.lengths = store, list(batches), list(lengths)
         self.buckets = attention_buckets(store.shape.max_tokens)
         b, n, width = max(batches), max(lengths), store.shape.table_blocks
@@ -95,7 +97,7 @@ class BatchGraphs:
                     for rows in (r for r in reversed(self.buckets) if r >= length):
                         cache = GraphedKVWriter(store, self._tables[:batch], self._indices[:batch, :length],
                                                 self._blocks[:batch, :length], self._offsets[:batch, :length],
-                                                self._last[:batch], rows)
+                                                self._last[:batch], rows, kernel)
                         run = partial(forward, cache, self._input[:batch, :length],
                                       self._positions[:, :batch, :length])
                         self._graphs[batch, length, rows] = capture_graph(run, pool)

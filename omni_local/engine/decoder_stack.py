@@ -63,11 +63,14 @@ class LayerRegions:
         """`layer`'s output for `hidden` [B, n, hidden], its keys and values written to `cache`."""
         attention = layer.self_attn
         queries, keys, values = self._before(layer, hidden, *rotary)
-        keys, values = cache.update(keys, values, attention.layer_idx)
-        kernel = ALL_ATTENTION_FUNCTIONS.get_interface(attention.config._attn_implementation,
-                                                       _modeling(attention).eager_attention_forward)
-        attended, _ = kernel(attention, queries, keys, values, mask, dropout=0.0, scaling=attention.scaling,
-                             sliding_window=attention.sliding_window)
+        if cache.attends_in_place:  # our kernel over the blocks (Qwen3-Omni's layers have no sliding window)
+            attended = cache.attend(queries, keys, values, attention.layer_idx, attention.scaling)
+        else:
+            keys, values = cache.update(keys, values, attention.layer_idx)
+            kernel = ALL_ATTENTION_FUNCTIONS.get_interface(attention.config._attn_implementation,
+                                                           _modeling(attention).eager_attention_forward)
+            attended, _ = kernel(attention, queries, keys, values, mask, dropout=0.0, scaling=attention.scaling,
+                                 sliding_window=attention.sliding_window)
         return self._after(layer, hidden, attended)
 
 

@@ -47,6 +47,7 @@ from omni_local.api.messages import Message
 from omni_local.api.params import SamplingParams, SpeechParams
 from omni_local.cache.encoder_cache import EncoderCache, encoder_namespace
 from omni_local.cache.folders import keep_compiled_code_in
+from omni_local.engine.attention import decode_attention
 from omni_local.engine.context_window import fit_prompt
 from omni_local.engine.detokenizer import IncrementalDetokenizer
 from omni_local.engine.encoders import Encoders
@@ -93,16 +94,17 @@ class Engine:
                                self.encoder_cache)
         talker_rows = TalkerRows(loaded.model) if loaded.speech else None
         moe = moe_backend(settings.moe_backend, loaded.device)
+        attention = decode_attention(settings.attention_backend, loaded.device)
         with current_device(loaded.device):  # the graphs' streams and pools, on the model's GPU
             self.runner = ThinkerRunner(thinker, encoder, settings.gpu_cache_bytes, settings.max_context_tokens,
                                         settings.prefill_chunk_tokens, settings.max_running_requests,
                                         settings.kv_block_tokens, talker_rows, cuda_graphs=settings.cuda_graphs,
-                                        compiled_layers=settings.compiled_layers, moe=moe)
+                                        compiled_layers=settings.compiled_layers, moe=moe, attention=attention)
             self.runner.warm_up()
             kv = self.runner.kv
             # The Talker's blocks hold as many of its longest sequences as the Thinker's hold of its own.
             sequences = kv.capacity_tokens // settings.max_context_tokens
-            self.speaker = Speaker(loaded.model, settings, sequences, moe) if loaded.speech else None
+            self.speaker = Speaker(loaded.model, settings, sequences, moe, attention) if loaded.speech else None
             if self.speaker is not None:
                 self.speaker.warm_up()
         # Kept free while idle: a typical next request's blocks (a chunk of prompt and a default reply).

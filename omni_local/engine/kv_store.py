@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from omni_local.engine.attention import PagedAttention
 from omni_local.engine.host_copies import to_device
 from omni_local.engine.kv_blocks import BlockPool
 
@@ -129,8 +130,9 @@ class KVStore:
                 layer[table[first], :, offset:].zero_()
             self._zero(table[first + 1 :])
 
-    def writer(self, table: BlockTable | torch.Tensor, start: int) -> "KVWriter":
-        return KVWriter(self, table, start)
+    def writer(self, table: BlockTable | torch.Tensor, start: int, kernel: PagedAttention | None = None
+               ) -> "KVWriter":
+        return KVWriter(self, table, start, kernel)
 
     def copy_block(self, source: int, target: int, rows: int) -> None:
         """The first `rows` rows of block `source` into block `target`: a partly shared block copied
@@ -212,39 +214,72 @@ class KVWriter:
 
     The modules call `update(k, v, layer_idx)` with the new tokens' keys and values
     ([1, kv_heads, n, head_dim]); we write them at rows [start, start + n) of the sequence and hand
-    back every row the new tokens may attend to, gathered from its blocks.
+    back every row the new tokens may attend to, gathered from its blocks. Given a `kernel`, a
+    forward instead `attend`s: the rows are written and the kernel reads the blocks in place.
     """
 
-    def __init__(self, store: KVStore, table: BlockTable | torch.Tensor, start: int) -> None:
-        self.store, self.table, self.start = store, store.device_table(table), start
-        self._placed: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    def __init__(self, store: KVStore, table: BlockTable | torch.Tensor, start: int,
+                 kernel: PagedAttention | None = None) -> None:
+        self.store, self.table, self.start, self.kernel = store, store.device_table(table), start, kernel
+        self._placed: _Placed | None = None
+
+    @property
+    def attends_in_place(self) -> bool:
+        return self.kernel is not None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        end, blocks, offsets, gather = self._place(key_states.shape[2])
+        placed = self._write(key_states, value_states, layer_idx)
         keys, values = self.store.keys[layer_idx], self.store.values[layer_idx]
-        keys[blocks, :, offsets] = key_states[0].transpose(0, 1)
-        values[blocks, :, offsets] = value_states[0].transpose(0, 1)
-        return gather_rows(keys, gather, end)[None], gather_rows(values, gather, end)[None]
+        return gather_rows(keys, placed.table, placed.end)[None], gather_rows(values, placed.table, placed.end)[None]
 
-    def _place(self, length: int) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def attend(self, queries: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               scaling: float) -> torch.Tensor:
+        """The attention [1, n, heads, head_dim] of `queries` [1, heads, n, head_dim], the new rows written first."""
+        placed = self._write(key_states, value_states, layer_idx)
+        return self.kernel(queries, self.store.keys[layer_idx], self.store.values[layer_idx], placed.table[None],
+                           placed.rows[None], scaling)
+
+    def _write(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> "_Placed":
+        placed = self._place(key_states.shape[2])
+        keys, values = self.store.keys[layer_idx], self.store.values[layer_idx]
+        keys[placed.blocks, :, placed.offsets] = key_states[0].transpose(0, 1)
+        values[placed.blocks, :, placed.offsets] = value_states[0].transpose(0, 1)
+        return placed
+
+    def _place(self, length: int) -> "_Placed":
         """Where this forward's `length` new rows go, worked out once for all its layers."""
         end = self.start + length
-        if self._placed is None or self._placed[0] != end:
+        if self._placed is None or self._placed.end != end:
             shape = self.store.shape
             if end > shape.max_tokens or shape.blocks_for(end) > self.table.shape[0]:
                 raise IndexError(f"the sequence holds {self.table.shape[0] * shape.block_tokens} rows, "
                                  f"asked to write up to {end}")
-            blocks, offsets = self.store.addresses(self.table, self.start, end)
-            self._placed = (end, blocks, offsets, self.table[: shape.blocks_for(end)])
+            rows = torch.arange(self.start, end, device=self.store.device)
+            blocks, offsets = self.table[rows // shape.block_tokens], rows % shape.block_tokens
+            self._placed = _Placed(end, rows, blocks, offsets, self.table[: shape.blocks_for(end)])
         return self._placed
 
     def attention_mask(self, implementation: str, length: int, like: torch.Tensor) -> torch.Tensor | None:
-        """The mask for the `length` new tokens over the rows `update` hands back."""
+        """The mask for the `length` new tokens over the rows `update` hands back (none for the kernel)."""
+        if self.kernel is not None:
+            return None
         return causal_mask(implementation, self.start, length, like)
 
     def last_states(self, hidden: torch.Tensor) -> torch.Tensor:
         """[1, 1, hidden] of [1, n, hidden]: the last new token's, whose output is wanted."""
         return hidden[:, -1:]
+
+
+@dataclass(frozen=True)
+class _Placed:
+    """Where a forward's new rows go: its end, their rows [n] in the sequence, their blocks and offsets
+    [n] in the pool, and the sequence's table up to the end, all on the device."""
+
+    end: int
+    rows: torch.Tensor
+    blocks: torch.Tensor
+    offsets: torch.Tensor
+    table: torch.Tensor
 
 
 class GraphedKVWriter:
@@ -258,28 +293,48 @@ class GraphedKVWriter:
     wanted). `update` hands back each sequence's first `rows` rows (the graph's bucket), not the
     filled length, whose size a graph cannot change; the mask hides the rows after each new token,
     which is enough only because those rows hold numbers: zeros, or the session's own (a store for
-    graphs zeroes the blocks it hands out).
+    graphs zeroes the blocks it hands out). Given a `kernel`, a forward instead `attend`s: the rows
+    are written and the kernel reads the bucket's blocks in place, each token's own rows only.
     """
 
     def __init__(self, store: KVStore, tables: torch.Tensor, indices: torch.Tensor, blocks: torch.Tensor,
-                 offsets: torch.Tensor, last: torch.Tensor, rows: int) -> None:
+                 offsets: torch.Tensor, last: torch.Tensor, rows: int, kernel: PagedAttention | None = None
+                 ) -> None:
         self.store, self.indices, self.blocks, self.offsets, self.last = store, indices, blocks, offsets, last
         self.rows = store.shape.blocks_for(rows) * store.shape.block_tokens
         self.tables = tables[:, : store.shape.blocks_for(rows)]
+        self.kernel = kernel
+
+    @property
+    def attends_in_place(self) -> bool:
+        return self.kernel is not None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        keys, values = self._write(key_states, value_states, layer_idx)
+        # [B, kv_heads, rows, head_dim]: a copy of the bucket's rows, gathered from each sequence's blocks
+        return self._gathered(keys), self._gathered(values)
+
+    def attend(self, queries: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               scaling: float) -> torch.Tensor:
+        """The attention [B, L, heads, head_dim] of `queries` [B, heads, L, head_dim], the new rows written first."""
+        keys, values = self._write(key_states, value_states, layer_idx)
+        return self.kernel(queries, keys, values, self.tables, self.indices, scaling)
+
+    def _write(self, key_states: torch.Tensor, value_states: torch.Tensor,
+               layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.store.keys[layer_idx], self.store.values[layer_idx]
         # keys[blocks, :, offsets] is [B, L, kv_heads, head_dim]: each new token's row, an index_put_
         keys[self.blocks, :, self.offsets] = key_states.transpose(1, 2)
         values[self.blocks, :, self.offsets] = value_states.transpose(1, 2)
-        # [B, kv_heads, rows, head_dim]: a copy of the bucket's rows, gathered from each sequence's blocks
-        return self._gathered(keys), self._gathered(values)
+        return keys, values
 
     def _gathered(self, pool: torch.Tensor) -> torch.Tensor:
         gathered = pool[self.tables]  # [B, n, kv_heads, block_tokens, head_dim]
         return gathered.transpose(1, 2).flatten(2, 3)
 
-    def attention_mask(self, implementation: str, length: int, like: torch.Tensor) -> torch.Tensor:
+    def attention_mask(self, implementation: str, length: int, like: torch.Tensor) -> torch.Tensor | None:
+        if self.kernel is not None:
+            return None  # the kernel reads each token's own rows only
         rows = torch.arange(self.rows, device=like.device)
         allowed = rows[None, None, None, :] <= self.indices[:, None, :, None]  # [B, 1, L, rows]
         return _kernel_mask(allowed, implementation, like)

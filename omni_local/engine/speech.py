@@ -21,6 +21,7 @@ import torch
 
 from omni_local.api.events import SPEECH_SAMPLE_RATE, SpeechReport
 from omni_local.api.params import SamplingParams, SpeechParams
+from omni_local.engine.attention import PagedAttention
 from omni_local.engine.kv_store import BlockTable, KVStore
 from omni_local.engine.moe import TORCH, MoeBackend
 from omni_local.engine.prefix_cache import Claim, Match, PrefixCache, common_prefix
@@ -78,14 +79,15 @@ class SpokenReply:
 class Speaker:
     """The engine's speech part: the Talker runner, its KV cache, and Code2Wav."""
 
-    def __init__(self, model: torch.nn.Module, settings: Settings, kv_sequences: int, moe: MoeBackend = TORCH) -> None:
+    def __init__(self, model: torch.nn.Module, settings: Settings, kv_sequences: int, moe: MoeBackend = TORCH,
+                 attention: PagedAttention | None = None) -> None:
         self.vocoder = Vocoder(model.code2wav, settings.first_audio_frames, settings.audio_chunk_frames,
                                settings.audio_left_context_frames, cuda_graphs=settings.cuda_graphs)
         self.max_frames = max(1, round(settings.max_speech_seconds * SPEECH_SAMPLE_RATE / self.vocoder.samples_per_frame))
         # Room for every user token of a full context, the assistant rows and the frames.
         self.runner = TalkerRunner(model, settings.max_context_tokens + OPENING_ROWS + self.max_frames, kv_sequences,
                                    cuda_graphs=settings.cuda_graphs, compiled_layers=settings.compiled_layers,
-                                   moe=moe)
+                                   moe=moe, attention=attention)
         # Talker KV of user turns is small; an entry pushed off the device is dropped, not moved.
         self.cache = PrefixCache(self.runner.kv, 0, enabled=settings.prefix_cache, by_hash=False)
         self.im_start, self.user = model.config.im_start_token_id, model.config.user_token_id

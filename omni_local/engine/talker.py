@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from omni_local.api.params import SamplingParams
+from omni_local.engine.attention import PagedAttention
 from omni_local.engine.cuda_graphs import BatchGraphs, StaticGraph, graphable
 from omni_local.engine.decoder_stack import LayerRegions, mrope_positions, run_layers
 from omni_local.engine.kv_store import BlockTable, GraphedKVWriter, KVShape, KVStore, KVWriter
@@ -73,8 +74,10 @@ class TalkerPrompt:
 
 class TalkerRunner:
     def __init__(self, model: torch.nn.Module, max_tokens: int, kv_sequences: int, cuda_graphs: bool = False,
-                 compiled_layers: bool = False, moe: MoeBackend = TORCH) -> None:
+                 compiled_layers: bool = False, moe: MoeBackend = TORCH,
+                 attention: PagedAttention | None = None) -> None:
         self.config = model.config
+        self.attention = attention  # its steps' kernel over the blocks, as the Thinker's decode steps
         self.talker = model.talker
         self.stack = self.talker.model
         self.predictor = self.talker.code_predictor
@@ -146,7 +149,7 @@ class TalkerRunner:
             if self._capture_steps:
                 row = self.tts_pad[None]  # [1, 1, width], shaped as a step's input
                 capturable = self.regions.moe.capturable(self.stack.config, self.dtype)
-                self.step_graphs = BatchGraphs(self._forward, self.kv, row, table, capturable)
+                self.step_graphs = BatchGraphs(self._forward, self.kv, row, table, capturable, kernel=self.attention)
             return codes
         finally:
             self.kv.pool.release(table)
@@ -201,7 +204,7 @@ class TalkerRunner:
         if self.step_graphs is not None:
             hidden, logits = self.step_graphs.replay([table], embed, [index], positions)
         else:
-            hidden, logits = self._forward(self.kv.writer(table, index), embed, positions)
+            hidden, logits = self._forward(self.kv.writer(table, index, self.attention), embed, positions)
         return hidden, logits[0]
 
     @torch.inference_mode()

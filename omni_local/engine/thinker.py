@@ -18,6 +18,7 @@ from PIL import Image
 
 from omni_local.api.events import MediaCounts
 from omni_local.api.messages import Message
+from omni_local.engine.attention import PagedAttention
 from omni_local.engine.cuda_graphs import BatchGraphs, graphable, size_buckets
 from omni_local.engine.decoder_stack import LayerRegions, mrope_positions, run_layers
 from omni_local.engine.host_copies import to_device
@@ -44,8 +45,10 @@ class ThinkerRunner:
         cuda_graphs: bool = False,
         compiled_layers: bool = False,
         moe: MoeBackend = TORCH,
+        attention: PagedAttention | None = None,
     ) -> None:
         self.thinker = thinker
+        self.attention = attention  # the decode steps' kernel over the blocks; None: transformers' over gathered rows
         self.graphed_prefill_tokens = graphed_prefill_tokens  # the longest prefill graph's new tokens
         self.talker_rows = talker_rows
         self.encoder = encoder
@@ -99,7 +102,7 @@ class ThinkerRunner:
         ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         self.decode_graphs = BatchGraphs(self._decode_step, self.kv, ids, table,
                                          moe.capturable(config, self.dtype),
-                                         batches=size_buckets(1, self.max_batch), pool=pool)
+                                         batches=size_buckets(1, self.max_batch), pool=pool, kernel=self.attention)
         width = (1 + self._deepstack_levels) * config.hidden_size
         dense = torch.zeros((1, 1, width), dtype=self.dtype, device=self.device)
         self.prefill_graphs = BatchGraphs(self._dense_prefill_step, self.kv, dense, table,
@@ -168,7 +171,8 @@ class ThinkerRunner:
         ids, positions = ids[:, None], positions.view(1, -1, 1).expand(3, -1, -1)
         if self.decode_graphs is not None:
             return self.decode_graphs.replay(tables, ids, indices, positions)
-        return torch.cat([self._decode_step(self.kv.writer(table, index), ids[i : i + 1], positions[:, i : i + 1])
+        return torch.cat([self._decode_step(self.kv.writer(table, index, self.attention), ids[i : i + 1],
+                                            positions[:, i : i + 1])
                           for i, (table, index) in enumerate(zip(tables, indices))])
 
     def _decode_step(self, cache: KVWriter | GraphedKVWriter, ids: torch.Tensor,

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from omni_local.engine.moe.kernels.gate_up import dot_precision
+from omni_local.engine.triton_support import dot_precision
 
 SPLIT_ROWS = 256  # KV rows per program of a decode step (SGLang's deterministic mode also fixes 256)
 BLOCK_N = 64  # KV rows per loop iteration: a tile of the scores' columns

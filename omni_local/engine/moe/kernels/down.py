@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from omni_local.engine.moe.kernels.gate_up import dot_precision
+from omni_local.engine.triton_support import dot_precision
 from omni_local.engine.moe.kernels.sorting import sorted_block
 from omni_local.engine.moe.tile_configs import GemmTile
 

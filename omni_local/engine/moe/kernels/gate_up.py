@@ -11,6 +11,7 @@ import triton.language as tl
 
 from omni_local.engine.moe.kernels.sorting import sorted_block
 from omni_local.engine.moe.tile_configs import GemmTile
+from omni_local.engine.triton_support import dot_precision
 
 
 @triton.jit
@@ -59,9 +60,3 @@ def gate_up_silu(hidden: torch.Tensor, gate_up: torch.Tensor, order: torch.Tenso
                           DOT_PRECISION=dot_precision(hidden.dtype), num_warps=tile.num_warps,
                           num_stages=tile.num_stages)
     return out
-
-
-def dot_precision(dtype: torch.dtype) -> str | None:
-    """float32 products in full precision, as torch's float32 matmuls (TF32 off); None (Triton's
-    default) for 16-bit inputs, whose products are exact."""
-    return "ieee" if dtype == torch.float32 else None
