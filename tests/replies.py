@@ -33,9 +33,11 @@ def send(app: OmniLocal, session, text: str, **options) -> tuple[Finished, list[
 
 
 def model_inputs(app: OmniLocal, prompt: Prompt) -> dict:
-    """`prompt`'s inputs to transformers' generate, on the model's device (which moves only the ids)."""
-    inputs = prompt.model_inputs(app.backend.loaded.processor)
-    return {k: v.to(app.backend.loaded.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    """`prompt`'s inputs to transformers' generate, on the model's device, its pixels preprocessed
+    there as the engine's are (on CUDA a resize rounds otherwise than on the CPU)."""
+    device = app.backend.loaded.device
+    inputs = prompt.model_inputs(app.backend.loaded.processor, device)
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
 
 def reference_tokens(app: OmniLocal, messages: list[Message]) -> list[int]:

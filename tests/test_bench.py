@@ -114,6 +114,19 @@ def test_the_decode_step_bench_smoke_run_prints_a_step_time_for_each_batch_and_c
     assert len(table) >= 2 and all(float(cell) > 0 for line in table for cell in line.strip("| ").split(" | ")[1:])
 
 
+def test_the_encoder_bench_smoke_run_prints_preprocessing_on_the_cpu_and_on_the_device_for_an_image_and_a_video(
+    demo_settings, demo_checkpoint, tmp_path
+):
+    done = run_part_bench("encoders", demo_settings, tmp_path, "--runs", "1", "--preprocessing-only")
+    assert done.returncode == 0, done.stderr
+    assert "| preprocessing | on the CPU, then copied (ms) | on cpu (ms) |" in done.stdout
+    table = {line.split(" | ")[0][2:]: line.strip("| ").split(" | ")[1:] for line in done.stdout.splitlines()
+             if line.startswith(("| image", "| video"))}
+    videos = ["video 10 s, 20 frames of 360x640"] if is_torchvision_available() else []
+    assert list(table) == ["image 1200x1600", *videos]
+    assert all(len(cells) == 2 and all(float(cell) > 0 for cell in cells) for cells in table.values())
+
+
 def test_the_longest_gap_beside_a_prefill_counts_the_gaps_across_its_edges_and_needs_the_stream_around_it():
     arrivals = [0.0, 1.0, 4.0, 4.5, 9.0]
     assert longest_gap(arrivals, start=2.0, end=4.2) == 3.0  # 1 to 4 holds the start

@@ -29,8 +29,9 @@ def transformers_reply(
     app: OmniLocal, messages: list[Message], text_parts: list[dict]
 ) -> tuple[torch.Tensor, list[int]]:
     """The prompt ids and greedy reply of transformers' own processor and `generate` (the video's
-    sound track loaded as its audio, `use_audio_in_video`)."""
-    processor = app.backend.loaded.processor
+    sound track loaded as its audio, `use_audio_in_video`), the pixels made on the model's device as
+    the engine makes them (on CUDA a resize rounds otherwise than on the CPU)."""
+    processor, device = app.backend.loaded.processor, app.backend.loaded.device
     text = processor.apply_chat_template([{"role": "user", "content": text_parts}], tokenize=False,
                                          add_generation_prompt=True)
     videos = [p for m in messages for p in m.videos()]
@@ -40,13 +41,17 @@ def transformers_reply(
     sources = [videos.index(p) if isinstance(p, Video) else None for p in with_sound]
     inputs = processor(text=text, videos=[v.frames for v in videos], audio=sounds, audio_from_video_indices=sources,
                        load_audio_from_video=True, images=[p for m in messages for p in m.images()] or None,
-                       videos_kwargs={"fps": videos[0].fps, "do_sample_frames": False}, return_tensors="pt")
+                       images_kwargs={"device": device},
+                       videos_kwargs={"fps": videos[0].fps, "do_sample_frames": False, "device": device},
+                       return_tensors="pt")
     inputs.pop("num_audio_tokens", None)
+    ids = inputs["input_ids"]
     with torch.inference_mode():
-        output = app.backend.loaded.model.thinker.generate(**inputs, use_audio_in_video=True, max_new_tokens=NEW_TOKENS,
-                                                   do_sample=False, suppress_tokens=app.backend.engine.suppressed_ids)
-    reply = [t for t in output[0, inputs["input_ids"].shape[1]:].tolist() if t not in app.backend.engine.eos_ids]
-    return inputs["input_ids"], reply
+        output = app.backend.loaded.model.thinker.generate(**inputs.to(device), use_audio_in_video=True,
+                                                           max_new_tokens=NEW_TOKENS, do_sample=False,
+                                                           suppress_tokens=app.backend.engine.suppressed_ids)
+    reply = [t for t in output[0, ids.shape[1]:].tolist() if t not in app.backend.engine.eos_ids]
+    return ids, reply
 
 
 CASES = {

@@ -47,7 +47,7 @@ class Scenario:
 
 
 def scenarios(tokenizer) -> list[Scenario]:
-    images = {size: _noise_image(size) for size in IMAGE_SIZES}
+    images = {size: noise_image(size) for size in IMAGE_SIZES}
     ask = Message("user", [QUESTION])
     hello = Message("user", [HELLO])
     on_image = {size: Message("user", [image, QUESTION]) for size, image in images.items()}
@@ -73,11 +73,7 @@ def scenarios(tokenizer) -> list[Scenario]:
 
 
 def video_scenarios() -> list[Scenario]:
-    """A 10 s clip as it is read (2 frames a second, 360x640) with its sound track."""
-    rng = np.random.default_rng(1)
-    video = Video(rng.integers(0, 256, (20, 360, 640, 3), dtype=np.uint8), 2.0,
-                  (rng.standard_normal(160_000) * 0.1).astype(np.float32))
-    ask = Message("user", [video, VIDEO_QUESTION])
+    ask = Message("user", [ten_second_video(), VIDEO_QUESTION])
     return [
         Scenario("video 10 s, first send", SYSTEM, [], ask),
         Scenario("same video 10 s, new question", SYSTEM, [], ask, warm_cache=True),
@@ -90,6 +86,13 @@ def spoken_scenarios() -> list[Scenario]:
         Scenario("spoken reply, first send", SYSTEM, [], ask, speak=True),
         Scenario("voice chat turn 2", SYSTEM, [Message("user", [HELLO])], ask, speak=True),
     ]
+
+
+def ten_second_video() -> Video:
+    """A 10 s clip as it is read (2 frames a second, 360x640) with its sound track."""
+    rng = np.random.default_rng(1)
+    return Video(rng.integers(0, 256, (20, 360, 640, 3), dtype=np.uint8), 2.0,
+                 (rng.standard_normal(160_000) * 0.1).astype(np.float32))
 
 
 def long_system_prompt(tokenizer) -> str:
@@ -128,7 +131,7 @@ def _as_send(message: Message) -> dict:
     return {"text": message.text, "images": message.images(), "audio": message.audios(), "videos": message.videos()}
 
 
-def _noise_image(size: tuple[int, int]) -> Image.Image:
+def noise_image(size: tuple[int, int]) -> Image.Image:
     return Image.fromarray(np.random.default_rng(0).integers(0, 256, (*size, 3), dtype=np.uint8))
 
 

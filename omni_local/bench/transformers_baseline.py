@@ -31,8 +31,9 @@ def transformers_run(app: OmniLocal, scenario: Scenario, run: int, new_tokens: i
 
 
 def _inputs(app: OmniLocal, prompt: Prompt) -> dict:
-    return {k: v.to(app.backend.loaded.device) if isinstance(v, torch.Tensor) else v
-            for k, v in prompt.model_inputs(app.backend.loaded.processor).items()}
+    device = app.backend.loaded.device  # the pixels preprocessed there, as the engine's are
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v
+            for k, v in prompt.model_inputs(app.backend.loaded.processor, device).items()}
 
 
 class _TokenClock(BaseStreamer):

@@ -217,7 +217,7 @@ class Encoders:
         start = time.perf_counter()
         device = self.visual.device
         images = [Image.new("RGB", size, (90, 140, 200)) for size in _WARM_UP_IMAGES]
-        pixels = image_inputs(images, processor)
+        pixels = image_inputs(images, processor, device)  # as requests are preprocessed, on the device
         self.images(pixels["pixel_values"].to(device), pixels["image_grid_thw"].to(device))
         features = audio_inputs([np.zeros(int(seconds * 16_000), dtype=np.float32) for seconds in _WARM_UP_CLIPS],
                                 processor)

@@ -5,7 +5,8 @@ An image's output is its merged tokens ("embeds", [tokens, hidden]), one tensor 
 ("deepstack.0", ...) and its patch grid ("grid", [3]); a clip's is its tokens ("embeds"); a video's
 is an image's for all its frames plus its sound track's tokens ("audio"). Only misses
 are preprocessed: a hit resizes nothing, extracts no features and moves no pixels to the device. A
-hit is checked against what the prompt expects (the grid, the token count) before it is used.
+miss's frames go to the encoders' device as uint8 and are resized and normalised there (`preprocess`).
+A hit is checked against what the prompt expects (the grid, the token count) before it is used.
 """
 
 from typing import Any
@@ -47,7 +48,7 @@ class MediaEncoder:
                 self.cache.discard(item.digest)
 
     def _encode(self, media: list[MediaItem]) -> list[EncoderOutput]:
-        inputs = preprocess(media, self.processor)
+        inputs = preprocess(media, self.processor, self.device)
         images = iter(self._frames(inputs["pixel_values"], inputs["image_grid_thw"], [m for m in media if m.is_image])
                       if "pixel_values" in inputs else [])
         videos = iter(self._frames(inputs["pixel_values_videos"], inputs["video_grid_thw"],

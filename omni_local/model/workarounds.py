@@ -17,7 +17,6 @@ from transformers import (
     AutoFeatureExtractor,
     AutoImageProcessor,
     AutoTokenizer,
-    AutoVideoProcessor,
     Qwen3OmniMoeForConditionalGeneration,
     Qwen3OmniMoeProcessor,
 )
@@ -37,9 +36,16 @@ def load_processor(path: Path) -> Qwen3OmniMoeProcessor:
     # cannot resolve, or a bare `VideoProcessorMixin` that reads no frame), or none at all. Then we
     # load a subclass that takes a stand-in for the video processor: text, images and audio work
     # exactly as with the real one (same components, same files); a video is refused, saying why.
+    # The real processor is tried first, so where it loads its video processor is built once.
+    if is_torchvision_available():
+        try:
+            processor = Qwen3OmniMoeProcessor.from_pretrained(path)
+        except (OSError, ValueError):  # no video processor it can build (or another file is bad: see below)
+            processor = None
+        if processor is not None and isinstance(processor.video_processor, BaseVideoProcessor):
+            return processor
+    # A file that is bad for every component fails again here, and the loader names it.
     refusal = NO_TORCHVISION if not is_torchvision_available() else _video_processor_refusal(path)
-    if refusal is None:
-        return Qwen3OmniMoeProcessor.from_pretrained(path)
     processor = ProcessorWithoutVideo.from_pretrained(path)
     processor.video_processor = _NoVideoProcessor(refusal)
     return processor
@@ -56,20 +62,15 @@ def video_refusal(processor: Qwen3OmniMoeProcessor) -> str:
     return processor.video_processor.refusal
 
 
-def _video_processor_refusal(path: Path) -> str | None:
-    """Why the video processor recorded in `path` cannot read video, or None if it can."""
+def _video_processor_refusal(path: Path) -> str:
+    """Why the video processor recorded in `path` cannot read video (asked once the processor failed
+    to build a real one)."""
     try:
         recorded, _ = BaseVideoProcessor.get_video_processor_dict(path)
     except OSError:
         return f"video input is not available: checkpoint '{path.name}' records no video processor"
     # The older layout records none of its own: transformers infers it from the image processor's.
     name = recorded.get("video_processor_type") or recorded.get("image_processor_type")
-    try:
-        video_processor = AutoVideoProcessor.from_pretrained(path)
-    except (OSError, ValueError):
-        video_processor = None
-    if isinstance(video_processor, BaseVideoProcessor):
-        return None
     return (f"video input is not available: checkpoint '{path.name}' records a placeholder video processor "
             f"({name}), as a copy saved without torchvision does")
 
