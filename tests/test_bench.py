@@ -29,6 +29,8 @@ EXPECTED = {  # scenario -> the systems that time it
     "text chat turn 2": EVERY,
     "text chat turn 2, c8": CONCURRENT,
     "text chat turn 2, c16": CONCURRENT,
+    "text, first send, c16": (CACHE_OFF, "transformers, sequential"),
+    "32 chats of about 1,000 tokens, in turn": (CACHE_ON,),  # how their KV is kept: nothing to show without a cache
     "shared 2,084-token system prompt, new question": EVERY,
     "2,084-token system prompt, first send": FIRST_SEND,
     "2,084-token system prompt, first send beside a decoding chat": (CACHE_OFF,),  # transformers does one at a time
@@ -57,7 +59,7 @@ def test_the_bench_smoke_run_times_every_scenario_and_the_cache_rows_compute_onl
     assert done.returncode == 0, done.stderr
     assert "wait for a seat" not in done.stderr  # every concurrent chat ran at once
     header = ("| scenario | prompt tokens | system | computed | TTFT (ms) | ITL (ms) | start-up (ms) "
-              "| first audio (ms) | RTF | audio (s) | other chat's longest gap (ms) |")
+              "| first audio (ms) | RTF | audio (s) | other chat's longest gap (ms) | queue wait p95 (ms) |")
     assert header in done.stdout
     rows = {(r["scenario"], r["system"]): r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {(scenario, system) for scenario, systems in EXPECTED.items() for system in systems}
@@ -74,7 +76,7 @@ def test_the_bench_smoke_run_times_every_scenario_and_the_cache_rows_compute_onl
         return rows[scenario, CACHE_ON], rows[scenario, CACHE_OFF]
 
     # A restarted app has no KV yet: only the rows in one app reuse a prefix.
-    for scenario in [s for s, systems in EXPECTED.items() if CACHE_ON in systems and "restart" not in s]:
+    for scenario in [s for s, systems in EXPECTED.items() if {CACHE_ON, CACHE_OFF} <= set(systems) and "restart" not in s]:
         on, off = on_off(scenario)
         assert on["computed"] < off["computed"] == off["prompt"] == on["prompt"], scenario
     # After a restart the image's encoder output comes from the disk cache; without the cache it is encoded.
@@ -86,6 +88,9 @@ def test_the_bench_smoke_run_times_every_scenario_and_the_cache_rows_compute_onl
     # The resent system prompt's 2,084 tokens come from the other session; only the short question is new.
     on, off = on_off("shared 2,084-token system prompt, new question")
     assert on["computed"] <= off["prompt"] - 2084 < 60
+    # 32 chats of about 1,000 tokens, taken up in turn: each one's KV is still there, only its question is new.
+    in_turn = rows["32 chats of about 1,000 tokens, in turn", CACHE_ON]
+    assert 900 < in_turn["prompt"] < 1100 and in_turn["computed"] < 60 and "queue_p95_ms" in in_turn
     first_sends = [rows[f"image {size}, first send", CACHE_OFF]["prompt"] for size in SIZES]
     assert first_sends == sorted(first_sends)
     # Time to first audio and real-time factor, cold and on a cached turn (their values checked above).

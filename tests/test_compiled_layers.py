@@ -38,7 +38,10 @@ def hidden_states(stack: torch.nn.Module, length: int, seed: int) -> torch.Tenso
 @pytest.mark.parametrize("name", ["thinker", "talker", "code predictor"])
 def test_a_split_layer_is_transformers_own_layer_bit_for_bit(speaking_app, name):
     stack = stacks(speaking_app.backend.loaded.model)[name]
-    ours, theirs = DynamicCache(config=stack.config), DynamicCache(config=stack.config)
+    config, weight = stack.config, stack.norm.weight
+    shape = KVShape(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, max_tokens=16)
+    ours, theirs = KVStore(shape, shape.table_blocks + 1, weight.dtype, weight.device), DynamicCache(config=config)
+    table = ours.take(shape.table_blocks)
     regions = LayerRegions()
     start = 0
     for length in (7, 1, 1):  # a prefill with the causal rule, then decode steps reading the cache
@@ -46,7 +49,7 @@ def test_a_split_layer_is_transformers_own_layer_bit_for_bit(speaking_app, name)
         rotary = stack.rotary_emb(hidden, positions_for(stack, start, length))
         for layer in stack.layers:
             expected = layer(hidden, attention_mask=None, cache=theirs, position_embeddings=rotary)
-            got = regions.run(layer, hidden, None, ours, rotary)
+            got = regions.run(layer, hidden, None, ours.writer(table, start), rotary)
             assert torch.equal(got, expected)
             hidden = expected
         start += length

@@ -211,3 +211,17 @@ def test_talker_rows_travel_with_their_kv_between_blocks_and_to_host_and_back():
     assert torch.equal(kv.talker_rows[copy].flatten(0, 1)[:5], rows)
     assert all(torch.equal(layer[copy].transpose(0, 1).flatten(1, 2)[:, :5], want)
                for layer, want in zip(kv.keys + kv.values, expected))
+
+
+@pytest.mark.parametrize("talker_dim", [0, 1024], ids=["text", "with speech"])
+def test_at_full_size_4_gib_of_blocks_hold_40_chats_of_1000_tokens_at_once(talker_dim):
+    # Qwen3-Omni's Thinker: 48 layers of 4 kv heads of 128 in bfloat16 (96 KiB a token), and with
+    # speech the Talker row of 1,024 kept per token. Never touched, so the CPU gives it no memory.
+    shape = KVShape(num_layers=48, kv_heads=4, head_dim=128, max_tokens=8192, talker_dim=talker_dim)
+    kv = KVStore.for_budget(shape, 4 << 30, torch.bfloat16, torch.device("cpu"))
+    cache = PrefixCache(kv, host_budget_bytes=0, enabled=True)
+    for chat in range(40):
+        p = prompt([chat * 10_000 + i for i in range(976)])  # a chat's own 976 tokens ...
+        run(cache, f"chat {chat}", p, reply=list(range(25)))  # ... and a reply of 25 (24 of them written)
+    assert all(entry.table is not None and entry.length == 1000 for entry in cache.entries.values())
+    assert len(cache.entries) == 40 and kv.pool.held == 40 * 63  # 63 blocks of 16 hold 1,000 tokens

@@ -53,7 +53,7 @@ class TokenCounts:
 
 @dataclass(frozen=True)
 class Timings:
-    queue_wait_s: float | None  # submit until the engine took the request
+    queue_wait_s: float | None  # submit until the engine took the request, less building its prompt
     ttft_s: float | None  # submit until the first reply token
     decode_tokens_per_s: float | None  # reply tokens after the first, per second; 0 for a reply of one token
 

@@ -20,6 +20,13 @@ or the rows include waiting for them. transformers runs those
 requests one after another ("transformers, sequential"): each one's TTFT includes the whole replies
 before it, as with a server that does not batch.
 
+"in turn" (32 chats of about 1,000 tokens): the sessions are opened once (each sends its long
+turn), then each run sends a turn to each of them, one after another, as a person taking up one
+chat after another; only with the cache on, where it shows whether their KV stays on the device.
+Every row's "queue wait p95" is the 95th percentile over its requests of their wait for admission
+(for a seat, and for room for their KV, other chats' moves to host memory included; building the
+prompt is not waiting), the median over runs.
+
 "beside a decoding chat": another chat is decoding a long reply when the timed turn is sent; the
 row adds that chat's longest gap between two of its tokens until the timed turn's first token
 (bench/beside.py). omni_local only, cache off: transformers serves one request at a time, so there
@@ -49,7 +56,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from omni_local.api import Finished, OmniLocal, Reply
+from omni_local.api import Finished, OmniLocal, Reply, Session
 from omni_local.bench.beside import beside_a_decoding_chat
 from omni_local.bench.common import bench_parser, medians, settings_and_model, synced_now
 from omni_local.bench.scenarios import Scenario, opened, question, scenarios, send, spoken_scenarios, video_scenarios
@@ -59,6 +66,7 @@ from omni_local.api.messages import Message
 
 # A row's label, the app it runs on, and how one run is timed (engine_run or transformers_run).
 System = tuple[str, OmniLocal, Callable[[OmniLocal, Scenario, int, int], dict[str, float]]]
+_IN_TURN_CHATS: dict[tuple[int, str], list[Session]] = {}  # (app, scenario) -> its chats taken up in turn
 
 
 def median_of(runs: int, measure: Callable[[int], dict[str, float]]) -> dict[str, float]:
@@ -79,6 +87,8 @@ def engine_run(app: OmniLocal, scenario: Scenario, run: int, new_tokens: int, re
         final, gap_s = beside_a_decoding_chat(app, scenario.system, run,
                                               lambda: send(session, question(scenario, run), new_tokens, scenario.speak))
         return _figures(final) | {"other_gap_ms": gap_s * 1e3}
+    if scenario.in_turn:
+        return _in_turn(app, scenario, run, new_tokens)
     if not scenario.restart:
         return _timed_turn(app, scenario, run, new_tokens, reading_s)
     start = synced_now()
@@ -95,7 +105,25 @@ def _timed_turn(app: OmniLocal, scenario: Scenario, run: int, new_tokens: int, r
     # Every request is submitted before any is read; each reply's stream is read on its own thread,
     # as concurrent clients would. The times are the engine's own (Finished.timings).
     with ThreadPoolExecutor(len(replies)) as pool:
-        return medians([_figures(final) for final in pool.map(Reply.result, replies)])
+        return _over_requests(list(pool.map(Reply.result, replies)))
+
+
+def _in_turn(app: OmniLocal, scenario: Scenario, run: int, new_tokens: int) -> dict[str, float]:
+    """A turn of each of `scenario.in_turn` sessions, one after another, each once the one before has
+    finished: chats a person takes up in turn. The same sessions every run (opened by the warm-up run,
+    each with its earlier turns), so the chats on the device are these and no others."""
+    key = (id(app), scenario.name)
+    if key not in _IN_TURN_CHATS:
+        _IN_TURN_CHATS[key] = [opened(app, scenario, run, chat, new_tokens, scenario.speak)
+                               for chat in range(scenario.in_turn)]
+    sessions = _IN_TURN_CHATS[key]
+    return _over_requests([send(s, question(scenario, run), new_tokens, scenario.speak).result() for s in sessions])
+
+
+def _over_requests(finals: list[Finished]) -> dict[str, float]:
+    """The medians of the requests' figures, and the 95th percentile of their waits for admission."""
+    waits = sorted(final.timings.queue_wait_s for final in finals)
+    return medians([_figures(final) for final in finals]) | {"queue_p95_ms": waits[round(0.95 * (len(waits) - 1))] * 1e3}
 
 
 def _figures(final: Finished) -> dict[str, float]:
@@ -150,6 +178,8 @@ def _rows(scenario: Scenario, systems: tuple[System, ...], args: argparse.Namesp
             continue  # a first send has nothing to reuse: the cache-off row is the same
         if scenario.beside and run is transformers_run:
             continue  # one request at a time: nothing decodes beside its prefill
+        if scenario.in_turn and system != "omni_local, cache on":
+            continue  # chats taken up in turn show how their KV is kept: nothing to show without a cache
         if run is transformers_run and scenario.concurrency > 1:
             system += ", sequential"
         result = median_of(args.runs, lambda i: run(app, scenario, i, args.new_tokens))
@@ -172,6 +202,9 @@ def _environment(app: OmniLocal, args: argparse.Namespace) -> dict[str, str]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "attention": app.settings.attn_implementation,
+        "attention backend": "triton" if app.backend.engine.runner.attention else "torch",
+        "MoE backend": app.backend.engine.runner.regions.moe.name,
+        "KV": f"{app.settings.gpu_cache_bytes / 2**30:g} GiB in blocks of {app.settings.kv_block_tokens}",
         "runs": str(args.runs),
         "new_tokens": str(args.new_tokens),
     }
@@ -179,7 +212,7 @@ def _environment(app: OmniLocal, args: argparse.Namespace) -> dict[str, str]:
 
 def _table_head(environment: dict[str, str]) -> str:
     columns = ["scenario", "prompt tokens", "system", "computed", "TTFT (ms)", "ITL (ms)", "start-up (ms)",
-               "first audio (ms)", "RTF", "audio (s)", "other chat's longest gap (ms)"]
+               "first audio (ms)", "RTF", "audio (s)", "other chat's longest gap (ms)", "queue wait p95 (ms)"]
     lines = [", ".join(f"{k}: {v}" for k, v in environment.items()), ""]
     return "\n".join([*lines, "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)])
 
@@ -188,8 +221,9 @@ def _table_row(r: dict) -> str:
     start_up = f"{r['start_up_ms']:.1f}" if "start_up_ms" in r else "–"
     speech = f"{r['first_audio_ms']:.1f} | {r['rtf']:.2f} | {r['audio_s']:.2f}" if "rtf" in r else "– | – | –"
     gap = f"{r['other_gap_ms']:.1f}" if "other_gap_ms" in r else "–"
+    queue = f"{r['queue_p95_ms']:.1f}" if "queue_p95_ms" in r else "–"
     return (f"| {r['scenario']} | {r['prompt']:.0f} | {r['system']} | {r['computed']:.0f} | "
-            f"{r['ttft_ms']:.1f} | {r['itl_ms']:.2f} | {start_up} | {speech} | {gap} |")
+            f"{r['ttft_ms']:.1f} | {r['itl_ms']:.2f} | {start_up} | {speech} | {gap} | {queue} |")
 
 if __name__ == "__main__":
     main()

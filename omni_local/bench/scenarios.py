@@ -28,6 +28,8 @@ IMAGE_SIZES = ((224, 224), (480, 640), (1200, 1600))  # (height, width)
 TURN_2_SIZES = ((480, 640), (1200, 1600))
 CONCURRENCY = (1, 8, 16)  # text chat turn 2 sent by this many sessions at once
 LONG_SYSTEM_TOKENS = 2084  # mstar's shared system prompt
+# Chats used one after another: 32 of about 1,000 tokens each (the notes, a reply, the question).
+IN_TURN_CHATS, NOTES_TOKENS = 32, 900
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class Scenario:
     concurrency: int = 1  # sessions that send the timed turn at the same time
     restart: bool = False  # the timed turn goes to a newly started app on the same cache folder
     beside: bool = False  # another chat is decoding meanwhile: its longest gap between tokens is timed too
+    in_turn: int = 0  # that many sessions, opened first, send their timed turns one after another
 
 
 def scenarios(tokenizer) -> list[Scenario]:
@@ -62,6 +65,9 @@ def scenarios(tokenizer) -> list[Scenario]:
                  warm_cache=True),
         *(Scenario("text chat turn 2" + (f", c{n}" if n > 1 else ""), SYSTEM, [hello], ask, concurrency=n)
           for n in CONCURRENCY),
+        Scenario(f"text, first send, c{CONCURRENCY[-1]}", SYSTEM, [], ask, concurrency=CONCURRENCY[-1]),
+        Scenario(f"{IN_TURN_CHATS} chats of about 1,000 tokens, in turn", SYSTEM,
+                 [Message("user", [notes(tokenizer, NOTES_TOKENS)])], ask, in_turn=IN_TURN_CHATS),
         Scenario(f"shared {LONG_SYSTEM_TOKENS:,}-token system prompt, new question", long_system_prompt(tokenizer),
                  [], ask, warm_cache=True),
         Scenario(f"{LONG_SYSTEM_TOKENS:,}-token system prompt, first send", long_system_prompt(tokenizer), [], ask),
@@ -99,9 +105,19 @@ def long_system_prompt(tokenizer) -> str:
     """A system prompt of LONG_SYSTEM_TOKENS tokens: numbered house rules, cut to length."""
     rules = " ".join(f"Rule {i}: describe only what the picture or the sound shows, and say when you are unsure."
                      for i in range(1, 400))
-    ids = tokenizer.encode(rules, add_special_tokens=False)
-    assert len(ids) > LONG_SYSTEM_TOKENS, "the rules are too short to cut"
-    return tokenizer.decode(ids[:LONG_SYSTEM_TOKENS])
+    return _cut(tokenizer, rules, LONG_SYSTEM_TOKENS)
+
+
+def notes(tokenizer, tokens: int) -> str:
+    """A user turn of about `tokens` tokens: numbered notes, cut to length."""
+    lines = " ".join(f"Note {i}: the boat left the harbour at dawn and came back before the storm." for i in range(1, 300))
+    return _cut(tokenizer, lines, tokens)
+
+
+def _cut(tokenizer, text: str, tokens: int) -> str:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) > tokens, "the text is too short to cut"
+    return tokenizer.decode(ids[:tokens])
 
 
 def question(scenario: Scenario, run: int) -> Message:

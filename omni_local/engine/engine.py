@@ -196,9 +196,11 @@ class Engine:
             request = self._waiting[0]
             try:
                 if request.prompt is None:
+                    building = time.perf_counter()
                     request.prompt, request.turns_left_out = fit_prompt(
                         request.messages, self.loaded.processor, self.settings.max_prompt_tokens,
                         self.reasoning_marks)
+                    request.prompt_built_s = time.perf_counter() - building
                 request.claim = self.cache.claim(request.session, request.prompt, self.cache.match(request.prompt),
                                                  self._rows_for(request))
             except Exception as error:  # noqa: BLE001 - one request's failure must not stop the worker

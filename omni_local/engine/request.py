@@ -66,7 +66,8 @@ class Request:
     detokenizer: IncrementalDetokenizer | None = None  # the answer's
     streamed: str = ""  # the answer sent as deltas so far
     reasoning: ReasoningText | None = None  # a Thinking checkpoint's reply
-    started_at: float = 0.0
+    started_at: float = 0.0  # admitted: a seat taken and its blocks claimed
+    prompt_built_s: float = 0.0  # spent building its prompt before that (not waiting: the engine's work on it)
     first_token_at: float = 0.0
     text_done: bool = False  # the Thinker has finished; its seat and blocks are given back
     text_done_at: float = 0.0
@@ -98,7 +99,7 @@ class Request:
         decode_s = now - self.first_token_at
         decoded = len(self.output_ids) - 1
         return Timings(
-            queue_wait_s=(self.started_at or now) - self.submitted_at,
+            queue_wait_s=(self.started_at or now) - self.submitted_at - self.prompt_built_s,
             ttft_s=(self.first_token_at or now) - self.submitted_at,
             decode_tokens_per_s=decoded / decode_s if decoded > 0 and decode_s > 0 else 0.0,
         )
