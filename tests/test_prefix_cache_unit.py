@@ -197,8 +197,8 @@ def test_talker_rows_travel_with_their_kv_between_blocks_and_to_host_and_back():
     kv = store(sequences=2, shape=shape)
     source, copy = kv.take(2), kv.take(2)
     for layer in kv.keys + kv.values:
-        layer[source].copy_(torch.randn(layer[source].shape))
-    kv.talker_rows[source].copy_(torch.randn(2, 4, 3))
+        layer[source] = torch.randn(layer[source].shape)
+    kv.talker_rows[source] = torch.randn(2, 4, 3)
     kv.copy_block(source[1], copy[1], rows=1)
     assert torch.equal(kv.talker_rows[copy[1], :1], kv.talker_rows[source[1], :1])
     moved = kv.to_host(source, rows=5)
