@@ -134,7 +134,7 @@ class PrefixCache:
             return None  # the session's previous request still runs
         claim = self._claim(session, prompt, match, need)
         source = match.entry
-        if claim is None and source is not None and source is not own and source.table is not None:
+        if claim is None and source is not None and source is not own and source.table is not None and not source.pins:
             # Only the match's own source can make room: let it move, then match again, now against
             # wherever its rows went (host memory, its blocks found by hash, or nowhere).
             self._move_to_host(source, keep=None)
@@ -220,15 +220,17 @@ class PrefixCache:
 
     def discard(self, claim: Claim) -> None:
         """Release `claim` and forget what its request wrote: its outputs were not numbers, so its
-        rows must reach no attention again. Its own blocks (from the one its computed rows begin in)
-        are zeroed and unregistered, and the session's entry is dropped (its next turn starts afresh).
-        No other entry shares them: a request publishes its prompt's rows only once its first
-        token's logits are checked, and its reply's only when it ends."""
+        rows must reach no attention again. The blocks it alone holds, from the one its computed rows
+        begin in, are zeroed and unregistered, and the session's entry is dropped (its next turn
+        starts afresh). A block another chat holds is kept: others share only published rows, and a
+        request publishes its prompt's rows once its first token's logits are checked (the failure
+        came later, in its reply) and its reply's only when it ends."""
         entry = claim.entry
         entry.pins -= 1
         assert entry.pins == 0, "a session's entry is held by one request at a time"
+        written = [b for b in entry.table[claim.start // self.block_tokens :] if self.pool.holders(b) == 1]
         # The pad block too: a graphed prefill's padding past the request's blocks was written there.
-        self.kv.scrub([PAD_BLOCK, *entry.table[claim.start // self.block_tokens :]])
+        self.kv.scrub([PAD_BLOCK, *written])
         self._drop(entry)
 
     # Memory ---------------------------------------------------------------------------------
