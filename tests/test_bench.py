@@ -33,6 +33,7 @@ EXPECTED = {  # scenario -> the systems that time it
     "32 chats of about 1,000 tokens, in turn": (CACHE_ON,),  # how their KV is kept: nothing to show without a cache
     "shared 2,084-token system prompt, new question": EVERY,
     "2,084-token system prompt, first send": FIRST_SEND,
+    "470-token system prompt (one chunk), first send": FIRST_SEND,
     "2,084-token system prompt, first send beside a decoding chat": (CACHE_OFF,),  # transformers does one at a time
     "first image 480x640 after restart": EVERY,
     # The bench leaves video out where torchvision is missing, as the app refuses it there.
