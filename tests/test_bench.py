@@ -204,7 +204,7 @@ def test_the_paged_attention_bench_smoke_run_times_each_way_for_each_batch_and_c
                           cwd=REPO, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr
-    assert "| chats | context | today (µs) | gathered (µs) | paged (µs) |" in done.stdout
+    assert "| chats | context | slots (µs) | gathered (µs) | paged (µs) |" in done.stdout
     table = [line.strip("| ").split(" | ") for line in done.stdout.splitlines()
              if line.startswith("| ") and line[2].isdigit()]
     assert [row[:2] for row in table] == [["1", "32"], ["1", "272"], ["2", "32"], ["2", "272"]]
