@@ -145,7 +145,7 @@ class KVStore:
 
     def write_talker_rows(self, table: BlockTable, start: int, rows: torch.Tensor) -> None:
         """Talker rows [n, talker_dim] of the sequence's tokens from `start` on."""
-        blocks, offsets = self.addresses(self.device_table(table), start, start + rows.shape[0])
+        _, blocks, offsets = self.addresses(self.device_table(table), start, start + rows.shape[0])
         self.talker_rows[blocks, offsets] = rows
 
     def read_talker_rows(self, table: BlockTable, positions: torch.Tensor) -> torch.Tensor:
@@ -173,7 +173,7 @@ class KVStore:
 
     def from_host(self, host: HostCopy, table: BlockTable, rows: int) -> None:
         on_device = host.kv[:, :, :, :rows].to(self.device)
-        blocks, offsets = self.addresses(self.device_table(table), 0, rows)
+        _, blocks, offsets = self.addresses(self.device_table(table), 0, rows)
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
             k[blocks, :, offsets] = on_device[i, 0].transpose(0, 1)
             v[blocks, :, offsets] = on_device[i, 1].transpose(0, 1)
@@ -187,11 +187,11 @@ class KVStore:
             return table
         return to_device(torch.tensor(table, dtype=torch.long), self.device)
 
-    def addresses(self, table: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block and the row in it of each of the sequence's tokens [start, end), device tensors,
+    def addresses(self, table: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The sequence's rows [start, end), and the block and the row in it of each, device tensors,
         from its `table` on the device."""
         rows = torch.arange(start, end, device=self.device)
-        return table[rows // self.shape.block_tokens], rows % self.shape.block_tokens
+        return rows, table[rows // self.shape.block_tokens], rows % self.shape.block_tokens
 
     def _zero(self, blocks: BlockTable) -> None:
         if blocks:
@@ -250,9 +250,8 @@ class KVWriter:
             if end > shape.max_tokens or shape.blocks_for(end) > self.table.shape[0]:
                 raise IndexError(f"the sequence holds {self.table.shape[0] * shape.block_tokens} rows, "
                                  f"asked to write up to {end}")
-            rows = torch.arange(self.start, end, device=self.store.device)
-            blocks, offsets = self.table[rows // shape.block_tokens], rows % shape.block_tokens
-            self._placed = _Placed(end, rows, blocks, offsets, self.table[: shape.blocks_for(end)])
+            self._placed = _Placed(end, *self.store.addresses(self.table, self.start, end),
+                                   self.table[: shape.blocks_for(end)])
         return self._placed
 
     def attention_mask(self, implementation: str, length: int, like: torch.Tensor) -> torch.Tensor | None:

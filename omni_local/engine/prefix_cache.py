@@ -132,17 +132,16 @@ class PrefixCache:
         own = self.entries.get(session)
         if own is not None and own.pins:
             return None  # the session's previous request still runs
-        claim = self._claim(session, prompt, match, need)
+        claim = self._claim(session, own, prompt, match, need)
         source = match.entry
         if claim is None and source is not None and source is not own and source.table is not None and not source.pins:
             # Only the match's own source can make room: let it move, then match again, now against
             # wherever its rows went (host memory, its blocks found by hash, or nowhere).
             self._move_to_host(source, keep=None)
-            claim = self._claim(session, prompt, self.match(prompt), need)
+            claim = self._claim(session, self.entries.get(session), prompt, self.match(prompt), need)
         return claim
 
-    def _claim(self, session: str, prompt: Prompt, match: Match, need: int) -> Claim | None:
-        own = self.entries.get(session)
+    def _claim(self, session: str, own: Entry | None, prompt: Prompt, match: Match, need: int) -> Claim | None:
         shared, tail, continued = self._shared_blocks(match, own)
         self.pool.hold(shared)
         borrowed = [tail] if tail is not None and not continued else []  # held by _shared_blocks until copied
