@@ -1,14 +1,10 @@
 """The attention backends of decode steps on the demo model: `triton` (our kernel over the KV blocks,
 in Triton's interpreter on CPU runs) gives the greedy replies, written and spoken, of `torch`
-(transformers' attention over the rows gathered from the blocks); and the setting picks a backend
-the device can run, or says why not."""
-
-import pytest
-import torch
+(transformers' attention over the rows gathered from the blocks). (What the setting picks:
+test_triton_settings.py.)"""
 
 from omni_local.api import OmniLocal
-from omni_local.engine.attention import decode_attention, paged_attention
-from omni_local.errors import SettingsError
+from omni_local.engine.attention import paged_attention
 from replies import send
 
 
@@ -27,14 +23,3 @@ def test_greedy_replies_spoken_and_not_with_the_triton_kernel_are_the_torch_back
             replies[backend] = written.token_ids, again.token_ids, spoken.token_ids, frames
     assert replies["triton"] == replies["torch"]
     assert all(replies["torch"])  # tokens written twice, tokens spoken, and codec frames
-
-
-def test_auto_attends_with_torch_off_cuda_and_torch_is_torch_everywhere():
-    assert decode_attention("auto", torch.device("cpu")) is None
-    assert decode_attention("torch", torch.device("cpu")) is None
-
-
-def test_triton_where_triton_cannot_run_is_a_settings_error_saying_why(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(SettingsError, match="'attention_backend' is 'triton', but the model runs on the CPU"):
-        decode_attention("triton", torch.device("cpu"))

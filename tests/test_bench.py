@@ -33,6 +33,7 @@ EXPECTED = {  # scenario -> the systems that time it
     "32 chats of about 1,000 tokens, in turn": (CACHE_ON,),  # how their KV is kept: nothing to show without a cache
     "shared 2,084-token system prompt, new question": EVERY,
     "2,084-token system prompt, first send": FIRST_SEND,
+    "470-token system prompt (one chunk), first send": FIRST_SEND,
     "2,084-token system prompt, first send beside a decoding chat": (CACHE_OFF,),  # transformers does one at a time
     "first image 480x640 after restart": EVERY,
     # The bench leaves video out where torchvision is missing, as the app refuses it there.
@@ -203,7 +204,7 @@ def test_the_paged_attention_bench_smoke_run_times_each_way_for_each_batch_and_c
                           cwd=REPO, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr
-    assert "| chats | context | today (µs) | gathered (µs) | paged (µs) |" in done.stdout
+    assert "| chats | context | slots (µs) | gathered (µs) | paged (µs) |" in done.stdout
     table = [line.strip("| ").split(" | ") for line in done.stdout.splitlines()
              if line.startswith("| ") and line[2].isdigit()]
     assert [row[:2] for row in table] == [["1", "32"], ["1", "272"], ["2", "32"], ["2", "272"]]

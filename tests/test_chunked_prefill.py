@@ -2,12 +2,14 @@
 per engine turn; with none, in one forward. In chunks it gives the tokens of one whole forward and
 of transformers' own; a medium across a boundary is encoded once; a chat decoding gets a token
 between every two chunks, and once it is done the rest is one forward from the boundary reached; a
-prefill cut short leaves its session's entry as it was.
+prefill cut short leaves its session's entry as it was. Short prompts waiting together are prefilled
+several a turn, as long as the turn's prefills stay within one chunk's tokens.
 
 (Most apps here chunk every prefill, `chunk_every_prefill`: a test of what the chunks compute then
 needs no other chat decoding beside it.)
 """
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from unittest.mock import patch
@@ -241,3 +243,46 @@ def held_by_entries_only(app) -> bool:
     cache = app.backend.engine.cache
     kept = {block for entry in cache.entries.values() if entry.table for block in entry.table}
     return cache.pool.held == len(kept) and all(entry.pins == 0 for entry in cache.entries.values())
+
+
+def several_first_questions(app: OmniLocal, texts: list[str]) -> list:
+    """The prefill and decode calls while `texts` are sent at once by new sessions: the first
+    question's prefill waits until every one is sent, so the others are all waiting at its next turn."""
+    entered, sent, replies = threading.Event(), threading.Event(), []
+    runner = app.backend.engine.runner
+
+    with forwards_of(app, decodes=True) as calls:
+        recording = runner.prefill
+
+        def first_waits(table, prepared):
+            entered.set()
+            sent.wait(timeout=30)
+            return recording(table, prepared)
+
+        with patch.object(runner, "prefill", first_waits):
+            replies.append(app.session().send(texts[0], max_new_tokens=4))
+            assert entered.wait(timeout=30)
+        replies += [app.session().send(text, max_new_tokens=4) for text in texts[1:]]
+        sent.set()
+        finals = [reply.result() for reply in replies]
+    assert all(final.tokens.generated == 4 for final in finals)
+    return calls
+
+
+def test_short_first_questions_sent_at_once_are_prefilled_several_a_turn_before_the_next_decode_step(
+        demo_settings, demo_checkpoint):
+    off = demo_settings.replace(prefix_cache=False, encoder_cache=False, prefill_chunk_tokens=64)
+    with OmniLocal(off) as app:
+        calls = several_first_questions(app, ["Hi?", "Hello?", "Hey?", "Yo?"])
+    prefills = [i for i, call in enumerate(calls) if call != "decode"]
+    # The first question alone, then the other three in one turn (about 30 tokens, within 64), and
+    # only then the first reply's next decode step.
+    assert prefills == [0, 1, 2, 3] and calls[4] == "decode"
+
+
+def test_the_prefills_of_a_turn_stay_within_one_chunk_of_tokens(chunking):
+    app = chunking[1]  # chunks of 16 tokens: one short question's prefill fills a turn's budget
+    calls = several_first_questions(app, ["Hi?", "Hello?", "Hey?"])
+    prefills = [i for i, call in enumerate(calls) if call != "decode"]
+    # One question a turn (each about 10 tokens), the first reply's decode steps between them.
+    assert len(prefills) == 3 and all("decode" in calls[a + 1 : b] for a, b in zip(prefills[1:], prefills[2:]))

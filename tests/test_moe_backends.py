@@ -1,6 +1,6 @@
 """The MoE backends on the demo model: `torch` is transformers' own block bit for bit; `triton` (our
 kernels, in Triton's interpreter on CPU runs) gives the same blocks within float32 tolerance and the
-same greedy replies; and the setting picks a backend the device can run, or says why not."""
+same greedy replies. (What the setting picks: test_triton_settings.py.)"""
 
 import pytest
 import torch
@@ -8,7 +8,6 @@ import torch
 from omni_local.api import OmniLocal
 from omni_local.engine.moe import TORCH, mlp_output, moe_backend
 from omni_local.engine.moe.kernels import sorting
-from omni_local.errors import SettingsError
 from replies import send
 
 # torch's own float32 tolerance: the kernels sum each expert's 768 or 2,048 products in another order
@@ -83,14 +82,3 @@ def test_greedy_replies_spoken_and_not_with_the_triton_backend_are_the_torch_bac
             replies[backend] = written.token_ids, spoken.token_ids, frames
     assert replies["triton"] == replies["torch"]
     assert all(replies["torch"])  # tokens written, tokens spoken, and codec frames
-
-
-def test_auto_runs_the_torch_backend_off_cuda_and_torch_is_torch_everywhere():
-    assert moe_backend("auto", torch.device("cpu")) is TORCH
-    assert moe_backend("torch", torch.device("cpu")) is TORCH
-
-
-def test_triton_where_triton_cannot_run_is_a_settings_error_saying_why(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(SettingsError, match="'moe_backend' is 'triton', but the model runs on the CPU"):
-        moe_backend("triton", torch.device("cpu"))

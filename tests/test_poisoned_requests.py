@@ -157,7 +157,7 @@ def test_a_request_whose_logits_turn_to_nan_while_decoding_beside_another_fails_
     assert reply(poisoned, failing, BESIDE[2]) == reply(clean, clean.session(), BESIDE[2])
 
 
-def test_a_scrubbed_slot_is_zeroed_and_its_sessions_entry_dropped_even_where_rows_start_uninitialised(twins):
+def test_scrubbed_blocks_are_zeroed_and_their_sessions_entry_dropped_even_where_rows_start_uninitialised(twins):
     app = twins[0]
     shape = app.backend.engine.runner.kv.shape
     store = KVStore(shape, shape.table_blocks + 1, dtype=torch.float32, device=torch.device("cpu"))

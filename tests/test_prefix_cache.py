@@ -193,3 +193,20 @@ def test_bytes_of_a_png_are_decoded_before_keying(apps):
     Chat(apps, "Bytes.").send("What?", images=[buffer.getvalue()])
     again = Chat(apps, "Bytes.").send("What?", images=[picture(7)])
     assert again.tokens.computed == 1
+
+
+@pytest.mark.parametrize("block_tokens", [1, 4, 64])
+def test_with_blocks_of_any_size_chats_sharing_a_system_prompt_and_an_image_compute_only_what_is_new(
+        make_apps, demo_settings, block_tokens):
+    apps = make_apps(demo_settings.replace(kv_block_tokens=block_tokens))
+    system = " ".join(f"Rule {i}: answer plainly." for i in range(8))
+    first, second = Chat(apps, system), Chat(apps, system)
+    before = ids_of(apps[0], first.cached, "What is this?", images=[picture(8)])
+    last = {first: first.send("What is this?", images=[picture(8)])}
+    ids = ids_of(apps[0], second.cached, "What stands out?", images=[picture(8)])
+    last[second] = second.send("What stands out?", images=[picture(8)])  # its prefix from the other chat's blocks
+    assert last[second].tokens.computed == len(ids) - common_prefix(ids, before)
+    for chat, question in ((first, "And the colours?"), (second, "And the shapes?"), (first, "Thanks!")):
+        turn = chat.send(question)  # only its own tokens, and the cache-off app's answer (Chat checks)
+        assert turn.tokens.computed == turn.tokens.prompt - written(last[chat])
+        last[chat] = turn

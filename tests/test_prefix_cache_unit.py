@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from omni_local.cache.digests import token_keys
+from omni_local.engine.kv_blocks import chain
 from omni_local.engine.kv_store import KVShape, KVStore
 from omni_local.engine.prefix_cache import PrefixCache
 from omni_local.errors import RequestError
@@ -225,3 +226,31 @@ def test_at_full_size_4_gib_of_blocks_hold_40_chats_of_1000_tokens_at_once(talke
         run(cache, f"chat {chat}", p, reply=list(range(25)))  # ... and a reply of 25 (24 of them written)
     assert all(entry.table is not None and entry.length == 1000 for entry in cache.entries.values())
     assert len(cache.entries) == 40 and kv.pool.held == 40 * 63  # 63 blocks of 16 hold 1,000 tokens
+
+
+def test_a_discarded_request_keeps_the_blocks_another_chat_shares_and_zeroes_its_own():
+    kv = store()
+    cache = PrefixCache(kv, host_budget_bytes=0, enabled=True)
+    p = prompt([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    claim = cache.claim("a", p, cache.match(p), 16)
+    for layer in kv.keys + kv.values:
+        layer[claim.entry.table] = 1.0
+    cache.publish(claim, p, [], p.num_tokens)  # its prompt checked and published: two full blocks
+    other = prompt([1, 2, 3, 4, 5, 6, 7, 8, 10])
+    shared = run(cache, "b", other)  # another chat shares them
+    assert shared == 8
+    cache.discard(claim)  # "a"'s reply then turned out not to be numbers
+    kept = cache.entries["b"].table[:2]
+    assert all(bool((layer[kept] == 1.0).all()) for layer in kv.keys + kv.values)
+    assert kv.pool.lookup(chain(other.keys, [], 4, 2)) == kept
+    assert "a" not in cache.entries
+
+
+def test_the_source_of_a_match_is_never_moved_while_a_running_request_holds_it():
+    cache = PrefixCache(store(sequences=1), host_budget_bytes=1 << 20, enabled=True)
+    first = prompt([1, 2, 3, 4, 5])
+    running = cache.claim("a", first, cache.match(first), 24)
+    cache.publish(running, first, [], 5)  # published while it still runs
+    p = prompt([1, 2, 3, 4, 5, 6])
+    assert cache.claim("b", p, cache.match(p), 16) is None  # it waits: "a" holds 24 of 32 rows
+    assert running.entry.table is not None and running.entry.pins == 1

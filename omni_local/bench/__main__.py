@@ -30,7 +30,9 @@ prompt is not waiting), the median over runs.
 "beside a decoding chat": another chat is decoding a long reply when the timed turn is sent; the
 row adds that chat's longest gap between two of its tokens until the timed turn's first token
 (bench/beside.py). omni_local only, cache off: transformers serves one request at a time, so there
-the other chat would wait for the whole prefill.
+the other chat would wait for the whole prefill. The 470-token prompt's first send is one prefill
+chunk alone (with the template and question, under the default 512): that gap should stay within
+its TTFT and one decode step.
 
 "after restart": the first app asks about the image, then a new OmniLocal starts on the same
 settings and cache folder and is asked about it again. Its start-up (from `OmniLocal(...)` to ready:

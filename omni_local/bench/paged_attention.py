@@ -1,8 +1,8 @@
 """One decode step's attention for one layer, three ways, against chats and context:
 
-- today: the engine's graphed path (GraphedKVWriter, then transformers' SDPA): each chat's KV slot's
-  first `context` rows copied out of [slots, kv_heads, max_tokens, head_dim] by index_select, then
-  SDPA under a boolean mask;
+- slots: the engine's graphed path before the KV was paged (commit 68666bc and earlier): each chat's
+  KV slot's first `context` rows copied out of [slots, kv_heads, max_tokens, head_dim] by
+  index_select, then SDPA under a boolean mask;
 - gathered: `gathered_attention`, the blocks of a paged KV gathered, then the same SDPA;
 - paged: `paged_attention`, our Triton kernel reading the blocks in place.
 
@@ -83,8 +83,9 @@ def decode_inputs(shape: AttentionShape, batch: int, context: int, max_tokens: i
     )
 
 
-def today(x: DecodeInputs, scaling: float) -> torch.Tensor:
-    """GraphedKVWriter.update's copies of the slots' first rows, then transformers' masked SDPA."""
+def slots(x: DecodeInputs, scaling: float) -> torch.Tensor:
+    """The slots' first rows copied, as the graphs' cache writer did before paging, then transformers'
+    masked SDPA."""
     keys = x.slot_keys[:, :, : x.context].index_select(0, x.kv_slots)
     values = x.slot_values[:, :, : x.context].index_select(0, x.kv_slots)
     allowed = torch.arange(x.context, device=keys.device)[None, None, None, :] <= x.query_rows[:, None, :, None]
@@ -99,7 +100,7 @@ def paged(x: DecodeInputs, scaling: float) -> torch.Tensor:
     return paged_attention(x.query, x.key_pool, x.value_pool, x.block_tables, x.query_rows, scaling)
 
 
-WAYS = {"today": today, "gathered": gathered, "paged": paged}
+WAYS = {"slots": slots, "gathered": gathered, "paged": paged}
 
 
 def median_us(call: Callable[[], object], device: str, runs: int) -> float:

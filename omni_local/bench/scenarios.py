@@ -28,6 +28,9 @@ IMAGE_SIZES = ((224, 224), (480, 640), (1200, 1600))  # (height, width)
 TURN_2_SIZES = ((480, 640), (1200, 1600))
 CONCURRENCY = (1, 8, 16)  # text chat turn 2 sent by this many sessions at once
 LONG_SYSTEM_TOKENS = 2084  # mstar's shared system prompt
+# A prompt of one prefill chunk (the default 512 tokens, with the template and the question): what a
+# chat decoding beside the long prompt's chunks waits for, each time, at most.
+CHUNK_SYSTEM_TOKENS = 470
 # Chats used one after another: 32 of about 1,000 tokens each (the notes, a reply, the question).
 IN_TURN_CHATS, NOTES_TOKENS = 32, 900
 
@@ -71,6 +74,8 @@ def scenarios(tokenizer) -> list[Scenario]:
         Scenario(f"shared {LONG_SYSTEM_TOKENS:,}-token system prompt, new question", long_system_prompt(tokenizer),
                  [], ask, warm_cache=True),
         Scenario(f"{LONG_SYSTEM_TOKENS:,}-token system prompt, first send", long_system_prompt(tokenizer), [], ask),
+        Scenario(f"{CHUNK_SYSTEM_TOKENS}-token system prompt (one chunk), first send",
+                 long_system_prompt(tokenizer, CHUNK_SYSTEM_TOKENS), [], ask),
         Scenario(f"{LONG_SYSTEM_TOKENS:,}-token system prompt, first send beside a decoding chat",
                  long_system_prompt(tokenizer), [], ask, beside=True),
         # The first app asks about the image first, so with the cache on its encoder output is on disk.
@@ -101,11 +106,11 @@ def ten_second_video() -> Video:
                  (rng.standard_normal(160_000) * 0.1).astype(np.float32))
 
 
-def long_system_prompt(tokenizer) -> str:
-    """A system prompt of LONG_SYSTEM_TOKENS tokens: numbered house rules, cut to length."""
+def long_system_prompt(tokenizer, tokens: int = LONG_SYSTEM_TOKENS) -> str:
+    """A system prompt of `tokens` tokens: numbered house rules, cut to length."""
     rules = " ".join(f"Rule {i}: describe only what the picture or the sound shows, and say when you are unsure."
                      for i in range(1, 400))
-    return _cut(tokenizer, rules, LONG_SYSTEM_TOKENS)
+    return _cut(tokenizer, rules, tokens)
 
 
 def notes(tokenizer, tokens: int) -> str:

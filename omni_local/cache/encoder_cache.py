@@ -181,13 +181,17 @@ def _open_disk(folder: Path, size_limit: int) -> diskcache.Cache | None:
 
 def encoder_namespace(thinker_model: torch.nn.Module, processor: object) -> bytes:
     """A digest of what an encoder output depends on besides the medium: the vision and audio
-    encoders' weights (every parameter's bytes, not a file name), their dtype, and the processor's
-    preprocessing settings."""
-    hasher = blake3.blake3(b"omni_local encoder cache v1\0", max_threads=blake3.blake3.AUTO)
+    encoders' weights (every parameter's bytes, not a file name), their dtype, the processor's
+    preprocessing settings (images', videos' and sounds'), and the kind of device the encoders and
+    the image and video preprocessing run on (a GPU's resize and kernels round otherwise than the
+    CPU's, so a disk cache written by one is not read by the other)."""
+    hasher = blake3.blake3(b"omni_local encoder cache v2\0", max_threads=blake3.blake3.AUTO)
     for prefix, module in (("visual", thinker_model.visual), ("audio", thinker_model.audio_tower)):
         for name, tensor in sorted(module.state_dict().items()):
             hasher.update(f"{prefix}.{name}:{tensor.dtype}:{tuple(tensor.shape)}\0".encode())
             hasher.update(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
-    for part in (processor.image_processor, processor.feature_extractor):
-        hasher.update(part.to_json_string().encode())
+    hasher.update(f"device:{next(thinker_model.visual.parameters()).device.type}\0".encode())
+    for part in (processor.image_processor, processor.video_processor, processor.feature_extractor):
+        settings = getattr(part, "to_json_string", None)  # a stand-in for a missing video processor has none
+        hasher.update((settings() if settings else type(part).__name__).encode())
     return hasher.digest()

@@ -85,7 +85,6 @@ class BatchGraphs:
         self._indices, self._blocks, self._offsets = self._layout[: 3 * b * n].view(3, b, n)
         self._tables = self._layout[3 * b * n : 3 * b * n + b * width].view(b, width)
         self._last = self._layout[3 * b * n + b * width :]
-        self._host_tables = torch.full((b, width), PAD_BLOCK, dtype=torch.long)
         self._tables.copy_(self._filled_tables([table] * b))
         self._blocks.fill_(table[0])
         pool = pool or torch.cuda.graph_pool_handle()
@@ -153,7 +152,7 @@ class BatchGraphs:
 
     def _filled_tables(self, tables: list[BlockTable]) -> torch.Tensor:
         """[b, width] of `tables` on the host, each padded with the pad block."""
-        filled = self._host_tables.fill_(PAD_BLOCK).clone()
+        filled = torch.full(self._tables.shape, PAD_BLOCK, dtype=torch.long)
         for row, table in enumerate(tables):
             filled[row, : len(table)] = torch.tensor(table, dtype=torch.long)
         return filled

@@ -3,11 +3,12 @@
 Each turn of the loop is schedule (admit waiting requests: build the prompt, match it in the prefix
 cache, claim blocks for all it may write, take a seat), run (forwards, and sampling on the device), postprocess
 (stream, finish). A turn runs the prefill of the oldest request still waiting for its first token
-(of what the cache could not supply), then one decode step of every request that was decoding (one
-batched forward when graphed), then one frame of every spoken reply. While another reply is decoding
-or speaking, that prefill is one chunk a turn (prefill_chunks.py), so a new question, however long,
-holds up each reply by one chunk at a time; with nobody to hold up, it is the whole rest of the
-prompt in one forward. A long reply does not hold up a new question's first token. A spoken reply
+(of what the cache could not supply), and of the short ones after it while the turn's prefills stay
+within one chunk's tokens, then one decode step of every request that was decoding (one batched
+forward when graphed), then one frame of every spoken reply. While another reply is decoding or
+speaking, the oldest prefill is one chunk a turn (prefill_chunks.py), so a new question, however
+long, holds up each reply by one chunk at a time; with nobody to hold up, it is the whole rest of
+the prompt in one forward. A long reply does not hold up a new question's first token. A spoken reply
 gives its seat and blocks back when its text ends and stays in the turns until its speech ends.
 
 The host does not wait for a decode step it queues. A step's tokens are chosen on the device
@@ -224,18 +225,18 @@ class Engine:
         return min(request.prompt.num_tokens + request.params.max_new_tokens, self.settings.max_context_tokens)
 
     def _run_turn(self) -> None:
-        """One prefill, or one chunk of it; one decode step of the requests decoding, queued before the
-        step of the turn before is read; one frame of each spoken reply."""
+        """Prefills (the oldest waiting prompt's next part, and the short prompts after it that fit in
+        the turn's budget); one decode step of the requests decoding, queued before the step of the
+        turn before is read; one frame of each spoken reply."""
         for request in [r for r in self._running if r.cancelled.is_set()]:
             self._finish(request, "cancelled")
         decoding = [r for r in self._running if not r.ended and not r.text_done and not r.prefilling]
-        first = next((r for r in self._running if not r.ended and not r.text_done and r.prefilling), None)
-        if first is not None:
+        waiting = [r for r in self._running if not r.ended and not r.text_done and r.prefilling]
+        if waiting:
             # Those a long prefill would hold up: the replies decoding and the ones still speaking. (A
             # prompt waiting for its own prefill comes after this one's, in chunks or not.)
             speaking = any(not r.ended and r.spoken is not None and not r.spoken.done for r in self._running)
-            in_chunks = bool(decoding) or speaking or self.settings.chunk_every_prefill
-            self._guarded([first], lambda: self._prefill(first, in_chunks))
+            self._prefills(waiting, bool(decoding) or speaking or self.settings.chunk_every_prefill)
         previous, self._in_flight = self._in_flight, self._launch(decoding)
         if previous is not None:
             self._collect(previous)
@@ -268,21 +269,37 @@ class Engine:
         log.exception("request failed")
         return f"internal error: {type(error).__name__}: {error}"
 
-    def _prefill(self, request: Request, in_chunks: bool) -> None:
-        """The next part of `request`'s prefill, in one forward: `in_chunks`, up to the next multiple of
-        prefill_chunk_tokens; else the whole rest of its prompt. The first part prepares the whole tail
-        (embeddings, media encoded); after the last comes its first token."""
+    def _prefills(self, waiting: list[Request], in_chunks: bool) -> None:
+        """The oldest waiting prompt's next part (`_part_end`), then, in order, each next prompt that
+        its last part finishes while the turn's prefills stay within prefill_chunk_tokens tokens.
+        So many short first questions at once get their first tokens a few per turn, not one per
+        decode step of the others, who wait no longer for them than for one chunk of a long prompt."""
+        budget = self.settings.prefill_chunk_tokens
+        for index, request in enumerate(waiting):
+            begin, end = request.prefilled, self._part_end(request, in_chunks)
+            if index and (end < request.prompt.num_tokens or end - begin > budget):
+                return  # it waits for a turn of its own: no prompt overtakes an older one
+            self._guarded([request], lambda: self._prefill(request, end))
+            budget -= end - begin
+
+    def _part_end(self, request: Request, in_chunks: bool) -> int:
+        """Where `request`'s next prefill part ends: `in_chunks`, at the next multiple of
+        prefill_chunk_tokens; else at the end of its prompt."""
         # Chunks only buy other replies shorter waits, and cost the prompt time: each is a forward of
         # its own, reading the experts' weights again. So a prompt that holds up nobody is one forward.
         # Chosen again each turn: a prompt begun in chunks finishes in one forward once nobody else
         # decodes or speaks, from where a chunk ended, so every chunk of it still ends at a multiple of
         # the chunk size, fixed by position whatever the cache supplied and whoever else ran.
+        prompt_end = request.prompt.num_tokens
+        return chunk_end(request.prefilled, prompt_end, self.settings.prefill_chunk_tokens) if in_chunks else prompt_end
+
+    def _prefill(self, request: Request, end: int) -> None:
+        """`request`'s prefill up to row `end`, in one forward. The first part prepares the whole tail
+        (embeddings, media encoded); after the last comes its first token."""
         if request.prepared is None:
             request.prepared = self.runner.prepare(request.prompt, request.claim.start)
             request.media = request.prepared.media
-        begin, prompt_end = request.prefilled, request.prompt.num_tokens
-        end = chunk_end(begin, prompt_end, self.settings.prefill_chunk_tokens) if in_chunks else prompt_end
-        logits = self.runner.prefill(request.table, request.prepared.rows(begin, end))
+        logits = self.runner.prefill(request.table, request.prepared.rows(request.prefilled, end))
         request.advance_prefill(end)
         if not request.prefilling:
             self._first_token(request, logits)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from omni_local.engine.attention import PagedAttention
+from omni_local.engine.attention.reference import gathered
 from omni_local.engine.host_copies import to_device
 from omni_local.engine.kv_blocks import BlockPool
 
@@ -144,7 +145,7 @@ class KVStore:
 
     def write_talker_rows(self, table: BlockTable, start: int, rows: torch.Tensor) -> None:
         """Talker rows [n, talker_dim] of the sequence's tokens from `start` on."""
-        blocks, offsets = self.addresses(self.device_table(table), start, start + rows.shape[0])
+        _, blocks, offsets = self.addresses(self.device_table(table), start, start + rows.shape[0])
         self.talker_rows[blocks, offsets] = rows
 
     def read_talker_rows(self, table: BlockTable, positions: torch.Tensor) -> torch.Tensor:
@@ -161,17 +162,18 @@ class KVStore:
         an H200; the move itself was not timed apart). The copy is waited for: an asynchronous one
         needs pinned memory, which torch's caching allocator rounds up to a power of two and keeps
         pinned, so host memory could reach twice `host_cache_bytes`."""
-        index = self.device_table(table[: self.shape.blocks_for(rows)])
-        gathered = torch.stack([torch.stack([gather_rows(k, index, rows), gather_rows(v, index, rows)])
-                                for k, v in zip(self.keys, self.values)])
+        index = self.device_table(table[: self.shape.blocks_for(rows)])[None]
+        rows_of = [torch.stack([gathered(k, index)[0, :, :rows], gathered(v, index)[0, :, :rows]])
+                   for k, v in zip(self.keys, self.values)]
+        gathered_kv = torch.stack(rows_of)
         talker_rows = None
         if self.talker_rows is not None:
-            talker_rows = self.talker_rows[index].flatten(0, 1)[:rows].to("cpu", copy=True)
-        return HostCopy(gathered.to("cpu"), talker_rows)
+            talker_rows = self.talker_rows[index[0]].flatten(0, 1)[:rows].to("cpu", copy=True)
+        return HostCopy(gathered_kv.to("cpu"), talker_rows)
 
     def from_host(self, host: HostCopy, table: BlockTable, rows: int) -> None:
         on_device = host.kv[:, :, :, :rows].to(self.device)
-        blocks, offsets = self.addresses(self.device_table(table), 0, rows)
+        _, blocks, offsets = self.addresses(self.device_table(table), 0, rows)
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
             k[blocks, :, offsets] = on_device[i, 0].transpose(0, 1)
             v[blocks, :, offsets] = on_device[i, 1].transpose(0, 1)
@@ -185,11 +187,11 @@ class KVStore:
             return table
         return to_device(torch.tensor(table, dtype=torch.long), self.device)
 
-    def addresses(self, table: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block and the row in it of each of the sequence's tokens [start, end), device tensors,
+    def addresses(self, table: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The sequence's rows [start, end), and the block and the row in it of each, device tensors,
         from its `table` on the device."""
         rows = torch.arange(start, end, device=self.device)
-        return table[rows // self.shape.block_tokens], rows % self.shape.block_tokens
+        return rows, table[rows // self.shape.block_tokens], rows % self.shape.block_tokens
 
     def _zero(self, blocks: BlockTable) -> None:
         if blocks:
@@ -200,13 +202,6 @@ class KVStore:
     def _block_tensors(self) -> list[torch.Tensor]:
         """Every tensor with a block as its first dimension."""
         return self.keys + self.values + ([self.talker_rows] if self.talker_rows is not None else [])
-
-
-def gather_rows(pool: torch.Tensor, blocks: torch.Tensor, rows: int) -> torch.Tensor:
-    """[kv_heads, rows, head_dim]: a sequence's first `rows` rows from one layer's `pool`, its
-    `blocks` a device tensor [n] of its table's first blocks."""
-    gathered = pool[blocks]  # [n, kv_heads, block_tokens, head_dim]
-    return gathered.transpose(0, 1).flatten(1, 2)[:, :rows]
 
 
 class KVWriter:
@@ -230,7 +225,8 @@ class KVWriter:
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         placed = self._write(key_states, value_states, layer_idx)
         keys, values = self.store.keys[layer_idx], self.store.values[layer_idx]
-        return gather_rows(keys, placed.table, placed.end)[None], gather_rows(values, placed.table, placed.end)[None]
+        table, end = placed.table[None], placed.end
+        return gathered(keys, table)[:, :, :end], gathered(values, table)[:, :, :end]
 
     def attend(self, queries: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                scaling: float) -> torch.Tensor:
@@ -254,9 +250,8 @@ class KVWriter:
             if end > shape.max_tokens or shape.blocks_for(end) > self.table.shape[0]:
                 raise IndexError(f"the sequence holds {self.table.shape[0] * shape.block_tokens} rows, "
                                  f"asked to write up to {end}")
-            rows = torch.arange(self.start, end, device=self.store.device)
-            blocks, offsets = self.table[rows // shape.block_tokens], rows % shape.block_tokens
-            self._placed = _Placed(end, rows, blocks, offsets, self.table[: shape.blocks_for(end)])
+            self._placed = _Placed(end, *self.store.addresses(self.table, self.start, end),
+                                   self.table[: shape.blocks_for(end)])
         return self._placed
 
     def attention_mask(self, implementation: str, length: int, like: torch.Tensor) -> torch.Tensor | None:
@@ -312,7 +307,7 @@ class GraphedKVWriter:
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         keys, values = self._write(key_states, value_states, layer_idx)
         # [B, kv_heads, rows, head_dim]: a copy of the bucket's rows, gathered from each sequence's blocks
-        return self._gathered(keys), self._gathered(values)
+        return gathered(keys, self.tables), gathered(values, self.tables)
 
     def attend(self, queries: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                scaling: float) -> torch.Tensor:
@@ -327,10 +322,6 @@ class GraphedKVWriter:
         keys[self.blocks, :, self.offsets] = key_states.transpose(1, 2)
         values[self.blocks, :, self.offsets] = value_states.transpose(1, 2)
         return keys, values
-
-    def _gathered(self, pool: torch.Tensor) -> torch.Tensor:
-        gathered = pool[self.tables]  # [B, n, kv_heads, block_tokens, head_dim]
-        return gathered.transpose(1, 2).flatten(2, 3)
 
     def attention_mask(self, implementation: str, length: int, like: torch.Tensor) -> torch.Tensor | None:
         if self.kernel is not None:

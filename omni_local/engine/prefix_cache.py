@@ -132,17 +132,16 @@ class PrefixCache:
         own = self.entries.get(session)
         if own is not None and own.pins:
             return None  # the session's previous request still runs
-        claim = self._claim(session, prompt, match, need)
+        claim = self._claim(session, own, prompt, match, need)
         source = match.entry
-        if claim is None and source is not None and source is not own and source.table is not None:
+        if claim is None and source is not None and source is not own and source.table is not None and not source.pins:
             # Only the match's own source can make room: let it move, then match again, now against
             # wherever its rows went (host memory, its blocks found by hash, or nowhere).
             self._move_to_host(source, keep=None)
-            claim = self._claim(session, prompt, self.match(prompt), need)
+            claim = self._claim(session, self.entries.get(session), prompt, self.match(prompt), need)
         return claim
 
-    def _claim(self, session: str, prompt: Prompt, match: Match, need: int) -> Claim | None:
-        own = self.entries.get(session)
+    def _claim(self, session: str, own: Entry | None, prompt: Prompt, match: Match, need: int) -> Claim | None:
         shared, tail, continued = self._shared_blocks(match, own)
         self.pool.hold(shared)
         borrowed = [tail] if tail is not None and not continued else []  # held by _shared_blocks until copied
@@ -220,15 +219,17 @@ class PrefixCache:
 
     def discard(self, claim: Claim) -> None:
         """Release `claim` and forget what its request wrote: its outputs were not numbers, so its
-        rows must reach no attention again. Its own blocks (from the one its computed rows begin in)
-        are zeroed and unregistered, and the session's entry is dropped (its next turn starts afresh).
-        No other entry shares them: a request publishes its prompt's rows only once its first
-        token's logits are checked, and its reply's only when it ends."""
+        rows must reach no attention again. The blocks it alone holds, from the one its computed rows
+        begin in, are zeroed and unregistered, and the session's entry is dropped (its next turn
+        starts afresh). A block another chat holds is kept: others share only published rows, and a
+        request publishes its prompt's rows once its first token's logits are checked (the failure
+        came later, in its reply) and its reply's only when it ends."""
         entry = claim.entry
         entry.pins -= 1
         assert entry.pins == 0, "a session's entry is held by one request at a time"
+        written = [b for b in entry.table[claim.start // self.block_tokens :] if self.pool.holders(b) == 1]
         # The pad block too: a graphed prefill's padding past the request's blocks was written there.
-        self.kv.scrub([PAD_BLOCK, *entry.table[claim.start // self.block_tokens :]])
+        self.kv.scrub([PAD_BLOCK, *written])
         self._drop(entry)
 
     # Memory ---------------------------------------------------------------------------------

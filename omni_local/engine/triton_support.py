@@ -5,8 +5,24 @@ import os
 
 import torch
 
+from omni_local.errors import SettingsError
+
 # bfloat16 tl.dot, and the kernels' tiles, need Ampere or newer.
 MIN_CAPABILITY = (8, 0)
+
+
+def uses_triton(name: str, setting: str, device: torch.device) -> bool:
+    """Whether setting `name` ('torch', 'triton' or 'auto') picks our Triton kernels on `device`:
+    'auto' does on a CUDA GPU that runs them. 'triton' where they cannot run is a SettingsError
+    saying why."""
+    if setting == "torch":
+        return False
+    refusal = triton_refusal(device)
+    if setting == "auto":
+        return refusal is None and device.type == "cuda"
+    if refusal:
+        raise SettingsError(f"setting '{name}' is 'triton', but {refusal}: use 'torch' or 'auto'")
+    return True
 
 
 def triton_refusal(device: torch.device) -> str | None:

@@ -22,8 +22,7 @@ from typing import Any
 import torch
 
 from omni_local.engine.attention.reference import gathered_attention
-from omni_local.engine.triton_support import triton_refusal
-from omni_local.errors import SettingsError
+from omni_local.engine.triton_support import uses_triton
 
 __all__ = ["PagedAttention", "decode_attention", "gathered_attention", "paged_attention"]
 
@@ -34,13 +33,8 @@ PagedAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tenso
 def decode_attention(setting: str, device: torch.device) -> PagedAttention | None:
     """The kernel for `attention_backend`: 'triton', our kernel; 'torch', None; 'auto', triton on a
     CUDA GPU that runs it. 'triton' where Triton cannot run is a SettingsError saying why."""
-    if setting == "torch":
+    if not uses_triton("attention_backend", setting, device):
         return None
-    refusal = triton_refusal(device)
-    if setting == "auto" and (refusal or device.type != "cuda"):
-        return None
-    if refusal:
-        raise SettingsError(f"setting 'attention_backend' is 'triton', but {refusal}: use 'torch' or 'auto'")
     from omni_local.engine.attention.paged import paged_attention  # imports triton
 
     return paged_attention

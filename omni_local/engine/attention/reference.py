@@ -28,7 +28,8 @@ def gathered_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: 
 
 
 def gathered(pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """[B, kv_heads, n * block_size, head_dim]: the n blocks of each `table` row [B, n], in order."""
+    """[B, kv_heads, n * block_size, head_dim]: the n blocks of each `table` row [B, n], in order (also
+    how the engine's writers hand transformers' attention a sequence's rows, kv_store.py)."""
     batch, n = table.shape
     _, kv_heads, block_size, head_dim = pool.shape
     picked = pool.index_select(0, table.flatten()).view(batch, n, kv_heads, block_size, head_dim)

@@ -5,18 +5,12 @@ import torch
 
 from omni_local.engine.moe.backend import MoeBackend
 from omni_local.engine.moe.torch_backend import TORCH
-from omni_local.engine.triton_support import triton_refusal
-from omni_local.errors import SettingsError
+from omni_local.engine.triton_support import uses_triton
 
 
 def moe_backend(setting: str, device: torch.device) -> MoeBackend:
-    if setting == "torch":
+    if not uses_triton("moe_backend", setting, device):
         return TORCH
-    refusal = triton_refusal(device)
-    if setting == "auto" and (refusal or device.type != "cuda"):
-        return TORCH
-    if refusal:
-        raise SettingsError(f"setting 'moe_backend' is 'triton', but {refusal}: use 'torch' or 'auto'")
     from omni_local.engine.moe.triton_backend import TritonMoe  # imports triton
 
     return TritonMoe()
