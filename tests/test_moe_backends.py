@@ -7,6 +7,7 @@ import torch
 
 from omni_local.api import OmniLocal
 from omni_local.engine.moe import TORCH, mlp_output, moe_backend
+from omni_local.engine.moe.kernels import sorting
 from replies import send
 
 # torch's own float32 tolerance: the kernels sum each expert's 768 or 2,048 products in another order
@@ -40,6 +41,29 @@ def test_the_torch_backend_is_transformers_own_moe_block_bit_for_bit(speaking_ap
 def test_the_triton_backend_gives_the_torch_backends_moe_block(speaking_app, block, tokens):
     mlp = moe_blocks(speaking_app.backend.loaded.model)[block]
     hidden = hidden_for(mlp, tokens)
+    triton = moe_backend("triton", hidden.device)
+
+    torch.testing.assert_close(mlp_output(mlp, hidden, triton), mlp_output(mlp, hidden, TORCH), **FLOAT32)
+
+
+@pytest.fixture
+def sorted_in_chunks_of_16(monkeypatch):
+    """Every sort by expert in chunks of 16 pairs, whatever the pair count: a 23-token block's 46
+    pairs take three chunks."""
+    def refused(*args):
+        raise AssertionError("sorted in one program")
+
+    monkeypatch.setattr(sorting, "CHUNKED_FROM_PAIRS", 1)
+    monkeypatch.setattr(sorting, "CHUNK_PAIRS", 16)
+    monkeypatch.setattr(sorting, "sort_in_one_program", refused)
+
+
+@pytest.mark.parametrize("block", ["thinker", "talker, with its shared expert"])
+@torch.inference_mode()
+def test_the_triton_backend_sorting_in_chunks_gives_the_torch_backends_moe_block(speaking_app, block,
+                                                                                 sorted_in_chunks_of_16):
+    mlp = moe_blocks(speaking_app.backend.loaded.model)[block]
+    hidden = hidden_for(mlp, 23)
     triton = moe_backend("triton", hidden.device)
 
     torch.testing.assert_close(mlp_output(mlp, hidden, triton), mlp_output(mlp, hidden, TORCH), **FLOAT32)

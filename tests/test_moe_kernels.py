@@ -5,6 +5,7 @@ here). The GPU run of the same kernels at full size is tests/test_moe_on_gpu.py.
 import pytest
 import torch
 
+from compile_for_h200 import compile_for_h200
 from conftest import TEST_DEVICE
 from moe_cases import experts, logits_choosing, router_over_logits, text_config
 
@@ -13,7 +14,14 @@ if TEST_DEVICE != "cpu":
                 allow_module_level=True)
 
 from omni_local.engine.moe.kernels.routing import route  # noqa: E402 (after the skip: imports triton)
-from omni_local.engine.moe.kernels.sorting import sort_by_expert, sorted_rows  # noqa: E402
+from omni_local.engine.moe.kernels.sorting import (  # noqa: E402
+    CHUNK_PAIRS,
+    CHUNKED_FROM_PAIRS,
+    sort_by_expert,
+    sort_in_chunks,
+    sort_in_one_program,
+    sorted_rows,
+)
 from omni_local.engine.moe.routed_experts import weighted_expert_rows  # noqa: E402
 from omni_local.engine.moe.tile_configs import GemmTile, TileConfig  # noqa: E402
 
@@ -59,6 +67,65 @@ def test_the_sort_puts_each_experts_pairs_in_order_in_whole_blocks_and_pads_with
     assert seen == by_expert  # experts in order, each one's pairs in pair order
 
 
+def skewed_routes(tokens: int, num_experts: int, top_k: int) -> torch.Tensor:
+    """[tokens, top_k] int32 distinct experts a token, the low-numbered ones far more often than the
+    high-numbered (some of which get no pair)."""
+    noise = torch.randn((tokens, num_experts), generator=torch.Generator().manual_seed(tokens))
+    return (noise + torch.linspace(3, -3, num_experts)).topk(top_k, dim=1).indices.to(torch.int32)
+
+
+# (experts [tokens, top_k], num_experts); pair counts against the default chunk of 256 pairs.
+SORT_ROUTES = {
+    "uneven loads over 128 experts at top-8, some idle, 3 chunks and a part": (skewed_routes(100, 128, 8), 128),
+    "exactly two chunks": (skewed_routes(64, 16, 8), 16),
+    "fewer pairs than a chunk": (skewed_routes(5, 8, 2), 8),
+    "all pairs on one expert": (torch.full((600, 1), 2, dtype=torch.int32), 4),
+    "an expert with no pair, 6 experts": (torch.tensor([[0, 5], [3, 1], [5, 0], [2, 1]] * 70, dtype=torch.int32), 6),
+}
+
+
+@pytest.mark.parametrize("chunk_pairs", [16, CHUNK_PAIRS], ids=["chunks of 16", "the default chunks"])
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+@pytest.mark.parametrize("case", SORT_ROUTES)
+def test_the_sort_in_chunks_gives_the_one_program_sorts_rows_exactly(case, block_m, chunk_pairs):
+    chosen, num_experts = SORT_ROUTES[case]
+
+    chunked = sort_in_chunks(chosen, num_experts, block_m, chunk_pairs)
+
+    assert torch.equal(chunked, sort_in_one_program(chosen, num_experts, block_m))
+
+
+def test_the_sort_cases_have_the_loads_they_say():
+    counts = {case: torch.bincount(chosen.flatten().long(), minlength=experts) for case, (chosen, experts)
+              in SORT_ROUTES.items()}
+    assert (counts["uneven loads over 128 experts at top-8, some idle, 3 chunks and a part"] == 0).any()
+    assert counts["uneven loads over 128 experts at top-8, some idle, 3 chunks and a part"].max() > 32  # a block of 32
+    assert counts["an expert with no pair, 6 experts"][4] == 0
+    assert [len(chosen.flatten()) for chosen, _ in SORT_ROUTES.values()] == [800, 512, 10, 600, 560]
+
+
+# The sort kernels at the Thinker's 128 experts, for a decode batch's BLOCK_M and a prefill's.
+COMPILE_SORT_FOR_SM90 = """
+from omni_local.engine.moe.kernels.sorting import (CHUNK, CHUNK_PAIRS, CHUNK_ROWS, _count_kernel, _offsets_kernel,
+                                                   _scatter_kernel, _sort_kernel)
+
+for block_m in (16, 64):
+    compiled(_sort_kernel, dict(experts_ptr="*i32", sorted_ptr="*i32"), dict(BLOCK_M=block_m, BLOCK_E=128, CHUNK=CHUNK),
+             num_warps=4)
+    compiled(_offsets_kernel, dict(counts_ptr="*i32", offsets_ptr="*i32"),
+             dict(BLOCK_M=block_m, BLOCK_E=128, CHUNK_ROWS=CHUNK_ROWS), num_warps=4)
+chunks = dict(BLOCK_E=128, CHUNK=CHUNK, CHUNK_PAIRS=CHUNK_PAIRS)
+compiled(_count_kernel, dict(experts_ptr="*i32", sorted_ptr="*i32", counts_ptr="*i32"), chunks, num_warps=4)
+compiled(_scatter_kernel, dict(experts_ptr="*i32", sorted_ptr="*i32", offsets_ptr="*i32"), chunks, num_warps=4)
+"""
+
+
+def test_the_sort_kernels_compile_for_an_h200_without_a_gpu():
+    done = compile_for_h200(COMPILE_SORT_FOR_SM90)
+
+    assert done.returncode == 0, done.stderr
+
+
 ROUTES = {
     "an expert gets no token": [[0, 1], [1, 0], [2, 1], [0, 2]],  # expert 3 of 4 idle
     "one token routed to its top-k": [[3, 1]],
@@ -83,11 +150,14 @@ def test_the_expert_kernels_give_transformers_experts_output(case, dtype):
     torch.testing.assert_close(rows.sum(dim=1).to(dtype), expected, **(FLOAT32 if dtype == torch.float32 else FLOAT16))
 
 
-def test_the_default_tiles_serve_a_prefill_of_more_tokens_than_a_block():
+# 70 tokens: more than a block, sorted in one program; 300: pairs enough for the sort in chunks.
+@pytest.mark.parametrize("tokens", [70, 300])
+def test_the_default_tiles_serve_a_prefill_of_more_tokens_than_a_block(tokens):
+    assert (tokens * 2 >= CHUNKED_FROM_PAIRS) == (tokens == 300)
     config = text_config(num_experts=4, top_k=2, hidden=HIDDEN, intermediate=INTERMEDIATE)
     module = experts(config, torch.float32)
-    hidden = torch.randn((70, HIDDEN), generator=torch.Generator().manual_seed(3))
-    logits = torch.randn((70, 4), generator=torch.Generator().manual_seed(4))
+    hidden = torch.randn((tokens, HIDDEN), generator=torch.Generator().manual_seed(3))
+    logits = torch.randn((tokens, 4), generator=torch.Generator().manual_seed(4))
     _, weights, chosen = router_over_logits(config)(logits)
 
     rows = weighted_expert_rows(hidden, logits, module.gate_up_proj, module.down_proj, top_k=2, renormalize=True)

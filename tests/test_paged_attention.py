@@ -6,11 +6,7 @@ contiguously, on tiny shapes; at the Thinker's full size in bfloat16 on the GPU 
 Every pool here holds NaN wherever no sequence's row is: in unused blocks, in the rows of a last
 block past its sequence's end, and in the blocks the table lists past each sequence's end."""
 
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from compile_for_h200 import compile_for_h200
 from conftest import TEST_DEVICE
 from omni_local.engine.attention import gathered_attention, paged_attention
 from omni_local.engine.attention.paged import SPLIT_ROWS
@@ -205,20 +202,10 @@ def test_pools_of_different_layouts_are_refused():
                         kv.block_tables, query_rows, SCALING)
 
 
-# Compiles (to an H200's cubin, ptxas included) what the interpreter runs loosely: a global that is
-# not a constexpr, say, runs there and fails to compile. bfloat16 at the Thinker's group of 8 and
-# head_dim 128: a decode step's split kernel and merge, and a tail's kernel.
+# bfloat16 at the Thinker's group of 8 and head_dim 128: a decode step's split kernel and merge, and
+# a tail's kernel.
 COMPILE_FOR_SM90 = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from omni_local.engine.attention.paged import _attention_kernel, _merge_kernel, query_tile
-
-def compiled(kernel, pointers, constexprs, **options):
-    signature = {name: pointers.get(name, "i32") for name in kernel.arg_names}
-    signature.update({name: "constexpr" for name in constexprs})
-    where = {(kernel.arg_names.index(name),): value for name, value in constexprs.items()}
-    triton.compile(ASTSource(kernel, signature, where), target=GPUTarget("cuda", 90, 32), options=options)
 
 for length, table, partial in ((1, "*i32", True), (64, "*i64", False)):
     block_l, block_g = query_tile(8, length)
@@ -234,9 +221,7 @@ compiled(_merge_kernel, dict(acc_ptr="*fp32", stats_ptr="*fp32", rows_ptr="*i64"
 
 @on_cpu
 def test_the_kernels_compile_for_an_h200_without_a_gpu():
-    compiler = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], cwd=Path(__file__).resolve().parent.parent,
-                          env=compiler, capture_output=True, text=True, timeout=300)
+    done = compile_for_h200(COMPILE_FOR_SM90)
 
     assert done.returncode == 0, done.stderr
 
