@@ -54,14 +54,21 @@ class Settings:
     cuda_graphs: bool = setting(
         "engine", True,
         "on a GPU, run the Thinker's decode steps (chats decoding at once as one batch) and prefills of up to"
-        " prefill_chunk_tokens, the Talker's and its code predictor's steps, and Code2Wav's chunks, as CUDA graphs;"
+        " prefill_forward_tokens, the Talker's and its code predictor's steps, and Code2Wav's chunks, as CUDA graphs;"
         " false: eager",
     )
     prefill_chunk_tokens: int = setting(
         "engine", 512,
         "while another reply is decoding or speaking, a prompt is computed in chunks of this many tokens, one per"
-        " engine turn, each ending at a multiple of it, so that reply waits one chunk at a time; else in one forward"
-        " (on a GPU, graphed up to this many tokens)",
+        " engine turn, each ending at a multiple of it, so that reply waits one chunk at a time; else in forwards of"
+        " up to prefill_forward_tokens",
+    )
+    prefill_forward_tokens: int = setting(
+        "engine", 4096,
+        "with no other reply to wait, a prompt is computed in one forward of up to this many tokens (a longer one in"
+        " forwards ending at multiples of it, which must be a multiple of prefill_chunk_tokens); on a GPU each forward"
+        " replays a CUDA graph captured at start-up for its length rounded up (16, 32, ... to prefill_chunk_tokens,"
+        " then four steps to each doubling): more takes more start-up time and GPU memory for the graphs",
     )
     chunk_every_prefill: bool = setting(
         "engine", False,
@@ -172,7 +179,7 @@ class Settings:
             "max_upload_bytes", "max_image_pixels", "max_prompt_tokens", "ui_port", "max_audio_seconds",
             "first_audio_frames", "audio_chunk_frames", "audio_left_context_frames", "max_speech_seconds",
             "video_fps", "max_video_seconds", "api_port", "api_max_requests", "prefill_chunk_tokens",
-            "max_running_requests", "kv_block_tokens",
+            "prefill_forward_tokens", "max_running_requests", "kv_block_tokens",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -187,6 +194,9 @@ class Settings:
             )
         if self.kv_block_tokens & (self.kv_block_tokens - 1) or 256 % self.kv_block_tokens:
             raise SettingsError(f"setting 'kv_block_tokens' must be a power of two up to 256, got {self.kv_block_tokens}")
+        if self.prefill_forward_tokens % self.prefill_chunk_tokens:
+            raise SettingsError(f"setting 'prefill_forward_tokens' ({self.prefill_forward_tokens}) must be a multiple of "
+                                f"'prefill_chunk_tokens' ({self.prefill_chunk_tokens})")
         for port in ("ui_port", "api_port"):
             if getattr(self, port) > 65535:
                 raise SettingsError(f"setting '{port}' must be a port number, 1 to 65535, got {getattr(self, port)}")

@@ -100,6 +100,19 @@ def test_a_long_prompt_with_no_other_reply_running_is_prefilled_in_one_forward(c
     assert calls == [(0, final.tokens.prompt)]
 
 
+def test_a_prompt_alone_longer_than_one_forward_is_cut_at_its_multiples_and_gives_the_same_tokens(chunking,
+                                                                                                 demo_settings):
+    forward = 4 * CHUNK
+    settings = demo_settings.replace(prefix_cache=False, encoder_cache=False, prefill_chunk_tokens=CHUNK,
+                                     prefill_forward_tokens=forward)
+    with OmniLocal(settings) as app, forwards_of(app) as calls:
+        final = app.session(SYSTEM).send(LONG, max_new_tokens=12).result()
+    whole = chunking[1].session(SYSTEM).send(LONG, max_new_tokens=12).result()
+    edges = [*range(0, final.tokens.prompt, forward), final.tokens.prompt]
+    assert len(edges) > 3 and calls == list(zip(edges, edges[1:]))
+    assert final.token_ids == whole.token_ids
+
+
 def test_an_image_across_chunk_boundaries_is_encoded_once_and_its_deepstack_rows_are_split_between_them(chunking):
     app = chunking[0]
     parts = [picture(3, (224, 224)), "What is in this picture?"]

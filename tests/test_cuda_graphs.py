@@ -14,7 +14,8 @@ import torch
 from replies import model_inputs, reference_tokens, send, transformers_speech
 from samples import picture
 from omni_local.api import OmniLocal
-from omni_local.engine.cuda_graphs import SMALLEST_BUCKET, BatchGraphs
+from omni_local.engine.cuda_graphs import SMALLEST_BUCKET, BatchGraphs, prefill_lengths
+from omni_local.engine.kv_store import NO_PREFIX
 from omni_local.engine.thinker import ThinkerRunner
 from omni_local.api.messages import Message
 from omni_local.prompts import Prompt, build_prompt
@@ -28,10 +29,11 @@ SONG = "A fisherman sang about the moon and the tide while he mended his nets in
 def runner(app: OmniLocal, cuda_graphs: bool, chats: int = 2) -> ThinkerRunner:
     """A runner of the app's Thinker with blocks for `chats` chats of its own and decode steps of
     that many, warmed up (graphs captured)."""
-    kv = app.backend.engine.runner.kv
+    kv, settings = app.backend.engine.runner.kv, app.settings
     budget = (chats * kv.shape.table_blocks + 1) * kv.shape.block_bytes(kv.dtype)
+    lengths = prefill_lengths(settings.prefill_chunk_tokens, settings.prefill_forward_tokens)
     built = ThinkerRunner(app.backend.loaded.model.thinker, app.backend.engine.runner.encoder, budget,
-                          kv.shape.max_tokens, app.settings.prefill_chunk_tokens, chats, cuda_graphs=cuda_graphs)
+                          kv.shape.max_tokens, lengths, chats, cuda_graphs=cuda_graphs)
     built.warm_up()
     return built
 
@@ -209,6 +211,20 @@ def test_an_image_question_prefilled_by_a_graph_matches_generate(on_gpu):
     assert final.media.in_kv == 0, "the image must be in the prefill"
     assert prefills == [(1, n.prompt - n.computed, n.computed)], "its prefill must replay a graph"
     assert final.token_ids == reference_tokens(app, [Message("user", parts)])
+
+
+def test_a_first_prompt_longer_than_a_chunk_is_one_graph_attending_over_its_own_rows_and_matches_generate(on_gpu):
+    app = on_gpu
+    graphs = app.backend.engine.runner.prefill_graphs
+    text = " ".join(f"Rule {i}: answer the sailor plainly." for i in range(30))  # about 700 tokens
+    with replays(graphs) as prefills:
+        final = app.session().send(text, max_new_tokens=24).result()
+    n = final.tokens
+    assert n.prompt > app.settings.prefill_chunk_tokens
+    assert prefills == [(1, 0, n.prompt)], "one forward, replayed"
+    # Its graph reads no rows but its own; the same tokens after a cached row read a bucket of rows.
+    assert graphs.bucket(1, n.prompt, 0)[2] == NO_PREFIX and graphs.bucket(1, n.prompt, 1)[2] > n.prompt
+    assert final.token_ids == reference_tokens(app, [Message("user", [text])])
 
 
 @pytest.fixture(scope="module")

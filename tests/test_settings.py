@@ -61,6 +61,8 @@ def test_a_key_in_the_wrong_table_is_an_error_naming_the_right_one(tmp_path):
         ('[model]\ndtype = "int4"', "'dtype' must be one of 'auto', 'float32', 'bfloat16', 'float16'"),
         ("[ui]\nui_port = 0", "'ui_port' must be positive"),
         ("[ui]\nui_port = 70000", "'ui_port' must be a port number, 1 to 65535, got 70000"),
+        ("[engine]\nprefill_forward_tokens = 1000",
+         r"'prefill_forward_tokens' \(1000\) must be a multiple of 'prefill_chunk_tokens' \(512\)"),
     ],
 )
 def test_a_value_of_the_wrong_type_is_an_error_saying_what_was_expected(tmp_path, line, message):

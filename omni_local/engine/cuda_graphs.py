@@ -1,4 +1,4 @@
-"""Forwards captured as CUDA graphs: decode steps and short prefills of a decoder stack over a
+"""Forwards captured as CUDA graphs: decode steps and prefills of a decoder stack over a
 batch of sequences, each in its own blocks of a KVStore, the Thinker's or the Talker's (BatchGraphs),
 and forwards of fixed shapes such as the code predictor's 15 steps of a frame (StaticGraph).
 
@@ -7,9 +7,10 @@ for the Thinker's decode step or a 25-token prefill, 41 ms for the Talker's step
 H200); replaying the same kernels as a graph takes about 13, 19 and 5 ms. BatchGraphs captures one
 graph per shape bucket: the batch (chats decoding together), the new tokens per chat (a prefill's
 length, padded), and the attention length (each graph reads only the sequences' first `rows` rows, so
-a short chat does not attend over a whole context). Each batch row's block table, where its new rows
-go, its positions and inputs are device tensors the graphs read when they replay: one graph serves
-every sequence and position. All graphs are captured at start-up, into one memory pool per owner
+a short chat does not attend over a whole context; a prefill that begins its sequence reads none but
+its own, in a graph of its own). Each batch row's block table, where its new rows go, its positions
+and inputs are device tensors the graphs read when they replay: one graph serves every sequence and
+position. All graphs are captured at start-up, into one memory pool per owner
 (its graphs never replay at the same time), so the first request pays no capture.
 """
 
@@ -24,7 +25,7 @@ import torch
 from omni_local.engine.attention import PagedAttention
 from omni_local.engine.host_copies import copy_from_host
 from omni_local.engine.kv_blocks import PAD_BLOCK
-from omni_local.engine.kv_store import BlockTable, GraphedKVWriter, KVStore
+from omni_local.engine.kv_store import NO_PREFIX, BlockTable, GraphedKVWriter, KVStore
 
 # What a forward returns: a tensor, or a tuple of them (the Talker's hidden state and logits).
 Outputs = torch.Tensor | tuple[torch.Tensor, ...]
@@ -47,6 +48,18 @@ def size_buckets(smallest: int, largest: int) -> list[int]:
         buckets.append(size)
         size *= 2
     return [*buckets, largest]
+
+
+def prefill_lengths(chunk_tokens: int, forward_tokens: int) -> list[int]:
+    """The prefill graphs' lengths: powers of two from 16 to `chunk_tokens` (a chunk, a question, a
+    small image: padded to at most twice its tokens), then four to each doubling up to
+    `forward_tokens` (a long prompt's forward: padded by at most a quarter, as its cost grows with its
+    tokens once it reads every MoE expert's weights)."""
+    lengths = size_buckets(16, chunk_tokens)
+    while lengths[-1] < forward_tokens:
+        step = 1 << max(4, (lengths[-1] // 4).bit_length() - 1)  # a power of two, at most a quarter of it
+        lengths.append(min(lengths[-1] + step, forward_tokens))
+    return lengths
 
 
 def graphable(stack_config: Any, device: torch.device) -> bool:
@@ -93,7 +106,7 @@ class BatchGraphs:
             for batch in reversed(self.batches):  # largest first: the smaller ones reuse its pool memory
                 for length in reversed(self.lengths):
                     # A prefill padded to `length` tokens is more than half new tokens: fewer rows never hold it.
-                    for rows in (r for r in reversed(self.buckets) if r >= length):
+                    for rows in [*(r for r in reversed(self.buckets) if r >= length), *self._no_prefix(length, kernel)]:
                         cache = GraphedKVWriter(store, self._tables[:batch], self._indices[:batch, :length],
                                                 self._blocks[:batch, :length], self._offsets[:batch, :length],
                                                 self._last[:batch], rows, kernel)
@@ -101,22 +114,35 @@ class BatchGraphs:
                                       self._positions[:, :batch, :length])
                         self._graphs[batch, length, rows] = capture_graph(run, pool)
 
+    @staticmethod
+    def _no_prefix(length: int, kernel: PagedAttention | None) -> list[int]:
+        """[NO_PREFIX] where a graph for new tokens that begin their sequences is worth capturing: a
+        prefill's, attending as transformers does (the kernel's are not, reading the blocks anyway)."""
+        return [NO_PREFIX] if length > 1 and kernel is None else []
+
     def fits(self, batch: int, length: int, start: int) -> bool:
         """Whether a call of `batch` sequences of `length` new tokens after `start` rows has a graph
         (its padded rows within a sequence's most)."""
         padded = next((n for n in self.lengths if length <= n), None)
         return batch <= self.batches[-1] and padded is not None and start + padded <= self.store.shape.max_tokens
 
+    def bucket(self, count: int, length: int, start: int) -> tuple[int, int, int]:
+        """The (batch, length, rows) of the graph that runs `count` sequences of `length` new tokens
+        after `start` rows at most (rows NO_PREFIX where they begin their sequences)."""
+        if not self.fits(count, length, start):
+            raise IndexError(f"no graph for {count} sequences of {length} new tokens after row {start}")
+        batch = next(b for b in self.batches if count <= b)
+        padded = next(n for n in self.lengths if length <= n)
+        if start == 0 and (batch, padded, NO_PREFIX) in self._graphs:
+            return batch, padded, NO_PREFIX
+        return batch, padded, next(r for r in self.buckets if start + length <= r)
+
     def replay(self, tables: list[BlockTable], x: torch.Tensor, starts: list[int], positions: torch.Tensor) -> Outputs:
         """The forward's outputs for input `x` ([B, n] or [B, n, hidden]) at `positions` [3, B, n],
         both on the device, sequence i's new tokens written from row `starts[i]` of block table
         `tables[i]`; outputs for the B sequences, first. Check `fits` first."""
         count, length = x.shape[0], x.shape[1]
-        if not self.fits(count, length, max(starts)):
-            raise IndexError(f"no graph for {count} sequences of {length} new tokens after row {max(starts)}")
-        batch = next(b for b in self.batches if count <= b)
-        padded = next(n for n in self.lengths if length <= n)
-        rows = next(r for r in self.buckets if max(starts) + length <= r)
+        batch, padded, rows = self.bucket(count, length, max(starts))
         # Nothing here waits for the device: `x` and `positions` are copied on it, and so are the
         # padding sequences (copies of the first); the layout goes from the host without blocking.
         pad = batch - count

@@ -50,6 +50,7 @@ from omni_local.cache.encoder_cache import EncoderCache, encoder_namespace
 from omni_local.cache.folders import keep_compiled_code_in
 from omni_local.engine.attention import decode_attention
 from omni_local.engine.context_window import fit_prompt
+from omni_local.engine.cuda_graphs import prefill_lengths
 from omni_local.engine.detokenizer import IncrementalDetokenizer
 from omni_local.engine.encoders import Encoders
 from omni_local.engine.host_copies import Readback
@@ -98,7 +99,8 @@ class Engine:
         attention = decode_attention(settings.attention_backend, loaded.device)
         with current_device(loaded.device):  # the graphs' streams and pools, on the model's GPU
             self.runner = ThinkerRunner(thinker, encoder, settings.gpu_cache_bytes, settings.max_context_tokens,
-                                        settings.prefill_chunk_tokens, settings.max_running_requests,
+                                        prefill_lengths(settings.prefill_chunk_tokens, settings.prefill_forward_tokens),
+                                        settings.max_running_requests,
                                         settings.kv_block_tokens, talker_rows, cuda_graphs=settings.cuda_graphs,
                                         compiled_layers=settings.compiled_layers, moe=moe, attention=attention)
             self.runner.warm_up()
@@ -284,14 +286,16 @@ class Engine:
 
     def _part_end(self, request: Request, in_chunks: bool) -> int:
         """Where `request`'s next prefill part ends: `in_chunks`, at the next multiple of
-        prefill_chunk_tokens; else at the end of its prompt."""
+        prefill_chunk_tokens; else of prefill_forward_tokens (or at the end of its prompt)."""
         # Chunks only buy other replies shorter waits, and cost the prompt time: each is a forward of
-        # its own, reading the experts' weights again. So a prompt that holds up nobody is one forward.
-        # Chosen again each turn: a prompt begun in chunks finishes in one forward once nobody else
-        # decodes or speaks, from where a chunk ended, so every chunk of it still ends at a multiple of
-        # the chunk size, fixed by position whatever the cache supplied and whoever else ran.
-        prompt_end = request.prompt.num_tokens
-        return chunk_end(request.prefilled, prompt_end, self.settings.prefill_chunk_tokens) if in_chunks else prompt_end
+        # its own, reading the experts' weights again. So a prompt that holds up nobody is one forward
+        # of as many tokens as a graph holds. Chosen again each turn: a prompt begun in chunks
+        # finishes in such forwards once nobody else decodes or speaks, from where a chunk ended, so
+        # every part of it still ends at a multiple of the chunk size, fixed by position whatever the
+        # cache supplied and whoever else ran.
+        settings = self.settings
+        size = settings.prefill_chunk_tokens if in_chunks else settings.prefill_forward_tokens
+        return chunk_end(request.prefilled, request.prompt.num_tokens, size)
 
     def _prefill(self, request: Request, end: int) -> None:
         """`request`'s prefill up to row `end`, in one forward. The first part prepares the whole tail

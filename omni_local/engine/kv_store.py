@@ -277,6 +277,9 @@ class _Placed:
     table: torch.Tensor
 
 
+NO_PREFIX = 0  # a graph's attention rows when its new tokens are their sequences' first (GraphedKVWriter)
+
+
 class GraphedKVWriter:
     """The `cache` of a forward captured in a CUDA graph: B sequences of L new tokens each (B > 1:
     several chats decoding together; L > 1: a short prefill).
@@ -290,11 +293,18 @@ class GraphedKVWriter:
     which is enough only because those rows hold numbers: zeros, or the session's own (a store for
     graphs zeroes the blocks it hands out). Given a `kernel`, a forward instead `attend`s: the rows
     are written and the kernel reads the bucket's blocks in place, each token's own rows only.
+
+    With `rows` = NO_PREFIX the new tokens are their sequences' first: `update` hands back their
+    own keys and values and no mask, so attention is causal over them alone, as in transformers'
+    own prefill (flash attention's kernel, which skips the rows after each token and gathers
+    nothing, where a bucket's mask would have every token read every row of the bucket). A padded
+    prefill's extra tokens come after the real ones, so no real token attends to them.
     """
 
     def __init__(self, store: KVStore, tables: torch.Tensor, indices: torch.Tensor, blocks: torch.Tensor,
                  offsets: torch.Tensor, last: torch.Tensor, rows: int, kernel: PagedAttention | None = None
                  ) -> None:
+        assert kernel is None or rows != NO_PREFIX, "the kernel reads the blocks: it needs their rows"
         self.store, self.indices, self.blocks, self.offsets, self.last = store, indices, blocks, offsets, last
         self.rows = store.shape.blocks_for(rows) * store.shape.block_tokens
         self.tables = tables[:, : store.shape.blocks_for(rows)]
@@ -306,6 +316,8 @@ class GraphedKVWriter:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         keys, values = self._write(key_states, value_states, layer_idx)
+        if self.rows == NO_PREFIX:
+            return key_states, value_states
         # [B, kv_heads, rows, head_dim]: a copy of the bucket's rows, gathered from each sequence's blocks
         return gathered(keys, self.tables), gathered(values, self.tables)
 
@@ -324,8 +336,8 @@ class GraphedKVWriter:
         return keys, values
 
     def attention_mask(self, implementation: str, length: int, like: torch.Tensor) -> torch.Tensor | None:
-        if self.kernel is not None:
-            return None  # the kernel reads each token's own rows only
+        if self.kernel is not None or self.rows == NO_PREFIX:
+            return None  # the kernel reads each token's own rows only; the new tokens alone are causal
         rows = torch.arange(self.rows, device=like.device)
         allowed = rows[None, None, None, :] <= self.indices[:, None, :, None]  # [B, 1, L, rows]
         return _kernel_mask(allowed, implementation, like)

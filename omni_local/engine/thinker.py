@@ -5,9 +5,9 @@ decides what runs when: the encoders for the media of the uncached tail (MediaEn
 of that tail after the cached rows (whole, or the part of it the engine asks for: a chunk,
 prefill_chunks.py), then one decode step per token, each writing its keys and values into the
 request's blocks of the KVStore. On a GPU, with graphs, the decode step of every chat decoding at the
-time runs as one batch, and a prefill of up to `graphed_prefill_tokens` (a chunk, a question, an
-image) replays a CUDA graph too (BatchGraphs), all captured at start-up; longer prefills run
-eagerly. A decode step takes its token ids from the device (the engine's sampler keeps each seat's
+time runs as one batch, and a prefill of up to the longest of `prefill_lengths` (a chunk, a question,
+an image, a long prompt's forward) replays a CUDA graph too (BatchGraphs), all captured at start-up;
+longer prefills run eagerly. A decode step takes its token ids from the device (the engine's sampler keeps each seat's
 last choice there) and its positions through pinned memory, so a graphed step never makes the host
 wait: the engine queues the next one before reading this one.
 """
@@ -38,7 +38,7 @@ class ThinkerRunner:
         encoder: MediaEncoder,
         kv_budget_bytes: int,
         max_tokens: int,
-        graphed_prefill_tokens: int,
+        prefill_lengths: list[int],
         max_batch: int,
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
         talker_rows: TalkerRows | None = None,
@@ -49,7 +49,7 @@ class ThinkerRunner:
     ) -> None:
         self.thinker = thinker
         self.attention = attention  # the decode steps' kernel over the blocks; None: transformers' over gathered rows
-        self.graphed_prefill_tokens = graphed_prefill_tokens  # the longest prefill graph's new tokens
+        self.prefill_lengths = prefill_lengths  # the prefill graphs' new tokens (a prefill pads to the next)
         self.talker_rows = talker_rows
         self.encoder = encoder
         self.model = thinker.model  # Qwen3OmniMoeThinkerModel: .visual, .audio_tower, .language_model
@@ -94,9 +94,8 @@ class ThinkerRunner:
             self.kv.pool.release(table)
 
     def _capture(self, table: BlockTable) -> None:
-        """The decode step for every batch of chats up to `max_batch`, and prefills of up to
-        `graphed_prefill_tokens` new tokens (in buckets from 16), each for every attention length; in
-        one memory pool."""
+        """The decode step for every batch of chats up to `max_batch`, and prefills of each of
+        `prefill_lengths` new tokens, each for every attention length; in one memory pool."""
         pool, config = torch.cuda.graph_pool_handle(), self.text.config
         moe = self.regions.moe
         ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
@@ -107,7 +106,7 @@ class ThinkerRunner:
         dense = torch.zeros((1, 1, width), dtype=self.dtype, device=self.device)
         self.prefill_graphs = BatchGraphs(self._dense_prefill_step, self.kv, dense, table,
                                           moe.capturable(config, self.dtype),
-                                          lengths=size_buckets(16, self.graphed_prefill_tokens), pool=pool)
+                                          lengths=self.prefill_lengths, pool=pool)
 
     @torch.inference_mode()
     def prepare(self, prompt: Prompt, start: int, remember: bool = True) -> PreparedPrompt:
