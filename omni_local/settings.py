@@ -195,8 +195,8 @@ class Settings:
         if self.kv_block_tokens & (self.kv_block_tokens - 1) or 256 % self.kv_block_tokens:
             raise SettingsError(f"setting 'kv_block_tokens' must be a power of two up to 256, got {self.kv_block_tokens}")
         if self.prefill_forward_tokens % self.prefill_chunk_tokens:
-            raise SettingsError(f"setting 'prefill_forward_tokens' ({self.prefill_forward_tokens}) must be a multiple of "
-                                f"'prefill_chunk_tokens' ({self.prefill_chunk_tokens})")
+            raise SettingsError(f"setting 'prefill_forward_tokens' ({self.prefill_forward_tokens}) must be a "
+                                f"multiple of 'prefill_chunk_tokens' ({self.prefill_chunk_tokens})")
         for port in ("ui_port", "api_port"):
             if getattr(self, port) > 65535:
                 raise SettingsError(f"setting '{port}' must be a port number, 1 to 65535, got {getattr(self, port)}")

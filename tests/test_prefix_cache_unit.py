@@ -150,6 +150,65 @@ def test_a_request_of_more_blocks_than_the_pool_has_fails_at_once():
         cache.claim("a", p, cache.match(p), 17)
 
 
+def test_a_request_that_may_outgrow_the_pool_fails_at_once_whatever_it_claims_first():
+    cache = PrefixCache(store(blocks=5), host_budget_bytes=0, enabled=True)
+    p = prompt([1, 2, 3])
+    with pytest.raises(RequestError, match="needs 17 tokens of KV, more than the 16 the device holds"):
+        cache.claim("a", p, cache.match(p), 4, at_most=17)
+
+
+def test_a_growing_request_takes_free_blocks_then_moves_idle_entries_and_fails_only_against_running_ones():
+    kv = store(blocks=7)  # 6 usable blocks, 24 rows
+    cache = PrefixCache(kv, host_budget_bytes=1 << 20, enabled=True)
+    run(cache, "idle", prompt([1, 2, 3, 4, 5]))  # 2 blocks, idle
+    held = cache.claim("held", prompt([6, 7, 8]), cache.match(prompt([6, 7, 8])), 4)  # 1 block, running
+    growing = cache.claim("grows", prompt([9, 10]), cache.match(prompt([9, 10])), 4)
+    table = growing.entry.table
+
+    assert cache.grow(growing, 12) and len(table) == 3 and cache.entries["idle"].table is not None
+    assert cache.grow(growing, 20) and len(table) == 5  # in place, the idle entry moved to host for it
+    assert cache.entries["idle"].host is not None
+    assert not cache.grow(growing, 24)  # the last block is the running request's
+    cache.release(held)
+    assert cache.grow(growing, 24) and len(table) == 6
+
+
+def test_a_parked_request_keeps_its_rows_in_host_memory_past_the_budget_and_resumes_them_in_fresh_blocks():
+    kv = store(sequences=1)
+    cache = PrefixCache(kv, host_budget_bytes=0, enabled=True)  # no host tier: parking is not caching
+    p = prompt([1, 2, 3, 4, 5])
+    claim = cache.claim("a", p, cache.match(p), 8)
+    first, second = claim.entry.table
+    fill(kv, first, 3.0)
+    fill(kv, second, 4.0)
+    cache.publish(claim, p, [6, 7], 6)
+
+    cache.park(claim, 6)
+
+    assert claim.entry.table is None and kv.pool.free == kv.pool.usable and "a" in cache.entries
+    run(cache, "b", prompt([9, 9, 9]), rows=SHAPE.max_tokens)  # every block, then given back
+    assert claim.entry.host is not None, "a parked request's rows are never dropped"
+    assert cache.resume(claim, 12)
+    table = claim.entry.table
+    assert len(table) == 3 and claim.entry.host is None
+    rows = torch.cat([kv.keys[0][b] for b in table], dim=1)[0]  # [rows, head_dim]
+    assert torch.equal(rows[:6], torch.tensor([[3.0, 3.0]] * 4 + [[4.0, 4.0]] * 2))
+
+
+def test_a_parked_request_waits_for_blocks_running_requests_hold_and_ends_with_its_entry_on_host():
+    kv = store(sequences=1)
+    cache = PrefixCache(kv, host_budget_bytes=1 << 20, enabled=True)
+    p = prompt([1, 2, 3])
+    claim = cache.claim("a", p, cache.match(p), 4)
+    cache.publish(claim, p, [], 3)
+    cache.park(claim, 3)
+    other = cache.claim("b", prompt([4, 5]), cache.match(prompt([4, 5])), SHAPE.max_tokens)
+    assert not cache.resume(claim, 4)
+    cache.release(claim)  # cancelled while parked
+    cache.release(other)
+    assert cache.match(prompt([1, 2, 3, 4])).length == 3 and cache.entries["a"].host is not None
+
+
 def test_past_the_host_budget_the_oldest_entries_are_dropped():
     token_bytes = 2 * SHAPE.num_layers * SHAPE.kv_heads * SHAPE.head_dim * 4
     cache = PrefixCache(store(sequences=1), host_budget_bytes=3 * token_bytes, enabled=True)

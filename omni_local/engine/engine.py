@@ -72,6 +72,7 @@ from omni_local.settings import Settings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+REPLY_ROWS_AHEAD = 64  # a written reply's KV rows claimed at a time: after its prompt, then as it outgrows them
 NOT_A_NUMBER = "the model's output was not a number (NaN or infinity): this request's input may be corrupt"
 
 
@@ -195,7 +196,8 @@ class Engine:
         for request in [r for r in self._waiting if r.cancelled.is_set()]:
             self._waiting.remove(request)
             self._finish(request, "cancelled")
-        while self._waiting and not self._short_of_blocks and self.seats.free:
+        # A preempted request resumes before any newer one starts: it would take the blocks freed.
+        while self._waiting and not self._short_of_blocks and self.seats.free and not self._parked():
             request = self._waiting[0]
             try:
                 if request.prompt is None:
@@ -205,7 +207,7 @@ class Engine:
                         self.reasoning_marks)
                     request.prompt_built_s = time.perf_counter() - building
                 request.claim = self.cache.claim(request.session, request.prompt, self.cache.match(request.prompt),
-                                                 self._rows_for(request))
+                                                 self._claimed_rows(request), at_most=self._rows_for(request))
             except Exception as error:  # noqa: BLE001 - one request's failure must not stop the worker
                 self._waiting.popleft()
                 self._fail(request, self._failure_message(error))
@@ -226,19 +228,31 @@ class Engine:
         """KV rows `request` may write: its prompt and its longest reply, within the context."""
         return min(request.prompt.num_tokens + request.params.max_new_tokens, self.settings.max_context_tokens)
 
+    def _claimed_rows(self, request: Request) -> int:
+        """KV rows claimed at admission: a written reply's prompt and first REPLY_ROWS_AHEAD rows (it
+        grows as it goes, `_room_to_decode`); a spoken reply's every row, as it is never preempted
+        (its Talker reads the Thinker's rows while it speaks)."""
+        most = self._rows_for(request)
+        return most if request.speech is not None else min(most, request.prompt.num_tokens + REPLY_ROWS_AHEAD)
+
+    def _parked(self) -> list[Request]:
+        """The preempted requests, oldest first."""
+        return [r for r in self._running if r.parked and not r.ended]
+
     def _run_turn(self) -> None:
         """Prefills (the oldest waiting prompt's next part, and the short prompts after it that fit in
         the turn's budget); one decode step of the requests decoding, queued before the step of the
         turn before is read; one frame of each spoken reply."""
         for request in [r for r in self._running if r.cancelled.is_set()]:
             self._finish(request, "cancelled")
-        decoding = [r for r in self._running if not r.ended and not r.text_done and not r.prefilling]
+        decoding = [r for r in self._running if not r.ended and not r.text_done and not r.prefilling and not r.parked]
         waiting = [r for r in self._running if not r.ended and not r.text_done and r.prefilling]
         if waiting:
             # Those a long prefill would hold up: the replies decoding and the ones still speaking. (A
             # prompt waiting for its own prefill comes after this one's, in chunks or not.)
             speaking = any(not r.ended and r.spoken is not None and not r.spoken.done for r in self._running)
             self._prefills(waiting, bool(decoding) or speaking or self.settings.chunk_every_prefill)
+        decoding = self._room_to_decode(decoding)
         previous, self._in_flight = self._in_flight, self._launch(decoding)
         if previous is not None:
             self._collect(previous)
@@ -248,6 +262,55 @@ class Engine:
             if not request.ended and request.text_done and (request.spoken is None or request.spoken.done):
                 self._finish(request, request.stop_reason)
         self._running = [r for r in self._running if not r.ended]
+
+    def _room_to_decode(self, decoding: list[Request]) -> list[Request]:
+        """The requests to decode this turn, each with blocks for the row its step writes: parked
+        ones back first, oldest first, while blocks can be had without preempting; then, oldest
+        first, each one whose next row is past its blocks grown by REPLY_ROWS_AHEAD rows. Where no
+        block can be had, the youngest written reply decoding is preempted (`_park`) until one can,
+        the growing request itself if it is that one: it waits, parked, for blocks to free."""
+        for request in self._parked():
+            if not self.cache.resume(request.claim, self._next_rows(request)):
+                break
+            request.parked = False
+            decoding.append(request)
+        for request in [r for r in decoding if r.launched < r.max_new_tokens]:  # in order of admission
+            rows = self._next_rows(request)
+            while not self._ended_or_parked(request) and not self.cache.grow(request.claim, rows):
+                self._drain()  # a request is preempted with no step in flight: its rows are all known
+                if not self._ended_or_parked(request):
+                    self._park(max((r for r in decoding if self._preemptible(r)), key=lambda r: r.started_at))
+        return [r for r in decoding if not self._ended_or_parked(r)]
+
+    def _next_rows(self, request: Request) -> int:
+        """Rows `request` must hold for its next step, which writes row prompt + launched - 1: those,
+        and REPLY_ROWS_AHEAD more (within its longest reply) where its blocks end before them."""
+        rows = request.prompt.num_tokens + request.launched
+        held = len(request.table) * self.runner.kv.shape.block_tokens if request.table is not None else 0
+        return rows if rows <= held else min(rows + REPLY_ROWS_AHEAD, self._rows_for(request))
+
+    def _preemptible(self, request: Request) -> bool:
+        return not self._ended_or_parked(request) and request.speech is None
+
+    @staticmethod
+    def _ended_or_parked(request: Request) -> bool:
+        return request.ended or request.text_done or request.parked
+
+    def _drain(self) -> None:
+        """Read the decode step in flight now, not in the next turn."""
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None:
+            self._collect(previous)
+
+    def _park(self, request: Request) -> None:
+        """Preempt `request` (a written reply decoding, no step of it in flight): what it wrote is
+        published, its rows go to host memory and its blocks to the pool. It keeps its seat, and with
+        it its sampler's state (its last token, its random stream), and resumes where it stopped."""
+        self.cache.publish(request.claim, request.prompt, request.output_ids, request.written)
+        self.cache.park(request.claim, request.written)
+        request.parked = True
+        request.preempted += 1
+        log.info("KV full: a reply of %d tokens waits in host memory for blocks to free", request.written)
 
     def _guarded(self, requests: list[Request], work: Callable[[], T]) -> T | None:
         """What `work` for `requests` returns; if it raises, they fail with its message, the engine goes

@@ -59,6 +59,10 @@ class HostCopy:
     talker_rows: torch.Tensor | None  # [rows, talker_dim]
 
     @property
+    def rows(self) -> int:
+        return self.kv.shape[3]
+
+    @property
     def nbytes(self) -> int:
         rows = self.talker_rows
         return self.kv.nbytes + (rows.nbytes if rows is not None else 0)

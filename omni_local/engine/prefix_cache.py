@@ -13,8 +13,10 @@ Either way the last prompt token is always left to compute (its logits pick the 
 A claim builds the request's table: the matched prefix's full blocks are shared (held once more,
 never written: the request writes only rows after its start), a partly matched last block is copied
 to a block of its own unless the session's own entry alone holds it (then it is continued in place),
-and fresh blocks follow, enough for the prompt and every reply token the request may write, so a
-running request never waits for a block. A request that can never fit fails at once.
+and fresh blocks follow for the rows the engine asks for (its prompt and the start of its reply);
+`grow` adds blocks as the reply outgrows them. A request that can never fit fails at once. A running
+request the engine preempts is parked: its rows go to host memory, whatever the host budget, and its
+blocks back to the pool, until `resume` puts them in fresh blocks; its claim stays meanwhile.
 
 Memory: the device's blocks are the first tier; when too few are free, the least recently used entry
 that no running request holds moves to host memory (the second tier, its own byte budget) and comes
@@ -120,14 +122,15 @@ class PrefixCache:
                 best = Match(None, length, tuple(found[: self.kv.shape.blocks_for(length)]))
         return best
 
-    def claim(self, session: str, prompt: Prompt, match: Match, rows: int) -> Claim | None:
-        """Blocks for `session`'s request, `rows` rows in all (its prompt and the reply it may write),
+    def claim(self, session: str, prompt: Prompt, match: Match, rows: int, at_most: int | None = None
+              ) -> Claim | None:
+        """Blocks for `session`'s request, `rows` rows for now (its prompt and the start of its reply),
         the matched prefix in them; None while running requests hold too many blocks (the request
-        waits). The session's entry is pinned until `release`. A request of more blocks than the
-        pool has fails at once."""
-        need = self.kv.shape.blocks_for(rows)
-        if need > self.pool.usable:
-            raise RequestError(f"this request needs {rows:,} tokens of KV, more than the {self.kv.capacity_tokens:,} "
+        waits). The session's entry is pinned until `release`. A request that may write `at_most`
+        rows (`rows` if not given), more than the pool's blocks hold, fails at once."""
+        need, most = self.kv.shape.blocks_for(rows), at_most or rows
+        if self.kv.shape.blocks_for(most) > self.pool.usable:
+            raise RequestError(f"this request needs {most:,} tokens of KV, more than the {self.kv.capacity_tokens:,} "
                                "the device holds (gpu_cache_bytes): ask for a shorter reply or conversation")
         own = self.entries.get(session)
         if own is not None and own.pins:
@@ -199,23 +202,60 @@ class PrefixCache:
             entry.keys = np.concatenate([prompt.keys, np.asarray(reply[: written - prompt.num_tokens], np.int64)])
         entry.media = {m.start: m.digest for m in prompt.media if m.end <= written}
         full = written // self.block_tokens
-        if self.by_hash and self.enabled and full > entry.registered:
+        if self.by_hash and self.enabled and full > entry.registered and entry.table is not None:
             for index, key in enumerate(chain(entry.keys, _spans(prompt), self.block_tokens, full)):
                 if index >= entry.registered:
                     self.pool.register(entry.table[index], key)
             entry.registered = full
 
     def release(self, claim: Claim) -> None:
-        """The request is done with its blocks: those past what it wrote go back to the pool."""
+        """The request is done with its blocks: those past what it wrote go back to the pool (a
+        parked one's rows stay in host memory, the session's entry there)."""
         entry = claim.entry
         entry.pins -= 1
         assert entry.pins >= 0
         entry.last_used = next(self._clock)
-        keep = self.kv.shape.blocks_for(entry.length)
-        self.pool.release(entry.table[keep:])
-        entry.table = entry.table[:keep]
+        if entry.table is not None:
+            keep = self.kv.shape.blocks_for(entry.length)
+            self.pool.release(entry.table[keep:])
+            entry.table = entry.table[:keep]
         if not self.enabled and entry.pins == 0:
             self._drop(entry)
+
+    def grow(self, claim: Claim, rows: int) -> bool:
+        """Blocks for the claim's first `rows` rows (a reply that outgrew its blocks), free ones or
+        made free by moving idle entries to host memory; whether it has them (False: running
+        requests hold the rest)."""
+        entry = claim.entry
+        more = self.kv.shape.blocks_for(rows) - len(entry.table)
+        if more <= 0:
+            return True
+        if not self._free_up(more, keep=None, own=entry, freed_with_own=0):
+            return False
+        entry.table.extend(self.kv.take(more))  # in place: the engine's view of the table is this list
+        return True
+
+    def park(self, claim: Claim, rows: int) -> None:
+        """Preempt the claim's request: its first `rows` rows to host memory, whatever the host
+        budget (a running request's rows are never dropped), and its blocks back to the pool. Its
+        blocks registered by hash stay findable until handed out again."""
+        entry = claim.entry
+        assert entry.table is not None, "a parked request is parked once"
+        entry.host = self.kv.to_host(entry.table, rows)
+        self.pool.release(entry.table)
+        entry.table = None
+
+    def resume(self, claim: Claim, rows: int) -> bool:
+        """A parked claim's rows back on the device, in fresh blocks for `rows` rows (free ones, or
+        made free by moving idle entries); whether it could have them (else it stays parked)."""
+        entry = claim.entry
+        need = self.kv.shape.blocks_for(rows)
+        if not self._free_up(need, keep=None, own=entry, freed_with_own=0):
+            return False
+        table = self.kv.take(need)
+        self.kv.from_host(entry.host, table, entry.host.rows)
+        entry.table, entry.host = table, None
+        return True
 
     def discard(self, claim: Claim) -> None:
         """Release `claim` and forget what its request wrote: its outputs were not numbers, so its
@@ -266,7 +306,7 @@ class PrefixCache:
             self._drop(entry)
 
     def _drop_oldest_on_host(self, keep: Entry | None) -> bool:
-        on_host = (e for e in self.entries.values() if e.host is not None and e is not keep)
+        on_host = (e for e in self.entries.values() if e.host is not None and e is not keep and not e.pins)
         oldest = min(on_host, key=lambda e: e.last_used, default=None)
         if oldest is None:
             return False
