@@ -309,7 +309,6 @@ class Engine:
         self.cache.publish(request.claim, request.prompt, request.output_ids, request.written)
         self.cache.park(request.claim, request.written)
         request.parked = True
-        request.preempted += 1
         log.info("KV full: a reply of %d tokens waits in host memory for blocks to free", request.written)
 
     def _guarded(self, requests: list[Request], work: Callable[[], T]) -> T | None:
