@@ -73,7 +73,6 @@ class Request:
     text_done_at: float = 0.0
     stop_reason: StopReason = "end_of_turn"
     parked: bool = False  # preempted: its KV in host memory, its seat kept, until blocks free
-    preempted: int = 0  # times it was parked
     spoken: SpokenReply | None = None  # the speech, once the first token is known
     ended: bool = False  # Finished or Failed was sent: the engine is done with it
 
