@@ -122,7 +122,9 @@ class Settings:
     kv_block_tokens: int = setting(
         "cache", 16, "tokens per KV block: what chats share of a common prefix, and the least a chat holds"
     )
-    host_cache_bytes: int = setting("cache", 8 << 30, "host memory for KV moved off the device")
+    host_cache_bytes: int = setting(
+        "cache", 8 << 30, "host memory for KV moved off the device, allocated at start-up (page-locked on a GPU)"
+    )
     encoder_cache: bool = setting("cache", True, "keep encoder outputs by image or clip content")
     encoder_cache_bytes: int = setting("cache", 1 << 30, "device memory for encoder outputs")
     disk_cache: bool = setting("cache", True, "also keep encoder outputs on disk, across restarts")

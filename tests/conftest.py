@@ -50,6 +50,7 @@ def demo_settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
         model="demo", demo_dir=str(root / "demo"), cache_dir=str(root / "cache"),
         device=TEST_DEVICE, dtype="float32",
         gpu_cache_bytes=64 << 20,  # 32 chats of the demo's 2 KiB per token x 1024 tokens
+        host_cache_bytes=64 << 20,  # allocated (and on a GPU page-locked) by every app a test starts
         max_context_tokens=1024, max_prompt_tokens=960,
     )
 

@@ -209,12 +209,12 @@ def test_a_parked_request_waits_for_blocks_running_requests_hold_and_ends_with_i
     assert cache.match(prompt([1, 2, 3, 4])).length == 3 and cache.entries["a"].host is not None
 
 
-def test_past_the_host_budget_the_oldest_entries_are_dropped():
-    token_bytes = 2 * SHAPE.num_layers * SHAPE.kv_heads * SHAPE.head_dim * 4
-    cache = PrefixCache(store(sequences=1), host_budget_bytes=3 * token_bytes, enabled=True)
+def test_past_the_host_arena_the_oldest_entries_are_dropped():
+    block_bytes = SHAPE.block_bytes(torch.float32)
+    cache = PrefixCache(store(sequences=1), host_budget_bytes=block_bytes, enabled=True)  # one block
     for session, ids in (("a", [1, 2, 3]), ("b", [4, 5, 6]), ("c", [7, 8, 9])):
         run(cache, session, prompt(ids), rows=SHAPE.max_tokens)
-    assert cache.host_bytes <= 3 * token_bytes
+    assert cache.arena.blocks == 1 and cache.host_bytes == block_bytes
     assert set(cache.entries) == {"b", "c"}  # "a" moved to host, then made room for "b"
 
 

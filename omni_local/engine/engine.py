@@ -114,8 +114,9 @@ class Engine:
         # Kept free while idle: a typical next request's blocks (a chunk of prompt and a default reply).
         headroom = kv.shape.blocks_for(settings.prefill_chunk_tokens + settings.max_new_tokens)
         self.cache = PrefixCache(kv, settings.host_cache_bytes, enabled=settings.prefix_cache, headroom_blocks=headroom)
-        log.info("KV: %s blocks of %d tokens, %s tokens in all (%d chats of %d tokens)", f"{kv.pool.usable:,}",
-                 kv.shape.block_tokens, f"{kv.capacity_tokens:,}", sequences, settings.max_context_tokens)
+        log.info("KV: %s blocks of %d tokens, %s tokens in all (%d chats of %d tokens); in host memory %s blocks",
+                 f"{kv.pool.usable:,}", kv.shape.block_tokens, f"{kv.capacity_tokens:,}", sequences,
+                 settings.max_context_tokens, f"{self.cache.arena.blocks:,}" if self.cache.arena else "none")
         self.eos_ids = set(thinker_eos_token_ids(loaded))
         # A reply is text: a media placeholder in it would be taken for a medium in the next prompt.
         self.suppressed_ids = media_markup_token_ids(loaded)
@@ -169,6 +170,7 @@ class Engine:
             if not self._take_inbox(block=idle):
                 self._shut_down()
                 return
+            self.cache.settle()  # the blocks of moves to host memory that have run, back to the pool
             self._admit()
             if self._running or self._in_flight:
                 self._run_turn()
@@ -245,8 +247,10 @@ class Engine:
         turn before is read; one frame of each spoken reply."""
         for request in [r for r in self._running if r.cancelled.is_set()]:
             self._finish(request, "cancelled")
-        decoding = [r for r in self._running if not r.ended and not r.text_done and not r.prefilling and not r.parked]
-        waiting = [r for r in self._running if not r.ended and not r.text_done and r.prefilling]
+        # A request whose rows are still coming back from host memory sits this turn out.
+        active = [r for r in self._running if not r.ended and not r.text_done and r.claim.ready]
+        decoding = [r for r in active if not r.prefilling and not r.parked]
+        waiting = [r for r in active if r.prefilling]
         if waiting:
             # Those a long prefill would hold up: the replies decoding and the ones still speaking. (A
             # prompt waiting for its own prefill comes after this one's, in chunks or not.)
@@ -273,7 +277,8 @@ class Engine:
             if not self.cache.resume(request.claim, self._next_rows(request)):
                 break
             request.parked = False
-            decoding.append(request)
+            if request.claim.ready:
+                decoding.append(request)
         for request in [r for r in decoding if r.launched < r.max_new_tokens]:  # in order of admission
             rows = self._next_rows(request)
             while not self._ended_or_parked(request) and not self.cache.grow(request.claim, rows):

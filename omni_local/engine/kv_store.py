@@ -99,7 +99,7 @@ class KVStore:
 
     @property
     def allocated_bytes(self) -> int:
-        return sum(t.nbytes for t in self._block_tensors())
+        return sum(t.nbytes for t in self.block_tensors())
 
     @property
     def token_bytes(self) -> int:
@@ -158,14 +158,13 @@ class KVStore:
         return self.talker_rows[blocks, positions % self.shape.block_tokens]
 
     def to_host(self, table: BlockTable, rows: int) -> HostCopy:
-        """A copy of the sequence's first `rows` rows in host memory, never a view of the pool (on the
-        CPU `.to("cpu")` alone would be one), whose blocks other sequences overwrite.
+        """A copy of the sequence's first `rows` rows in host memory of its own, never a view of the
+        pool (on the CPU `.to("cpu")` alone would be one), whose blocks other sequences overwrite: a
+        preempted request's rows where the host arena (host_arena.py) has no room for them.
 
-        The KV is gathered on the device first, then moved in one transfer, instead of one copy per layer
-        into a fresh pinned buffer (requests that moved an entry that way ran about 60 ms slower on
-        an H200; the move itself was not timed apart). The copy is waited for: an asynchronous one
-        needs pinned memory, which torch's caching allocator rounds up to a power of two and keeps
-        pinned, so host memory could reach twice `host_cache_bytes`."""
+        The KV is gathered on the device first, then moved in one transfer, and waited for: an
+        asynchronous copy needs pinned memory, which torch's caching allocator rounds up to a power
+        of two and keeps pinned."""
         index = self.device_table(table[: self.shape.blocks_for(rows)])[None]
         rows_of = [torch.stack([gathered(k, index)[0, :, :rows], gathered(v, index)[0, :, :rows]])
                    for k, v in zip(self.keys, self.values)]
@@ -200,10 +199,10 @@ class KVStore:
     def _zero(self, blocks: BlockTable) -> None:
         if blocks:
             index = to_device(torch.tensor(blocks, dtype=torch.long), self.device)
-            for tensor in self._block_tensors():
+            for tensor in self.block_tensors():
                 tensor.index_fill_(0, index, 0)
 
-    def _block_tensors(self) -> list[torch.Tensor]:
+    def block_tensors(self) -> list[torch.Tensor]:
         """Every tensor with a block as its first dimension."""
         return self.keys + self.values + ([self.talker_rows] if self.talker_rows is not None else [])
 

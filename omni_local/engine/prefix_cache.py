@@ -15,13 +15,17 @@ never written: the request writes only rows after its start), a partly matched l
 to a block of its own unless the session's own entry alone holds it (then it is continued in place),
 and fresh blocks follow for the rows the engine asks for (its prompt and the start of its reply);
 `grow` adds blocks as the reply outgrows them. A request that can never fit fails at once. A running
-request the engine preempts is parked: its rows go to host memory, whatever the host budget, and its
-blocks back to the pool, until `resume` puts them in fresh blocks; its claim stays meanwhile.
+request the engine preempts is parked: its rows go to host memory (never dropped, beyond the arena
+if need be), and its blocks back to the pool, until `resume` puts them in fresh blocks; its claim
+stays meanwhile.
 
 Memory: the device's blocks are the first tier; when too few are free, the least recently used entry
-that no running request holds moves to host memory (the second tier, its own byte budget) and comes
-back on a hit; past that budget the oldest host entries are dropped. A block another entry shares
-stays on the device with it.
+that no running request holds moves to host memory (the second tier: an arena of blocks allocated at
+start-up, host_arena.py) and comes back on a hit; when the arena is full the oldest host entries
+are dropped. A block another entry shares stays on the device with it. The copies are queued on a
+copy stream: nobody waits for a move to host, but its blocks are held until it has run (`settle`
+gives them back), and only a request that needs those very blocks waits for it; a request whose
+rows come back from host memory is `ready` once they are there.
 """
 
 import itertools
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from omni_local.engine.host_arena import HostArena, HostBlocks, Transfer
 from omni_local.engine.kv_blocks import PAD_BLOCK, chain
 from omni_local.engine.kv_store import BlockTable, HostCopy, KVStore
 from omni_local.errors import RequestError
@@ -41,7 +46,7 @@ class Entry:
     keys: np.ndarray  # [n] keys of the tokens whose KV is written, in order
     media: dict[int, bytes]  # start -> full digest, for every medium in `keys`
     table: BlockTable | None = None  # where the KV is: blocks on the device (held by the entry) ...
-    host: HostCopy | None = None  # ... or host memory
+    host: HostBlocks | HostCopy | None = None  # ... or host memory: the arena's, or a parked request's copy
     pins: int = 0  # running requests that read or write it
     last_used: int = 0
     registered: int = 0  # its first blocks registered by hash
@@ -73,6 +78,12 @@ class Claim:
     start: int  # rows already valid: the request computes from here
     reused_gpu: int
     reused_host: int
+    loading: Transfer | None = None  # its rows on their way back from host memory
+
+    @property
+    def ready(self) -> bool:
+        """Its rows are all in its blocks: nothing it reads is still being copied there."""
+        return self.loading is None or self.loading.finished
 
 
 class PrefixCache:
@@ -81,7 +92,10 @@ class PrefixCache:
         self.kv = kv
         self.pool = kv.pool
         self.block_tokens = kv.shape.block_tokens
-        self.host_budget = host_budget_bytes
+        block_bytes = kv.shape.block_bytes(kv.dtype)
+        self.arena = HostArena(kv, host_budget_bytes // block_bytes) if enabled and host_budget_bytes >= block_bytes \
+            else None
+        self._leaving: list[tuple[BlockTable, Transfer]] = []  # blocks held until their copy to host has run
         self.enabled = enabled
         # The Talker's cache matches by entry only: its rows of a user token depend on the Thinker's
         # whole prefix, which its keys do not hold (speech.py checks that per entry).
@@ -159,8 +173,11 @@ class PrefixCache:
             self._drop(own)  # replaced by the state this request starts from; the blocks it shares are held
         table = shared + self.kv.take(fresh)
         reused_gpu = reused_host = 0
+        loading = None
         if host is not None:
-            self.kv.from_host(host, table, match.length)
+            # Queued after `own` was dropped (its arena slots freed, if the match was its own): no
+            # copy into them is queued before this one out of them.
+            loading = self._restore(host, table, match.length)
             reused_host = match.length
         elif match.length:
             if borrowed:
@@ -173,7 +190,7 @@ class PrefixCache:
         media = {m.start: m.digest for m in prompt.media if m.end <= match.length}
         entry = Entry(session, keys, media, table=table, pins=1, last_used=next(self._clock))
         self.entries[session] = entry
-        return Claim(entry, match.length, reused_gpu, reused_host)
+        return Claim(entry, match.length, reused_gpu, reused_host, loading)
 
     def _shared_blocks(self, match: Match, own: Entry | None) -> tuple[list[int], int | None, bool]:
         """The match's blocks the claim will hold: its full blocks, and its partly matched last block
@@ -236,13 +253,18 @@ class PrefixCache:
         return True
 
     def park(self, claim: Claim, rows: int) -> None:
-        """Preempt the claim's request: its first `rows` rows to host memory, whatever the host
-        budget (a running request's rows are never dropped), and its blocks back to the pool. Its
-        blocks registered by hash stay findable until handed out again."""
+        """Preempt the claim's request: its first `rows` rows to host memory, the arena's (idle
+        entries dropped for room) or, where it has too few blocks, a copy of their own (a running
+        request's rows are never dropped), and its blocks back to the pool. Its blocks registered
+        by hash stay findable until handed out again."""
         entry = claim.entry
         assert entry.table is not None, "a parked request is parked once"
-        entry.host = self.kv.to_host(entry.table, rows)
-        self.pool.release(entry.table)
+        saved = self._save(entry.table, rows, keep=None)
+        if saved is None:
+            entry.host = self.kv.to_host(entry.table, rows)
+            self.pool.release(entry.table)
+        else:
+            entry.host = saved
         entry.table = None
 
     def resume(self, claim: Claim, rows: int) -> bool:
@@ -253,9 +275,19 @@ class PrefixCache:
         if not self._free_up(need, keep=None, own=entry, freed_with_own=0):
             return False
         table = self.kv.take(need)
-        self.kv.from_host(entry.host, table, entry.host.rows)
-        entry.table, entry.host = table, None
+        claim.loading = self._restore(entry.host, table, entry.host.rows)
+        self._forget_host(entry)
+        entry.table = table
         return True
+
+    def settle(self) -> None:
+        """Give the pool the blocks whose copy to host memory has run."""
+        leaving, self._leaving = self._leaving, []
+        for table, transfer in leaving:
+            if transfer.finished:
+                self.pool.release(table)
+            else:
+                self._leaving.append((table, transfer))
 
     def discard(self, claim: Claim) -> None:
         """Release `claim` and forget what its request wrote: its outputs were not numbers, so its
@@ -276,18 +308,28 @@ class PrefixCache:
 
     def make_room(self) -> None:
         """Keep `headroom_blocks` free while nobody waits, so moving an entry to host memory (a copy
-        of all its KV) is not paid inside the next request's time to first token."""
-        self._free_up(self.headroom_blocks, keep=None, own=None, freed_with_own=0)
+        of all its KV) is not paid inside the next request's time to first token. The moves are only
+        queued: their blocks come free once they have run."""
+        self._free_up(self.headroom_blocks, keep=None, own=None, freed_with_own=0, wait=False)
 
-    def _free_up(self, count: int, keep: Entry | None, own: Entry | None, freed_with_own: int) -> bool:
+    def _free_up(self, count: int, keep: Entry | None, own: Entry | None, freed_with_own: int,
+                 wait: bool = True) -> bool:
         """Move idle entries (not `keep`, not `own`, whose blocks free `freed_with_own` more once
-        dropped) to host memory until `count` blocks can be had; whether they can."""
-        while self.pool.free + freed_with_own < count:
-            victim = self._least_recent_on_device(keep, own)
-            if victim is None:
+        dropped) to host memory until `count` blocks can be had; whether they can. Where they are
+        the blocks of moves still queued, the host waits for those (with `wait`; else False)."""
+        while True:
+            self.settle()
+            if self.pool.free + freed_with_own >= count:
+                return True
+            coming = sum(self.pool.holders(b) == 1 for table, _ in self._leaving for b in table)
+            enough_coming = self.pool.free + coming + freed_with_own >= count
+            victim = None if enough_coming else self._least_recent_on_device(keep, own)
+            if victim is not None:
+                self._move_to_host(victim, keep)
+            elif self._leaving and wait:
+                self._leaving[0][1].wait()
+            else:
                 return False
-            self._move_to_host(victim, keep)
-        return True
 
     def _least_recent_on_device(self, keep: Entry | None, own: Entry | None) -> Entry | None:
         candidates = [e for e in self.entries.values()
@@ -295,15 +337,36 @@ class PrefixCache:
         return min(candidates, key=lambda e: e.last_used, default=None)
 
     def _move_to_host(self, entry: Entry, keep: Entry | None) -> None:
-        size = entry.length * self.kv.token_bytes
-        while self.host_bytes + size > self.host_budget and self._drop_oldest_on_host(keep):
-            pass
-        if entry.length and self.host_bytes + size <= self.host_budget:
-            entry.host = self.kv.to_host(entry.table, entry.length)
-            self.pool.release(entry.table)
-            entry.table = None
-        else:
+        saved = self._save(entry.table, entry.length, keep) if entry.length else None
+        if saved is None:
             self._drop(entry)
+        else:
+            entry.host, entry.table = saved, None
+
+    def _save(self, table: BlockTable, rows: int, keep: Entry | None) -> HostBlocks | None:
+        """Queue the copy of the sequence's first `rows` rows to the arena (its oldest idle entries,
+        not `keep`, dropped for room), its blocks held until it has run; None where it cannot."""
+        if self.arena is None or self.kv.shape.blocks_for(rows) > self.arena.blocks:
+            return None
+        while self.arena.free < self.kv.shape.blocks_for(rows) and self._drop_oldest_on_host(keep):
+            pass
+        saved = self.arena.save(table, rows)
+        if saved is not None:
+            self._leaving.append((table, saved.saved))
+        return saved
+
+    def _restore(self, host: HostBlocks | HostCopy, table: BlockTable, rows: int) -> Transfer | None:
+        """Queue the copy of `host`'s first `rows` rows into `table`'s blocks (a parked request's
+        own copy is copied at once)."""
+        if isinstance(host, HostBlocks):
+            return self.arena.load(host, table, rows)
+        self.kv.from_host(host, table, rows)
+        return None
+
+    def _forget_host(self, entry: Entry) -> None:
+        if isinstance(entry.host, HostBlocks):
+            self.arena.release(entry.host)
+        entry.host = None
 
     def _drop_oldest_on_host(self, keep: Entry | None) -> bool:
         on_host = (e for e in self.entries.values() if e.host is not None and e is not keep and not e.pins)
@@ -316,7 +379,8 @@ class PrefixCache:
     def _drop(self, entry: Entry) -> None:
         if entry.table is not None:
             self.pool.release(entry.table)
-        entry.table, entry.host = None, None
+        self._forget_host(entry)
+        entry.table = None
         if self.entries.get(entry.session) is entry:
             del self.entries[entry.session]
 
