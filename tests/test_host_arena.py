@@ -11,11 +11,11 @@ from unittest.mock import patch
 import pytest
 import torch
 
+from cache_requests import prompt, run
 from omni_local.api import OmniLocal, TextDelta
 from omni_local.engine.host_arena import HostArena, Transfer
 from omni_local.engine.kv_store import KVShape, KVStore
 from omni_local.engine.prefix_cache import PrefixCache
-from test_prefix_cache_unit import prompt, run
 
 SHAPE = KVShape(num_layers=2, kv_heads=1, head_dim=2, max_tokens=32, talker_dim=3, block_tokens=4)
 

@@ -4,12 +4,11 @@ import numpy as np
 import pytest
 import torch
 
-from omni_local.cache.digests import token_keys
+from cache_requests import prompt, run
 from omni_local.engine.kv_blocks import chain
 from omni_local.engine.kv_store import KVShape, KVStore
 from omni_local.engine.prefix_cache import PrefixCache
 from omni_local.errors import RequestError
-from omni_local.prompts import MediaItem, Prompt
 
 SHAPE = KVShape(num_layers=2, kv_heads=1, head_dim=2, max_tokens=32, block_tokens=4)
 TABLE = SHAPE.table_blocks  # 8 blocks: the longest sequence
@@ -18,20 +17,6 @@ TABLE = SHAPE.table_blocks  # 8 blocks: the longest sequence
 def store(sequences: int = 2, blocks: int | None = None, shape: KVShape = SHAPE) -> KVStore:
     """Blocks for `sequences` of the longest sequences (or `blocks` in all), and the pad block."""
     return KVStore(shape, blocks or sequences * shape.table_blocks + 1, torch.float32, torch.device("cpu"))
-
-
-def prompt(ids: list[int], media: list[tuple[int, int, bytes]] = ()) -> Prompt:
-    items = [MediaItem(None, digest, start, length, grid=(1, 2, 2)) for start, length, digest in media]
-    array = np.array(ids, dtype=np.int64)
-    return Prompt(torch.tensor([ids]), items, token_keys(array, list(media)))
-
-
-def run(cache: PrefixCache, session: str, p: Prompt, reply: list[int] = (), rows: int | None = None) -> int:
-    """Claim, 'compute' and release like the engine; returns the tokens reused."""
-    claim = cache.claim(session, p, cache.match(p), rows or p.num_tokens + len(reply))
-    cache.publish(claim, p, list(reply), p.num_tokens + max(len(reply) - 1, 0))
-    cache.release(claim)
-    return claim.start
 
 
 def fill(kv: KVStore, block: int, value: float) -> None:

@@ -268,24 +268,25 @@ class Engine:
         self._running = [r for r in self._running if not r.ended]
 
     def _room_to_decode(self, decoding: list[Request]) -> list[Request]:
-        """The requests to decode this turn, each with blocks for the row its step writes: parked
-        ones back first, oldest first, while blocks can be had without preempting; then, oldest
-        first, each one whose next row is past its blocks grown by REPLY_ROWS_AHEAD rows. Where no
+        """The requests to decode this turn, each with blocks for the row its step writes. Oldest
+        first, each one whose next row is past its blocks is grown by REPLY_ROWS_AHEAD rows; where no
         block can be had, the youngest written reply decoding is preempted (`_park`) until one can,
-        the growing request itself if it is that one: it waits, parked, for blocks to free."""
-        for request in self._parked():
-            if not self.cache.resume(request.claim, self._next_rows(request)):
-                break
-            request.parked = False
-            if request.claim.ready:
-                decoding.append(request)
+        the growing request itself if it is that one: it waits, parked, for blocks to free. Then
+        parked ones come back, oldest first, while blocks are left (so none is parked again at once)."""
         for request in [r for r in decoding if r.launched < r.max_new_tokens]:  # in order of admission
             rows = self._next_rows(request)
             while not self._ended_or_parked(request) and not self.cache.grow(request.claim, rows):
                 self._drain()  # a request is preempted with no step in flight: its rows are all known
                 if not self._ended_or_parked(request):
                     self._park(max((r for r in decoding if self._preemptible(r)), key=lambda r: r.started_at))
-        return [r for r in decoding if not self._ended_or_parked(r)]
+        decoding = [r for r in decoding if not self._ended_or_parked(r)]
+        for request in self._parked():
+            if not self.cache.resume(request.claim, self._next_rows(request)):
+                break
+            request.parked = False
+            if request.claim.ready:
+                decoding.append(request)
+        return decoding
 
     def _next_rows(self, request: Request) -> int:
         """Rows `request` must hold for its next step, which writes row prompt + launched - 1: those,

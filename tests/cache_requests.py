@@ -1,0 +1,23 @@
+"""Prompts made by hand and requests run through a PrefixCache as the engine runs them, for the
+cache's unit tests (no model)."""
+
+import numpy as np
+import torch
+
+from omni_local.cache.digests import token_keys
+from omni_local.engine.prefix_cache import PrefixCache
+from omni_local.prompts import MediaItem, Prompt
+
+
+def prompt(ids: list[int], media: list[tuple[int, int, bytes]] = ()) -> Prompt:
+    items = [MediaItem(None, digest, start, length, grid=(1, 2, 2)) for start, length, digest in media]
+    array = np.array(ids, dtype=np.int64)
+    return Prompt(torch.tensor([ids]), items, token_keys(array, list(media)))
+
+
+def run(cache: PrefixCache, session: str, p: Prompt, reply: list[int] = (), rows: int | None = None) -> int:
+    """Claim, 'compute' and release like the engine; returns the tokens reused."""
+    claim = cache.claim(session, p, cache.match(p), rows or p.num_tokens + len(reply))
+    cache.publish(claim, p, list(reply), p.num_tokens + max(len(reply) - 1, 0))
+    cache.release(claim)
+    return claim.start
