@@ -7,9 +7,9 @@ prefill_chunks.py), then one decode step per token, each writing its keys and va
 request's blocks of the KVStore. On a GPU, with graphs, the decode step of every chat decoding at the
 time runs as one batch, and a prefill of up to the longest of `prefill_lengths` (a chunk, a question,
 an image, a long prompt's forward) replays a CUDA graph too (BatchGraphs), all captured at start-up;
-longer prefills run eagerly. A decode step takes its token ids from the device (the engine's sampler keeps each seat's
-last choice there) and its positions through pinned memory, so a graphed step never makes the host
-wait: the engine queues the next one before reading this one.
+longer prefills run eagerly. A decode step takes its token ids from the device (the engine's
+sampler keeps each seat's last choice there) and its positions through pinned memory, so a graphed
+step never makes the host wait: the engine queues the next one before reading this one.
 """
 
 import numpy as np
