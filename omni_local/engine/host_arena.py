@@ -84,10 +84,6 @@ class HostArena:
     def free(self) -> int:
         return len(self._free)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self._tensors)
-
     def save(self, table: BlockTable, rows: int) -> HostBlocks | None:
         """Queue the copy of the first `rows` rows of the blocks of `table` to the arena; None if too
         few of its slots are free."""
