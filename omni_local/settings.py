@@ -37,6 +37,12 @@ class Settings:
         "model", "sdpa", "attention kernels of the Thinker"
     )
     speech: bool = setting("model", False, "load the Talker and Code2Wav (spoken replies)")
+    weights: Literal["bf16", "fp8", "int4"] = setting(
+        "model", "bf16",
+        "how the Thinker's and Talker's experts and attention projections are held: 'bf16' as the checkpoint has"
+        " them (in dtype), 'fp8' (float8; GPUs of compute capability 8.9 or newer), 'int4' (4-bit experts, int8"
+        " attention projections; any GPU): fewer bytes, so a smaller card and faster decode, at some quality",
+    )
     model_kind: Literal["auto", "instruct", "thinking", "captioner"] = setting(
         "model", "auto",
         "which Qwen3-Omni checkpoint it is; 'auto': one with a Talker is Instruct, one whose chat template opens a"

@@ -44,3 +44,11 @@ def logits_choosing(choices: list[list[int]], num_experts: int, seed: int = 0) -
         for rank, expert in enumerate(chosen):
             logits[token, expert] = 2.0 - 0.7 * rank + 0.1 * torch.rand((), generator=generator)
     return logits
+
+
+# Routings that the expert kernels' tests take each kernel through, by what they exercise.
+ROUTES = {
+    "an expert gets no token": [[0, 1], [1, 0], [2, 1], [0, 2]],  # expert 3 of 4 idle
+    "one token routed to its top-k": [[3, 1]],
+    "uneven loads, one expert over a block": [[1, 0]] * 18 + [[2, 3], [3, 1]],
+}

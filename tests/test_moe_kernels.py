@@ -7,7 +7,7 @@ import torch
 
 from compile_for_h200 import compile_for_h200
 from conftest import TEST_DEVICE
-from moe_cases import experts, logits_choosing, router_over_logits, text_config
+from moe_cases import ROUTES, experts, logits_choosing, router_over_logits, text_config
 
 if TEST_DEVICE != "cpu":
     pytest.skip("the interpreter tests run on the CPU run; the GPU run has tests/test_moe_on_gpu.py",
@@ -124,13 +124,6 @@ def test_the_sort_kernels_compile_for_an_h200_without_a_gpu():
     done = compile_for_h200(COMPILE_SORT_FOR_SM90)
 
     assert done.returncode == 0, done.stderr
-
-
-ROUTES = {
-    "an expert gets no token": [[0, 1], [1, 0], [2, 1], [0, 2]],  # expert 3 of 4 idle
-    "one token routed to its top-k": [[3, 1]],
-    "uneven loads, one expert over a block": [[1, 0]] * 18 + [[2, 3], [3, 1]],
-}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])

@@ -26,6 +26,7 @@ from omni_local.engine.moe.kernels.down import weighted_down
 from omni_local.engine.moe.kernels.gate_up import gate_up_silu
 from omni_local.engine.moe.kernels.routing import route
 from omni_local.engine.moe.kernels.sorting import sort_by_expert
+from omni_local.engine.moe.kernels.weight_tiles import kernel_weight
 from omni_local.engine.moe.tile_configs import (
     TILE_CONFIG_DIR,
     TUNED_TOKENS,
@@ -64,7 +65,7 @@ def tune_count(shape: MoeShape, block: torch.nn.Module, tokens: int, runs: int) 
     """The fastest config for `tokens` tokens, its time and the default config's (ms, both GEMMs)."""
     hidden = torch.randn((tokens, shape.hidden), device="cuda", dtype=torch.bfloat16)
     logits = torch.randn((tokens, shape.experts), device="cuda", dtype=torch.bfloat16)
-    gate_up, down = block.experts.gate_up_proj, block.experts.down_proj
+    gate_up, down = kernel_weight(block.experts.gate_up_proj), kernel_weight(block.experts.down_proj)
     weights, experts = route(logits, shape.top_k, True)
 
     def gemms_ms(block_m: int, gate_up_tile: GemmTile, down_tile: GemmTile | None) -> float:

@@ -13,6 +13,8 @@ from transformers.utils import is_flash_attn_2_available
 from omni_local.api.kinds import ModelKind
 from omni_local.errors import CheckpointError, SettingsError
 from omni_local.model.demo import ensure_demo_checkpoint
+from omni_local.model.quantized import quantize_layers
+from omni_local.model.quantized.linear import has_fp8_units
 from omni_local.model.reasoning import template_opens_reasoning
 from omni_local.model.workarounds import apply_workarounds, load_processor
 from omni_local.settings import Settings
@@ -53,7 +55,9 @@ def load_model(settings: Settings) -> LoadedModel:
     kind = recognise_kind(settings.model_kind, talker, processor)
     # Without speech the Talker and Code2Wav are never built, so their weights are skipped on load.
     config.enable_audio_output = settings.speech
+    _check_weights(settings, device)
     model = _load_weights(path, config, dtype, settings.attn_implementation).to(device).eval()
+    quantize_layers(model, settings.weights)
     apply_workarounds(model, end_of_turn_ids(processor), processor.tokenizer.pad_token_id)
     return LoadedModel(model=model, processor=processor, path=path, device=device, dtype=dtype, kind=kind)
 
@@ -128,6 +132,19 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[name]
+
+
+def _check_weights(settings: Settings, device: torch.device) -> None:
+    """Refuse quantized weights where they cannot run, saying what would."""
+    if settings.weights == "bf16" or device.type != "cuda":
+        return
+    if settings.weights == "fp8" and not has_fp8_units(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise SettingsError(f"setting 'weights' is 'fp8', but this GPU (compute capability {major}.{minor}) has no "
+                            "FP8 units (8.9 or newer has): use 'int4'")
+    if settings.moe_backend == "torch":
+        raise SettingsError(f"setting 'weights' is {settings.weights!r}: on a GPU its experts run in our kernels, so "
+                            "setting 'moe_backend' must be 'triton' or 'auto', not 'torch'")
 
 
 def _check_attention(name: str) -> None:

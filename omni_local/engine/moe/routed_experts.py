@@ -19,34 +19,41 @@ from omni_local.engine.moe.kernels.down import weighted_down
 from omni_local.engine.moe.kernels.gate_up import gate_up_silu
 from omni_local.engine.moe.kernels.routing import route
 from omni_local.engine.moe.kernels.sorting import sort_by_expert
+from omni_local.engine.moe.kernels.weight_tiles import kernel_weight
 from omni_local.engine.moe.tile_configs import TileConfig, tile_config
 
 
 def weighted_expert_rows(hidden: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                         top_k: int, renormalize: bool, config: TileConfig | None = None) -> torch.Tensor:
+                         top_k: int, renormalize: bool, config: TileConfig | None = None,
+                         gate_up_scales: torch.Tensor | None = None, down_scales: torch.Tensor | None = None
+                         ) -> torch.Tensor:
     """Each token's top-k experts' outputs, scaled by their routing weights: [tokens, top_k, hidden]
     float32, for `hidden` [tokens, hidden], router `logits` [tokens, E], and the experts' contiguous
-    `gate_up` [E, 2I, hidden] and `down` [E, hidden, I]; `config` None takes the tuned one."""
+    `gate_up` [E, 2I, hidden] and `down` [E, hidden, I] (each in the hidden dtype, or quantized
+    values with their scales: model/quantized/formats.py); `config` None takes the tuned one."""
+    gate_up_weight, down_weight = kernel_weight(gate_up, gate_up_scales), kernel_weight(down, down_scales)
     tokens, width = hidden.shape
-    num_experts, intermediate = gate_up.shape[0], down.shape[2]
+    num_experts, intermediate = gate_up.shape[0], down_weight.in_features
     if tokens == 0:
         return hidden.new_zeros((0, top_k, width), dtype=torch.float32)
     config = config or tile_config(num_experts, width, intermediate, tokens, hidden.device)
     weights, experts = route(logits.contiguous(), top_k, renormalize)
     order = sort_by_expert(experts, num_experts, config.block_m)
-    activated = gate_up_silu(hidden.contiguous(), gate_up, order, experts, config.block_m, config.gate_up)
-    rows = weighted_down(activated, down, order, experts, weights, config.block_m, config.down)
+    activated = gate_up_silu(hidden.contiguous(), gate_up_weight, order, experts, config.block_m, config.gate_up)
+    rows = weighted_down(activated, down_weight, order, experts, weights, config.block_m, config.down)
     return rows.view(tokens, top_k, width)
 
 
 @torch.library.custom_op("omni_local::routed_experts", mutates_args=())
 def routed_experts(hidden: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                   top_k: int, renormalize: bool) -> torch.Tensor:
+                   top_k: int, renormalize: bool, gate_up_scales: torch.Tensor | None = None,
+                   down_scales: torch.Tensor | None = None) -> torch.Tensor:
     """`weighted_expert_rows` with the tuned config, as one op."""
-    return weighted_expert_rows(hidden, logits, gate_up, down, top_k, renormalize)
+    return weighted_expert_rows(hidden, logits, gate_up, down, top_k, renormalize, None, gate_up_scales, down_scales)
 
 
 @routed_experts.register_fake
 def _(hidden: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-      top_k: int, renormalize: bool) -> torch.Tensor:
+      top_k: int, renormalize: bool, gate_up_scales: torch.Tensor | None = None,
+      down_scales: torch.Tensor | None = None) -> torch.Tensor:
     return hidden.new_empty((hidden.shape[0], top_k, hidden.shape[1]), dtype=torch.float32)

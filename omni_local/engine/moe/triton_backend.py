@@ -1,5 +1,6 @@
 """The `triton` MoE backend: the router's logits by the router's own weight (one GEMM, as
-transformers computes them), then our kernels (routed_experts.py). The default on CUDA."""
+transformers computes them), then our kernels (routed_experts.py), which read quantized experts
+(model/quantized/) in their own formats. The default on CUDA."""
 
 import torch
 import torch.nn.functional as F
@@ -7,6 +8,7 @@ import torch.nn.functional as F
 from omni_local.engine.moe.backend import MoeBackend
 from omni_local.engine.moe.block import experts_use_silu, renormalizes
 from omni_local.engine.moe.routed_experts import routed_experts
+from omni_local.model.quantized import QuantizedExperts
 
 
 class TritonMoe(MoeBackend):
@@ -16,6 +18,11 @@ class TritonMoe(MoeBackend):
         if not experts_use_silu(mlp):
             raise ValueError(f"the triton MoE kernels apply SiLU, and these experts use {mlp.experts.act_fn}")
         logits = F.linear(flat, mlp.gate.weight)
-        rows = routed_experts(flat, logits, mlp.experts.gate_up_proj, mlp.experts.down_proj, mlp.gate.top_k,
-                              renormalizes(mlp))
+        experts = mlp.experts
+        if isinstance(experts, QuantizedExperts):
+            rows = routed_experts(flat, logits, experts.gate_up_values, experts.down_values, mlp.gate.top_k,
+                                  renormalizes(mlp), experts.gate_up_scales, experts.down_scales)
+        else:
+            rows = routed_experts(flat, logits, experts.gate_up_proj, experts.down_proj, mlp.gate.top_k,
+                                  renormalizes(mlp))
         return rows.sum(dim=1).to(flat.dtype)  # the top-k sum, k in order

@@ -4,22 +4,25 @@ One program per (block of BLOCK_M sorted rows, BLOCK_N hidden columns): the bloc
 rows times its expert's down projection, times each pair's routing weight, in float32, written at
 the pair's own row of a [pairs, hidden] float32 output. Every pair has its own row, so no two
 programs write one place: the top-k sum is left to a fixed-order sum over k afterwards (see
-routed_experts.py), not to atomics whose order changes from run to run."""
+routed_experts.py), not to atomics whose order changes from run to run. The weight may be
+quantized (weight_tiles.py), as in gate_up.py."""
 
 import torch
 import triton
 import triton.language as tl
 
-from omni_local.engine.triton_support import dot_precision
 from omni_local.engine.moe.kernels.sorting import sorted_block
+from omni_local.engine.moe.kernels.weight_tiles import (FP8_ROWS, INT4_GROUPS, KernelWeight, group_scales,
+                                                        row_scales, weight_tile)
 from omni_local.engine.moe.tile_configs import GemmTile
+from omni_local.engine.triton_support import dot_precision
 
 
 @triton.jit
-def _down_kernel(inter_ptr, weight_ptr, sorted_ptr, experts_ptr, routing_ptr, out_ptr, pairs,
+def _down_kernel(inter_ptr, weight_ptr, scales_ptr, sorted_ptr, experts_ptr, routing_ptr, out_ptr, pairs,
                  hidden_size, intermediate, inter_stride, weight_expert_stride, weight_row_stride,
-                 out_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
+                 scale_expert_stride, scale_row_stride, out_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, FORMAT: tl.constexpr, GROUP: tl.constexpr):
     first, expert, pair, real = sorted_block(sorted_ptr, experts_ptr, pairs, BLOCK_M)
     if first >= pairs:
         return  # a block past the last expert's
@@ -29,30 +32,39 @@ def _down_kernel(inter_ptr, weight_ptr, sorted_ptr, experts_ptr, routing_ptr, ou
     inside = columns < hidden_size
     depth = tl.arange(0, BLOCK_K)
     rows_in = inter_ptr + row[:, None] * inter_stride + depth[None, :]
-    # [BLOCK_K, BLOCK_N] view of the expert's down projection [hidden, intermediate]
-    weight_in = weight_ptr + expert * weight_expert_stride + columns[None, :] * weight_row_stride + depth[:, None]
+    dtype = inter_ptr.dtype.element_ty
+    weight_rows = weight_ptr + expert * weight_expert_stride
+    scales = scales_ptr + expert * scale_expert_stride
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(0, intermediate, BLOCK_K):
         within = start + depth < intermediate
         x = tl.load(rows_in + start, mask=real[:, None] & within[None, :], other=0.0)
-        w = tl.load(weight_in + start, mask=within[:, None] & inside[None, :], other=0.0)
-        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+        w = weight_tile(weight_rows, columns, depth, start, weight_row_stride, within[:, None] & inside[None, :],
+                        dtype, FORMAT)
+        if FORMAT == INT4_GROUPS:
+            acc += tl.dot(x, w, input_precision=DOT_PRECISION) * group_scales(
+                scales, columns, start, scale_row_stride, inside, GROUP)[None, :]
+        else:
+            acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+    if FORMAT == FP8_ROWS:
+        acc *= row_scales(scales, columns, scale_row_stride, inside)[None, :]
     routing = tl.load(routing_ptr + row, mask=real, other=0.0).to(tl.float32)
     out = out_ptr + row[:, None] * out_stride + columns[None, :]
     tl.store(out, acc * routing[:, None], mask=real[:, None] & inside[None, :])
 
 
-def weighted_down(intermediate: torch.Tensor, down: torch.Tensor, order: torch.Tensor, experts: torch.Tensor,
+def weighted_down(intermediate: torch.Tensor, down: KernelWeight, order: torch.Tensor, experts: torch.Tensor,
                   routing: torch.Tensor, block_m: int, tile: GemmTile) -> torch.Tensor:
     """routing weight * (intermediate row W_down^T) [pairs, hidden] float32 for every pair of
     `experts` [tokens, top_k] (weights `routing`, same shape), its `intermediate` [pairs, I] row
     through its expert's `down` [E, hidden, I], over the sorted `order`."""
-    pairs, hidden_size = experts.numel(), down.shape[1]
+    pairs, hidden_size = experts.numel(), down.out_features
     out = torch.empty((pairs, hidden_size), dtype=torch.float32, device=intermediate.device)
     grid = (order.numel() // block_m, triton.cdiv(hidden_size, tile.block_n))
-    _down_kernel[grid](intermediate, down, order, experts, routing, out, pairs, hidden_size, down.shape[2],
-                       intermediate.stride(0), down.stride(0), down.stride(1), out.stride(0),
-                       BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-                       DOT_PRECISION=dot_precision(intermediate.dtype), num_warps=tile.num_warps,
-                       num_stages=tile.num_stages)
+    values = down.values
+    _down_kernel[grid](intermediate, values, down.scales, order, experts, routing, out, pairs, hidden_size,
+                       down.in_features, intermediate.stride(0), values.stride(0), values.stride(1),
+                       *down.scale_strides, out.stride(0), BLOCK_M=block_m, BLOCK_N=tile.block_n,
+                       BLOCK_K=down.block_k(tile.block_k), DOT_PRECISION=dot_precision(intermediate.dtype),
+                       FORMAT=down.format, GROUP=down.group, num_warps=tile.num_warps, num_stages=tile.num_stages)
     return out

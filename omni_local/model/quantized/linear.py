@@ -1,0 +1,85 @@
+"""A linear layer whose weight is quantized (formats.py), in place of a `torch.nn.Linear`.
+
+How it multiplies, by format and device:
+- `fp8` on a GPU with FP8 matrix units (compute capability 8.9 or newer): each input row is scaled to
+  float8 by its own largest magnitude and `torch._scaled_mm` multiplies float8 by float8 with both
+  scales in its epilogue (FP8 "dynamic"): the weight is read once, in one byte a value;
+- `int8`: `torch._weight_int8pack_mm`, the weight read as int8 and scaled per output row, on the CPU
+  and on a GPU;
+- otherwise (fp8 on the CPU): the weight dequantized to the input's dtype, then a plain matmul.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from omni_local.model.quantized.formats import FP8, FP8_MAX, QuantFormat, Quantized, dequantize, quantize
+
+_FP8_CAPABILITY = (8, 9)
+
+
+class QuantizedLinear(torch.nn.Module):
+    def __init__(self, in_features: int, out_features: int, format: QuantFormat, bias: torch.Tensor | None = None
+                 ) -> None:
+        super().__init__()
+        if format == "int4":
+            raise ValueError("a dense layer is quantized to fp8 or int8; int4 is for experts")
+        self.in_features, self.out_features, self.format = in_features, out_features, format
+        self.register_buffer("values", None)
+        self.register_buffer("scales", None)
+        self.fp8_units = False  # whether `forward` multiplies in float8 (`take_weight` decides)
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def replacing(cls, linear: torch.nn.Linear, format: QuantFormat) -> "QuantizedLinear":
+        """A layer for `linear`'s place: quantized from its weight, unless that is still on the meta
+        device (a skeleton being loaded: `take_weight` fills it)."""
+        layer = cls(linear.in_features, linear.out_features, format, linear.bias)
+        if not linear.weight.is_meta:
+            layer.take_weight("weight", linear.weight.detach())
+        return layer
+
+    def take_weight(self, name: str, tensor: torch.Tensor) -> None:
+        """A checkpoint tensor of the layer it replaces: the weight is quantized on its device."""
+        if name == "bias":
+            self.bias = torch.nn.Parameter(tensor, requires_grad=False)
+            return
+        assert name == "weight" and tensor.shape == (self.out_features, self.in_features), (name, tensor.shape)
+        weight = quantize(tensor, self.format)
+        self.values, self.scales = weight.values, weight.scales
+        # Decided once, here: a capability query in `forward` would be traced into compiled regions.
+        self.fp8_units = self.format == "fp8" and has_fp8_units(tensor.device)
+
+    @property
+    def weight(self) -> Quantized:
+        return Quantized(self.format, self.values, self.scales)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if self.format == "int8":
+            out = torch._weight_int8pack_mm(rows, self.values, self.scales.to(rows.dtype))
+        elif self.fp8_units:
+            out = _fp8_matmul(rows, self.values, self.scales)
+        else:
+            out = F.linear(rows, dequantize(self.weight, rows.dtype))
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"
+
+
+def has_fp8_units(device: torch.device) -> bool:
+    """Whether `device` multiplies float8 matrices in hardware (Ada, Hopper and newer GPUs)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= _FP8_CAPABILITY
+
+
+def _fp8_matmul(rows: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """rows [M, K] times the fp8 weight `values` [N, K] (per-row `scales` [N]) with each input row
+    quantized to fp8 by its own scale: [M, N] in the rows' dtype."""
+    row_scales = (rows.abs().amax(-1, keepdim=True).float() / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    quantized = (rows.float() / row_scales).to(FP8)
+    # Row-wise scales give bfloat16 out (cuBLASLt's FP8 epilogue), whatever the activations' dtype.
+    out = torch._scaled_mm(quantized, values.t(), scale_a=row_scales, scale_b=scales.view(1, -1),
+                           out_dtype=torch.bfloat16)
+    return out.to(rows.dtype)

@@ -1,0 +1,132 @@
+"""Quantized weights (model/quantized/): the formats' arithmetic, the quantized layers that take the
+place of transformers' own, and our MoE kernels reading fp8 and int4 experts, against the
+dequantized weights through transformers' own experts loop. Kernels run in Triton's CPU interpreter
+here (float32 and float16); tests/test_moe_on_gpu.py runs them at full size on a GPU."""
+
+import pytest
+import torch
+
+from conftest import TEST_DEVICE
+from moe_cases import ROUTES, experts, logits_choosing, router_over_logits, text_config
+from omni_local.model.quantized import QuantizedExperts, QuantizedLinear, dequantize, quantize
+from omni_local.model.quantized.formats import int4_values
+
+HIDDEN, INTERMEDIATE = 64, 32  # int4 groups of 64 and 32 inputs
+FORMATS = ["fp8", "int4"]
+# A weight drawn from a normal distribution, back from each format: relative error of the whole matrix.
+ROUND_TRIP_ERROR = {"fp8": 0.035, "int8": 0.01, "int4": 0.13}
+
+
+def normal(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("format", ["fp8", "int8", "int4"])
+def test_a_weight_comes_back_from_each_format_within_its_rounding(format):
+    weight = normal(96, 256)
+
+    back = dequantize(quantize(weight, format), torch.float32)
+
+    assert (back - weight).norm() / weight.norm() < ROUND_TRIP_ERROR[format]
+
+
+def test_int4_packs_two_values_a_byte_the_even_one_low_each_plus_8_with_a_scale_per_group_of_128():
+    row = torch.arange(256, dtype=torch.float32) % 15 - 7  # -7 .. 7, repeating: each group's largest is 7
+    weight = torch.stack([row * 0.5, row * 0.25])
+
+    stored = quantize(weight, "int4")
+
+    assert stored.values.shape == (2, 128) and stored.values.dtype == torch.uint8
+    assert stored.values[0, 0].item() == (-7 + 8) | ((-6 + 8) << 4)
+    assert torch.equal(stored.scales, torch.tensor([[0.5, 0.5], [0.25, 0.25]]))
+    assert torch.equal(int4_values(stored.values)[0].float(), row)
+    assert torch.equal(dequantize(stored, torch.float32), weight)
+
+
+@pytest.mark.parametrize("format", ["fp8", "int8"])
+def test_a_quantized_linear_layer_multiplies_by_its_dequantized_weight(format):
+    linear = torch.nn.Linear(64, 48, bias=True)
+    x = normal(3, 5, 64, seed=1)
+
+    layer = QuantizedLinear.replacing(linear, format)
+
+    expected = x @ dequantize(layer.weight, torch.float32).T + linear.bias
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_experts_quantized_one_projection_at_a_time_equal_experts_quantized_whole(format):
+    module = experts(text_config(num_experts=4, top_k=2, hidden=HIDDEN, intermediate=INTERMEDIATE), torch.float32)
+    whole = QuantizedExperts.replacing(module, format)
+
+    by_parts = QuantizedExperts(4, HIDDEN, INTERMEDIATE, module.act_fn, format)
+    for expert in range(4):
+        gate, up = module.gate_up_proj[expert].detach().chunk(2)
+        by_parts.take_expert_weight(expert, "up_proj", up)  # in any order
+        by_parts.take_expert_weight(expert, "down_proj", module.down_proj[expert].detach())
+        by_parts.take_expert_weight(expert, "gate_proj", gate)
+
+    for name, buffer in whole.named_buffers():
+        assert torch.equal(buffer, by_parts.get_buffer(name)), name
+    assert torch.equal(whole.gate_up.values, quantize(module.gate_up_proj.detach(), format).values)
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_quantized_experts_run_transformers_loop_over_their_dequantized_weights(format):
+    config = text_config(num_experts=4, top_k=2, hidden=HIDDEN, intermediate=INTERMEDIATE)
+    module = experts(config, torch.float32)
+    quantized = QuantizedExperts.replacing(module, format)
+    with torch.no_grad():
+        module.gate_up_proj.copy_(dequantize(quantized.gate_up, torch.float32))
+        module.down_proj.copy_(dequantize(quantized.down, torch.float32))
+    hidden = normal(6, HIDDEN, seed=2)
+    _, weights, chosen = router_over_logits(config)(normal(6, 4, seed=3))
+
+    torch.testing.assert_close(quantized(hidden, chosen, weights), module(hidden, chosen, weights))
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the interpreter tests run on the CPU run")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("case", ROUTES)
+def test_the_expert_kernels_read_quantized_experts_as_their_dequantized_weights(case, format, dtype):
+    from omni_local.engine.moe.routed_experts import weighted_expert_rows
+    from omni_local.engine.moe.tile_configs import GemmTile, TileConfig
+
+    config = text_config(num_experts=4, top_k=2, hidden=HIDDEN, intermediate=INTERMEDIATE)
+    quantized = QuantizedExperts.replacing(experts(config, torch.float32), format)
+    logits = logits_choosing(ROUTES[case], num_experts=4)
+    hidden = normal(len(logits), HIDDEN, seed=4).to(dtype)
+    _, weights, chosen = router_over_logits(config)(logits)
+    expected = quantized(hidden.float(), chosen, weights).to(dtype)
+
+    tiles = TileConfig(16, GemmTile(16, 32), GemmTile(16, 32))  # BLOCK_K 32: int4's down groups hold one tile
+    rows = weighted_expert_rows(hidden, logits.to(dtype), quantized.gate_up_values, quantized.down_values, top_k=2,
+                                renormalize=True, config=tiles, gate_up_scales=quantized.gate_up_scales,
+                                down_scales=quantized.down_scales)
+
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=3e-3)
+    torch.testing.assert_close(rows.sum(dim=1).to(dtype), expected, **tolerance)
+
+
+COMPILE_GEMMS_FOR_SM90 = """
+from omni_local.engine.moe.kernels.down import _down_kernel
+from omni_local.engine.moe.kernels.gate_up import _gate_up_kernel
+from omni_local.engine.moe.kernels.weight_tiles import FP8_ROWS, INT4_GROUPS, PLAIN
+
+weights = {PLAIN.value: "*bf16", FP8_ROWS.value: "*fp8e4nv", INT4_GROUPS.value: "*u8"}
+for format, weight in weights.items():
+    tiles = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, DOT_PRECISION=None, FORMAT=format, GROUP=128)
+    compiled(_gate_up_kernel, dict(hidden_ptr="*bf16", weight_ptr=weight, scales_ptr="*fp32", sorted_ptr="*i32",
+                                   experts_ptr="*i32", out_ptr="*bf16"), dict(TOP_K=8, **tiles), num_warps=4)
+    compiled(_down_kernel, dict(inter_ptr="*bf16", weight_ptr=weight, scales_ptr="*bf16", sorted_ptr="*i32",
+                                experts_ptr="*i32", routing_ptr="*fp32", out_ptr="*fp32"), tiles, num_warps=4)
+"""
+
+
+def test_the_expert_kernels_compile_for_an_h200_in_every_weight_format_without_a_gpu():
+    from compile_for_h200 import compile_for_h200
+
+    done = compile_for_h200(COMPILE_GEMMS_FOR_SM90)
+
+    assert done.returncode == 0, done.stderr
