@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
 from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration, Qwen3OmniMoeProcessor
 from transformers.utils import is_flash_attn_2_available
 
@@ -14,6 +13,7 @@ from omni_local.api.kinds import ModelKind
 from omni_local.errors import CheckpointError, SettingsError
 from omni_local.model.demo import ensure_demo_checkpoint
 from omni_local.model.reasoning import template_opens_reasoning
+from omni_local.model.weights import load_weights
 from omni_local.model.workarounds import apply_workarounds, load_processor
 from omni_local.settings import Settings
 
@@ -53,7 +53,7 @@ def load_model(settings: Settings) -> LoadedModel:
     kind = recognise_kind(settings.model_kind, talker, processor)
     # Without speech the Talker and Code2Wav are never built, so their weights are skipped on load.
     config.enable_audio_output = settings.speech
-    model = _load_weights(path, config, dtype, settings.attn_implementation).to(device).eval()
+    model = load_weights(path, config, dtype, device, settings.attn_implementation).eval()
     apply_workarounds(model, end_of_turn_ids(processor), processor.tokenizer.pad_token_id)
     return LoadedModel(model=model, processor=processor, path=path, device=device, dtype=dtype, kind=kind)
 
@@ -133,23 +133,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def _check_attention(name: str) -> None:
     if name == "flash_attention_2" and not is_flash_attn_2_available():
         raise SettingsError("setting 'attn_implementation' is 'flash_attention_2', but flash-attn is not installed")
-
-
-def _load_weights(
-    path: Path, config: Qwen3OmniMoeConfig, dtype: torch.dtype, attn_implementation: str
-) -> Qwen3OmniMoeForConditionalGeneration:
-    try:
-        model, info = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
-            path, config=config, dtype=dtype, attn_implementation=attn_implementation, output_loading_info=True
-        )
-    except (OSError, ValueError, RuntimeError, SafetensorError) as error:
-        raise CheckpointError(f"could not load the weights in '{path}': {error}") from None
-    # transformers fills weights absent from the files with random values and only logs it.
-    missing = sorted(info["missing_keys"])
-    if missing:
-        examples = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
-        raise CheckpointError(f"checkpoint '{path}' lacks {len(missing)} weight(s): {examples}")
-    return model
 
 
 def _read_config(path: Path) -> tuple[Qwen3OmniMoeConfig, bool]:
