@@ -3,10 +3,10 @@
 import json
 import re
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
 from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration, Qwen3OmniMoeProcessor
 from transformers.utils import is_flash_attn_2_available
 
@@ -16,6 +16,7 @@ from omni_local.model.demo import ensure_demo_checkpoint
 from omni_local.model.quantized import quantize_layers
 from omni_local.model.quantized.linear import has_fp8_units
 from omni_local.model.reasoning import template_opens_reasoning
+from omni_local.model.weights import load_weights
 from omni_local.model.workarounds import apply_workarounds, load_processor
 from omni_local.settings import Settings
 
@@ -56,8 +57,10 @@ def load_model(settings: Settings) -> LoadedModel:
     # Without speech the Talker and Code2Wav are never built, so their weights are skipped on load.
     config.enable_audio_output = settings.speech
     _check_weights(settings, device)
-    model = _load_weights(path, config, dtype, settings.attn_implementation).to(device).eval()
-    quantize_layers(model, settings.weights)
+    # Quantized layers take the place of the empty model's own, and quantize each tensor on the
+    # device as it is read: no full-precision copy of the model is ever made.
+    model = load_weights(path, config, dtype, device, settings.attn_implementation,
+                         prepare=partial(quantize_layers, weights=settings.weights)).eval()
     apply_workarounds(model, end_of_turn_ids(processor), processor.tokenizer.pad_token_id)
     return LoadedModel(model=model, processor=processor, path=path, device=device, dtype=dtype, kind=kind)
 
@@ -150,23 +153,6 @@ def _check_weights(settings: Settings, device: torch.device) -> None:
 def _check_attention(name: str) -> None:
     if name == "flash_attention_2" and not is_flash_attn_2_available():
         raise SettingsError("setting 'attn_implementation' is 'flash_attention_2', but flash-attn is not installed")
-
-
-def _load_weights(
-    path: Path, config: Qwen3OmniMoeConfig, dtype: torch.dtype, attn_implementation: str
-) -> Qwen3OmniMoeForConditionalGeneration:
-    try:
-        model, info = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
-            path, config=config, dtype=dtype, attn_implementation=attn_implementation, output_loading_info=True
-        )
-    except (OSError, ValueError, RuntimeError, SafetensorError) as error:
-        raise CheckpointError(f"could not load the weights in '{path}': {error}") from None
-    # transformers fills weights absent from the files with random values and only logs it.
-    missing = sorted(info["missing_keys"])
-    if missing:
-        examples = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
-        raise CheckpointError(f"checkpoint '{path}' lacks {len(missing)} weight(s): {examples}")
-    return model
 
 
 def _read_config(path: Path) -> tuple[Qwen3OmniMoeConfig, bool]:

@@ -1,0 +1,217 @@
+"""Qwen3-Omni built with no weights, then filled from the checkpoint's files one tensor at a time.
+
+`from_pretrained` builds the whole model in host memory before it can be moved to the GPU: 66 GB
+for the real checkpoint. Here the model's parameters are made on the meta device (no storage) and
+each tensor goes from the memory-mapped shard straight to its place on the device, so the host
+holds about one tensor at a time. The result is `from_pretrained`'s model, bit for bit.
+
+Quantization plugs in around the same loop (the contract of `load_weights`): `prepare(model)` may
+swap modules of the empty model, and a module that defines `take_weight(name, tensor)` (or, for
+routed experts, `take_expert_weight(expert, projection, tensor)`) is handed its tensors, on the
+device in the model's dtype, instead of having them assigned.
+"""
+
+import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from itertools import chain
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from transformers import GenerationConfig, Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
+
+from omni_local.errors import CheckpointError
+from omni_local.model.checkpoint_names import ExpertSlice, expert_slice, fused_rows, model_name, per_expert
+
+Prepare = Callable[[torch.nn.Module], None]
+
+# Without speech the model has no Talker and no Code2Wav: their tensors in the files are skipped.
+_SPEECH_PARTS = ("talker.", "code2wav.")
+
+
+def load_weights(
+    path: Path,
+    config: Qwen3OmniMoeConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    attn_implementation: str,
+    prepare: Prepare | None = None,
+) -> Qwen3OmniMoeForConditionalGeneration:
+    """The model of `config` with the weights of the checkpoint in `path`, on `device` in `dtype`.
+
+    `prepare`, if given, is called once on the model before any weight is read, its parameters on
+    the meta device; it may replace modules. A module that has `take_weight(name, tensor)` (name: the
+    parameter's attribute name, "weight") receives its tensors through it; an experts module that has
+    `take_expert_weight(expert, projection, tensor)` (projection: "gate_proj", "up_proj" or
+    "down_proj") receives each routed expert's matrices through it. Either must leave nothing of its
+    own on the meta device. Raises `CheckpointError` if the files lack a weight, hold one the model
+    has no place for or of another shape, or cannot be read.
+    """
+    config.name_or_path = str(path)  # as `from_pretrained` records it
+    with _parameters_on_meta():
+        model = Qwen3OmniMoeForConditionalGeneration._from_config(
+            config, dtype=dtype, attn_implementation=attn_implementation
+        )
+    expected = _expected_shapes(model)
+    files = weight_files(path)
+    _check_names(path, files, expected, skipped=_skipped_names(model))
+    if prepare is not None:
+        prepare(model)
+    with torch.no_grad():
+        for file in files:
+            _stream_file(model, file, expected, dtype, device)
+    model.tie_weights()
+    _check_materialised(model)
+    # The buffers (rotary frequencies, ...) were computed on the host as the model was built.
+    model.to(device)
+    model.generation_config = _generation_config(path)
+    return model
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The checkpoint's safetensors files: the shards its index names, or its one file."""
+    index = path / "model.safetensors.index.json"
+    if not index.is_file():
+        return [path / "model.safetensors"]
+    weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    return [path / shard for shard in sorted(set(weight_map.values()))]
+
+
+@contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Parameters registered inside are moved to the meta device (shape and dtype, no storage);
+    buffers keep the values their modules compute, as `from_pretrained` leaves them. Process-wide
+    while it lasts, as accelerate's `init_empty_weights(include_buffers=False)`, which transformers
+    5 no longer ships."""
+    register = torch.nn.Module.register_parameter
+
+    def register_on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None:
+            # The host tensor is dropped: transformers makes its large ones with `torch.empty`, whose
+            # pages are never touched, so they cost no memory.
+            on_meta = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+            on_meta.__dict__.update(param.__dict__)
+            module._parameters[name] = on_meta
+
+    torch.nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def _expected_shapes(model: torch.nn.Module) -> dict[str, torch.Size]:
+    """Every tensor the files must hold, by its (renamed) checkpoint name: the model's parameters and
+    persistent buffers, routed experts per expert, tied copies left out (they are tied again)."""
+    tied = set(model.all_tied_weights_keys)
+    expected: dict[str, torch.Size] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if name not in tied:
+            expected.update(per_expert(name, tensor.shape) or {name: tensor.shape})
+    return expected
+
+
+def _skipped_names(model: Qwen3OmniMoeForConditionalGeneration) -> Callable[[str], bool]:
+    tied = set(model.all_tied_weights_keys)
+    speech_off = not model.has_talker
+    return lambda name: name in tied or (speech_off and name.startswith(_SPEECH_PARTS))
+
+
+def _check_names(
+    path: Path, files: list[Path], expected: dict[str, torch.Size], skipped: Callable[[str], bool]
+) -> None:
+    """Refuse the checkpoint before any tensor is read if its names or shapes do not fit the model
+    (safetensors reads only each file's header for this)."""
+    found: set[str] = set()
+    unexpected: list[str] = []
+    for file in files:
+        with _opened(file) as shard:
+            for key in shard.keys():
+                name = model_name(key)
+                if name not in expected:
+                    if not skipped(name):
+                        unexpected.append(key)
+                    continue
+                shape = torch.Size(shard.get_slice(key).get_shape())
+                if shape != expected[name]:
+                    raise CheckpointError(f"checkpoint '{path}' holds {key} as {tuple(shape)}, but the model "
+                                          f"expects {tuple(expected[name])} (in {file.name})")
+                found.add(name)
+    missing = sorted(expected.keys() - found)
+    if missing:
+        raise CheckpointError(f"checkpoint '{path}' lacks {len(missing)} weight(s): {_some(missing)}")
+    if unexpected:
+        raise CheckpointError(f"checkpoint '{path}' holds {len(unexpected)} weight(s) this model has no place "
+                              f"for: {_some(sorted(unexpected))}")
+
+
+def _stream_file(
+    model: torch.nn.Module, file: Path, expected: dict[str, torch.Size], dtype: torch.dtype, device: torch.device
+) -> None:
+    with _opened(file) as shard:
+        for key in shard.keys():
+            name = model_name(key)
+            if name not in expected:
+                continue  # skipped, as `_check_names` decided
+            tensor = shard.get_tensor(key)  # a view of the mapped file: its pages are read by the copy
+            _place(model, name, tensor.to(device, dtype if tensor.is_floating_point() else tensor.dtype))
+
+
+def _place(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    part = expert_slice(name)
+    if part is not None:
+        _place_expert(model.get_submodule(part.module), part, tensor)
+        return
+    owner_name, _, attribute = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    if hasattr(owner, "take_weight"):
+        owner.take_weight(attribute, tensor)
+    elif attribute in owner._buffers:
+        setattr(owner, attribute, tensor)
+    else:
+        setattr(owner, attribute, torch.nn.Parameter(tensor, getattr(owner, attribute).requires_grad))
+
+
+def _place_expert(experts: torch.nn.Module, part: ExpertSlice, tensor: torch.Tensor) -> None:
+    if hasattr(experts, "take_expert_weight"):
+        experts.take_expert_weight(part.expert, part.projection, tensor)
+        return
+    fused_name, rows = fused_rows(part.projection, intermediate=experts.gate_up_proj.shape[1] // 2)
+    fused = getattr(experts, fused_name)
+    if fused.is_meta:  # the layer's first expert: its fused parameter is allocated once, then filled
+        fused = torch.nn.Parameter(torch.empty_like(fused, device=tensor.device), fused.requires_grad)
+        setattr(experts, fused_name, fused)
+    fused[part.expert, rows].copy_(tensor)
+
+
+def _check_materialised(model: torch.nn.Module) -> None:
+    tensors = chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))
+    left = [name for name, tensor in tensors if tensor.is_meta]
+    if left:
+        raise RuntimeError(f"{len(left)} tensor(s) are still on the meta device after loading: {_some(left)}; "
+                           "a module swapped in by `prepare` must make its own (see `load_weights`)")
+
+
+def _generation_config(path: Path) -> GenerationConfig:
+    # As `from_pretrained` makes it: from generation_config.json, else from config.json's fields.
+    try:
+        if (path / "generation_config.json").is_file():
+            return GenerationConfig.from_pretrained(path)
+        return GenerationConfig.from_pretrained(path, config_file_name="config.json", _from_model_config=True)
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"could not read the generation settings in '{path}': {error}") from None
+
+
+def _opened(file: Path) -> safe_open:
+    """`file` memory-mapped by safetensors (a context manager); one it cannot read is a
+    `CheckpointError` naming it."""
+    try:
+        return safe_open(file, framework="pt", device="cpu")
+    except (OSError, SafetensorError) as error:
+        raise CheckpointError(f"could not load the weights in '{file}': {error}") from None
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
