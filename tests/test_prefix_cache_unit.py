@@ -69,6 +69,16 @@ def test_sessions_that_begin_alike_hold_the_shared_blocks_once():
     assert kv.pool.held == 2 + 17  # the shared blocks once, and a last block for each chat
 
 
+def test_another_chats_prefix_shorter_than_a_block_is_not_taken_but_a_chats_own_is():
+    cache = PrefixCache(store(sequences=3), host_budget_bytes=0, enabled=True)
+    run(cache, "a", prompt([1, 2, 3, 9, 9]))
+    begins_alike = prompt([1, 2, 3, 7, 7, 7])  # 3 tokens in common: under a block of 4
+    assert cache.match(begins_alike).length == 3
+    assert cache.match(begins_alike, "b").length == 0
+    assert cache.match(begins_alike, "a").length == 3
+    assert cache.match(prompt([1, 2, 3, 9, 6]), "b").length == 4  # a whole block in common
+
+
 def test_a_partly_shared_last_block_is_copied_before_it_is_written():
     kv = store()
     cache = PrefixCache(kv, host_budget_bytes=0, enabled=True)
@@ -214,10 +224,10 @@ def test_with_the_cache_off_nothing_is_kept_and_nothing_matches():
 def test_when_the_match_holds_the_blocks_needed_it_moves_to_host_and_is_read_back_from_there():
     kv = store(sequences=1)
     cache = PrefixCache(kv, host_budget_bytes=1 << 20, enabled=True)
-    run(cache, "a", prompt([1, 2, 3, 4]))
-    p = prompt([1, 2, 3, 9])
-    claim = cache.claim("b", p, cache.match(p), SHAPE.max_tokens)
-    assert claim is not None and claim.reused_host == 3
+    run(cache, "a", prompt([1, 2, 3, 4, 5, 6]))
+    p = prompt([1, 2, 3, 4, 5, 9])
+    claim = cache.claim("b", p, cache.match(p, "b"), SHAPE.max_tokens)
+    assert claim is not None and claim.reused_host == 5
     assert cache.entries["a"].host is not None
 
 

@@ -208,7 +208,8 @@ class Engine:
                         request.messages, self.loaded.processor, self.settings.max_prompt_tokens,
                         self.reasoning_marks)
                     request.prompt_built_s = time.perf_counter() - building
-                request.claim = self.cache.claim(request.session, request.prompt, self.cache.match(request.prompt),
+                request.claim = self.cache.claim(request.session, request.prompt,
+                                                 self.cache.match(request.prompt, request.session),
                                                  self._claimed_rows(request), at_most=self._rows_for(request))
             except Exception as error:  # noqa: BLE001 - one request's failure must not stop the worker
                 self._waiting.popleft()

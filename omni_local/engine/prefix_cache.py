@@ -117,8 +117,19 @@ class PrefixCache:
 
     # The request's life: match, claim, publish, release ---------------------------------------
 
-    def match(self, prompt: Prompt) -> Match:
-        """The longest verified prefix of `prompt` held anywhere (never its last token)."""
+    def match(self, prompt: Prompt, session: str | None = None) -> Match:
+        """The longest verified prefix of `prompt` held anywhere (never its last token). Given the
+        asking `session`, a prefix of another chat's shorter than a block is not taken: its rows would
+        be copied to save less compute than the copy costs, and a prompt that begins its chat (most
+        share the chat template's first tokens) would lose the prefill that attends over its own
+        rows alone."""
+        best = self._longest(prompt)
+        if session is not None and best.length < self.block_tokens and (best.entry is None
+                                                                        or best.entry.session != session):
+            return Match(None, 0)
+        return best
+
+    def _longest(self, prompt: Prompt) -> Match:
         if not self.enabled:
             return Match(None, 0)
         best = Match(None, 0)
@@ -155,7 +166,7 @@ class PrefixCache:
             # Only the match's own source can make room: let it move, then match again, now against
             # wherever its rows went (host memory, its blocks found by hash, or nowhere).
             self._move_to_host(source, keep=None)
-            claim = self._claim(session, self.entries.get(session), prompt, self.match(prompt), need)
+            claim = self._claim(session, self.entries.get(session), prompt, self.match(prompt, session), need)
         return claim
 
     def _claim(self, session: str, own: Entry | None, prompt: Prompt, match: Match, need: int) -> Claim | None:
