@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from transformers.utils import is_torchvision_available
 
 from omni_local.bench.beside import longest_gap
@@ -118,6 +119,18 @@ def test_the_decode_step_bench_smoke_run_prints_a_step_time_for_each_batch_and_c
     table = [line for line in done.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [line.split(" | ")[0] for line in table] == ["| 1", "| 2", "| 4", "| 8", "| 16"][: len(table)]
     assert len(table) >= 2 and all(float(cell) > 0 for line in table for cell in line.strip("| ").split(" | ")[1:])
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int4"])
+def test_the_card_size_bench_smoke_run_prints_a_row_of_memory_and_times_for_a_spoken_and_a_multimedia_reply(
+    demo_settings, demo_checkpoint, tmp_path, weights
+):
+    done = run_part_bench("card_sizes", demo_settings, tmp_path, "--runs", "1", "--new-tokens", "8", "--weights",
+                          weights, "--speech", "true", "--max-speech-seconds", "1")
+    assert done.returncode == 0, done.stderr
+    cells = next(line for line in done.stdout.splitlines() if line.startswith(f"| {weights} |")).strip("| ").split(" | ")
+    assert cells[:3] == [weights, "on", "-"] and len(cells) == 11
+    assert all(float(cell) > 0 for cell in cells[7:])  # TTFT, first audio, RTF, decode step
 
 
 def test_the_encoder_bench_smoke_run_prints_preprocessing_on_the_cpu_and_on_the_device_for_an_image_and_a_video(

@@ -101,3 +101,24 @@ def test_graphed_decode_steps_and_prefills_with_the_triton_backend_give_the_torc
         expected = [torch_app.session().send(q, max_new_tokens=24).result().token_ids for q in questions]
 
     assert [on_gpu.session().send(q, max_new_tokens=24).result().token_ids for q in questions] == expected
+
+
+@pytest.mark.parametrize("format", ["fp8", "int4"])
+@pytest.mark.parametrize("tokens", [1, 16, 512])
+@torch.inference_mode()
+def test_the_kernels_at_full_size_read_quantized_experts_as_their_dequantized_weights(full_size, format, tokens):
+    from omni_local.engine.moe.routed_experts import weighted_expert_rows
+    from omni_local.model.quantized import QuantizedExperts
+
+    _, module, _ = full_size
+    quantized = QuantizedExperts.replacing(module, format)
+    hidden = torch.randn((tokens, HIDDEN), device="cuda", generator=torch.Generator("cuda").manual_seed(tokens))
+    logits = tied_free_logits(tokens, seed=tokens)
+    weights, chosen = routed(logits)
+    reference = quantized(hidden, chosen, weights.float())  # dequantized to float32, transformers' loop
+
+    ours = weighted_expert_rows(hidden.bfloat16(), logits, quantized.gate_up_values, quantized.down_values, TOP_K,
+                                renormalize=True, gate_up_scales=quantized.gate_up_scales,
+                                down_scales=quantized.down_scales).sum(dim=1).float()
+
+    assert ((ours - reference).norm() / reference.norm()).item() <= 0.01

@@ -130,3 +130,25 @@ def test_the_expert_kernels_compile_for_an_h200_in_every_weight_format_without_a
     done = compile_for_h200(COMPILE_GEMMS_FOR_SM90)
 
     assert done.returncode == 0, done.stderr
+
+
+# An fp8 layer also rounds each input row to float8 on a GPU (its scaled matmul): about 2.5% of the
+# output's norm on normal data, against the full-precision input through the dequantized weight.
+ON_GPU_ERROR = {"fp8": 0.05, "int8": 0.01}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(TEST_DEVICE != "cuda", reason="the GPU tests run with OMNI_LOCAL_TEST_DEVICE=cuda")
+@pytest.mark.parametrize("format", ["fp8", "int8"])
+@pytest.mark.parametrize("tokens", [1, 16, 512])
+@torch.inference_mode()
+def test_on_a_gpu_a_full_size_quantized_projection_multiplies_bfloat16_rows_by_its_dequantized_weight(format, tokens):
+    linear = torch.nn.Linear(2048, 4096, bias=False, device="cuda", dtype=torch.bfloat16)  # the Thinker's q_proj
+    layer = QuantizedLinear.replacing(linear, format)
+    assert layer.fp8_units == (format == "fp8")
+    x = torch.randn((tokens, 2048), device="cuda", generator=torch.Generator("cuda").manual_seed(tokens))
+
+    out = layer(x.bfloat16()).float()
+
+    reference = x @ dequantize(layer.weight, torch.float32).T
+    assert ((out - reference).norm() / reference.norm()).item() <= ON_GPU_ERROR[format]

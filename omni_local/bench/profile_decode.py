@@ -150,10 +150,22 @@ def print_table(rows: list[tuple[str, float, float]]) -> None:
     print(f"| total | {total_kernels:g} | {total_ms:.3f} | 100.0% |")
 
 
+def print_top(profiled: list[Work], count: int) -> None:
+    """The `count` kernels (or ops) of most time per step, mean over the steps, with their category."""
+    per_step = Counter()
+    for work in profiled:
+        for name, us in work:
+            per_step[name] += us / len(profiled)
+    print(f"\n| kernel | category | µs per step |\n| --- | --- | --- |")
+    for name, us in per_step.most_common(count):
+        print(f"| {name[:90]} | {category(name)} | {us:.1f} |")
+
+
 def main() -> None:
     parser = bench_parser("python -m omni_local.bench.profile_decode")
     parser.add_argument("--chats", type=int, default=1, help="chats decoding together")
     parser.add_argument("--context", type=int, default=256, help="rows of context")
+    parser.add_argument("--top", type=int, default=0, help="also list this many kernels taking the most time")
     parser.add_argument("--step", choices=["replay", "eager"],
                         help="profile the decode graph's replay, or its forward run eagerly (default: replay where "
                              "there are graphs)")
@@ -186,6 +198,8 @@ def main() -> None:
               f"{args.chats} chats at {args.context} rows of context; {what}, per step, medians of {args.runs} "
               f"steps; {device_label(runner)}\n")
         print_table(category_rows(profiled))
+        if args.top:
+            print_top(profiled, args.top)
         print(f"\nWall time per step, unprofiled, median of {args.runs}: "
               + "; ".join(f"{name} {ms:.2f} ms" for name, ms in walls.items()))
 

@@ -2,7 +2,10 @@
 
 No real checkpoint can be downloaded on our machines, and timings do not depend on weight values.
 The token ids of the config are mapped onto the demo model's tokenizer, so the demo's processor
-(same patch, merge and mel settings as the real one) builds the prompts.
+(same patch, merge and mel settings as the real one) builds the prompts. With quantized `weights`
+the model is built in full precision on the device, then quantized layer by layer: a card smaller
+than the full-precision model cannot build it this way (the loader from a checkpoint quantizes each
+tensor as it reads it).
 """
 
 import json
@@ -13,8 +16,10 @@ from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneratio
 
 from omni_local.model.demo import VISION_END, ensure_demo_checkpoint, media_token_ids
 from omni_local.model.loader import LoadedModel, end_of_turn_ids, resolve_device, resolve_dtype
+from omni_local.model.quantized import quantize_layers
 from omni_local.model.workarounds import apply_workarounds, init_talker_experts, load_processor
 from omni_local.settings import Settings
+
 
 def load_random_weights(config_path: Path, settings: Settings) -> LoadedModel:
     demo = ensure_demo_checkpoint(settings.demo_path)
@@ -30,6 +35,9 @@ def load_random_weights(config_path: Path, settings: Settings) -> LoadedModel:
     if settings.speech:
         init_talker_experts(model, config.initializer_range)
     apply_workarounds(model, end_of_turn_ids(processor), processor.tokenizer.pad_token_id)
+    quantize_layers(model, settings.weights)  # one layer at a time: the full-precision layer is freed as it goes
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # give the freed full-precision layers back, for a cap on the process to measure
     return LoadedModel(model=model.eval(), processor=processor, path=Path(config_path), device=device, dtype=dtype)
 
 

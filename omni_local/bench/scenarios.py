@@ -64,7 +64,7 @@ def scenarios(tokenizer) -> list[Scenario]:
           for size in IMAGE_SIZES),
         *(Scenario(f"image chat {_size(size)} turn 2", SYSTEM, [Message("user", [images[size], HELLO])], ask)
           for size in TURN_2_SIZES),
-        Scenario("same audio 10 s, new question", SYSTEM, [], Message("user", [_noise_clip(10.0), AUDIO_QUESTION]),
+        Scenario("same audio 10 s, new question", SYSTEM, [], Message("user", [noise_clip(10.0), AUDIO_QUESTION]),
                  warm_cache=True),
         *(Scenario("text chat turn 2" + (f", c{n}" if n > 1 else ""), SYSTEM, [hello], ask, concurrency=n)
           for n in CONCURRENCY),
@@ -156,7 +156,7 @@ def noise_image(size: tuple[int, int]) -> Image.Image:
     return Image.fromarray(np.random.default_rng(0).integers(0, 256, (*size, 3), dtype=np.uint8))
 
 
-def _noise_clip(seconds: float) -> np.ndarray:
+def noise_clip(seconds: float) -> np.ndarray:
     """16 kHz mono samples."""
     return (np.random.default_rng(2).standard_normal(round(16_000 * seconds)) * 0.1).astype(np.float32)
 

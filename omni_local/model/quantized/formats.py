@@ -2,7 +2,7 @@
 
 Three formats, each on a weight's last dimension being the reduction (K, a matmul's `in_features`):
 - `fp8`: float8 e4m3 values with one float32 scale per output row (per channel), w ≈ q * scale.
-- `int8`: int8 values in [-127, 127] with one float32 scale per output row.
+- `int8`: int8 values in [-127, 127] with one scale per output row (made in float32).
 - `int4`: signed 4-bit values in [-8, 7] with one scale per group of `group` consecutive inputs of a
   row, in the model's dtype. Two values a byte along K, the even one in the low nibble, each stored
   plus 8: the bytes of compressed-tensors' int32 packing read as uint8 on a little-endian machine.
@@ -25,7 +25,7 @@ INT4_GROUP = 128
 @dataclass(frozen=True)
 class Quantized:
     """A quantized weight: `values` (fp8 [..., N, K], int8 [..., N, K] or packed int4 uint8
-    [..., N, K/2]) and `scales` ([..., N] float32, or int4's [..., N, K/group])."""
+    [..., N, K/2]) and `scales` ([..., N], or int4's [..., N, K/group])."""
 
     format: QuantFormat
     values: torch.Tensor

@@ -4,9 +4,10 @@ How it multiplies, by format and device:
 - `fp8` on a GPU with FP8 matrix units (compute capability 8.9 or newer): each input row is scaled to
   float8 by its own largest magnitude and `torch._scaled_mm` multiplies float8 by float8 with both
   scales in its epilogue (FP8 "dynamic"): the weight is read once, in one byte a value;
-- `int8`: `torch._weight_int8pack_mm`, the weight read as int8 and scaled per output row, on the CPU
-  and on a GPU;
-- otherwise (fp8 on the CPU): the weight dequantized to the input's dtype, then a plain matmul.
+- `int8`: `torch._weight_int8pack_mm`, the weight read as int8 and scaled per output row (its scales
+  kept in the model's dtype, as that op takes them), on the CPU and on a GPU;
+- otherwise (fp8 on the CPU, or in a float32 model): the weight dequantized to the input's dtype,
+  then a plain matmul.
 """
 
 import torch
@@ -45,9 +46,13 @@ class QuantizedLinear(torch.nn.Module):
             return
         assert name == "weight" and tensor.shape == (self.out_features, self.in_features), (name, tensor.shape)
         weight = quantize(tensor, self.format)
-        self.values, self.scales = weight.values, weight.scales
+        # int8's scales in the model's dtype, as its matmul takes them (a cast in `forward` would be
+        # an input that inductor's lowering of that matmul refuses: torch 2.11).
+        self.values = weight.values
+        self.scales = weight.scales.to(tensor.dtype) if self.format == "int8" else weight.scales
         # Decided once, here: a capability query in `forward` would be traced into compiled regions.
-        self.fp8_units = self.format == "fp8" and has_fp8_units(tensor.device)
+        # A float32 model keeps float32 products: the scaled matmul gives bfloat16.
+        self.fp8_units = self.format == "fp8" and has_fp8_units(tensor.device) and tensor.dtype != torch.float32
 
     @property
     def weight(self) -> Quantized:
@@ -56,7 +61,7 @@ class QuantizedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if self.format == "int8":
-            out = torch._weight_int8pack_mm(rows, self.values, self.scales.to(rows.dtype))
+            out = torch._weight_int8pack_mm(rows, self.values, self.scales)
         elif self.fp8_units:
             out = _fp8_matmul(rows, self.values, self.scales)
         else:

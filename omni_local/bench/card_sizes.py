@@ -1,0 +1,96 @@
+"""Which card runs what: the model in a `weights` format, the process capped at a card's memory, one
+app serving a spoken reply and a question on a 480x640 image with 10 s of audio.
+
+    python -m omni_local.bench.card_sizes --random-weights CONFIG.json --weights int4 --speech true --card-gib 24
+
+The weights are loaded first (random ones are built in full precision and quantized on the device,
+so the cap comes after them: it bounds what serving takes, the weights included); then the process
+is capped at --card-gib with `torch.cuda.set_per_process_memory_fraction`, the app starts (KV, CUDA
+graphs) and each request is sent --runs times after a warm-up, a new question each time. Prints one
+table row (medians; times are the engine's own), or where the app did not fit, what ran out.
+"""
+
+import statistics
+import sys
+
+import torch
+
+from omni_local.api import OmniLocal
+from omni_local.api.messages import Message
+from omni_local.bench.common import bench_parser, settings_and_model, synced_now
+from omni_local.bench.decode_steps import step_ms
+from omni_local.bench.scenarios import SPOKEN_QUESTION, SYSTEM, noise_clip, noise_image
+from omni_local.settings import Settings
+
+ASKED = Message("user", [noise_image((480, 640)), noise_clip(10.0), "What do you see and hear?"])
+HEAD = ("| weights | speech | card GiB | weights GiB | allocated after start-up GiB | peak allocated GiB | start-up s "
+        "| image + audio TTFT ms | first audio ms | RTF | decode step ms (1 chat, 256 rows) |")
+
+
+def gib(count: int) -> str:
+    return f"{count / 2**30:.2f}"
+
+
+def held_bytes(model: torch.nn.Module) -> int:
+    """The bytes of the model's parameters and buffers (quantized ones at their stored size)."""
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
+def cap(card_gib: float | None) -> None:
+    """What the process may allocate from here on: `card_gib`, as on a card of that size."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    if card_gib:
+        torch.cuda.set_per_process_memory_fraction(card_gib * 2**30 / torch.cuda.get_device_properties(0).total_memory)
+
+
+def served(app: OmniLocal, runs: int, new_tokens: int) -> list[str]:
+    """The image-and-audio TTFT, first audio, RTF and decode step: median cells of the row."""
+    asked, spoken = [], []
+    for run in range(runs + 1):
+        session = app.session(system_prompt=SYSTEM)
+        text = Message("user", [*ASKED.parts[:-1], f"Take {run}: {ASKED.parts[-1]}"])
+        asked.append(session.send(text.text, images=text.images(), audio=text.audios(),
+                                  max_new_tokens=new_tokens).result())
+        if app.backend.engine.speaker:
+            spoken.append(app.session(system_prompt=SYSTEM).send(
+                f"Take {run}: {SPOKEN_QUESTION}", speak=True, max_new_tokens=new_tokens).result())
+    ttft = statistics.median(f.timings.ttft_s * 1e3 for f in asked[1:])
+    speech = [f.speech for f in spoken[1:]]
+    first_audio = f"{statistics.median(s.first_audio_s * 1e3 for s in speech):.1f}" if speech else "-"
+    rtf = f"{statistics.median(s.real_time_factor for s in speech):.3f}" if speech else "-"
+    decode = step_ms(app.backend.engine.runner, 1, 256, runs)
+    return [f"{ttft:.1f}", first_audio, rtf, f"{decode:.2f}"]
+
+
+def row(settings: Settings, card_gib: float | None, weights_bytes: int, cells: list[str]) -> str:
+    head = [settings.weights, "on" if settings.speech else "off", f"{card_gib:g}" if card_gib else "-", gib(weights_bytes)]
+    return "| " + " | ".join(head + cells) + " |"
+
+
+def main() -> None:
+    parser = bench_parser("python -m omni_local.bench.card_sizes")
+    parser.add_argument("--card-gib", type=float, help="cap the process's GPU memory here once the weights are in")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    args = parser.parse_args()
+    settings, loaded = settings_and_model(args)
+    weights_bytes = held_bytes(loaded.model)
+    on_gpu = loaded.device.type == "cuda"
+    if on_gpu:
+        cap(args.card_gib)
+    print(HEAD + "\n|" + " --- |" * HEAD.count(" | ") + " --- |", flush=True)
+    try:
+        start = synced_now()
+        with OmniLocal(settings, loaded=loaded) as app:
+            start_up_s = synced_now() - start
+            started = torch.cuda.memory_allocated() if on_gpu else 0
+            cells = served(app, args.runs, args.new_tokens)
+    except torch.OutOfMemoryError as error:
+        print(row(settings, args.card_gib, weights_bytes, ["did not fit: " + str(error).splitlines()[0]]))
+        sys.exit(1)
+    peak = torch.cuda.max_memory_allocated() if on_gpu else 0
+    print(row(settings, args.card_gib, weights_bytes, [gib(started), gib(peak), f"{start_up_s:.1f}", *cells]))
+
+
+if __name__ == "__main__":
+    main()
