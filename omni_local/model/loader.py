@@ -15,8 +15,9 @@ from omni_local.errors import CheckpointError, SettingsError
 from omni_local.model.demo import ensure_demo_checkpoint
 from omni_local.model.quantized import quantize_layers
 from omni_local.model.quantized.linear import has_fp8_units
+from omni_local.model.quantized.stored import StoredLayers, filled_from_disk
 from omni_local.model.reasoning import template_opens_reasoning
-from omni_local.model.weights import load_weights
+from omni_local.model.weights import load_weights, weight_files
 from omni_local.model.workarounds import apply_workarounds, load_processor
 from omni_local.settings import Settings
 
@@ -57,10 +58,13 @@ def load_model(settings: Settings) -> LoadedModel:
     # Without speech the Talker and Code2Wav are never built, so their weights are skipped on load.
     config.enable_audio_output = settings.speech
     _check_weights(settings, device)
-    # Quantized layers take the place of the empty model's own, and quantize each tensor on the
-    # device as it is read: no full-precision copy of the model is ever made.
-    model = load_weights(path, config, dtype, device, settings.attn_implementation,
-                         prepare=partial(quantize_layers, weights=settings.weights)).eval()
+    stored = None
+    if settings.weights != "bf16":
+        stored = StoredLayers.at(settings.cache_path, weight_files(path), settings.weights, dtype)
+    prepare = partial(_quantized_layers, weights=settings.weights, stored=stored, device=device)
+    model = load_weights(path, config, dtype, device, settings.attn_implementation, prepare=prepare).eval()
+    if stored is not None and not filled_from_disk(model):
+        stored.save(model)
     apply_workarounds(model, end_of_turn_ids(processor), processor.tokenizer.pad_token_id)
     return LoadedModel(model=model, processor=processor, path=path, device=device, dtype=dtype, kind=kind)
 
@@ -135,6 +139,16 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[name]
+
+
+def _quantized_layers(model: torch.nn.Module, weights: str, stored: StoredLayers | None, device: torch.device
+                      ) -> None:
+    """Quantized layers in the places `weights` quantizes, on the empty model: read back from
+    `stored` where it has them, else quantizing each tensor on the device as the loader reads it (no
+    full-precision copy of the model is ever made)."""
+    quantize_layers(model, weights)
+    if stored is not None:
+        stored.fill(model, device)
 
 
 def _check_weights(settings: Settings, device: torch.device) -> None:

@@ -8,7 +8,9 @@ holds about one tensor at a time. The result is `from_pretrained`'s model, bit f
 Quantization plugs in around the same loop (the contract of `load_weights`): `prepare(model)` may
 swap modules of the empty model, and a module that defines `take_weight(name, tensor)` (or, for
 routed experts, `take_expert_weight(expert, projection, tensor)`) is handed its tensors, on the
-device in the model's dtype, instead of having them assigned.
+device in the model's dtype, instead of having them assigned; one that `prepare` filled itself
+(its `prefilled` is true: quantized layers read back from disk) is handed nothing, and its tensors
+are not read.
 """
 
 import json
@@ -44,8 +46,8 @@ def load_weights(
     the meta device; it may replace modules. A module that has `take_weight(name, tensor)` (name: the
     parameter's attribute name, "weight") receives its tensors through it; an experts module that has
     `take_expert_weight(expert, projection, tensor)` (projection: "gate_proj", "up_proj" or
-    "down_proj") receives each routed expert's matrices through it. Either must leave nothing of its
-    own on the meta device. Raises `CheckpointError` if the files lack a weight, hold one the model
+    "down_proj") receives each routed expert's matrices through it; a module whose `prepare` filled
+    it (`prefilled` true) receives nothing. Each must leave nothing of its own on the meta device. Raises `CheckpointError` if the files lack a weight, hold one the model
     has no place for or of another shape, or cannot be read.
     """
     config.name_or_path = str(path)  # as `from_pretrained` records it
@@ -153,10 +155,16 @@ def _stream_file(
     with _opened(file) as shard:
         for key in shard.keys():
             name = model_name(key)
-            if name not in expected:
-                continue  # skipped, as `_check_names` decided
+            if name not in expected or getattr(_owner(model, name), "prefilled", False):
+                continue  # skipped, as `_check_names` decided, or its module was filled by `prepare`
             tensor = shard.get_tensor(key)  # a view of the mapped file: its pages are read by the copy
             _place(model, name, tensor.to(device, dtype if tensor.is_floating_point() else tensor.dtype))
+
+
+def _owner(model: torch.nn.Module, name: str) -> torch.nn.Module:
+    """The module a (renamed) tensor name goes to: its experts module for a routed expert's matrix."""
+    part = expert_slice(name)
+    return model.get_submodule(part.module if part is not None else name.rpartition(".")[0])
 
 
 def _place(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:

@@ -24,6 +24,7 @@ class QuantizedExperts(torch.nn.Module):
         super().__init__()
         self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, hidden, intermediate
         self.act_fn, self.format = act_fn, format
+        self.prefilled = False  # filled before loading (read back from disk): the loader hands it nothing
         for name in ("gate_up_values", "gate_up_scales", "down_values", "down_scales"):
             self.register_buffer(name, None)
 

@@ -27,7 +27,8 @@ class QuantizedLinear(torch.nn.Module):
         self.in_features, self.out_features, self.format = in_features, out_features, format
         self.register_buffer("values", None)
         self.register_buffer("scales", None)
-        self.fp8_units = False  # whether `forward` multiplies in float8 (`take_weight` decides)
+        self.fp8_units = False  # whether `forward` multiplies in float8 (`hold` decides)
+        self.prefilled = False  # filled before loading (read back from disk): the loader hands it nothing
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
 
     @classmethod
@@ -48,11 +49,15 @@ class QuantizedLinear(torch.nn.Module):
         weight = quantize(tensor, self.format)
         # int8's scales in the model's dtype, as its matmul takes them (a cast in `forward` would be
         # an input that inductor's lowering of that matmul refuses: torch 2.11).
-        self.values = weight.values
-        self.scales = weight.scales.to(tensor.dtype) if self.format == "int8" else weight.scales
+        self.hold(weight.values, weight.scales.to(tensor.dtype) if self.format == "int8" else weight.scales,
+                  tensor.dtype)
+
+    def hold(self, values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
+        """Keep a quantized weight (made here, or read back from disk) for a model in `dtype`."""
+        self.values, self.scales = values, scales
         # Decided once, here: a capability query in `forward` would be traced into compiled regions.
         # A float32 model keeps float32 products: the scaled matmul gives bfloat16.
-        self.fp8_units = self.format == "fp8" and has_fp8_units(tensor.device) and tensor.dtype != torch.float32
+        self.fp8_units = self.format == "fp8" and has_fp8_units(values.device) and dtype != torch.float32
 
     @property
     def weight(self) -> Quantized:

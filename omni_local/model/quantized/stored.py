@@ -1,0 +1,174 @@
+"""Quantized layers kept on disk: every start after the first reads them back instead of quantizing
+the checkpoint's full-precision tensors again.
+
+<cache_dir>/quantized/<fingerprint>-<format>/ holds the quantized layers' tensors (values and
+scales, named as in the model: `thinker.model.language_model.layers.0.mlp.experts.gate_up_values`) in
+safetensors shards of up to SHARD_BYTES, and `manifest.json`: what made them (our quantization's
+VERSION, the model's dtype) and the shards' names. Nothing is unpickled. The fingerprint is a
+BLAKE3 hash of the contents of the checkpoint's weight files, so a copy of the checkpoint elsewhere
+finds the same layers and changed weights never do; a file's hash is remembered by its path, size
+and modification time (files.json), so only the first start reads the weights twice.
+
+A store is written into a temporary folder, its manifest last, then renamed into place whole. One
+that cannot be read back (a damaged shard, a missing tensor, another version) is deleted, and the
+layers are quantized from the checkpoint again: the app starts either way.
+"""
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import blake3
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from omni_local.cache.folders import private_folder
+from omni_local.model.quantized.experts import QuantizedExperts
+from omni_local.model.quantized.linear import QuantizedLinear
+
+log = logging.getLogger(__name__)
+
+VERSION = 1  # of the formats' arithmetic and layout (formats.py): a store of another is made again
+SHARD_BYTES = 2 << 30  # at most this much host memory holds a shard's tensors while it is written
+_MANIFEST = "manifest.json"
+_QUANTIZED = (QuantizedLinear, QuantizedExperts)
+
+
+@dataclass(frozen=True)
+class StoredLayers:
+    folder: Path
+    dtype: torch.dtype
+
+    @classmethod
+    def at(cls, cache_dir: Path, weight_files: list[Path], format: str, dtype: torch.dtype) -> "StoredLayers":
+        root = private_folder(cache_dir / "quantized")
+        return cls(root / f"{checkpoint_fingerprint(root, weight_files)}-{format}", dtype)
+
+    def fill(self, model: torch.nn.Module, device: torch.device) -> bool:
+        """Read the stored tensors into `model`'s quantized layers (swapped in, still empty) and mark
+        them `prefilled`; False, with the layers left empty, if there is no usable store here."""
+        shards = self._shards()
+        if shards is None:
+            return False
+        layers = _quantized_layers(model)
+        try:
+            read = _read(self.folder, shards, device)
+            held = {name: {key.removeprefix(f"{name}."): read[key] for key in read if key.rpartition(".")[0] == name}
+                    for name in layers}
+            if sum(map(len, held.values())) != len(read) or any(
+                    set(held[name]) != _tensor_names(layer) for name, layer in layers.items()):
+                raise ValueError("its tensors are not this model's quantized layers'")
+        except (OSError, SafetensorError, ValueError) as error:
+            log.warning("the quantized layers in '%s' cannot be read (%s): quantizing the checkpoint again",
+                        self.folder, error)
+            shutil.rmtree(self.folder, ignore_errors=True)
+            return False
+        for name, layer in layers.items():
+            _hold(layer, held[name], self.dtype)
+        return True
+
+    def save(self, model: torch.nn.Module) -> None:
+        """Write `model`'s quantized layers here, a shard at a time through host memory. A store
+        that cannot be written (a full disk) is left out, saying so: the next start quantizes again."""
+        if self._shards() is not None:
+            return  # written meanwhile by another start
+        tensors = {f"{name}.{part}": tensor for name, layer in _quantized_layers(model).items()
+                   for part, tensor in (*layer.named_buffers(recurse=False), *layer.named_parameters(recurse=False))}
+        partial = self.folder.with_name(f"{self.folder.name}.partial-{os.getpid()}")
+        try:
+            partial.mkdir(mode=0o700)
+            shards = [_write_shard(partial, i, group) for i, group in enumerate(_groups(tensors))]
+            manifest = {"version": VERSION, "dtype": str(self.dtype), "shards": shards}
+            (partial / _MANIFEST).write_text(json.dumps(manifest), encoding="utf-8")
+            shutil.rmtree(self.folder, ignore_errors=True)  # another version's, or an interrupted write's
+            os.replace(partial, self.folder)
+        except OSError as error:
+            log.warning("could not keep the quantized layers in '%s' (%s): the next start quantizes again",
+                        self.folder, error)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
+
+    def _shards(self) -> list[str] | None:
+        """The shards' names, if a complete store of this version and dtype is here."""
+        try:
+            manifest = json.loads((self.folder / _MANIFEST).read_text(encoding="utf-8"))
+            if manifest["version"] == VERSION and manifest["dtype"] == str(self.dtype):
+                return [str(shard) for shard in manifest["shards"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        return None
+
+
+def checkpoint_fingerprint(root: Path, weight_files: list[Path]) -> str:
+    """A full-length BLAKE3 hex digest of the weight files' contents, in their order."""
+    memo_file = root / "files.json"
+    try:
+        memo = json.loads(memo_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        memo = {}
+    combined = blake3.blake3(b"omni_local checkpoint weights\0")
+    for file in weight_files:
+        info, key = file.stat(), str(file.resolve())
+        seen = memo.get(key)
+        if not (isinstance(seen, list) and seen[:2] == [info.st_size, info.st_mtime_ns]):
+            digest = blake3.blake3(max_threads=blake3.blake3.AUTO).update_mmap(file).hexdigest()
+            memo[key] = seen = [info.st_size, info.st_mtime_ns, digest]
+        combined.update(bytes.fromhex(seen[2]))
+    written = memo_file.with_name(f"files.json.{os.getpid()}")
+    written.write_text(json.dumps(memo), encoding="utf-8")
+    os.replace(written, memo_file)
+    return combined.hexdigest()
+
+
+def filled_from_disk(model: torch.nn.Module) -> bool:
+    """Whether `model`'s quantized layers were read back from a store (`fill`)."""
+    return any(layer.prefilled for layer in _quantized_layers(model).values())
+
+
+def _quantized_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    return {name: module for name, module in model.named_modules() if isinstance(module, _QUANTIZED)}
+
+
+def _tensor_names(layer: torch.nn.Module) -> set[str]:
+    """A quantized layer's tensors once loaded: its buffers (registered empty, as None) and parameters."""
+    return set(layer._buffers) | {name for name, parameter in layer._parameters.items() if parameter is not None}
+
+
+def _read(folder: Path, shards: list[str], device: torch.device) -> dict[str, torch.Tensor]:
+    read = {}
+    for shard in shards:
+        with safe_open(folder / shard, framework="pt", device="cpu") as opened:
+            for key in opened.keys():
+                read[key] = opened.get_tensor(key).to(device)
+    return read
+
+
+def _hold(layer: torch.nn.Module, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    for name, tensor in tensors.items():
+        setattr(layer, name, torch.nn.Parameter(tensor, requires_grad=False) if name in layer._parameters else tensor)
+    if isinstance(layer, QuantizedLinear):
+        layer.hold(layer.values, layer.scales, dtype)
+    layer.prefilled = True
+
+
+def _groups(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """The tensors in order, cut into groups of at most SHARD_BYTES (a larger tensor alone)."""
+    groups, size = [{}], 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if groups[-1] and size + nbytes > SHARD_BYTES:
+            groups.append({})
+            size = 0
+        groups[-1][name] = tensor
+        size += nbytes
+    return groups
+
+
+def _write_shard(folder: Path, index: int, group: dict[str, torch.Tensor]) -> str:
+    name = f"layers-{index:05d}.safetensors"
+    save_file({key: t.detach().to("cpu").contiguous() for key, t in group.items()}, folder / name)
+    return name
