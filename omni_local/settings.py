@@ -122,8 +122,14 @@ class Settings:
     # [cache]
     cache_dir: str = setting("cache", "~/.cache/omni_local", "private folder for app data")
     prefix_cache: bool = setting("cache", True, "keep each chat's KV so its next turn computes only what is new")
+    gpu_memory_bytes: int = setting(
+        "cache", 0,
+        "GPU memory the app plans with at start-up: the weights, the engine's graphs and activations, encoder"
+        " outputs, then KV up to gpu_cache_bytes; 0: what the GPU reports free, less 1 GiB (on the CPU, no plan)",
+    )
     gpu_cache_bytes: int = setting(
-        "cache", 4 << 30, "device memory for the Thinker's KV, in blocks shared by every chat"
+        "cache", 4 << 30, "most device memory for the Thinker's KV, in blocks shared by every chat (less where the"
+        " memory plan leaves less)"
     )
     kv_block_tokens: int = setting(
         "cache", 16, "tokens per KV block: what chats share of a common prefix, and the least a chat holds"
@@ -192,7 +198,7 @@ class Settings:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise SettingsError(f"setting '{name}' must be positive, got {getattr(self, name)!r}")
-        for name in ("host_cache_bytes", "max_reasoning_tokens"):
+        for name in ("host_cache_bytes", "max_reasoning_tokens", "gpu_memory_bytes"):
             if getattr(self, name) < 0:
                 raise SettingsError(f"setting '{name}' must be 0 or more, got {getattr(self, name)!r}")
         if self.max_prompt_tokens >= self.max_context_tokens:

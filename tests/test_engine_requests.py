@@ -212,7 +212,8 @@ def test_a_request_waiting_for_blocks_is_not_matched_again_at_every_decode_step(
     with OmniLocal(kv_rows(demo_settings, 64)) as app:  # the first request's blocks are all there are
         matched = []
         match = app.backend.engine.cache.match
-        app.backend.engine.cache.match = lambda prompt: matched.append(prompt.num_tokens) or match(prompt)
+        app.backend.engine.cache.match = lambda prompt, *session: (matched.append(prompt.num_tokens)
+                                                                   or match(prompt, *session))
         first = app.session().send(QUESTION, max_new_tokens=30)
         second = app.session().send("Another question entirely?", max_new_tokens=3)
         assert first.result().tokens.generated == 30 and second.result().tokens.generated == 3

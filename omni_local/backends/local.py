@@ -1,10 +1,12 @@
 """The engine in this process as a backend: the model loaded here, media decoded here."""
 
+import logging
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from omni_local.api.backend import BackendInfo
 from omni_local.api.events import Event, Finished
@@ -12,14 +14,17 @@ from omni_local.api.kinds import conversation_for
 from omni_local.api.messages import Message
 from omni_local.api.params import SamplingParams, SpeechParams
 from omni_local.engine.engine import Engine
+from omni_local.engine.memory_plan import MemoryPlan, plan_memory, remember_engine_bytes
 from omni_local.engine.request import Failed, Request
 from omni_local.errors import MediaError, RequestError
 from omni_local.media import SAMPLE_RATE, MediaLimits
 from omni_local.media.audio import check_samples
 from omni_local.media.video import Video, load_video
-from omni_local.model.loader import LoadedModel, load_model, quiet_library_logs
+from omni_local.model.loader import LoadedModel, load_model, quiet_library_logs, resolve_device
 from omni_local.model.workarounds import video_refusal, video_supported
 from omni_local.settings import Settings
+
+log = logging.getLogger(__name__)
 
 
 class LocalReply:
@@ -46,8 +51,13 @@ class LocalBackend:
         self.settings = settings
         self.limits = MediaLimits.from_settings(settings)
         quiet_library_logs()  # transformers' load-time notes and progress bars are not for users
-        self.loaded = loaded or load_model(settings)
-        self.engine = Engine(self.loaded, settings)
+        self.memory: MemoryPlan | None = None
+        self.loaded = loaded or load_model(settings, before_loading=self._plan_memory)
+        # The KV is what the plan leaves, up to gpu_cache_bytes.
+        self.engine = Engine(self.loaded, settings if self.memory is None
+                             else settings.replace(gpu_cache_bytes=self.memory.kv))
+        if self.memory is not None:
+            remember_engine_bytes(self.memory, settings, self.loaded.device, self.engine.runner.kv.allocated_bytes)
         self.info = BackendInfo(
             model_id=model_id(settings),
             model=model_name(settings),
@@ -60,6 +70,11 @@ class LocalBackend:
             video=video_supported(self.loaded.processor),
             kind=self.loaded.kind,
         )
+
+    def _plan_memory(self, model: torch.nn.Module) -> None:
+        self.memory = plan_memory(model, self.settings, resolve_device(self.settings.device))
+        if self.memory is not None:
+            log.info("%s", self.memory.line())
 
     def send(self, session: str, messages: list[Message], params: SamplingParams,
              speech: SpeechParams | None) -> LocalReply:

@@ -31,6 +31,18 @@ from omni_local.engine.talker import TalkerRows
 from omni_local.prompts import Prompt, build_prompt
 
 
+def kv_shape(config, max_tokens: int, block_tokens: int, talker_dim: int) -> KVShape:
+    """The Thinker's KV blocks for its text model's `config`, holding `talker_dim`-wide Talker rows."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return KVShape(config.num_hidden_layers, config.num_key_value_heads, head_dim, max_tokens, talker_dim,
+                   block_tokens)
+
+
+def least_kv_bytes(shape: KVShape, dtype: torch.dtype) -> int:
+    """The KV of one conversation of `shape.max_tokens`, and the pad block."""
+    return (shape.table_blocks + 1) * shape.block_bytes(dtype)
+
+
 class ThinkerRunner:
     def __init__(
         self,
@@ -54,21 +66,17 @@ class ThinkerRunner:
         self.encoder = encoder
         self.model = thinker.model  # Qwen3OmniMoeThinkerModel: .visual, .audio_tower, .language_model
         self.text = self.model.language_model
-        config = self.text.config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        talker_dim = talker_rows.width if talker_rows else 0
-        shape = KVShape(config.num_hidden_layers, config.num_key_value_heads, head_dim, max_tokens, talker_dim,
-                        block_tokens)
+        shape = kv_shape(self.text.config, max_tokens, block_tokens, talker_rows.width if talker_rows else 0)
         self.device = thinker.lm_head.weight.device
         self.dtype = thinker.lm_head.weight.dtype
         self.max_batch = max_batch  # the largest decode step: the engine's seats
-        need = (shape.table_blocks + 1) * shape.block_bytes(self.dtype)  # the pad block too
+        need = least_kv_bytes(shape, self.dtype)
         if kv_budget_bytes < need:
             raise SettingsError(
                 f"setting 'gpu_cache_bytes' ({kv_budget_bytes:,}) is below the {need:,} bytes one conversation of "
                 f"'max_context_tokens' ({max_tokens}) needs: raise the first or lower the second"
             )
-        self._capture_graphs = cuda_graphs and graphable(config, self.device)
+        self._capture_graphs = cuda_graphs and graphable(self.text.config, self.device)
         # Compiled on the GPU only: on the CPU the compile takes longer than it saves.
         self.regions = LayerRegions(compiled=compiled_layers and self.device.type == "cuda", moe=moe)
         self._deepstack_levels = len(self.model.config.vision_config.deepstack_visual_indexes)

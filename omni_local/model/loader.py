@@ -2,6 +2,7 @@
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -39,7 +40,10 @@ class LoadedModel:
         return bool(self.model.has_talker)
 
 
-def load_model(settings: Settings) -> LoadedModel:
+def load_model(settings: Settings, before_loading: Callable[[torch.nn.Module], None] | None = None) -> LoadedModel:
+    """The checkpoint (or the demo) as `settings` ask. `before_loading` is shown the empty model,
+    full precision with its parameters on the meta device, before any weight is read (the memory
+    plan); it may raise to stop."""
     path = ensure_demo_checkpoint(settings.demo_path) if settings.model == "demo" else Path(settings.model)
     path = path.expanduser().resolve()
     check_checkpoint(path)
@@ -58,13 +62,10 @@ def load_model(settings: Settings) -> LoadedModel:
     # Without speech the Talker and Code2Wav are never built, so their weights are skipped on load.
     config.enable_audio_output = settings.speech
     _check_weights(settings, device)
-    stored = None
-    if settings.weights != "bf16":
-        stored = StoredLayers.at(settings.cache_path, weight_files(path), settings.weights, dtype)
-    prepare = partial(_quantized_layers, weights=settings.weights, stored=stored, device=device)
+    prepare = partial(_prepare, settings=settings, path=path, dtype=dtype, device=device, before_loading=before_loading)
     model = load_weights(path, config, dtype, device, settings.attn_implementation, prepare=prepare).eval()
-    if stored is not None and not filled_from_disk(model):
-        stored.save(model)
+    if settings.weights != "bf16" and not filled_from_disk(model):
+        _stored_layers(settings, path, dtype).save(model)
     apply_workarounds(model, end_of_turn_ids(processor), processor.tokenizer.pad_token_id)
     return LoadedModel(model=model, processor=processor, path=path, device=device, dtype=dtype, kind=kind)
 
@@ -141,14 +142,21 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def _quantized_layers(model: torch.nn.Module, weights: str, stored: StoredLayers | None, device: torch.device
-                      ) -> None:
-    """Quantized layers in the places `weights` quantizes, on the empty model: read back from
-    `stored` where it has them, else quantizing each tensor on the device as the loader reads it (no
-    full-precision copy of the model is ever made)."""
-    quantize_layers(model, weights)
-    if stored is not None:
-        stored.fill(model, device)
+def _prepare(model: torch.nn.Module, settings: Settings, path: Path, dtype: torch.dtype, device: torch.device,
+             before_loading: Callable[[torch.nn.Module], None] | None) -> None:
+    """The empty model made ready for the loader: shown to `before_loading`, then quantized layers in
+    the places `settings.weights` quantizes, read back from disk where they were kept, else
+    quantizing each tensor on the device as the loader reads it (no full-precision copy of the
+    model is ever made)."""
+    if before_loading is not None:
+        before_loading(model)
+    quantize_layers(model, settings.weights)
+    if settings.weights != "bf16":
+        _stored_layers(settings, path, dtype).fill(model, device)
+
+
+def _stored_layers(settings: Settings, path: Path, dtype: torch.dtype) -> StoredLayers:
+    return StoredLayers.at(settings.cache_path, weight_files(path), settings.weights, dtype)
 
 
 def _check_weights(settings: Settings, device: torch.device) -> None:

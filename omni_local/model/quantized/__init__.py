@@ -12,22 +12,40 @@ from typing import Literal
 import torch
 
 from omni_local.model.quantized.experts import QuantizedExperts
-from omni_local.model.quantized.formats import QuantFormat, Quantized, dequantize, quantize
+from omni_local.model.quantized.formats import QuantFormat, Quantized, dequantize, quantize, quantized_bytes
 from omni_local.model.quantized.linear import QuantizedLinear
 
 WeightsSetting = Literal["bf16", "fp8", "int4"]
 _ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_SPEECH_PARTS = ("talker.", "code2wav.")
 
 __all__ = ["QuantizedExperts", "QuantizedLinear", "Quantized", "QuantFormat", "WeightsSetting", "dequantize",
-           "quantize", "quantize_layers", "quantized_decoder_stacks"]
+           "quantize", "quantize_layers", "quantized_decoder_stacks", "quantized_places", "weights_bytes"]
 
 
-def quantized_decoder_stacks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The decoder stacks whose layers are quantized: the Thinker's text model, and the Talker's."""
+def quantized_decoder_stacks(model: torch.nn.Module, speech: bool = True) -> list[torch.nn.Module]:
+    """The decoder stacks whose layers are quantized: the Thinker's text model, and the Talker's
+    (unless `speech` is false)."""
     stacks = [model.thinker.model.language_model]
-    if getattr(model, "talker", None) is not None:
+    if speech and getattr(model, "talker", None) is not None:
         stacks.append(model.talker.model)
     return stacks
+
+
+def quantized_places(model: torch.nn.Module, weights: WeightsSetting, speech: bool = True
+                     ) -> list[tuple[torch.nn.Module, str, QuantFormat]]:
+    """Where `weights` puts quantized layers, in the full-precision model: (parent module, attribute,
+    format) for each attention projection and routed experts module of the quantized stacks."""
+    if weights == "bf16":
+        return []
+    dense: QuantFormat = "fp8" if weights == "fp8" else "int8"
+    places = []
+    for stack in quantized_decoder_stacks(model, speech):
+        for layer in stack.layers:
+            places += [(layer.self_attn, name, dense) for name in _ATTENTION_PROJECTIONS]
+            if getattr(layer.mlp, "experts", None) is not None:
+                places.append((layer.mlp, "experts", weights))
+    return places
 
 
 def quantize_layers(model: torch.nn.Module, weights: WeightsSetting) -> None:
@@ -35,15 +53,29 @@ def quantize_layers(model: torch.nn.Module, weights: WeightsSetting) -> None:
     the meta device the new layers stay empty until the loader hands them their tensors; on a
     loaded model they are quantized at once, one layer at a time (the full-precision layer is freed
     as its quantized one is made)."""
-    if weights == "bf16":
-        return
-    experts_format: QuantFormat = weights
-    dense_format: QuantFormat = "fp8" if weights == "fp8" else "int8"
-    for stack in quantized_decoder_stacks(model):
-        for layer in stack.layers:
-            attention = layer.self_attn
-            for name in _ATTENTION_PROJECTIONS:
-                setattr(attention, name, QuantizedLinear.replacing(getattr(attention, name), dense_format))
-            experts = getattr(layer.mlp, "experts", None)
-            if experts is not None and not isinstance(experts, QuantizedExperts):
-                layer.mlp.experts = QuantizedExperts.replacing(experts, experts_format)
+    for parent, name, format in quantized_places(model, weights):
+        layer = getattr(parent, name)
+        kind = QuantizedExperts if name == "experts" else QuantizedLinear
+        setattr(parent, name, kind.replacing(layer, format))
+
+
+def weights_bytes(model: torch.nn.Module, weights: WeightsSetting, speech: bool = True) -> int:
+    """The device bytes `model`'s weights will take once loaded with `weights`, the Talker's and
+    Code2Wav's left out unless `speech`: its full-precision model (loaded, or a skeleton on the meta
+    device) with the quantized places at their stored size."""
+    quantized = {getattr(parent, name): format for parent, name, format in quantized_places(model, weights, speech)}
+    in_quantized = {id(t) for layer in quantized for t in (*layer.parameters(), *layer.buffers())}
+    dtype = next(model.parameters()).dtype
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    plain = sum(t.numel() * t.element_size() for name, t in tensors.items()
+                if id(t) not in in_quantized and (speech or not name.startswith(_SPEECH_PARTS)))
+    return plain + sum(stored_bytes(layer, format, dtype) for layer, format in quantized.items())
+
+
+def stored_bytes(layer: torch.nn.Module, format: QuantFormat, dtype: torch.dtype) -> int:
+    """The bytes full-precision `layer` (a Linear, or routed experts) takes quantized to `format`."""
+    if isinstance(layer, torch.nn.Linear):
+        bias = 0 if layer.bias is None else layer.bias.numel() * dtype.itemsize
+        return quantized_bytes((layer.out_features, layer.in_features), format, dtype) + bias
+    gate_up, down = layer.gate_up_proj.shape, layer.down_proj.shape
+    return quantized_bytes(gate_up, format, dtype) + quantized_bytes(down, format, dtype)

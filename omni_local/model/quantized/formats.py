@@ -11,6 +11,7 @@ Scales are symmetric (no zero point): a row's or group's largest magnitude maps 
 largest value. Leading dimensions (the experts of a 3-D weight) are carried through untouched.
 """
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -46,6 +47,16 @@ def int4_group(in_features: int) -> int:
     if group < 16:
         raise ValueError(f"int4 needs rows of a multiple of 16 inputs, got {in_features}")
     return group
+
+
+def quantized_bytes(shape: tuple[int, ...], format: QuantFormat, dtype: torch.dtype) -> int:
+    """The bytes `quantize` stores for a weight of `shape` [..., N, K] of a model in `dtype`."""
+    *rows, in_features = shape
+    count = math.prod(rows)
+    if format == "int4":
+        return count * (in_features // 2 + in_features // int4_group(in_features) * dtype.itemsize)
+    scale_bytes = 4 if format == "fp8" else dtype.itemsize  # int8's scales are kept in the model's dtype
+    return count * (in_features + scale_bytes)
 
 
 def quantize(weight: torch.Tensor, format: QuantFormat) -> Quantized:

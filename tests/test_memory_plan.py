@@ -1,0 +1,90 @@
+"""The GPU memory plan (engine/memory_plan.py): before any weight is read, the weights' exact size in
+the chosen format, the engine's take and the encoder outputs are set against the memory there is;
+the KV gets the rest, up to gpu_cache_bytes, and settings that cannot fit stop start-up saying what
+would. On the CPU the plan runs where `gpu_memory_bytes` is set, as these tests set it."""
+
+import pytest
+import torch
+
+from omni_local.api import OmniLocal
+from omni_local.engine import memory_plan
+from omni_local.engine.thinker import kv_shape, least_kv_bytes
+from omni_local.errors import SettingsError
+from omni_local.model import load_model, weights as weights_module
+from omni_local.model.quantized import weights_bytes
+
+MiB = 1 << 20
+ENGINE = 1 * MiB  # the engine's take a first start plans with, at the demo's size
+
+
+@pytest.fixture
+def planned(demo_settings, demo_checkpoint, monkeypatch, tmp_path):
+    monkeypatch.setattr(memory_plan, "FIRST_START_ENGINE_BYTES", ENGINE)
+    return demo_settings.replace(speech=True, encoder_cache_bytes=MiB, cache_dir=str(tmp_path / "cache"))
+
+
+def held_bytes(model: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
+@pytest.mark.parametrize("speech", [True, False])
+@pytest.mark.parametrize("weights", ["bf16", "fp8", "int4"])
+def test_the_planned_weights_are_the_loaded_models_bytes_in_each_format(planned, weights, speech):
+    full_precision = load_model(planned.replace(speech=speech)).model
+
+    loaded = load_model(planned.replace(weights=weights, speech=speech)).model
+
+    assert weights_bytes(full_precision, weights, speech) == held_bytes(loaded)
+
+
+def test_the_kv_is_what_the_plan_leaves_up_to_gpu_cache_bytes(planned):
+    with OmniLocal(planned.replace(gpu_memory_bytes=1 << 30)) as roomy:
+        assert roomy.backend.memory.kv == planned.gpu_cache_bytes
+        weights = held_bytes(roomy.backend.loaded.model)
+        assert roomy.backend.memory.weights == weights
+
+    available = weights + ENGINE + MiB + 5 * MiB
+    with OmniLocal(planned.replace(gpu_memory_bytes=available)) as tight:
+        plan = tight.backend.memory
+        assert plan.kv == 5 * MiB and plan.engine == ENGINE and plan.encoder_outputs == MiB
+        kv = tight.backend.engine.runner.kv
+        assert kv.allocated_bytes <= plan.kv and kv.allocated_bytes > plan.kv - kv.shape.block_bytes(kv.dtype)
+        assert tight.session().send("Hello there", max_new_tokens=4).result().tokens.generated > 0
+
+
+def test_settings_that_cannot_fit_stop_start_up_before_any_weight_is_read_saying_what_would(planned, monkeypatch):
+    model = load_model(planned).model
+    thinker_kv = kv_shape(model.thinker.model.language_model.config, planned.max_context_tokens,
+                          planned.kv_block_tokens, model.config.talker_config.text_config.hidden_size)
+    one_conversation = least_kv_bytes(thinker_kv, torch.float32)
+    available = weights_bytes(model, "bf16") + ENGINE + MiB + one_conversation - 1  # the others fit
+    assert weights_bytes(model, "fp8") < weights_bytes(model, "bf16") - 1
+
+    def read(*args):
+        raise AssertionError("a weight was read")
+
+    monkeypatch.setattr(weights_module, "_stream_file", read)
+    with pytest.raises(SettingsError) as refusal:
+        OmniLocal(planned.replace(gpu_memory_bytes=available))
+
+    message = str(refusal.value)
+    assert message.startswith("the model needs ") and " of GPU memory (weights " in message
+    assert message.endswith("is free: try weights = 'fp8' or weights = 'int4' or speech = false")
+
+
+def test_no_plan_is_made_on_the_cpu_unless_gpu_memory_bytes_is_set(planned):
+    with OmniLocal(planned) as app:
+        assert app.backend.memory is None
+        assert app.backend.engine.settings.gpu_cache_bytes == planned.gpu_cache_bytes
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_the_engines_take_is_measured_at_start_up_and_planned_with_at_the_next(planned):
+    if not torch.cuda.is_available() or planned.device != "cuda":
+        pytest.skip("the GPU tests run with OMNI_LOCAL_TEST_DEVICE=cuda")
+    settings = planned.replace(gpu_memory_bytes=8 << 30)
+    with OmniLocal(settings) as first:
+        assert first.backend.memory.engine == ENGINE
+    with OmniLocal(settings) as second:
+        measured = second.backend.memory.engine
+        assert measured != ENGINE and 0 < measured < torch.cuda.max_memory_allocated()
