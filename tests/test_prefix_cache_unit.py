@@ -7,7 +7,7 @@ import torch
 from cache_requests import prompt, run
 from omni_local.engine.kv_blocks import chain
 from omni_local.engine.kv_store import KVShape, KVStore
-from omni_local.engine.prefix_cache import PrefixCache
+from omni_local.engine.prefix_cache import Match, PrefixCache
 from omni_local.errors import RequestError
 
 SHAPE = KVShape(num_layers=2, kv_heads=1, head_dim=2, max_tokens=32, block_tokens=4)
@@ -77,6 +77,8 @@ def test_another_chats_prefix_shorter_than_a_block_is_not_taken_but_a_chats_own_
     assert cache.match(begins_alike, "b").length == 0
     assert cache.match(begins_alike, "a").length == 3
     assert cache.match(prompt([1, 2, 3, 9, 6]), "b").length == 4  # a whole block in common
+    run(cache, "b", prompt([1, 2, 3, 8, 8]))  # begins as "a" does, for as long
+    assert cache.match(begins_alike, "b") == Match(cache.entries["b"], 3)
 
 
 def test_a_partly_shared_last_block_is_copied_before_it_is_written():

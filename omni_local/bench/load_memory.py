@@ -1,6 +1,6 @@
 """Host memory and time taken to load a checkpoint.
 
-    python -m omni_local.bench.load_memory CHECKPOINT [--device cuda] [--dtype bfloat16] [--speech]
+    python -m omni_local.bench.load_memory CHECKPOINT [--device cuda] [--dtype bfloat16] [--speech] [--weights int4]
     python -m omni_local.bench.load_memory CHECKPOINT --loader transformers    # from_pretrained, then .to
 
 The process's resident memory is split as Linux counts it: anonymous memory (what the loader
@@ -15,6 +15,7 @@ import argparse
 import json
 import re
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -43,10 +44,16 @@ class LoadMemory:
     checkpoint_bytes: int
 
 
-def measure(checkpoint: Path, loader: str, device: str, dtype: str, speech: bool) -> LoadMemory:
-    """Load `checkpoint` once with `loader` ("omni_local" or "transformers") and measure it."""
+def measure(checkpoint: Path, loader: str, device: str, dtype: str, speech: bool, weights: str = "bf16",
+            cache_dir: Path | None = None) -> LoadMemory:
+    """Load `checkpoint` once with `loader` ("omni_local" or "transformers") and measure it; with
+    quantized `weights`, the quantized layers are kept in `cache_dir` (a temporary folder if None:
+    the first load quantizes, and writes them there, as a first start does)."""
     load = _LOADERS[loader]
-    settings = Settings(model=str(checkpoint), device=device, dtype=dtype, speech=speech)
+    if cache_dir is None:
+        cache_dir = Path(tempfile.mkdtemp(prefix="omni_local-load-memory-"))
+    settings = Settings(model=str(checkpoint), device=device, dtype=dtype, speech=speech, weights=weights,
+                        cache_dir=str(cache_dir))
     baseline = _memory()
     _reset_peak_rss()
     sampler = _PeakSampler()
@@ -154,14 +161,18 @@ def main() -> None:
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     parser.add_argument("--speech", action="store_true", help="load the Talker and Code2Wav too")
+    parser.add_argument("--weights", default="bf16", choices=["bf16", "fp8", "int4"],
+                        help="quantize as it loads (the first start's path: its store written to --cache-dir)")
+    parser.add_argument("--cache-dir", type=Path, help="where quantized layers are kept (default: a new temporary "
+                        "folder, so the load quantizes; give the same one twice to time reading them back)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = parser.parse_args()
     quiet_library_logs()
-    result = measure(args.checkpoint, args.loader, args.device, args.dtype, args.speech)
+    result = measure(args.checkpoint, args.loader, args.device, args.dtype, args.speech, args.weights, args.cache_dir)
     if args.json:
         print(json.dumps(asdict(result)))
         return
-    print(f"{result.loader} on {result.device}: loaded in {result.load_s:.2f} s")
+    print(f"{result.loader} on {result.device}, weights {args.weights}: loaded in {result.load_s:.2f} s")
     print(f"  anonymous memory growth: peak {_mib(result.anon_peak_bytes)}, after {_mib(result.anon_after_bytes)}")
     print(f"  RSS growth at peak (file pages included): {_mib(result.rss_peak_bytes)}")
     print(f"  model in host memory: {_mib(result.model_host_bytes)}")

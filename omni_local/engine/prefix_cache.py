@@ -124,10 +124,12 @@ class PrefixCache:
         share the chat template's first tokens) would lose the prefill that attends over its own
         rows alone."""
         best = self._longest(prompt)
-        if session is not None and best.length < self.block_tokens and (best.entry is None
-                                                                        or best.entry.session != session):
-            return Match(None, 0)
-        return best
+        if session is None or best.length >= self.block_tokens or (best.entry is not None
+                                                                   and best.entry.session == session):
+            return best
+        own = self.entries.get(session)  # as long a match as another chat's, maybe
+        length = _verified_prefix(own, prompt) if own is not None else 0
+        return Match(own, length) if length else Match(None, 0)
 
     def _longest(self, prompt: Prompt) -> Match:
         if not self.enabled:

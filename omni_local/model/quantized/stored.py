@@ -33,7 +33,7 @@ from omni_local.model.quantized.linear import QuantizedLinear
 log = logging.getLogger(__name__)
 
 VERSION = 1  # of the formats' arithmetic and layout (formats.py): a store of another is made again
-SHARD_BYTES = 2 << 30  # at most this much host memory holds a shard's tensors while it is written
+SHARD_BYTES = 512 << 20  # at most this much host memory holds a shard's tensors while it is written
 _MANIFEST = "manifest.json"
 _QUANTIZED = (QuantizedLinear, QuantizedExperts)
 
