@@ -112,9 +112,9 @@ def test_the_expert_kernels_read_quantized_experts_as_their_dequantized_weights(
 COMPILE_GEMMS_FOR_SM90 = """
 from omni_local.engine.moe.kernels.down import _down_kernel
 from omni_local.engine.moe.kernels.gate_up import _gate_up_kernel
-from omni_local.engine.moe.kernels.weight_tiles import FP8_ROWS, INT4_GROUPS, PLAIN
+from omni_local.engine.weight_tiles import INT4_GROUPS, PLAIN, ROW_SCALED
 
-weights = {PLAIN.value: "*bf16", FP8_ROWS.value: "*fp8e4nv", INT4_GROUPS.value: "*u8"}
+weights = {PLAIN.value: "*bf16", ROW_SCALED.value: "*fp8e4nv", INT4_GROUPS.value: "*u8"}
 for format, weight in weights.items():
     tiles = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, DOT_PRECISION=None, FORMAT=format, GROUP=128)
     compiled(_gate_up_kernel, dict(hidden_ptr="*bf16", weight_ptr=weight, scales_ptr="*fp32", sorted_ptr="*i32",
