@@ -2,14 +2,14 @@
 scale a row, against the rows times the dequantized weight. In Triton's CPU interpreter here (float32
 and float16 rows: it multiplies bfloat16 wrongly), at shapes whose last tiles are ragged; compiled
 for an H200 in bfloat16; and on a GPU (OMNI_LOCAL_TEST_DEVICE=cuda) at the Thinker's projection
-shapes."""
+shapes, in the quantized layers, eager, compiled and graphed."""
 
 import pytest
 import torch
 
 from conftest import TEST_DEVICE
 from omni_local.engine.dense.gemv_tiles import GemvTile
-from omni_local.model.quantized import dequantize, quantize
+from omni_local.model.quantized import QuantizedLinear, dequantize, quantize
 from omni_local.model.quantized.formats import Quantized
 
 FORMATS = ["fp8", "int8"]
@@ -114,6 +114,12 @@ def test_the_op_passes_torch_librarys_checks_of_its_fake_and_schema():
     torch.library.opcheck(quantized_gemv, (normal(2, IN_FEATURES, seed=7).half(), weight.values, weight.scales))
 
 
+def test_on_the_cpu_a_quantized_layer_keeps_the_librarys_matmuls():
+    layer = QuantizedLinear.replacing(torch.nn.Linear(IN_FEATURES, OUT_FEATURES), "int8")
+
+    assert not layer.gemv
+
+
 COMPILE_GEMV_FOR_SM90 = """
 from omni_local.engine.dense.gemv import SUM_BLOCK, _gemv_kernel, _sum_splits_kernel
 from omni_local.engine.dense.gemv_tiles import DEFAULT
@@ -171,6 +177,32 @@ def test_on_a_gpu_the_gemv_multiplies_bfloat16_rows_by_the_dequantized_weight(sh
     # bfloat16 rows and one bfloat16 rounding of the output: well under 1% of the output's norm.
     reference = x.bfloat16().float() @ dequantize(Quantized(format, weight.values, scales), torch.float32).T
     assert ((out - reference).norm() / reference.norm()).item() <= 0.005
+
+
+@pytest.mark.cuda
+@on_a_gpu
+@pytest.mark.parametrize("format", FORMATS)
+@torch.inference_mode()
+def test_on_a_gpu_a_quantized_layer_takes_the_gemv_for_a_decode_batch_compiled_and_graphed(format):
+    from omni_local.engine.cuda_graphs import capture_graph
+    from omni_local.engine.dense.gemv import quantized_gemv
+    from omni_local.model.quantized.linear import GEMV_MAX_ROWS
+
+    linear = torch.nn.Linear(2048, 512, bias=False, device="cuda", dtype=torch.bfloat16)  # the Thinker's k_proj
+    layer = QuantizedLinear.replacing(linear, format)
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True)
+    assert layer.gemv
+    for rows in (1, 5, GEMV_MAX_ROWS, 64):
+        x = torch.randn((rows, 2048), device="cuda", dtype=torch.bfloat16,
+                        generator=torch.Generator("cuda").manual_seed(rows))
+        eager = layer(x)
+        if rows <= GEMV_MAX_ROWS:
+            assert torch.equal(eager, quantized_gemv(x, layer.values, layer.scales)), rows
+            graph, graphed = capture_graph(lambda x=x: compiled(x), torch.cuda.graph_pool_handle())
+            graph.replay()
+            assert torch.equal(graphed, eager), rows  # the op is left whole: the same kernel, the same bits
+        else:
+            torch.testing.assert_close(compiled(x), eager, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.cuda
