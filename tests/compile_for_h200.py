@@ -9,19 +9,23 @@ import subprocess
 import sys
 from pathlib import Path
 
-# A script's preamble: `compiled(kernel, pointers, constexprs, **options)` compiles `kernel`, its
-# pointer arguments typed as in `pointers` ("*bf16", "fp32"), every other argument "i32", and the
-# `constexprs` fixed to their values.
+# A script's preamble: `compiled(kernel, pointers, constexprs, aligned=(), **options)` compiles
+# `kernel`, its pointer arguments typed as in `pointers` ("*bf16", "fp32"), every other argument
+# "i32", and the `constexprs` fixed to their values, and returns it compiled. The arguments named in
+# `aligned` are taken as multiples of 16, as a launch specializes them where they are (pointers from
+# torch's allocator, sizes and strides of 2,048): Triton vectorizes and pipelines those loads.
 COMPILER = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-def compiled(kernel, pointers, constexprs, **options):
+def compiled(kernel, pointers, constexprs, aligned=(), **options):
     signature = {name: pointers.get(name, "i32") for name in kernel.arg_names}
     signature.update({name: "constexpr" for name in constexprs})
     where = {(kernel.arg_names.index(name),): value for name, value in constexprs.items()}
-    triton.compile(ASTSource(kernel, signature, where), target=GPUTarget("cuda", 90, 32), options=options)
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    return triton.compile(ASTSource(kernel, signature, where, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=options)
 """
 
 

@@ -205,6 +205,7 @@ def test_the_decode_profile_puts_each_backends_kernels_and_the_compiled_layers_f
         "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x64_4x1x1": ATTENTION,
         "nvjet_tst_64x8_64x16_4x1_v_bz_TNT": DENSE, "void gemv2T_kernel_val<int, int, __nv_bfloat16>": DENSE,
         "aten::addmm": DENSE,
+        "_gemv_kernel": DENSE, "_sum_splits_kernel": DENSE, "omni_local::quantized_gemv": DENSE,  # our GEMV
         "aten::expand": OTHER, "aten::div_": ELEMENTWISE,
         "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": ELEMENTWISE,
     }
@@ -223,3 +224,22 @@ def test_the_paged_attention_bench_smoke_run_times_each_way_for_each_batch_and_c
     assert [row[:2] for row in table] == [["1", "32"], ["1", "272"], ["2", "32"], ["2", "272"]]
     assert all(float(cell) > 0 for row in table for cell in row[2:-1])  # the speed-up may round to 0.00x
     assert all(row[-1].endswith("x") for row in table)
+
+
+def test_the_dense_projection_bench_smoke_run_times_each_way_for_each_projection_and_row_count():
+    # On the CPU the GEMV runs in Triton's interpreter (a GPU run's conftest.py does not set it).
+    done = subprocess.run([sys.executable, "-m", "omni_local.bench.dense_projections", "--device", "cpu", "--runs", "1"],
+                          cwd=REPO, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    ways = ["linear", "fp8 scaled_mm", "fp8 gemv", "int8 pack_mm", "int8 gemv"]
+    assert f"| projection | rows | {' | '.join(f'{way} (µs)' for way in ways)} |" in done.stdout
+    assert f"| rows | {' | '.join(ways)} |" in done.stdout
+    table = [line.strip("| ").split(" | ") for line in done.stdout.splitlines() if line.startswith("| ")
+             and line[2].isalnum() and not line.startswith(("| projection", "| rows"))]
+    calls, steps = table[:-2], table[-2:]  # each projection's call, then a decode step's 192 of them
+    projections = ["q_proj 64->128", "k_proj 64->32", "v_proj 64->32", "o_proj 128->64"]
+    assert [row[:2] for row in calls] == [[p, rows] for rows in ("1", "16") for p in projections]
+    assert [row[0] for row in steps] == ["1", "16"]
+    assert all(len(row) == 2 + len(ways) and all(float(cell) > 0 for cell in row[2:]) for row in calls)
+    assert all(len(row) == 1 + len(ways) and all(float(cell) > 0 for cell in row[1:]) for row in steps)

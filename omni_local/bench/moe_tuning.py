@@ -26,7 +26,7 @@ from omni_local.engine.moe.kernels.down import weighted_down
 from omni_local.engine.moe.kernels.gate_up import gate_up_silu
 from omni_local.engine.moe.kernels.routing import route
 from omni_local.engine.moe.kernels.sorting import sort_by_expert
-from omni_local.engine.moe.kernels.weight_tiles import kernel_weight
+from omni_local.engine.moe.kernels.expert_weights import kernel_weight
 from omni_local.engine.moe.tile_configs import (
     TILE_CONFIG_DIR,
     TUNED_TOKENS,

@@ -90,7 +90,9 @@ def _compiled_for_any_batch(region: Callable) -> Callable:
     compiled = torch.compile(region, fullgraph=True)
     # Dynamo keeps the graphs of a function together, up to `recompile_limit` (8 by default), then
     # runs it eagerly: here every stack's layer type (Thinker, Talker, code predictor) times those
-    # three shape families, times the experts kernel capture switches to in float32, is more.
+    # three shape families, times the experts kernel capture switches to in float32, is more; with
+    # quantized weights the Thinker's and Talker's batches and prefills of up to GEMV_MAX_ROWS rows
+    # (model/quantized/linear.py) take graphs apart from longer ones: four more at most.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
 
     def call(layer: torch.nn.Module, *tensors: torch.Tensor) -> object:

@@ -1,11 +1,15 @@
 """A linear layer whose weight is quantized (formats.py), in place of a `torch.nn.Linear`.
 
 How it multiplies, by format and device:
-- `fp8` on a GPU with FP8 matrix units (compute capability 8.9 or newer): each input row is scaled to
-  float8 by its own largest magnitude and `torch._scaled_mm` multiplies float8 by float8 with both
-  scales in its epilogue (FP8 "dynamic"): the weight is read once, in one byte a value;
-- `int8`: `torch._weight_int8pack_mm`, the weight read as int8 and scaled per output row (its scales
-  kept in the model's dtype, as that op takes them), on the CPU and on a GPU;
+- a decode batch's few rows (up to GEMV_MAX_ROWS) on a GPU that runs our Triton kernels (and for
+  `fp8`, has FP8 units): our GEMV (engine/dense/gemv.py), which reads the weight once in its stored
+  bytes, converts each tile to the rows' dtype as it loads it, and scales the float32 sums; the rows
+  stay as they are (no float8 rounding of the activations);
+- `fp8` on a GPU with FP8 matrix units (compute capability 8.9 or newer), more rows: each input row
+  is scaled to float8 by its own largest magnitude and `torch._scaled_mm` multiplies float8 by float8
+  with both scales in its epilogue (FP8 "dynamic"): the weight is read once, in one byte a value;
+- `int8`, more rows or on the CPU: `torch._weight_int8pack_mm`, the weight read as int8 and scaled per
+  output row (its scales kept in the model's dtype, as that op takes them);
 - otherwise (fp8 on the CPU, or in a float32 model): the weight dequantized to the input's dtype,
   then a plain matmul.
 """
@@ -13,9 +17,14 @@ How it multiplies, by format and device:
 import torch
 import torch.nn.functional as F
 
+from omni_local.engine.triton_support import triton_refusal
 from omni_local.model.quantized.formats import FP8, FP8_MAX, QuantFormat, Quantized, dequantize, quantize
 
 _FP8_CAPABILITY = (8, 9)
+# Rows up to which a GPU multiplies by our GEMV rather than the library's matmuls: a decode batch,
+# where cuBLASLt's FP8 kernel (a 128x128 tile) took 9.4 µs a call on an H200 at one row. A guess, to
+# be measured (python -m omni_local.bench.dense_projections) where the two meet.
+GEMV_MAX_ROWS = 16
 
 
 class QuantizedLinear(torch.nn.Module):
@@ -28,6 +37,7 @@ class QuantizedLinear(torch.nn.Module):
         self.register_buffer("values", None)
         self.register_buffer("scales", None)
         self.fp8_units = False  # whether `forward` multiplies in float8 (`hold` decides)
+        self.gemv = False  # whether `forward` multiplies few rows by our GEMV (`hold` decides)
         self.prefilled = False  # filled before loading (read back from disk): the loader hands it nothing
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
 
@@ -58,6 +68,7 @@ class QuantizedLinear(torch.nn.Module):
         # Decided once, here: a capability query in `forward` would be traced into compiled regions.
         # A float32 model keeps float32 products: the scaled matmul gives bfloat16.
         self.fp8_units = self.format == "fp8" and has_fp8_units(values.device) and dtype != torch.float32
+        self.gemv = runs_gemv(values.device, self.format)
 
     @property
     def weight(self) -> Quantized:
@@ -65,10 +76,12 @@ class QuantizedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self.format == "int8":
+        if self.gemv and rows.shape[0] <= GEMV_MAX_ROWS:  # a shape: compiled code guards on it
+            out = torch.ops.omni_local.quantized_gemv(rows, self.values, self.scales)
+        elif self.format == "int8":
             out = torch._weight_int8pack_mm(rows, self.values, self.scales)
         elif self.fp8_units:
-            out = _fp8_matmul(rows, self.values, self.scales)
+            out = fp8_matmul(rows, self.values, self.scales)
         else:
             out = F.linear(rows, dequantize(self.weight, rows.dtype))
         if self.bias is not None:
@@ -84,7 +97,19 @@ def has_fp8_units(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= _FP8_CAPABILITY
 
 
-def _fp8_matmul(rows: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def runs_gemv(device: torch.device, format: QuantFormat) -> bool:
+    """Whether our GEMV multiplies a weight of `format` on `device`: a CUDA GPU that runs our Triton
+    kernels, and for fp8 one with FP8 units (Triton converts e4m3 on compute capability 8.9 and
+    newer). Where it does, its op is registered here."""
+    if device.type != "cuda" or triton_refusal(device) or (format == "fp8" and not has_fp8_units(device)):
+        return False
+    # Imported here: it imports Triton, which torch's CPU wheels lack.
+    import omni_local.engine.dense.gemv  # noqa: F401 (registers omni_local::quantized_gemv)
+
+    return True
+
+
+def fp8_matmul(rows: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """rows [M, K] times the fp8 weight `values` [N, K] (per-row `scales` [N]) with each input row
     quantized to fp8 by its own scale: [M, N] in the rows' dtype."""
     row_scales = (rows.abs().amax(-1, keepdim=True).float() / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)

@@ -5,17 +5,17 @@ rows times its expert's down projection, times each pair's routing weight, in fl
 the pair's own row of a [pairs, hidden] float32 output. Every pair has its own row, so no two
 programs write one place: the top-k sum is left to a fixed-order sum over k afterwards (see
 routed_experts.py), not to atomics whose order changes from run to run. The weight may be
-quantized (weight_tiles.py), as in gate_up.py."""
+quantized (engine/weight_tiles.py), as in gate_up.py."""
 
 import torch
 import triton
 import triton.language as tl
 
 from omni_local.engine.moe.kernels.sorting import sorted_block
-from omni_local.engine.moe.kernels.weight_tiles import (FP8_ROWS, INT4_GROUPS, KernelWeight, group_scales,
-                                                        row_scales, weight_tile)
+from omni_local.engine.moe.kernels.expert_weights import KernelWeight
 from omni_local.engine.moe.tile_configs import GemmTile
 from omni_local.engine.triton_support import dot_precision
+from omni_local.engine.weight_tiles import INT4_GROUPS, ROW_SCALED, group_scales, row_scales, weight_tile
 
 
 @triton.jit
@@ -46,7 +46,7 @@ def _down_kernel(inter_ptr, weight_ptr, scales_ptr, sorted_ptr, experts_ptr, rou
                 scales, columns, start, scale_row_stride, inside, GROUP)[None, :]
         else:
             acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
-    if FORMAT == FP8_ROWS:
+    if FORMAT == ROW_SCALED:
         acc *= row_scales(scales, columns, scale_row_stride, inside)[None, :]
     routing = tl.load(routing_ptr + row, mask=real, other=0.0).to(tl.float32)
     out = out_ptr + row[:, None] * out_stride + columns[None, :]

@@ -3,7 +3,7 @@
 One program per (block of BLOCK_M sorted rows, BLOCK_N columns of the intermediate): the block's
 tokens times its expert's gate rows and up rows (two dots over the same loaded activations), then
 silu(gate) * up in float32, rounded once to the activations' dtype and written at each pair's row
-of the [pairs, intermediate] output. The weight may be quantized (weight_tiles.py): its tiles are
+of the [pairs, intermediate] output. The weight may be quantized (engine/weight_tiles.py): its tiles are
 dequantized as they are read, its scales applied to the float32 sums."""
 
 import torch
@@ -11,10 +11,10 @@ import triton
 import triton.language as tl
 
 from omni_local.engine.moe.kernels.sorting import sorted_block
-from omni_local.engine.moe.kernels.weight_tiles import (FP8_ROWS, INT4_GROUPS, KernelWeight, group_scales,
-                                                        row_scales, weight_tile)
+from omni_local.engine.moe.kernels.expert_weights import KernelWeight
 from omni_local.engine.moe.tile_configs import GemmTile
 from omni_local.engine.triton_support import dot_precision
+from omni_local.engine.weight_tiles import INT4_GROUPS, ROW_SCALED, group_scales, row_scales, weight_tile
 
 
 @triton.jit
@@ -53,7 +53,7 @@ def _gate_up_kernel(hidden_ptr, weight_ptr, scales_ptr, sorted_ptr, experts_ptr,
         else:
             gate = tl.dot(x, w_gate, gate, input_precision=DOT_PRECISION)
             up = tl.dot(x, w_up, up, input_precision=DOT_PRECISION)
-    if FORMAT == FP8_ROWS:
+    if FORMAT == ROW_SCALED:
         gate *= row_scales(gate_scales, columns, scale_row_stride, inside)[None, :]
         up *= row_scales(up_scales, columns, scale_row_stride, inside)[None, :]
     activated = gate / (1.0 + tl.exp(-gate)) * up

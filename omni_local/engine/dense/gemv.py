@@ -1,0 +1,123 @@
+"""A few rows times a weight-only quantized weight: out [M, N] = (x [M, K] @ W^T) * scale [N].
+
+For a decode batch (M of 1 to 16) through the attention projections: the product is bound by reading
+W, so each program reads its BLOCK_N rows of W once, in their stored bytes (fp8 e4m3 or int8), each
+tile converted to the rows' dtype as it is loaded (engine/weight_tiles.py), and multiplies them by
+its BLOCK_M rows of x with float32 sums. A row's scale is the same for every k, so it multiplies
+the finished sums; the result is rounded once to x's dtype.
+
+Programs: (N tiles, M blocks, K splits). With one split (the default), a program walks all of K in
+BLOCK_K steps and writes out directly. With SPLIT_K splits, split s walks its own run of whole
+BLOCK_K steps and writes its float32 sums to partials [SPLIT_K, M, N]; `_sum_splits_kernel` adds
+them in split order, then scales and rounds. No atomics: a row's reduction order depends on K and
+the tile alone (gemv_tiles.py picks the tile from the weight's shape), not on M or the run.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from omni_local.engine.dense.gemv_tiles import GemvTile, gemv_tile
+from omni_local.engine.triton_support import dot_precision
+from omni_local.engine.weight_tiles import ROW_SCALED, row_scales, weight_tile
+
+SUM_BLOCK = 256  # outputs per program of the split sum
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, weight_ptr, scales_ptr, out_ptr, rows, out_features, in_features, split_depth,
+                 x_row_stride, weight_row_stride, out_split_stride, out_row_stride, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    split = tl.program_id(2)
+    inside = columns < out_features
+    real = row < rows
+    depth = tl.arange(0, BLOCK_K)
+    rows_in = x_ptr + row.to(tl.int64)[:, None] * x_row_stride + depth[None, :]
+    dtype = x_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # split_depth is whole BLOCK_K steps: a split's last step may pass K, never into the next split.
+    first = split * split_depth
+    for start in range(first, tl.minimum(first + split_depth, in_features), BLOCK_K):
+        within = start + depth < in_features
+        x = tl.load(rows_in + start, mask=real[:, None] & within[None, :], other=0.0)
+        w = weight_tile(weight_ptr, columns, depth, start, weight_row_stride, within[:, None] & inside[None, :],
+                        dtype, ROW_SCALED)
+        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+    written = real[:, None] & inside[None, :]
+    at = row[:, None] * out_row_stride + columns[None, :]
+    if SPLIT_K == 1:
+        acc *= row_scales(scales_ptr, columns, 1, inside)[None, :]
+        tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=written)
+    else:
+        tl.store(out_ptr + split * out_split_stride + at, acc, mask=written)  # an empty split writes its zeros
+
+
+@triton.jit
+def _sum_splits_kernel(partials_ptr, scales_ptr, out_ptr, out_features, split_stride, partial_row_stride,
+                       out_row_stride, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    # Program (c, m): row m's outputs [c * BLOCK, (c + 1) * BLOCK), the splits added in order.
+    columns = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = columns < out_features
+    partials = partials_ptr + tl.program_id(1) * partial_row_stride + columns
+    acc = tl.load(partials, mask=inside, other=0.0)
+    for split in tl.static_range(1, SPLIT_K):
+        acc += tl.load(partials + split * split_stride, mask=inside, other=0.0)
+    acc *= row_scales(scales_ptr, columns, 1, inside)
+    tl.store(out_ptr + tl.program_id(1) * out_row_stride + columns, acc.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+def gemv_into(out: torch.Tensor, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, tile: GemvTile,
+              partials: torch.Tensor | None = None) -> torch.Tensor:
+    """Writes every element of `out` [M, N] (x's dtype) with (x [M, K] @ values^T) * scales, for
+    `values` [N, K] fp8 e4m3 or int8 and `scales` [N] (float32, or x's dtype); with `tile.split_k`
+    > 1, through `partials` [split_k, M, N] float32 (allocated where None). Returns `out`."""
+    rows, in_features = x.shape
+    out_features = values.shape[0]
+    assert values.shape[1] == in_features and values.stride(1) == 1 and scales.is_contiguous(), (
+        values.shape, values.stride(), x.shape)
+    assert values.dtype in (torch.float8_e4m3fn, torch.int8), values.dtype
+    assert out.shape == (rows, out_features) and out.stride(1) == 1 and out.dtype == x.dtype, (out.shape, out.dtype)
+    if rows == 0:
+        return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    steps = triton.cdiv(in_features, tile.block_k)
+    split_depth = triton.cdiv(steps, tile.split_k) * tile.block_k
+    if tile.split_k == 1:
+        target, split_stride = out, 0
+    else:
+        if partials is None:
+            partials = torch.empty((tile.split_k, rows, out_features), dtype=torch.float32, device=x.device)
+        assert partials.shape == (tile.split_k, rows, out_features) and partials.is_contiguous(), partials.shape
+        target, split_stride = partials, partials.stride(0)
+    grid = (triton.cdiv(out_features, tile.block_n), triton.cdiv(rows, tile.block_m), tile.split_k)
+    _gemv_kernel[grid](x, values, scales, target, rows, out_features, in_features, split_depth, x.stride(0),
+                       values.stride(0), split_stride, target.stride(-2), BLOCK_M=tile.block_m,
+                       BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, SPLIT_K=tile.split_k,
+                       DOT_PRECISION=dot_precision(x.dtype), num_warps=tile.num_warps, num_stages=tile.num_stages)
+    if tile.split_k > 1:
+        _sum_splits_kernel[(triton.cdiv(out_features, SUM_BLOCK), rows)](
+            partials, scales, out, out_features, partials.stride(0), partials.stride(1), out.stride(0),
+            SPLIT_K=tile.split_k, BLOCK=SUM_BLOCK, num_warps=4)
+    return out
+
+
+def gemv(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, tile: GemvTile | None = None) -> torch.Tensor:
+    """(x [M, K] @ values^T) * scales: [M, N] in x's dtype; `tile` None takes gemv_tiles.py's."""
+    tile = tile or gemv_tile(values.shape[0], values.shape[1], x.device)
+    return gemv_into(x.new_empty((x.shape[0], values.shape[0])), x, values, scales, tile)
+
+
+@torch.library.custom_op("omni_local::quantized_gemv", mutates_args=())
+def quantized_gemv(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`gemv` with the shape's tile, as one op: torch.compile leaves it whole inside the compiled
+    layers, and a CUDA graph captures its launches."""
+    return gemv(x, values, scales)
+
+
+@quantized_gemv.register_fake
+def _(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], values.shape[0]))

@@ -1,0 +1,46 @@
+"""The tile of `quantized_gemv` (gemv.py), per weight shape [N, K].
+
+A deterministic mode needs a row's sums to run in the same order whatever the batch: the tile is
+chosen from the weight's shape alone, never from the row count, and BLOCK_M is fixed with it (one
+kernel, the same per-program code, for every decode batch; more rows take more programs).
+"""
+
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+
+@dataclass(frozen=True)
+class GemvTile:
+    """Each program: BLOCK_M rows by BLOCK_N outputs, over its share of K in steps of BLOCK_K.
+    SPLIT_K > 1 splits K into that many runs of whole BLOCK_K steps, one program each, their float32
+    sums added in split order by a second kernel: more programs for a weight of few output tiles."""
+
+    block_m: int = 16  # the smallest tl.dot takes: a decode batch of up to 16 rows is one block
+    block_n: int = 32
+    block_k: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+# A guess, to be tuned on the GPU (python -m omni_local.bench.dense_projections --sweep). Its loads
+# pipelined over 4 stages take 24 KiB of shared memory for bfloat16 rows, 52 KiB for float32 (compiled
+# for sm_90: tests/test_quantized_gemv.py), inside the 99 KiB a block of Ada, Ampere's sm86 and
+# Blackwell's sm120 may take. BLOCK_N 32 gives the Thinker's q_proj (N 4,096) 128 programs, about one
+# per SM of an H200; its k/v_proj (N 512) only 16, where SPLIT_K may pay for its second launch.
+DEFAULT = GemvTile()
+
+# Tuned tiles by (GPU name, N, K), from the sweep; none yet. A tile tuned on one GPU may not fit
+# another's shared memory, so each GPU has its own.
+TUNED: dict[tuple[str, int, int], GemvTile] = {}
+
+
+def gemv_tile(out_features: int, in_features: int, device: torch.device) -> GemvTile:
+    return TUNED.get((_device_name(device), out_features, in_features), DEFAULT)
+
+
+@cache
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
