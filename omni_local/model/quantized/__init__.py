@@ -16,10 +16,10 @@ from omni_local.model.quantized.formats import QuantFormat, Quantized, dequantiz
 from omni_local.model.quantized.linear import QuantizedLinear
 
 WeightsSetting = Literal["bf16", "fp8", "int4"]
-_ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
-__all__ = ["QuantizedExperts", "QuantizedLinear", "Quantized", "QuantFormat", "WeightsSetting", "dequantize",
-           "quantize", "quantize_layers", "quantized_decoder_stacks"]
+__all__ = ["ATTENTION_PROJECTIONS", "QuantizedExperts", "QuantizedLinear", "Quantized", "QuantFormat", "WeightsSetting",
+           "dequantize", "layer_formats", "quantize", "quantize_layers", "quantized_decoder_stacks"]
 
 
 def quantized_decoder_stacks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -30,6 +30,12 @@ def quantized_decoder_stacks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return stacks
 
 
+def layer_formats(weights: WeightsSetting) -> tuple[QuantFormat, QuantFormat]:
+    """The formats of a quantized `weights` setting: (attention projections', routed experts')."""
+    assert weights != "bf16", "bf16 quantizes nothing"
+    return ("fp8", "fp8") if weights == "fp8" else ("int8", "int4")
+
+
 def quantize_layers(model: torch.nn.Module, weights: WeightsSetting) -> None:
     """Put quantized layers in the places `weights` quantizes. On a skeleton whose parameters are on
     the meta device the new layers stay empty until the loader hands them their tensors; on a
@@ -37,12 +43,11 @@ def quantize_layers(model: torch.nn.Module, weights: WeightsSetting) -> None:
     as its quantized one is made)."""
     if weights == "bf16":
         return
-    experts_format: QuantFormat = weights
-    dense_format: QuantFormat = "fp8" if weights == "fp8" else "int8"
+    dense_format, experts_format = layer_formats(weights)
     for stack in quantized_decoder_stacks(model):
         for layer in stack.layers:
             attention = layer.self_attn
-            for name in _ATTENTION_PROJECTIONS:
+            for name in ATTENTION_PROJECTIONS:
                 setattr(attention, name, QuantizedLinear.replacing(getattr(attention, name), dense_format))
             experts = getattr(layer.mlp, "experts", None)
             if experts is not None and not isinstance(experts, QuantizedExperts):
