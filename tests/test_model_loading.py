@@ -96,7 +96,7 @@ def test_demo_checkpoint_is_rebuilt_when_built_by_another_version(tmp_path: Path
 
 
 def test_interrupted_demo_build_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def crash(folder: Path) -> None:
+    def crash(folder: Path, size: object) -> None:
         (folder / "config.json").write_text("{}", encoding="utf-8")
         raise RuntimeError("power cut")
 

@@ -85,7 +85,7 @@ def test_app_py_refuses_a_gpu_cache_too_small_for_any_model_before_loading_one()
     assert line.startswith("error: setting 'gpu_cache_bytes' (1) is below the 32,768 bytes")
 
 
-def _quick_demo(folder: Path) -> None:
+def _quick_demo(folder: Path, size: object) -> None:
     """Stands in for the demo's builder (seconds of work) where only its folders matter."""
     marker = {"builder_version": demo.BUILDER_VERSION}
     (folder / demo.MARKER_FILE).write_text(json.dumps(marker), encoding="utf-8")

@@ -14,10 +14,11 @@ from omni_local.model.loader import LoadedModel, load_model, quiet_library_logs
 from omni_local.settings import Settings, add_settings_arguments, settings_from_arguments
 
 
-def bench_parser(prog: str) -> argparse.ArgumentParser:
+def bench_parser(prog: str, timed: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog)
     parser.add_argument("--random-weights", type=Path, help="a full-size config.json, built with random weights")
-    parser.add_argument("--runs", type=int, default=5, help="timed runs per row, after one warm-up run")
+    if timed:
+        parser.add_argument("--runs", type=int, default=5, help="timed runs per row, after one warm-up run")
     add_settings_arguments(parser)
     return parser
 
@@ -26,9 +27,12 @@ def settings_and_model(args: argparse.Namespace) -> tuple[Settings, LoadedModel]
     """The settings, and the model loaded once: random full-size weights, or the configured checkpoint."""
     quiet_library_logs()
     settings = settings_from_arguments(args)
-    if args.random_weights:
-        return settings, load_random_weights(args.random_weights, settings)
-    return settings, load_model(settings)
+    return settings, bench_model(settings, args.random_weights)
+
+
+def bench_model(settings: Settings, random_weights: Path | None) -> LoadedModel:
+    """The model of `settings`: random weights at the `random_weights` config's size, or the configured checkpoint."""
+    return load_random_weights(random_weights, settings) if random_weights else load_model(settings)
 
 
 def elapsed_s(call: Callable[[], object]) -> float:

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -108,27 +109,54 @@ _MIN_PIXELS = 4 * _MERGED_PIXELS
 _MAX_PIXELS = 768 * _MERGED_PIXELS
 
 
-def ensure_demo_checkpoint(path: Path) -> Path:
-    """The demo checkpoint in `path`, built there first unless a complete one of this version is there."""
+@dataclass(frozen=True)
+class DemoSize:
+    """The dimensions of a demo checkpoint's Thinker text model (its encoders, Talker and Code2Wav
+    are the same in every size)."""
+
+    name: str
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    mrope_section: tuple[int, int, int]  # sums to head_dim / 2
+    intermediate: int
+    moe_intermediate: int
+    experts: int
+    top_k: int
+    init_std: float
+
+
+DEMO = DemoSize("demo", hidden=64, heads=4, kv_heads=2, head_dim=32, mrope_section=(6, 5, 5), intermediate=128,
+                moe_intermediate=32, experts=4, top_k=2, init_std=_INIT_STD)
+# Rows of 256 inputs, so int4 experts are quantized in the full-size model's groups of 128 (the
+# demo's are 64 and 32 wide). Weights of half the demo's spread give logits of about the demo's spread.
+WIDE = DemoSize("wide", hidden=256, heads=4, kv_heads=2, head_dim=64, mrope_section=(12, 10, 10), intermediate=512,
+                moe_intermediate=256, experts=8, top_k=2, init_std=_INIT_STD / 2)
+
+
+def ensure_demo_checkpoint(path: Path, size: DemoSize = DEMO) -> Path:
+    """The demo checkpoint of `size` in `path`, built there first unless a complete one of this
+    version and size is there."""
     path = Path(path)
-    if _is_current(path):
+    if _is_current(path, size):
         return path
     try:
         _check_replaceable(path)
         make_folders(path.parent)  # only what it creates is made private: the parent may be a shared folder
-        _build(path)
+        _build(path, size)
     except (OSError, SafetensorError) as error:  # safetensors reports a full disk as its own error
         reason = (error.strerror if isinstance(error, OSError) else None) or str(error)
         raise CheckpointError(f"cannot write the demo model to '{path}': {reason}") from None
     return path
 
 
-def _build(path: Path) -> None:
+def _build(path: Path, size: DemoSize) -> None:
     # Built beside the target and renamed into place, so a crash never leaves half a checkpoint.
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
     try:
-        _write_checkpoint(staging)
-        if _is_current(path):  # another process finished first
+        _write_checkpoint(staging, size)
+        if _is_current(path, size):  # another process finished first
             return
         if path.exists():
             shutil.rmtree(path)
@@ -147,22 +175,23 @@ def _check_replaceable(path: Path) -> None:
                               "choose a new or empty folder")
 
 
-def _is_current(path: Path) -> bool:
+def _is_current(path: Path, size: DemoSize) -> bool:
     try:
         marker = json.loads((path / MARKER_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return marker.get("builder_version") == BUILDER_VERSION
+    # Markers from before there were sizes name none: those are the demo's.
+    return marker.get("builder_version") == BUILDER_VERSION and marker.get("size", DEMO.name) == size.name
 
 
-def _write_checkpoint(folder: Path) -> None:
+def _write_checkpoint(folder: Path, size: DemoSize) -> None:
     tokenizer = build_tokenizer()
-    model = build_model(tokenizer)
+    model = build_model(tokenizer, size)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     _write_processor_files(folder)
     # Written last: its presence means everything else is complete.
-    marker = {"builder_version": BUILDER_VERSION, "seed": _SEED}
+    marker = {"builder_version": BUILDER_VERSION, "seed": _SEED, "size": size.name}
     (folder / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
 
 
@@ -222,32 +251,35 @@ def media_token_ids(tokenizer: Qwen2Tokenizer) -> dict[str, int]:
     return {field: tokenizer.convert_tokens_to_ids(token) for field, token in MEDIA_TOKEN_FIELDS.items()}
 
 
-def build_config(tokenizer: Qwen2Tokenizer) -> Qwen3OmniMoeConfig:
-    """Qwen3-Omni's full configuration at toy size, every token id taken from `tokenizer`."""
+def build_config(tokenizer: Qwen2Tokenizer, size: DemoSize = DEMO) -> Qwen3OmniMoeConfig:
+    """Qwen3-Omni's full configuration at toy size (the Thinker's text model at `size`), every token
+    id taken from `tokenizer`."""
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in _SPECIAL_TOKENS}
     role = {word: tokenizer.convert_tokens_to_ids(word) for word in _ROLE_WORDS}
     # No padding rows past the tokenizer (the real model has some): every generated id decodes.
     vocab_size = len(tokenizer)
-    thinker_hidden, accept_layer = 64, 2
+    thinker_hidden, accept_layer = size.hidden, 2
     media_ids = {
         **media_token_ids(tokenizer),
         "position_id_per_seconds": 13,
         "seconds_per_chunk": 2,
     }
-    # head_dim 32 with 4 query and 2 KV heads; M-RoPE sections (t, h, w) sum to head_dim / 2.
-    rope = {"rope_type": "default", "rope_theta": 1000000, "mrope_section": [6, 5, 5], "interleaved": True}
+    # M-RoPE sections (t, h, w) sum to head_dim / 2.
+    rope = {"rope_type": "default", "rope_theta": 1000000, "mrope_section": list(size.mrope_section),
+            "interleaved": True}
     thinker = {
         **media_ids,
         "vision_end_token_id": tokenizer.convert_tokens_to_ids(VISION_END),
         "user_token_id": role["user"],
-        "initializer_range": _INIT_STD,
+        "initializer_range": size.init_std,
         "text_config": {
             "vocab_size": vocab_size, "hidden_size": thinker_hidden, "num_hidden_layers": 4,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-            "intermediate_size": 128, "moe_intermediate_size": 32, "num_experts": 4,
-            "num_experts_per_tok": 2, "norm_topk_prob": True, "shared_expert_intermediate_size": 0,
-            "max_position_embeddings": 65536, "rope_parameters": {**rope, "mrope_interleaved": True},
-            "initializer_range": _INIT_STD, "tie_word_embeddings": False,
+            "num_attention_heads": size.heads, "num_key_value_heads": size.kv_heads, "head_dim": size.head_dim,
+            "intermediate_size": size.intermediate, "moe_intermediate_size": size.moe_intermediate,
+            "num_experts": size.experts, "num_experts_per_tok": size.top_k, "norm_topk_prob": True,
+            "shared_expert_intermediate_size": 0, "max_position_embeddings": 65536,
+            "rope_parameters": {**rope, "mrope_interleaved": True},
+            "initializer_range": size.init_std, "tie_word_embeddings": False,
         },
         "vision_config": {
             "depth": 3, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 16,
@@ -310,8 +342,8 @@ def build_config(tokenizer: Qwen2Tokenizer) -> Qwen3OmniMoeConfig:
     )
 
 
-def build_model(tokenizer: Qwen2Tokenizer) -> Qwen3OmniMoeForConditionalGeneration:
-    config = build_config(tokenizer)
+def build_model(tokenizer: Qwen2Tokenizer, size: DemoSize = DEMO) -> Qwen3OmniMoeForConditionalGeneration:
+    config = build_config(tokenizer, size)
     torch.manual_seed(_SEED)
     model = Qwen3OmniMoeForConditionalGeneration._from_config(config, dtype=torch.float32)
     init_talker_experts(model, _INIT_STD)

@@ -16,11 +16,12 @@ from omni_local.model.quantized.formats import QuantFormat, Quantized, dequantiz
 from omni_local.model.quantized.linear import QuantizedLinear
 
 WeightsSetting = Literal["bf16", "fp8", "int4"]
-_ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _SPEECH_PARTS = ("talker.", "code2wav.")
 
-__all__ = ["QuantizedExperts", "QuantizedLinear", "Quantized", "QuantFormat", "WeightsSetting", "dequantize",
-           "quantize", "quantize_layers", "quantized_decoder_stacks", "quantized_places", "weights_bytes"]
+__all__ = ["ATTENTION_PROJECTIONS", "QuantizedExperts", "QuantizedLinear", "Quantized", "QuantFormat", "WeightsSetting",
+           "dequantize", "layer_formats", "quantize", "quantize_layers", "quantized_decoder_stacks", "quantized_places",
+           "weights_bytes"]
 
 
 def quantized_decoder_stacks(model: torch.nn.Module, speech: bool = True) -> list[torch.nn.Module]:
@@ -32,19 +33,25 @@ def quantized_decoder_stacks(model: torch.nn.Module, speech: bool = True) -> lis
     return stacks
 
 
+def layer_formats(weights: WeightsSetting) -> tuple[QuantFormat, QuantFormat]:
+    """The formats of a quantized `weights` setting: (attention projections', routed experts')."""
+    assert weights != "bf16", "bf16 quantizes nothing"
+    return ("fp8", "fp8") if weights == "fp8" else ("int8", "int4")
+
+
 def quantized_places(model: torch.nn.Module, weights: WeightsSetting, speech: bool = True
                      ) -> list[tuple[torch.nn.Module, str, QuantFormat]]:
     """Where `weights` puts quantized layers, in the full-precision model: (parent module, attribute,
     format) for each attention projection and routed experts module of the quantized stacks."""
     if weights == "bf16":
         return []
-    dense: QuantFormat = "fp8" if weights == "fp8" else "int8"
+    dense, experts = layer_formats(weights)
     places = []
     for stack in quantized_decoder_stacks(model, speech):
         for layer in stack.layers:
-            places += [(layer.self_attn, name, dense) for name in _ATTENTION_PROJECTIONS]
+            places += [(layer.self_attn, name, dense) for name in ATTENTION_PROJECTIONS]
             if getattr(layer.mlp, "experts", None) is not None:
-                places.append((layer.mlp, "experts", weights))
+                places.append((layer.mlp, "experts", experts))
     return places
 
 
