@@ -5,6 +5,9 @@
 units run it too). Everything else keeps the model's dtype: embeddings, lm_head, routers and norms
 (small, and where rounding matters most), the encoders, the Talker's shared expert and code
 predictor, and Code2Wav.
+
+A checkpoint quantized before loading (compressed-tensors' W4A16 and FP8) brings its own quantized
+layers instead: compressed_tensors.py reads its config, prequantized.py places its stored tensors.
 """
 
 from typing import Literal
