@@ -40,8 +40,9 @@ class Settings:
     weights: Literal["bf16", "fp8", "int4"] = setting(
         "model", "bf16",
         "how the Thinker's and Talker's experts and attention projections are held: 'bf16' as the checkpoint has"
-        " them (in dtype), 'fp8' (float8; GPUs of compute capability 8.9 or newer), 'int4' (4-bit experts, int8"
-        " attention projections; any GPU): fewer bytes, so a smaller card and faster decode, at some quality",
+        " them (in dtype; a checkpoint quantized with compressed-tensors, W4A16 or FP8, as it was quantized), 'fp8'"
+        " (float8; GPUs of compute capability 8.9 or newer), 'int4' (4-bit experts, int8 attention projections; any"
+        " GPU): fewer bytes, so a smaller card and faster decode, at some quality",
     )
     model_kind: Literal["auto", "instruct", "thinking", "captioner"] = setting(
         "model", "auto",

@@ -43,7 +43,7 @@ def test_int4_packs_two_values_a_byte_the_even_one_low_each_plus_8_with_a_scale_
     assert torch.equal(dequantize(stored, torch.float32), weight)
 
 
-@pytest.mark.parametrize("format", ["fp8", "int8"])
+@pytest.mark.parametrize("format", ["fp8", "int8", "int4"])
 def test_a_quantized_linear_layer_multiplies_by_its_dequantized_weight(format):
     linear = torch.nn.Linear(64, 48, bias=True)
     x = normal(3, 5, 64, seed=1)

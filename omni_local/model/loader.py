@@ -1,6 +1,18 @@
-"""Load a Qwen3-Omni checkpoint (or the built-in demo) as transformers' own model and processor."""
+"""Load a Qwen3-Omni checkpoint (or the built-in demo) as transformers' own model and processor.
+
+Quantized weights come two ways. A full-precision checkpoint is quantized as it loads, as the
+`weights` setting says (model/quantized/), and the quantized layers are kept on disk for the next
+start (stored.py). A checkpoint quantized before (compressed-tensors: the community's 4-bit and FP8
+Qwen3-Omni checkpoints; its config.json has a `quantization_config`) loads in its own format, as it
+is: the `weights` setting may stay 'bf16' (the default, "as the checkpoint holds them") or name the
+checkpoint's format ('int4' for W4A16, 'fp8' for FP8); another value is refused, as quantizing a
+quantized checkpoint again would round its weights twice and an int4 checkpoint cannot become fp8.
+Such a checkpoint needs no store: its layers are read as they are stored. The start-up line says
+which weights run ("int4 weights, as the checkpoint holds them").
+"""
 
 import json
+import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,12 +27,15 @@ from omni_local.api.kinds import ModelKind
 from omni_local.errors import CheckpointError, SettingsError
 from omni_local.model.demo import ensure_demo_checkpoint
 from omni_local.model.quantized import quantize_layers
+from omni_local.model.quantized.compressed_tensors import CompressedTensorsConfig, read_quantization_config
 from omni_local.model.quantized.linear import has_fp8_units
 from omni_local.model.quantized.stored import StoredLayers, filled_from_disk
 from omni_local.model.reasoning import template_opens_reasoning
 from omni_local.model.weights import load_weights, weight_files
 from omni_local.model.workarounds import apply_workarounds, load_processor
 from omni_local.settings import Settings
+
+log = logging.getLogger(__name__)
 
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -34,6 +49,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     kind: ModelKind = "instruct"  # which member of the Qwen3-Omni family
+    quantized: str = ""  # which weights are quantized, for the start-up line ("" for none)
 
     @property
     def speech(self) -> bool:
@@ -51,7 +67,7 @@ def load_model(settings: Settings, before_loading: Callable[[torch.nn.Module], N
     dtype = resolve_dtype(settings.dtype, device)
     _check_attention(settings.attn_implementation)
 
-    config, talker = _read_config(path)
+    config, talker, quantization = _read_config(path)
     if settings.speech and not talker:
         raise CheckpointError(f"checkpoint '{path}' has no Talker (enable_audio_output is false): set speech = false")
     try:
@@ -61,13 +77,26 @@ def load_model(settings: Settings, before_loading: Callable[[torch.nn.Module], N
     kind = recognise_kind(settings.model_kind, talker, processor)
     # Without speech the Talker and Code2Wav are never built, so their weights are skipped on load.
     config.enable_audio_output = settings.speech
-    _check_weights(settings, device)
-    prepare = partial(_prepare, settings=settings, path=path, dtype=dtype, device=device, before_loading=before_loading)
-    model = load_weights(path, config, dtype, device, settings.attn_implementation, prepare=prepare).eval()
-    if settings.weights != "bf16" and not filled_from_disk(model):
-        _stored_layers(settings, path, dtype).save(model)
+    if quantization is not None:
+        formats = _checkpoint_formats(path, quantization, settings.weights)
+        _check_weights(formats, True, settings, device)
+        model = load_weights(path, config, dtype, device, settings.attn_implementation, prepare=before_loading,
+                             quantization=quantization)
+        quantized = f"{' and '.join(formats)} weights, as the checkpoint holds them"
+        log.info("checkpoint '%s' is quantized (compressed-tensors): %s", path, quantized)
+    else:
+        formats = [] if settings.weights == "bf16" else [settings.weights]
+        _check_weights(formats, False, settings, device)
+        prepare = partial(_prepare, settings=settings, path=path, dtype=dtype, device=device,
+                          before_loading=before_loading)
+        model = load_weights(path, config, dtype, device, settings.attn_implementation, prepare=prepare)
+        if formats and not filled_from_disk(model):
+            _stored_layers(settings, path, dtype).save(model)
+        quantized = f"{settings.weights} weights" if formats else ""
+    model.eval()
     apply_workarounds(model, end_of_turn_ids(processor), processor.tokenizer.pad_token_id)
-    return LoadedModel(model=model, processor=processor, path=path, device=device, dtype=dtype, kind=kind)
+    return LoadedModel(model=model, processor=processor, path=path, device=device, dtype=dtype, kind=kind,
+                       quantized=quantized)
 
 
 def recognise_kind(setting: str, talker: bool, processor: Qwen3OmniMoeProcessor) -> ModelKind:
@@ -159,17 +188,31 @@ def _stored_layers(settings: Settings, path: Path, dtype: torch.dtype) -> Stored
     return StoredLayers.at(settings.cache_path, weight_files(path), settings.weights, dtype)
 
 
-def _check_weights(settings: Settings, device: torch.device) -> None:
-    """Refuse quantized weights where they cannot run, saying what would."""
-    if settings.weights == "bf16" or device.type != "cuda":
+def _checkpoint_formats(path: Path, quantization: CompressedTensorsConfig, weights: str) -> list[str]:
+    """The formats a pre-quantized checkpoint holds, refusing a `weights` setting that names another."""
+    formats = sorted(quantization.formats)
+    if weights not in ("bf16", *formats):
+        allowed = " or ".join(repr(f) for f in ("bf16", *formats))
+        raise SettingsError(f"checkpoint '{path}' is already quantized ({' and '.join(formats)}, compressed-tensors) "
+                            f"and loads as it is: setting 'weights' must be {allowed}, not {weights!r}")
+    return formats
+
+
+def _check_weights(formats: list[str], prequantized: bool, settings: Settings, device: torch.device) -> None:
+    """Refuse quantized weights (of `formats`: the `weights` setting's, or a pre-quantized
+    checkpoint's) where they cannot run, saying what would."""
+    if not formats or device.type != "cuda":
         return
-    if settings.weights == "fp8" and not has_fp8_units(device):
+    source = ("the checkpoint holds {} weights (compressed-tensors)" if prequantized
+              else "setting 'weights' is '{}'")
+    if "fp8" in formats and not has_fp8_units(device):
         major, minor = torch.cuda.get_device_capability(device)
-        raise SettingsError(f"setting 'weights' is 'fp8', but this GPU (compute capability {major}.{minor}) has no "
-                            "FP8 units (8.9 or newer has): use 'int4'")
+        instead = "an int4 checkpoint runs here" if prequantized else "use 'int4'"
+        raise SettingsError(f"{source.format('fp8')}, but this GPU (compute capability {major}.{minor}) has no FP8 "
+                            f"units (8.9 or newer has): {instead}")
     if settings.moe_backend == "torch":
-        raise SettingsError(f"setting 'weights' is {settings.weights!r}: on a GPU its experts run in our kernels, so "
-                            "setting 'moe_backend' must be 'triton' or 'auto', not 'torch'")
+        raise SettingsError(f"{source.format(formats[0])}: on a GPU its experts run in our kernels, so setting "
+                            "'moe_backend' must be 'triton' or 'auto', not 'torch'")
 
 
 def _check_attention(name: str) -> None:
@@ -177,8 +220,9 @@ def _check_attention(name: str) -> None:
         raise SettingsError("setting 'attn_implementation' is 'flash_attention_2', but flash-attn is not installed")
 
 
-def _read_config(path: Path) -> tuple[Qwen3OmniMoeConfig, bool]:
-    """The checkpoint's config, and whether it has a Talker."""
+def _read_config(path: Path) -> tuple[Qwen3OmniMoeConfig, bool, CompressedTensorsConfig | None]:
+    """The checkpoint's config, whether it has a Talker, and its quantization if it was quantized
+    before loading (compressed-tensors)."""
     config_file = path / "config.json"
     try:
         written = json.loads(config_file.read_text(encoding="utf-8"))
@@ -186,11 +230,17 @@ def _read_config(path: Path) -> tuple[Qwen3OmniMoeConfig, bool]:
         if model_type != Qwen3OmniMoeConfig.model_type:
             raise CheckpointError(f"'{config_file}' describes a {model_type!r} model, not Qwen3-Omni (qwen3_omni_moe)")
         config = Qwen3OmniMoeConfig.from_pretrained(path)
-        # The config class fills in a default Talker where the file names none (Thinking's and the
-        # Captioner's do not), so the file says whether there is one.
-        return config, bool(config.enable_audio_output) and "talker_config" in written
     except (OSError, ValueError, TypeError, AttributeError) as error:
         raise CheckpointError(f"could not read '{config_file}': {error}") from None
+    try:
+        quantization = read_quantization_config(written)
+    except CheckpointError as error:
+        raise CheckpointError(f"checkpoint '{path}': {error}") from None
+    except (AttributeError, TypeError, KeyError) as error:
+        raise CheckpointError(f"checkpoint '{path}': its quantization_config cannot be read ({error!r})") from None
+    # The config class fills in a default Talker where the file names none (Thinking's and the
+    # Captioner's do not), so the file says whether there is one.
+    return config, bool(config.enable_audio_output) and "talker_config" in written, quantization
 
 
 def _missing_weights(path: Path) -> list[str]:

@@ -11,11 +11,17 @@ routed experts, `take_expert_weight(expert, projection, tensor)`) is handed its 
 device in the model's dtype, instead of having them assigned; one that `prepare` filled itself
 (its `prefilled` is true: quantized layers read back from disk) is handed nothing, and its tensors
 are not read.
+
+A checkpoint quantized before loading (compressed-tensors: `quantization`) stores its quantized
+layers under other names (`...weight_packed`, `...weight_scale`, ...): those layers are swapped in
+for transformers' own before `prepare` runs and are handed their stored tensors as they are, each
+layer once all of its have been read (model/quantized/prequantized.py).
 """
 
 import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
 
@@ -25,11 +31,22 @@ from transformers import GenerationConfig, Qwen3OmniMoeConfig, Qwen3OmniMoeForCo
 
 from omni_local.errors import CheckpointError
 from omni_local.model.checkpoint_names import ExpertSlice, expert_slice, fused_rows, model_name, per_expert
+from omni_local.model.quantized.compressed_tensors import CompressedTensorsConfig
+from omni_local.model.quantized.prequantized import PrequantizedLayers
 
 Prepare = Callable[[torch.nn.Module], None]
 
 # Without speech the model has no Talker and no Code2Wav: their tensors in the files are skipped.
 _SPEECH_PARTS = ("talker.", "code2wav.")
+
+
+@dataclass(frozen=True)
+class Header:
+    """What a file's header says of one tensor."""
+
+    file: str
+    shape: torch.Size
+    dtype: str  # safetensors' name: "F32", "I32", "F8_E4M3", ...
 
 
 def load_weights(
@@ -39,6 +56,7 @@ def load_weights(
     device: torch.device,
     attn_implementation: str,
     prepare: Prepare | None = None,
+    quantization: CompressedTensorsConfig | None = None,
 ) -> Qwen3OmniMoeForConditionalGeneration:
     """The model of `config` with the weights of the checkpoint in `path`, on `device` in `dtype`.
 
@@ -47,8 +65,11 @@ def load_weights(
     parameter's attribute name, "weight") receives its tensors through it; an experts module that has
     `take_expert_weight(expert, projection, tensor)` (projection: "gate_proj", "up_proj" or
     "down_proj") receives each routed expert's matrices through it; a module whose `prepare` filled
-    it (`prefilled` true) receives nothing. Each must leave nothing of its own on the meta device. Raises `CheckpointError` if the files lack a weight, hold one the model
-    has no place for or of another shape, or cannot be read.
+    it (`prefilled` true) receives nothing. Each must leave nothing of its own on the meta device.
+    `quantization`, the checkpoint's own, says which layers the files hold quantized. Raises
+    `CheckpointError` if the files lack a weight, hold one the model has no place for or of another
+    shape (or a quantized layer's tensor of another dtype), cannot be read, or hold a quantized layer
+    we cannot load.
     """
     config.name_or_path = str(path)  # as `from_pretrained` records it
     with _parameters_on_meta():
@@ -57,12 +78,21 @@ def load_weights(
         )
     expected = _expected_shapes(model)
     files = weight_files(path)
-    _check_names(path, files, expected, skipped=_skipped_names(model))
+    headers = _read_headers(files)
+    prequantized, dtypes = None, {}
+    if quantization is not None:
+        prequantized = PrequantizedLayers.resolve(path, quantization, headers, model, expected)
+        expected, dtypes = prequantized.stored_tensors(expected)
+    _check_names(path, headers, expected, dtypes, skipped=_skipped_names(model))
+    if prequantized is not None:
+        prequantized.swap_modules(model)
     if prepare is not None:
         prepare(model)
     with torch.no_grad():
         for file in files:
-            _stream_file(model, file, expected, dtype, device)
+            _stream_file(model, file, expected, dtype, device, prequantized)
+    if prequantized is not None:
+        prequantized.check_all_handed_over()
     model.tie_weights()
     _check_materialised(model)
     # The buffers (rotary frequencies, ...) were computed on the host as the model was built.
@@ -121,26 +151,38 @@ def _skipped_names(model: Qwen3OmniMoeForConditionalGeneration) -> Callable[[str
     return lambda name: name in tied or (speech_off and name.startswith(_SPEECH_PARTS))
 
 
-def _check_names(
-    path: Path, files: list[Path], expected: dict[str, torch.Size], skipped: Callable[[str], bool]
-) -> None:
-    """Refuse the checkpoint before any tensor is read if its names or shapes do not fit the model
-    (safetensors reads only each file's header for this)."""
-    found: set[str] = set()
-    unexpected: list[str] = []
+def _read_headers(files: list[Path]) -> dict[str, Header]:
+    """Every tensor's name in the files, with its shape and dtype (safetensors reads only the headers)."""
+    headers = {}
     for file in files:
         with _opened(file) as shard:
             for key in shard.keys():
-                name = model_name(key)
-                if name not in expected:
-                    if not skipped(name):
-                        unexpected.append(key)
-                    continue
-                shape = torch.Size(shard.get_slice(key).get_shape())
-                if shape != expected[name]:
-                    raise CheckpointError(f"checkpoint '{path}' holds {key} as {tuple(shape)}, but the model "
-                                          f"expects {tuple(expected[name])} (in {file.name})")
-                found.add(name)
+                stored = shard.get_slice(key)
+                headers[key] = Header(file.name, torch.Size(stored.get_shape()), stored.get_dtype())
+    return headers
+
+
+def _check_names(
+    path: Path, headers: dict[str, Header], expected: dict[str, torch.Size], dtypes: dict[str, tuple[str, ...]],
+    skipped: Callable[[str], bool],
+) -> None:
+    """Refuse the checkpoint before any tensor is read if its names, shapes or (where the layout fixes
+    them) dtypes do not fit the model."""
+    found: set[str] = set()
+    unexpected: list[str] = []
+    for key, header in headers.items():
+        name = model_name(key)
+        if name not in expected:
+            if not skipped(name):
+                unexpected.append(key)
+            continue
+        if header.shape != expected[name]:
+            raise CheckpointError(f"checkpoint '{path}' holds {key} as {tuple(header.shape)}, but the model "
+                                  f"expects {tuple(expected[name])} (in {header.file})")
+        if name in dtypes and header.dtype not in dtypes[name]:
+            raise CheckpointError(f"checkpoint '{path}' holds {key} in {header.dtype}, but its quantization config "
+                                  f"stores it in {' or '.join(dtypes[name])} (in {header.file})")
+        found.add(name)
     missing = sorted(expected.keys() - found)
     if missing:
         raise CheckpointError(f"checkpoint '{path}' lacks {len(missing)} weight(s): {_some(missing)}")
@@ -150,11 +192,15 @@ def _check_names(
 
 
 def _stream_file(
-    model: torch.nn.Module, file: Path, expected: dict[str, torch.Size], dtype: torch.dtype, device: torch.device
+    model: torch.nn.Module, file: Path, expected: dict[str, torch.Size], dtype: torch.dtype, device: torch.device,
+    prequantized: PrequantizedLayers | None,
 ) -> None:
     with _opened(file) as shard:
         for key in shard.keys():
             name = model_name(key)
+            if prequantized is not None and prequantized.holds(name):
+                prequantized.take(model, name, shard.get_tensor(key), device, dtype)  # as stored: no cast
+                continue
             if name not in expected or getattr(_owner(model, name), "prefilled", False):
                 continue  # skipped, as `_check_names` decided, or its module was filled by `prepare`
             tensor = shard.get_tensor(key)  # a view of the mapped file: its pages are read by the copy

@@ -5,6 +5,9 @@
 units run it too). Everything else keeps the model's dtype: embeddings, lm_head, routers and norms
 (small, and where rounding matters most), the encoders, the Talker's shared expert and code
 predictor, and Code2Wav.
+
+A checkpoint quantized before loading (compressed-tensors' W4A16 and FP8) brings its own quantized
+layers instead: compressed_tensors.py reads its config, prequantized.py places its stored tensors.
 """
 
 from typing import Literal
@@ -18,6 +21,7 @@ from omni_local.model.quantized.linear import QuantizedLinear
 WeightsSetting = Literal["bf16", "fp8", "int4"]
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _SPEECH_PARTS = ("talker.", "code2wav.")
+_QUANTIZED = (QuantizedLinear, QuantizedExperts)
 
 __all__ = ["ATTENTION_PROJECTIONS", "QuantizedExperts", "QuantizedLinear", "Quantized", "QuantFormat", "WeightsSetting",
            "dequantize", "layer_formats", "quantize", "quantize_layers", "quantized_decoder_stacks", "quantized_places",
@@ -52,7 +56,8 @@ def quantized_places(model: torch.nn.Module, weights: WeightsSetting, speech: bo
             places += [(layer.self_attn, name, dense) for name in ATTENTION_PROJECTIONS]
             if getattr(layer.mlp, "experts", None) is not None:
                 places.append((layer.mlp, "experts", experts))
-    return places
+    return [(parent, name, format) for parent, name, format in places
+            if not isinstance(getattr(parent, name), _QUANTIZED)]  # a checkpoint's own, already in place
 
 
 def quantize_layers(model: torch.nn.Module, weights: WeightsSetting) -> None:
@@ -76,7 +81,10 @@ def weights_bytes(model: torch.nn.Module, weights: WeightsSetting, speech: bool 
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     plain = sum(t.numel() * t.element_size() for name, t in tensors.items()
                 if id(t) not in in_quantized and (speech or not name.startswith(_SPEECH_PARTS)))
-    return plain + sum(stored_bytes(layer, format, dtype) for layer, format in quantized.items())
+    # Quantized layers already in place and still empty (a quantized checkpoint's, before loading).
+    empty = sum(layer.planned_bytes(dtype) for name, layer in model.named_modules()
+                if isinstance(layer, _QUANTIZED) and layer.empty and (speech or not name.startswith(_SPEECH_PARTS)))
+    return plain + empty + sum(stored_bytes(layer, format, dtype) for layer, format in quantized.items())
 
 
 def stored_bytes(layer: torch.nn.Module, format: QuantFormat, dtype: torch.dtype) -> int:

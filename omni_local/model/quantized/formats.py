@@ -49,12 +49,13 @@ def int4_group(in_features: int) -> int:
     return group
 
 
-def quantized_bytes(shape: tuple[int, ...], format: QuantFormat, dtype: torch.dtype) -> int:
-    """The bytes `quantize` stores for a weight of `shape` [..., N, K] of a model in `dtype`."""
+def quantized_bytes(shape: tuple[int, ...], format: QuantFormat, dtype: torch.dtype, group: int | None = None) -> int:
+    """The bytes a weight of `shape` [..., N, K] of a model in `dtype` takes in `format` (int4 in
+    groups of `group`, or of `quantize`'s choice)."""
     *rows, in_features = shape
     count = math.prod(rows)
     if format == "int4":
-        return count * (in_features // 2 + in_features // int4_group(in_features) * dtype.itemsize)
+        return count * (in_features // 2 + in_features // (group or int4_group(in_features)) * dtype.itemsize)
     scale_bytes = 4 if format == "fp8" else dtype.itemsize  # int8's scales are kept in the model's dtype
     return count * (in_features + scale_bytes)
 

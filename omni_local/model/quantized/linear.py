@@ -10,15 +10,18 @@ How it multiplies, by format and device:
   with both scales in its epilogue (FP8 "dynamic"): the weight is read once, in one byte a value;
 - `int8`, more rows or on the CPU: `torch._weight_int8pack_mm`, the weight read as int8 and scaled per
   output row (its scales kept in the model's dtype, as that op takes them);
-- otherwise (fp8 on the CPU, or in a float32 model): the weight dequantized to the input's dtype,
-  then a plain matmul.
+- otherwise (fp8 on the CPU or in a float32 model, and int4 everywhere): the weight dequantized to
+  the input's dtype, then a plain matmul. int4 dense layers come from checkpoints quantized before
+  loading (prequantized.py); a GPU kernel that reads their nibbles in place is still to come, so
+  on a GPU each call makes the layer's full-precision weight for its matmul and frees it.
 """
 
 import torch
 import torch.nn.functional as F
 
 from omni_local.engine.triton_support import triton_refusal
-from omni_local.model.quantized.formats import FP8, FP8_MAX, QuantFormat, Quantized, dequantize, quantize
+from omni_local.model.quantized.formats import (FP8, FP8_MAX, QuantFormat, Quantized, dequantize, quantize,
+                                                quantized_bytes)
 
 _FP8_CAPABILITY = (8, 9)
 # Rows up to which a GPU multiplies by our GEMV rather than the library's matmuls: a decode batch,
@@ -31,14 +34,13 @@ class QuantizedLinear(torch.nn.Module):
     def __init__(self, in_features: int, out_features: int, format: QuantFormat, bias: torch.Tensor | None = None
                  ) -> None:
         super().__init__()
-        if format == "int4":
-            raise ValueError("a dense layer is quantized to fp8 or int8; int4 is for experts")
         self.in_features, self.out_features, self.format = in_features, out_features, format
         self.register_buffer("values", None)
         self.register_buffer("scales", None)
         self.fp8_units = False  # whether `forward` multiplies in float8 (`hold` decides)
         self.gemv = False  # whether `forward` multiplies few rows by our GEMV (`hold` decides)
         self.prefilled = False  # filled before loading (read back from disk): the loader hands it nothing
+        self.group: int | None = None  # int4's inputs per scale, where known before the weight is (a checkpoint's)
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
 
     @classmethod
@@ -62,6 +64,12 @@ class QuantizedLinear(torch.nn.Module):
         self.hold(weight.values, weight.scales.to(tensor.dtype) if self.format == "int8" else weight.scales,
                   tensor.dtype)
 
+    def take_quantized(self, weight: Quantized, dtype: torch.dtype) -> None:
+        """The weight as the checkpoint holds it, already quantized in this layer's format."""
+        assert weight.format == self.format and weight.in_features == self.in_features, (weight.format, self.format)
+        assert weight.values.shape[0] == self.out_features, weight.values.shape
+        self.hold(weight.values, weight.scales, dtype)
+
     def hold(self, values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
         """Keep a quantized weight (made here, or read back from disk) for a model in `dtype`."""
         self.values, self.scales = values, scales
@@ -71,8 +79,19 @@ class QuantizedLinear(torch.nn.Module):
         self.gemv = runs_gemv(values.device, self.format)
 
     @property
+    def empty(self) -> bool:
+        """Whether it holds no weight yet (swapped into a model not loaded yet)."""
+        return self.values is None
+
+    def planned_bytes(self, dtype: torch.dtype) -> int:
+        """The bytes it will hold once loaded, in a model of `dtype`."""
+        bias = 0 if self.bias is None else self.bias.numel() * dtype.itemsize
+        return quantized_bytes((self.out_features, self.in_features), self.format, dtype, self.group) + bias
+
+    @property
     def weight(self) -> Quantized:
-        return Quantized(self.format, self.values, self.scales)
+        group = self.in_features // self.scales.shape[-1] if self.format == "int4" else 0
+        return Quantized(self.format, self.values, self.scales, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
