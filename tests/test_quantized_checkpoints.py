@@ -323,3 +323,14 @@ def test_stored_tensors_that_do_not_fit_the_config_are_refused_before_any_is_rea
     with pytest.raises(CheckpointError) as raised:
         load_model(demo_settings.replace(model=str(path)))
     assert phrase in str(raised.value)
+
+
+def test_the_memory_plan_counts_a_quantized_checkpoints_layers_at_their_stored_size(compressed_app, monkeypatch):
+    from omni_local.engine import memory_plan
+
+    monkeypatch.setattr(memory_plan, "FIRST_START_ENGINE_BYTES", 1 << 20)
+    settings = compressed_app.settings.replace(gpu_memory_bytes=4 << 30)
+    with OmniLocal(settings) as planned:
+        model = planned.backend.loaded.model
+        held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+        assert planned.backend.memory.weights == held

@@ -84,9 +84,9 @@ class QuantizedLinear(torch.nn.Module):
         return self.values is None
 
     def planned_bytes(self, dtype: torch.dtype) -> int:
-        """The bytes it will hold once loaded, in a model of `dtype`."""
-        bias = 0 if self.bias is None else self.bias.numel() * dtype.itemsize
-        return quantized_bytes((self.out_features, self.in_features), self.format, dtype, self.group) + bias
+        """The bytes its quantized weight will take once loaded, in a model of `dtype` (its bias is a
+        parameter, counted with the others)."""
+        return quantized_bytes((self.out_features, self.in_features), self.format, dtype, self.group)
 
     @property
     def weight(self) -> Quantized:
