@@ -81,3 +81,21 @@ def transformers_speech(app: OmniLocal, messages: list[Message], voice: str) -> 
         model.code2wav.chunked_decode = original
     text = [t for t in sequences[0, prompt.num_tokens :].tolist() if t not in engine.eos_ids]
     return text, decoded[0]
+
+
+def assert_written_reply_is_generates(app: OmniLocal, parts: list, videos: list = ()) -> None:
+    """A greedy reply to a user turn of `parts` (pictures, clips, then its text; `videos` among them
+    sent as videos) equals transformers' own generate on the app's model, and is not trivially short."""
+    final = app.session().send(parts[-1], videos=list(videos), max_new_tokens=NEW_TOKENS, **media(parts)).result()
+    assert final.token_ids == reference_tokens(app, [Message("user", parts)])
+    assert len(final.token_ids) > 8
+
+
+def assert_spoken_reply_is_generates(app: OmniLocal, text: str) -> None:
+    """A spoken greedy reply to `text` has the text and codes of transformers' own
+    `generate(return_audio=True)` on the app's model."""
+    final, frames, _, _ = send(app, app.session(), text, voice="Chelsie")
+    tokens, codes = transformers_speech(app, [Message("user", [text])], "Chelsie")
+    assert final.token_ids == tokens and len(tokens) > 8
+    assert frames == codes.T.tolist() and final.speech.frames > 0
+

@@ -61,3 +61,12 @@ def wait_for(condition: Callable[[], object], seconds: float = 30) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.01)
+
+
+# A user turn of each kind the parity tests ask (parts: pictures, clips, then the text), made anew.
+QUESTIONS = {
+    "text": lambda: ["Tell me a story about a lighthouse keeper."],
+    "image": lambda: [picture(1), "What is in this picture?"],
+    "audio": lambda: [clip(2), "What did you hear?"],
+}
+

@@ -128,7 +128,8 @@ def test_the_card_size_bench_smoke_run_prints_a_row_of_memory_and_times_for_a_sp
     done = run_part_bench("card_sizes", demo_settings, tmp_path, "--runs", "1", "--new-tokens", "8", "--weights",
                           weights, "--speech", "true", "--max-speech-seconds", "1")
     assert done.returncode == 0, done.stderr
-    cells = next(line for line in done.stdout.splitlines() if line.startswith(f"| {weights} |")).strip("| ").split(" | ")
+    row = next(line for line in done.stdout.splitlines() if line.startswith(f"| {weights} |"))
+    cells = row.strip("| ").split(" | ")
     assert cells[:3] == [weights, "on", "-"] and len(cells) == 11
     assert all(float(cell) > 0 for cell in cells[7:])  # TTFT, first audio, RTF, decode step
 

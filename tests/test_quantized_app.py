@@ -6,10 +6,9 @@ changes an answer. (The formats and kernels themselves: test_quantized_weights.p
 import pytest
 import torch
 
-from replies import media, reference_tokens, send, transformers_speech
-from samples import clip, picture, video_file
+from replies import assert_spoken_reply_is_generates, assert_written_reply_is_generates
+from samples import QUESTIONS, picture, video_file
 from omni_local.api import OmniLocal
-from omni_local.api.messages import Message
 from omni_local.model.quantized import QuantizedExperts, QuantizedLinear, quantized_decoder_stacks
 
 FORMATS = ["fp8", "int4"]
@@ -43,32 +42,17 @@ def test_the_thinkers_and_talkers_experts_and_attention_projections_are_held_qua
             "thinker.model.language_model.layers.0.mlp.gate.weight"} <= full_precision
 
 
-CASES = {
-    "text": lambda app: ["Tell me a story about a lighthouse keeper."],
-    "image": lambda app: [picture(1), "What is in this picture?"],
-    "audio": lambda app: [clip(2), "What did you hear?"],
-    "video": lambda app: [app.read_video(video_file(3, seconds=1.0)), "What happens in this video?"],
-}
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.torchvision) if c == "video" else c
-                                  for c in CASES])
+@pytest.mark.parametrize("case", [*QUESTIONS, pytest.param("video", marks=pytest.mark.torchvision)])
 def test_a_written_reply_is_transformers_generate_on_the_same_quantized_model(quantized_app, case):
-    parts = CASES[case](quantized_app)
-    videos = parts[:1] if case == "video" else []
-
-    final = quantized_app.session().send(parts[-1], videos=videos, max_new_tokens=24, **media(parts)).result()
-
-    assert final.token_ids == reference_tokens(quantized_app, [Message("user", parts)])
-    assert len(final.token_ids) > 8
+    if case == "video":
+        parts = [quantized_app.read_video(video_file(3, seconds=1.0)), "What happens in this video?"]
+        assert_written_reply_is_generates(quantized_app, parts, videos=parts[:1])
+    else:
+        assert_written_reply_is_generates(quantized_app, QUESTIONS[case]())
 
 
 def test_a_spoken_reply_has_the_codes_of_transformers_generate_on_the_same_quantized_model(quantized_app):
-    parts = ["Sing me a song about the sea."]
-    final, frames, _, _ = send(quantized_app, quantized_app.session(), parts[-1], voice="Chelsie")
-    text, codes = transformers_speech(quantized_app, [Message("user", parts)], "Chelsie")
-    assert final.token_ids == text and len(text) > 8
-    assert frames == codes.T.tolist() and final.speech.frames > 0
+    assert_spoken_reply_is_generates(quantized_app, "Sing me a song about the sea.")
 
 
 def test_a_chats_second_turn_is_the_same_with_the_prefix_cache_on_and_off(quantized_app):

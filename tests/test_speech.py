@@ -9,7 +9,7 @@ import torch
 
 from chats import SpokenChat, written
 from replies import GREEDY, NEW_TOKENS, media, send, transformers_speech
-from samples import clip, picture
+from samples import QUESTIONS, clip, picture
 from omni_local.metrics_line import metrics_line
 from omni_local.api import AudioChunk, OmniLocal
 from omni_local.engine.talker import OPENING_ROWS
@@ -36,17 +36,10 @@ def one_decode(code2wav: torch.nn.Module, codes: torch.Tensor) -> np.ndarray:
         return code2wav(codes.to(next(code2wav.parameters()).device)[None])[0, 0].cpu().numpy()
 
 
-CASES = {
-    "text": lambda: ["Tell me a story about a lighthouse keeper."],
-    "image": lambda: [picture(1), "What is in this picture?"],
-    "audio": lambda: [clip(2), "What did you hear?"],
-}
-
-
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", QUESTIONS)
 def test_spoken_replies_have_the_codes_and_audio_of_transformers_generate(speaking_apps, case):
     app = speaking_apps[1]
-    parts = CASES[case]()
+    parts = QUESTIONS[case]()
     final, frames, audio, _ = send(app, app.session(), parts[-1], voice="Chelsie", **media(parts))
     text, codes = transformers_speech(app, [Message("user", parts)], "Chelsie")
     assert final.token_ids == text and len(text) > 1

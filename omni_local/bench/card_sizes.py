@@ -64,7 +64,8 @@ def served(app: OmniLocal, runs: int, new_tokens: int) -> list[str]:
 
 
 def row(settings: Settings, card_gib: float | None, weights_bytes: int, cells: list[str]) -> str:
-    head = [settings.weights, "on" if settings.speech else "off", f"{card_gib:g}" if card_gib else "-", gib(weights_bytes)]
+    card = f"{card_gib:g}" if card_gib else "-"
+    head = [settings.weights, "on" if settings.speech else "off", card, gib(weights_bytes)]
     return "| " + " | ".join(head + cells) + " |"
 
 
