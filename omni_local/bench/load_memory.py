@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from omni_local.model.demo import LOAD_TEST, ensure_demo_checkpoint
 from omni_local.model.loader import load_model, quiet_library_logs, resolve_device, resolve_dtype
 from omni_local.model.weights import weight_files
 from omni_local.settings import Settings
@@ -156,7 +157,10 @@ def _tensor_bytes(checkpoint: Path) -> list[int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m omni_local.bench.load_memory", description=__doc__.split("\n")[0])
-    parser.add_argument("checkpoint", type=Path)
+    parser.add_argument("checkpoint", type=Path, help="the checkpoint's folder (with --write-load-test: written there "
+                        "first, unless there already)")
+    parser.add_argument("--write-load-test", action="store_true",
+                        help="write a checkpoint of several GB there first (the demo's LOAD_TEST size, sharded bf16)")
     parser.add_argument("--loader", choices=sorted(_LOADERS), default="omni_local")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
@@ -168,6 +172,8 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = parser.parse_args()
     quiet_library_logs()
+    if args.write_load_test:
+        ensure_demo_checkpoint(args.checkpoint, LOAD_TEST)
     result = measure(args.checkpoint, args.loader, args.device, args.dtype, args.speech, args.weights, args.cache_dir)
     if args.json:
         print(json.dumps(asdict(result)))

@@ -125,6 +125,8 @@ class DemoSize:
     experts: int
     top_k: int
     init_std: float
+    dtype: torch.dtype = torch.float32  # of the saved weights
+    shard_bytes: int | None = None  # the weights in files of at most this size; None: transformers' default
 
 
 DEMO = DemoSize("demo", hidden=64, heads=4, kv_heads=2, head_dim=32, mrope_section=(6, 5, 5), intermediate=128,
@@ -133,6 +135,11 @@ DEMO = DemoSize("demo", hidden=64, heads=4, kv_heads=2, head_dim=32, mrope_secti
 # demo's are 64 and 32 wide). Weights of half the demo's spread give logits of about the demo's spread.
 WIDE = DemoSize("wide", hidden=256, heads=4, kv_heads=2, head_dim=64, mrope_section=(12, 10, 10), intermediate=512,
                 moe_intermediate=256, experts=8, top_k=2, init_std=_INIT_STD / 2)
+# Several GB in bfloat16, in shards of 512 MiB: each layer's 128 experts of the full-size model's
+# width (768) on rows of 1,024, for measuring a load's host memory (bench.load_memory) offline.
+LOAD_TEST = DemoSize("load-test", hidden=1024, heads=8, kv_heads=2, head_dim=128, mrope_section=(24, 20, 20),
+                     intermediate=2048, moe_intermediate=768, experts=128, top_k=8, init_std=_INIT_STD / 4,
+                     dtype=torch.bfloat16, shard_bytes=512 << 20)
 
 
 def ensure_demo_checkpoint(path: Path, size: DemoSize = DEMO) -> Path:
@@ -186,8 +193,8 @@ def _is_current(path: Path, size: DemoSize) -> bool:
 
 def _write_checkpoint(folder: Path, size: DemoSize) -> None:
     tokenizer = build_tokenizer()
-    model = build_model(tokenizer, size)
-    model.save_pretrained(folder)
+    model = build_model(tokenizer, size).to(size.dtype)
+    model.save_pretrained(folder, **({"max_shard_size": size.shard_bytes} if size.shard_bytes else {}))
     tokenizer.save_pretrained(folder)
     _write_processor_files(folder)
     # Written last: its presence means everything else is complete.
