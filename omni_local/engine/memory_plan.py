@@ -24,6 +24,7 @@ from pathlib import Path
 import blake3
 import torch
 
+from omni_local.cache.folders import private_folder
 from omni_local.engine.thinker import kv_shape, least_kv_bytes
 from omni_local.errors import SettingsError
 from omni_local.model.quantized import weights_bytes
@@ -95,10 +96,14 @@ def remember_engine_bytes(plan: MemoryPlan, settings: Settings, device: torch.de
     engine = torch.cuda.max_memory_allocated(device) - plan.weights - kv_bytes
     measured = _measured(settings.cache_path)
     measured[plan.key] = engine
-    file = settings.cache_path / "memory.json"
+    file = private_folder(settings.cache_path) / "memory.json"
     written = file.with_name(f"memory.json.{os.getpid()}")
-    written.write_text(json.dumps(measured), encoding="utf-8")
-    os.replace(written, file)
+    try:
+        written.write_text(json.dumps(measured), encoding="utf-8")
+        os.replace(written, file)
+    except OSError as error:  # a full disk: the next start plans with what it knew
+        written.unlink(missing_ok=True)
+        log.warning("could not keep the engine's measured memory in '%s': %s", file, error)
     log.info("the engine took %s besides the weights and KV (planned: %s)", size(engine), size(plan.engine))
 
 
