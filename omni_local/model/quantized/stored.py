@@ -119,8 +119,12 @@ def checkpoint_fingerprint(root: Path, weight_files: list[Path]) -> str:
             memo[key] = seen = [info.st_size, info.st_mtime_ns, digest]
         combined.update(bytes.fromhex(seen[2]))
     written = memo_file.with_name(f"files.json.{os.getpid()}")
-    written.write_text(json.dumps(memo), encoding="utf-8")
-    os.replace(written, memo_file)
+    try:
+        written.write_text(json.dumps(memo), encoding="utf-8")
+        os.replace(written, memo_file)
+    except OSError as error:  # a full disk: the next start hashes the files again
+        written.unlink(missing_ok=True)
+        log.warning("could not keep the weight files' hashes in '%s': %s", memo_file, error)
     return combined.hexdigest()
 
 
