@@ -134,6 +134,16 @@ def test_the_card_size_bench_smoke_run_prints_a_row_of_memory_and_times_for_a_sp
     assert all(float(cell) > 0 for cell in cells[7:])  # TTFT, first audio, RTF, decode step
 
 
+def test_the_card_size_bench_with_the_memory_plan_prints_its_refusal_as_the_row_where_the_card_is_too_small(
+    demo_settings, demo_checkpoint, tmp_path
+):
+    done = run_part_bench("card_sizes", demo_settings, tmp_path, "--runs", "1", "--weights", "int4", "--card-gib",
+                          "1.5", "--plan")
+    assert done.returncode == 1
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| int4 |"))
+    assert "| refused by the memory plan: the model needs " in row and " is free: " in row
+
+
 def test_the_encoder_bench_smoke_run_prints_preprocessing_on_the_cpu_and_on_the_device_for_an_image_and_a_video(
     demo_settings, demo_checkpoint, tmp_path
 ):

@@ -2,6 +2,7 @@
 app serving a spoken reply and a question on a 480x640 image with 10 s of audio.
 
     python -m omni_local.bench.card_sizes --random-weights CONFIG.json --weights int4 --speech true --card-gib 24
+    python -m omni_local.bench.card_sizes ... --card-gib 24 --plan     # the KV as the memory plan sizes it
 
 The weights are loaded first (random ones are built in full precision and quantized on the device,
 so the cap comes after them: it bounds what serving takes, the weights included); then the process
@@ -20,6 +21,9 @@ from omni_local.api.messages import Message
 from omni_local.bench.common import bench_parser, settings_and_model, synced_now
 from omni_local.bench.decode_steps import step_ms
 from omni_local.bench.scenarios import SPOKEN_QUESTION, SYSTEM, noise_clip, noise_image
+from omni_local.engine.memory_plan import MARGIN_BYTES, GiB, plan_memory
+from omni_local.errors import SettingsError
+from omni_local.model.loader import LoadedModel
 from omni_local.settings import Settings
 
 ASKED = Message("user", [noise_image((480, 640)), noise_clip(10.0), "What do you see and hear?"])
@@ -69,10 +73,26 @@ def row(settings: Settings, card_gib: float | None, weights_bytes: int, cells: l
     return "| " + " | ".join(head + cells) + " |"
 
 
+def planned(settings: Settings, loaded: LoadedModel, card_gib: float, weights_bytes: int) -> Settings:
+    """`settings` with the KV the memory plan leaves on a card of `card_gib`; exits with the plan's
+    refusal as the row where it refuses."""
+    card = settings.replace(gpu_memory_bytes=int(card_gib * GiB) - MARGIN_BYTES)
+    try:
+        plan = plan_memory(loaded.model, card, loaded.device)
+    except SettingsError as refusal:
+        print(row(settings, card_gib, weights_bytes, [f"refused by the memory plan: {refusal}"]))
+        sys.exit(1)
+    print(plan.line(), file=sys.stderr)
+    return settings.replace(gpu_cache_bytes=plan.kv)
+
+
 def main() -> None:
     parser = bench_parser("python -m omni_local.bench.card_sizes")
     parser.add_argument("--card-gib", type=float, help="cap the process's GPU memory here once the weights are in")
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--plan", action="store_true",
+                        help="size the KV as the start-up's memory plan would on a card of --card-gib (less the "
+                             "plan's margin), and print the plan; one that refuses is the row")
     args = parser.parse_args()
     settings, loaded = settings_and_model(args)
     weights_bytes = held_bytes(loaded.model)
@@ -80,6 +100,8 @@ def main() -> None:
     if on_gpu:
         cap(args.card_gib)
     print(HEAD + "\n|" + " --- |" * HEAD.count(" | ") + " --- |", flush=True)
+    if args.plan:
+        settings = planned(settings, loaded, args.card_gib, weights_bytes)
     try:
         start = synced_now()
         with OmniLocal(settings, loaded=loaded) as app:
