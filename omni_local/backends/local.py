@@ -14,7 +14,7 @@ from omni_local.api.kinds import conversation_for
 from omni_local.api.messages import Message
 from omni_local.api.params import SamplingParams, SpeechParams
 from omni_local.engine.engine import Engine
-from omni_local.engine.memory_plan import MemoryPlan, plan_memory, remember_engine_bytes
+from omni_local.engine.memory_plan import MemoryPlan, engine_baseline, plan_memory, remember_engine_bytes
 from omni_local.engine.request import Failed, Request
 from omni_local.errors import MediaError, RequestError
 from omni_local.media import SAMPLE_RATE, MediaLimits
@@ -54,10 +54,12 @@ class LocalBackend:
         self.memory: MemoryPlan | None = None
         self.loaded = loaded or load_model(settings, before_loading=self._plan_memory)
         # The KV is what the plan leaves, up to gpu_cache_bytes.
+        baseline = engine_baseline(self.loaded.device) if self.memory is not None else 0
         self.engine = Engine(self.loaded, settings if self.memory is None
                              else settings.replace(gpu_cache_bytes=self.memory.kv))
         if self.memory is not None:
-            remember_engine_bytes(self.memory, settings, self.loaded.device, self.engine.runner.kv.allocated_bytes)
+            remember_engine_bytes(self.memory, settings, self.loaded.device, baseline,
+                                  self.engine.runner.kv.allocated_bytes)
         self.info = BackendInfo(
             model_id=model_id(settings),
             model=model_name(settings),

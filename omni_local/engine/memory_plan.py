@@ -4,8 +4,8 @@
 - working: what the engine takes besides the Thinker's KV blocks: CUDA graphs and their pools, the
   activations of the largest graphed forward, the Talker's and its code predictor's KV, and the
   encoder outputs kept on the device (`encoder_cache_bytes`, reserved whole: they fill up as media
-  come). The engine's part is measured at each start (allocated at its peak once warm, less the
-  weights and the Thinker's KV) and remembered per GPU, model and settings (<cache_dir>/memory.json);
+  come). The engine's part is measured at each start (its allocations' peak while it starts, less
+  the Thinker's KV) and remembered per GPU, model and settings (<cache_dir>/memory.json);
   a first start takes FIRST_START_ENGINE_BYTES, measured on an H200 at full size;
 - KV: the rest, up to `gpu_cache_bytes` (a cap, not a requirement).
 
@@ -88,12 +88,22 @@ def available_bytes(settings: Settings, device: torch.device) -> int | None:
     return free - MARGIN_BYTES
 
 
-def remember_engine_bytes(plan: MemoryPlan, settings: Settings, device: torch.device, kv_bytes: int) -> None:
-    """After the engine's warm-up: its measured take besides the weights and the Thinker's KV, for
-    the next start's plan."""
+def engine_baseline(device: torch.device) -> int:
+    """Before the engine starts: the bytes allocated already (the weights, and whatever else the
+    process holds), the peak counted from here."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def remember_engine_bytes(plan: MemoryPlan, settings: Settings, device: torch.device, baseline: int,
+                          kv_bytes: int) -> None:
+    """After the engine's warm-up: its measured take at its peak since `baseline` (engine_baseline),
+    less the Thinker's KV, for the next start's plan."""
     if device.type != "cuda":
         return
-    engine = torch.cuda.max_memory_allocated(device) - plan.weights - kv_bytes
+    engine = torch.cuda.max_memory_allocated(device) - baseline - kv_bytes
     measured = _measured(settings.cache_path)
     measured[plan.key] = engine
     file = private_folder(settings.cache_path) / "memory.json"
