@@ -157,7 +157,7 @@ def print_top(profiled: list[Work], count: int) -> None:
     for work in profiled:
         for name, us in work:
             per_step[name] += us / len(profiled)
-    print(f"\n| kernel | category | µs per step |\n| --- | --- | --- |")
+    print("\n| kernel | category | µs per step |\n| --- | --- | --- |")
     for name, us in per_step.most_common(count):
         print(f"| {name[:90]} | {category(name)} | {us:.1f} |")
 

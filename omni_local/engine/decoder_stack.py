@@ -6,9 +6,10 @@ KVWriter, or in a CUDA graph a GraphedKVWriter), its mask and the 3D positions o
 decoder layer runs as transformers' forward does, the same operations in the same order, but split
 in three around the cache: the work before the cache write (norm, projections, rotary embedding),
 the write and attention, and the work after (output projection, norm, MLP or MoE, the MoE's routed
-experts run by a MoeBackend). The halves before and after touch no cache, so `LayerRegions(compiled=True)` can run them as compiled regions:
-inductor fuses their elementwise work (each RMSNorm is six kernels eager, the rotary embedding a
-dozen, the MoE router several), which a CUDA graph alone replays one kernel at a time.
+experts run by a MoeBackend). The halves before and after touch no cache, so
+`LayerRegions(compiled=True)` can run them as compiled regions: inductor fuses their elementwise
+work (each RMSNorm is six kernels eager, the rotary embedding a dozen, the MoE router several),
+which a CUDA graph alone replays one kernel at a time.
 """
 
 import sys
