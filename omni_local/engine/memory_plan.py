@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 GiB = 1 << 30
 MARGIN_BYTES = 1 * GiB
 # The engine's start-up take besides the Thinker's KV, at full size with speech and the default
-# settings: 2.6 GiB on an H200 (README, run Q: fp8, 4 GiB of KV); rounded up for a first start.
+# settings: 2.6 GiB on an H200 (README, run Q: fp8, allocated after start-up less weights and 4 GiB of
+# KV); rounded up for a first start.
 FIRST_START_ENGINE_BYTES = 3 * GiB
 
 

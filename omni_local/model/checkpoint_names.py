@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# The parts only speech needs: without it the model has no Talker and no Code2Wav.
+SPEECH_PARTS = ("talker.", "code2wav.")
 
 # Applied in order, as transformers does; each leaves a name already in the new layout as it is.
 _RENAMES = (

@@ -30,14 +30,12 @@ from safetensors import SafetensorError, safe_open
 from transformers import GenerationConfig, Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 
 from omni_local.errors import CheckpointError
-from omni_local.model.checkpoint_names import ExpertSlice, expert_slice, fused_rows, model_name, per_expert
+from omni_local.model.checkpoint_names import SPEECH_PARTS, ExpertSlice, expert_slice, fused_rows, model_name, per_expert
 from omni_local.model.quantized.compressed_tensors import CompressedTensorsConfig
 from omni_local.model.quantized.prequantized import PrequantizedLayers
 
 Prepare = Callable[[torch.nn.Module], None]
 
-# Without speech the model has no Talker and no Code2Wav: their tensors in the files are skipped.
-_SPEECH_PARTS = ("talker.", "code2wav.")
 
 
 @dataclass(frozen=True)
@@ -148,7 +146,7 @@ def _expected_shapes(model: torch.nn.Module) -> dict[str, torch.Size]:
 def _skipped_names(model: Qwen3OmniMoeForConditionalGeneration) -> Callable[[str], bool]:
     tied = set(model.all_tied_weights_keys)
     speech_off = not model.has_talker
-    return lambda name: name in tied or (speech_off and name.startswith(_SPEECH_PARTS))
+    return lambda name: name in tied or (speech_off and name.startswith(SPEECH_PARTS))
 
 
 def _read_headers(files: list[Path]) -> dict[str, Header]:

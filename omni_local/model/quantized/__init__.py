@@ -14,13 +14,13 @@ from typing import Literal
 
 import torch
 
+from omni_local.model.checkpoint_names import SPEECH_PARTS
 from omni_local.model.quantized.experts import QuantizedExperts
 from omni_local.model.quantized.formats import QuantFormat, Quantized, dequantize, quantize, quantized_bytes
 from omni_local.model.quantized.linear import QuantizedLinear
 
 WeightsSetting = Literal["bf16", "fp8", "int4"]
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-_SPEECH_PARTS = ("talker.", "code2wav.")
 _QUANTIZED = (QuantizedLinear, QuantizedExperts)
 
 __all__ = ["ATTENTION_PROJECTIONS", "QuantizedExperts", "QuantizedLinear", "Quantized", "QuantFormat", "WeightsSetting",
@@ -80,10 +80,10 @@ def weights_bytes(model: torch.nn.Module, weights: WeightsSetting, speech: bool 
     dtype = next(model.parameters()).dtype
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     plain = sum(t.numel() * t.element_size() for name, t in tensors.items()
-                if id(t) not in in_quantized and (speech or not name.startswith(_SPEECH_PARTS)))
+                if id(t) not in in_quantized and (speech or not name.startswith(SPEECH_PARTS)))
     # Quantized layers already in place and still empty (a quantized checkpoint's, before loading).
     empty = sum(layer.planned_bytes(dtype) for name, layer in model.named_modules()
-                if isinstance(layer, _QUANTIZED) and layer.empty and (speech or not name.startswith(_SPEECH_PARTS)))
+                if isinstance(layer, _QUANTIZED) and layer.empty and (speech or not name.startswith(SPEECH_PARTS)))
     return plain + empty + sum(stored_bytes(layer, format, dtype) for layer, format in quantized.items())
 
 

@@ -56,12 +56,11 @@ class StoredLayers:
             return False
         layers = _quantized_layers(model)
         try:
-            read = _read(self.folder, shards, device)
-            held = {name: {key.removeprefix(f"{name}."): read[key] for key in read if key.rpartition(".")[0] == name}
-                    for name in layers}
-            if sum(map(len, held.values())) != len(read) or any(
-                    set(held[name]) != _tensor_names(layer) for name, layer in layers.items()):
+            # The names first (the shards' headers alone): a store of other layers is never read whole.
+            stored = {name: set(parts) for name, parts in _by_layer(_keys(self.folder, shards)).items()}
+            if stored != {name: _tensor_names(layer) for name, layer in layers.items()}:
                 raise ValueError("its tensors are not this model's quantized layers'")
+            held = _by_layer(_read(self.folder, shards, device))
         except (OSError, SafetensorError, ValueError) as error:
             log.warning("the quantized layers in '%s' cannot be read (%s): quantizing the checkpoint again",
                         self.folder, error)
@@ -142,6 +141,14 @@ def _tensor_names(layer: torch.nn.Module) -> set[str]:
     return set(layer._buffers) | {name for name, parameter in layer._parameters.items() if parameter is not None}
 
 
+def _keys(folder: Path, shards: list[str]) -> dict[str, None]:
+    keys = {}
+    for shard in shards:
+        with safe_open(folder / shard, framework="pt", device="cpu") as opened:
+            keys.update(dict.fromkeys(opened.keys()))
+    return keys
+
+
 def _read(folder: Path, shards: list[str], device: torch.device) -> dict[str, torch.Tensor]:
     read = {}
     for shard in shards:
@@ -149,6 +156,15 @@ def _read(folder: Path, shards: list[str], device: torch.device) -> dict[str, to
             for key in opened.keys():
                 read[key] = opened.get_tensor(key).to(device)
     return read
+
+
+def _by_layer(tensors: dict[str, object]) -> dict[str, dict[str, object]]:
+    """`tensors` by name (`<layer>.<part>`) as {layer: {part: tensor}}."""
+    layers: dict[str, dict[str, object]] = {}
+    for key, tensor in tensors.items():
+        layer, _, part = key.rpartition(".")
+        layers.setdefault(layer, {})[part] = tensor
+    return layers
 
 
 def _hold(layer: torch.nn.Module, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
