@@ -4,12 +4,12 @@ predictor's) over a sequence's blocks of a KVStore.
 The layers' modules, rotary embedding and norm are transformers' own; we pass the cache (a
 KVWriter, or in a CUDA graph a GraphedKVWriter), its mask and the 3D positions ourselves. Each
 decoder layer runs as transformers' forward does, the same operations in the same order, but split
-in three around the cache: the work before the cache write (norm, projections, rotary embedding),
-the write and attention, and the work after (output projection, norm, MLP or MoE, the MoE's routed
-experts run by a MoeBackend). The halves before and after touch no cache, so
-`LayerRegions(compiled=True)` can run them as compiled regions: inductor fuses their elementwise
-work (each RMSNorm is six kernels eager, the rotary embedding a dozen, the MoE router several),
-which a CUDA graph alone replays one kernel at a time.
+in three around attention: the work before it (norm, projections, rotary embedding, the new rows'
+write into the cache), attention, and the work after (output projection, norm, MLP or MoE, the
+MoE's routed experts run by a MoeBackend). `LayerRegions(compiled=True)` runs the halves before and
+after as compiled regions: inductor fuses their elementwise work (each RMSNorm is six kernels eager,
+the rotary embedding a dozen, the MoE router several, the cache write two), which a CUDA graph alone
+replays one kernel at a time.
 """
 
 import sys
@@ -19,22 +19,30 @@ from functools import partial
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from omni_local.engine.fused_qkv import split_qkv
 from omni_local.engine.kv_store import GraphedKVWriter, KVWriter
 from omni_local.engine.moe import TORCH, MoeBackend, mlp_output
 from omni_local.prompts import Prompt
 
 
-def attention_inputs(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def attention_inputs(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     blocks: torch.Tensor, offsets: torch.Tensor, *, key_pool: torch.Tensor,
+                     value_pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A decoder layer's queries, keys and values [B, heads, n, head_dim] for `hidden` [B, n, hidden]:
-    its forward up to the cache write."""
+    its forward up to the cache write, the three projections as one (`fuse_qkv` made it), and the
+    write: token (b, l)'s key and value into row `offsets[b, l]` of block `blocks[b, l]` of the pools.
+    Compiled, the write is stored by the kernel that makes the keys (no launch of its own)."""
     attention = layer.self_attn
     normed = layer.input_layernorm(hidden)
     shape = (*normed.shape[:-1], -1, attention.head_dim)
-    queries = attention.q_norm(attention.q_proj(normed).view(shape)).transpose(1, 2)
-    keys = attention.k_norm(attention.k_proj(normed).view(shape)).transpose(1, 2)
-    values = attention.v_proj(normed).view(shape).transpose(1, 2)
+    queries, keys, values = split_qkv(attention, normed)
+    queries = attention.q_norm(queries.reshape(shape)).transpose(1, 2)
+    keys = attention.k_norm(keys.reshape(shape)).transpose(1, 2)
+    values = values.reshape(shape).transpose(1, 2)
     queries, keys = _modeling(attention).apply_rotary_pos_emb(queries, keys, cos, sin)
+    # pool[blocks, :, offsets] is [B, n, kv_heads, head_dim]: each new token's row
+    key_pool[blocks, :, offsets] = keys.transpose(1, 2)
+    value_pool[blocks, :, offsets] = values.transpose(1, 2)
     return queries, keys, values
 
 
@@ -63,11 +71,13 @@ class LayerRegions:
             cache: KVWriter | GraphedKVWriter, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """`layer`'s output for `hidden` [B, n, hidden], its keys and values written to `cache`."""
         attention = layer.self_attn
-        queries, keys, values = self._before(layer, hidden, *rotary)
+        key_pool, value_pool = cache.pools(attention.layer_idx)
+        queries, keys, values = self._before(layer, hidden, *rotary, *cache.places(hidden.shape[1]),
+                                             key_pool=key_pool, value_pool=value_pool)
         if cache.attends_in_place:  # our kernel over the blocks (Qwen3-Omni's layers have no sliding window)
-            attended = cache.attend(queries, keys, values, attention.layer_idx, attention.scaling)
+            attended = cache.attend(queries, attention.layer_idx, attention.scaling)
         else:
-            keys, values = cache.update(keys, values, attention.layer_idx)
+            keys, values = cache.attended_rows(keys, values, attention.layer_idx)
             kernel = ALL_ATTENTION_FUNCTIONS.get_interface(attention.config._attn_implementation,
                                                            _modeling(attention).eager_attention_forward)
             attended, _ = kernel(attention, queries, keys, values, mask, dropout=0.0, scaling=attention.scaling,
@@ -96,11 +106,11 @@ def _compiled_for_any_batch(region: Callable) -> Callable:
     # (model/quantized/linear.py) take graphs apart from longer ones: four more at most.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
 
-    def call(layer: torch.nn.Module, *tensors: torch.Tensor) -> object:
-        for tensor in tensors:
+    def call(layer: torch.nn.Module, *tensors: torch.Tensor, **fixed: torch.Tensor) -> object:
+        for tensor in tensors:  # not the `fixed` ones (the KV pools): their shapes never change
             torch._dynamo.maybe_mark_dynamic(tensor, 0)
             torch._dynamo.maybe_mark_dynamic(tensor, 1)
-        return compiled(layer, *tensors)
+        return compiled(layer, *tensors, **fixed)
 
     return call
 

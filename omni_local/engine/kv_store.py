@@ -207,13 +207,28 @@ class KVStore:
         return self.keys + self.values + ([self.talker_rows] if self.talker_rows is not None else [])
 
 
-class KVWriter:
-    """What transformers' attention modules receive as `cache` for one forward of one sequence.
+class _Writer:
+    """What both writers share: a store, and the kernel that reads its blocks in place (or None)."""
 
-    The modules call `update(k, v, layer_idx)` with the new tokens' keys and values
-    ([1, kv_heads, n, head_dim]); we write them at rows [start, start + n) of the sequence and hand
-    back every row the new tokens may attend to, gathered from its blocks. Given a `kernel`, a
-    forward instead `attend`s: the rows are written and the kernel reads the blocks in place.
+    store: KVStore
+    kernel: PagedAttention | None
+
+    @property
+    def attends_in_place(self) -> bool:
+        return self.kernel is not None
+
+    def pools(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer_idx`'s key and value pools, which the layer writes its new rows into."""
+        return self.store.keys[layer_idx], self.store.values[layer_idx]
+
+
+class KVWriter(_Writer):
+    """The cache of one forward of one sequence: where its new rows go, and what attention reads.
+
+    A decoder layer (decoder_stack.py) writes its new tokens' keys and values ([1, kv_heads, n,
+    head_dim]) at rows [start, start + n) of the sequence (`pools`, `places`), then either hands
+    transformers' attention every row the new tokens may attend to, gathered from the blocks
+    (`attended_rows`), or, given a `kernel`, has it read the blocks in place (`attend`).
     """
 
     def __init__(self, store: KVStore, table: BlockTable | torch.Tensor, start: int,
@@ -221,29 +236,21 @@ class KVWriter:
         self.store, self.table, self.start, self.kernel = store, store.device_table(table), start, kernel
         self._placed: _Placed | None = None
 
-    @property
-    def attends_in_place(self) -> bool:
-        return self.kernel is not None
+    def places(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pool's blocks and offsets [1, length] of this forward's new rows."""
+        placed = self._place(length)
+        return placed.blocks, placed.offsets
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        placed = self._write(key_states, value_states, layer_idx)
-        keys, values = self.store.keys[layer_idx], self.store.values[layer_idx]
-        table, end = placed.table[None], placed.end
+    def attended_rows(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
+        """Every row up to the new ones', written already: [1, kv_heads, end, head_dim] each."""
+        keys, values = self.pools(layer_idx)
+        table, end = self._placed.table[None], self._placed.end
         return gathered(keys, table)[:, :, :end], gathered(values, table)[:, :, :end]
 
-    def attend(self, queries: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-               scaling: float) -> torch.Tensor:
-        """The attention [1, n, heads, head_dim] of `queries` [1, heads, n, head_dim], the new rows written first."""
-        placed = self._write(key_states, value_states, layer_idx)
-        return self.kernel(queries, self.store.keys[layer_idx], self.store.values[layer_idx], placed.table[None],
-                           placed.rows[None], scaling)
-
-    def _write(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> "_Placed":
-        placed = self._place(key_states.shape[2])
-        keys, values = self.store.keys[layer_idx], self.store.values[layer_idx]
-        keys[placed.blocks, :, placed.offsets] = key_states[0].transpose(0, 1)
-        values[placed.blocks, :, placed.offsets] = value_states[0].transpose(0, 1)
-        return placed
+    def attend(self, queries: torch.Tensor, layer_idx: int, scaling: float) -> torch.Tensor:
+        """The attention [1, n, heads, head_dim] of `queries` [1, heads, n, head_dim], its rows written already."""
+        placed = self._placed
+        return self.kernel(queries, *self.pools(layer_idx), placed.table[None], placed.rows[None], scaling)
 
     def _place(self, length: int) -> "_Placed":
         """Where this forward's `length` new rows go, worked out once for all its layers."""
@@ -253,12 +260,12 @@ class KVWriter:
             if end > shape.max_tokens or shape.blocks_for(end) > self.table.shape[0]:
                 raise IndexError(f"the sequence holds {self.table.shape[0] * shape.block_tokens} rows, "
                                  f"asked to write up to {end}")
-            self._placed = _Placed(end, *self.store.addresses(self.table, self.start, end),
-                                   self.table[: shape.blocks_for(end)])
+            rows, blocks, offsets = self.store.addresses(self.table, self.start, end)
+            self._placed = _Placed(end, rows, blocks[None], offsets[None], self.table[: shape.blocks_for(end)])
         return self._placed
 
     def attention_mask(self, implementation: str, length: int, like: torch.Tensor) -> torch.Tensor | None:
-        """The mask for the `length` new tokens over the rows `update` hands back (none for the kernel)."""
+        """The mask for the `length` new tokens over the rows `attended_rows` hands back (none for the kernel)."""
         if self.kernel is not None:
             return None
         return causal_mask(implementation, self.start, length, like)
@@ -271,7 +278,7 @@ class KVWriter:
 @dataclass(frozen=True)
 class _Placed:
     """Where a forward's new rows go: its end, their rows [n] in the sequence, their blocks and offsets
-    [n] in the pool, and the sequence's table up to the end, all on the device."""
+    [1, n] in the pool, and the sequence's table up to the end, all on the device."""
 
     end: int
     rows: torch.Tensor
@@ -283,7 +290,7 @@ class _Placed:
 NO_PREFIX = 0  # a graph's attention rows when its new tokens are their sequences' first (GraphedKVWriter)
 
 
-class GraphedKVWriter:
+class GraphedKVWriter(_Writer):
     """The `cache` of a forward captured in a CUDA graph: B sequences of L new tokens each (B > 1:
     several chats decoding together; L > 1: a short prefill).
 
@@ -291,13 +298,13 @@ class GraphedKVWriter:
     `tables` [B, blocks] (each sequence's block table, from its first block; a graph reads the
     `rows` // block_tokens first), `indices` [B, L] (each new token's row in its sequence), `blocks`
     and `offsets` [B, L] (where that row is in the pool) and `last` [B] (which new token's output is
-    wanted). `update` hands back each sequence's first `rows` rows (the graph's bucket), not the
+    wanted). `attended_rows` hands back each sequence's first `rows` rows (the graph's bucket), not the
     filled length, whose size a graph cannot change; the mask hides the rows after each new token,
     which is enough only because those rows hold numbers: zeros, or the session's own (a store for
     graphs zeroes the blocks it hands out). Given a `kernel`, a forward instead `attend`s: the rows
     are written and the kernel reads the bucket's blocks in place, each token's own rows only.
 
-    With `rows` = NO_PREFIX the new tokens are their sequences' first: `update` hands back their
+    With `rows` = NO_PREFIX the new tokens are their sequences' first: `attended_rows` hands back their
     own keys and values and no mask, so attention is causal over them alone, as in transformers'
     own prefill (flash attention's kernel, which skips the rows after each token and gathers
     nothing, where a bucket's mask would have every token read every row of the bucket). A padded
@@ -313,30 +320,21 @@ class GraphedKVWriter:
         self.tables = tables[:, : store.shape.blocks_for(rows)]
         self.kernel = kernel
 
-    @property
-    def attends_in_place(self) -> bool:
-        return self.kernel is not None
+    def places(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pool's blocks and offsets [B, L] of the new rows (L = `length`, the graph's)."""
+        return self.blocks, self.offsets
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        keys, values = self._write(key_states, value_states, layer_idx)
+    def attended_rows(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
+        """What transformers' attention reads, the new rows written already: their own keys and values
+        (NO_PREFIX), or the bucket's rows [B, kv_heads, rows, head_dim] gathered from each sequence's blocks."""
         if self.rows == NO_PREFIX:
             return key_states, value_states
-        # [B, kv_heads, rows, head_dim]: a copy of the bucket's rows, gathered from each sequence's blocks
+        keys, values = self.pools(layer_idx)
         return gathered(keys, self.tables), gathered(values, self.tables)
 
-    def attend(self, queries: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-               scaling: float) -> torch.Tensor:
-        """The attention [B, L, heads, head_dim] of `queries` [B, heads, L, head_dim], the new rows written first."""
-        keys, values = self._write(key_states, value_states, layer_idx)
-        return self.kernel(queries, keys, values, self.tables, self.indices, scaling)
-
-    def _write(self, key_states: torch.Tensor, value_states: torch.Tensor,
-               layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = self.store.keys[layer_idx], self.store.values[layer_idx]
-        # keys[blocks, :, offsets] is [B, L, kv_heads, head_dim]: each new token's row, an index_put_
-        keys[self.blocks, :, self.offsets] = key_states.transpose(1, 2)
-        values[self.blocks, :, self.offsets] = value_states.transpose(1, 2)
-        return keys, values
+    def attend(self, queries: torch.Tensor, layer_idx: int, scaling: float) -> torch.Tensor:
+        """The attention [B, L, heads, head_dim] of `queries` [B, heads, L, head_dim], its rows written already."""
+        return self.kernel(queries, *self.pools(layer_idx), self.tables, self.indices, scaling)
 
     def attention_mask(self, implementation: str, length: int, like: torch.Tensor) -> torch.Tensor | None:
         if self.kernel is not None or self.rows == NO_PREFIX:

@@ -25,6 +25,7 @@ from omni_local.api.params import SamplingParams
 from omni_local.engine.attention import PagedAttention
 from omni_local.engine.cuda_graphs import BatchGraphs, StaticGraph, graphable
 from omni_local.engine.decoder_stack import LayerRegions, mrope_positions, run_layers
+from omni_local.engine.fused_qkv import fuse_qkv
 from omni_local.engine.kv_store import BlockTable, GraphedKVWriter, KVShape, KVStore, KVWriter
 from omni_local.engine.host_copies import Readback, to_device
 from omni_local.engine.moe import TORCH, MoeBackend
@@ -81,6 +82,8 @@ class TalkerRunner:
         self.talker = model.talker
         self.stack = self.talker.model
         self.predictor = self.talker.code_predictor
+        fuse_qkv(self.stack)
+        fuse_qkv(self.predictor.model)
         self.thinker_embeddings = model.thinker.get_input_embeddings()
         talker_config = self.config.talker_config
         text = talker_config.text_config

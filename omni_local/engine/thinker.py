@@ -21,6 +21,7 @@ from omni_local.api.messages import Message
 from omni_local.engine.attention import PagedAttention
 from omni_local.engine.cuda_graphs import BatchGraphs, graphable, size_buckets
 from omni_local.engine.decoder_stack import LayerRegions, mrope_positions, run_layers
+from omni_local.engine.fused_qkv import fuse_qkv
 from omni_local.engine.host_copies import to_device
 from omni_local.engine.kv_store import DEFAULT_BLOCK_TOKENS, BlockTable, GraphedKVWriter, KVShape, KVStore, KVWriter
 from omni_local.engine.media_encoder import MediaEncoder, deepstack_levels
@@ -66,6 +67,7 @@ class ThinkerRunner:
         self.encoder = encoder
         self.model = thinker.model  # Qwen3OmniMoeThinkerModel: .visual, .audio_tower, .language_model
         self.text = self.model.language_model
+        fuse_qkv(self.text)
         shape = kv_shape(self.text.config, max_tokens, block_tokens, talker_rows.width if talker_rows else 0)
         self.device = thinker.lm_head.weight.device
         self.dtype = thinker.lm_head.weight.dtype
