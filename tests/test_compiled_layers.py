@@ -57,7 +57,7 @@ def test_a_split_layer_is_transformers_own_layer_bit_for_bit(speaking_app, name)
 
 @pytest.mark.parametrize("name", ["thinker", "talker"])
 @torch.inference_mode()  # as the engine runs them
-def test_compiled_layers_match_eager_and_one_graph_serves_every_prefill_length(speaking_app, name):
+def test_compiled_layers_match_eager_and_one_graph_serves_every_prefill_length_and_store(speaking_app, name):
     stack = stacks(speaking_app.backend.loaded.model)[name]
     config = stack.config
     # The router hooks transformers installs at its first forward (the Talker's, in a spoken
@@ -82,4 +82,10 @@ def test_compiled_layers_match_eager_and_one_graph_serves_every_prefill_length(s
                                stores[False].to_host(tables[False], start).kv, **TOLERANCE)
     # Two regions, each compiled for one token and for any other count: the third prefill length,
     # like any later one, reuses a graph (dynamo counts a recompile as a graph too).
-    assert counters["stats"]["unique_graphs"] - graphs_before <= 4
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs - graphs_before <= 4
+    # Nor does a store of another size (another app's, the Talker's): its pools are inputs too.
+    larger = KVStore(shape, 3 * shape.table_blocks + 1, weight.dtype, weight.device)
+    run_layers(stack, larger.writer(larger.take(shape.table_blocks), 0), hidden_states(stack, 5, seed=7),
+               positions_for(stack, 0, 5), regions=regions[True])
+    assert counters["stats"]["unique_graphs"] == graphs

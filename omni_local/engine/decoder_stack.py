@@ -106,11 +106,13 @@ def _compiled_for_any_batch(region: Callable) -> Callable:
     # (model/quantized/linear.py) take graphs apart from longer ones: four more at most.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
 
-    def call(layer: torch.nn.Module, *tensors: torch.Tensor, **fixed: torch.Tensor) -> object:
-        for tensor in tensors:  # not the `fixed` ones (the KV pools): their shapes never change
+    def call(layer: torch.nn.Module, *tensors: torch.Tensor, **pools: torch.Tensor) -> object:
+        for tensor in tensors:
             torch._dynamo.maybe_mark_dynamic(tensor, 0)
             torch._dynamo.maybe_mark_dynamic(tensor, 1)
-        return compiled(layer, *tensors, **fixed)
+        for pool in pools.values():  # a pool's blocks differ by store (the Thinker's, the Talker's, each app's)
+            torch._dynamo.maybe_mark_dynamic(pool, 0)
+        return compiled(layer, *tensors, **pools)
 
     return call
 
