@@ -12,8 +12,8 @@
 
 On a GPU: bfloat16 rows, each call captured in a CUDA graph and replayed, the median of --runs
 CUDA-event-timed replays with the L2 cache flushed before each (a decode step reads 47 other layers'
-weights between two calls of one layer); the last rows add up a decode step's 192 projections (48
-layers of q, k, v, o). Each GEMV is checked against the dequantized weight first. On the CPU: tiny
+weights between two calls of one layer); the last rows add up a decode step's 96 projections (48
+layers of qkv and o). Each GEMV is checked against the dequantized weight first. On the CPU: tiny
 shapes in float32, eager, wall time, the GEMV in Triton's interpreter; it checks that the script
 runs, its times mean nothing.
 """
@@ -32,9 +32,9 @@ from omni_local.bench.cuda_timing import median_cuda_ms
 from omni_local.model.quantized.formats import Quantized, dequantize, quantize
 from omni_local.model.quantized.linear import fp8_matmul
 
-# Qwen3-Omni-30B-A3B's Thinker: (in, out) of each projection (v_proj is k_proj's shape).
-THINKER = {"q_proj": (2048, 4096), "k_proj": (2048, 512), "v_proj": (2048, 512), "o_proj": (4096, 2048)}
-TINY = {"q_proj": (64, 128), "k_proj": (64, 32), "v_proj": (64, 32), "o_proj": (128, 64)}  # the CPU smoke run's
+# Qwen3-Omni-30B-A3B's Thinker: (in, out) of each projection, q, k and v fused (engine/fused_qkv.py).
+THINKER = {"qkv_proj": (2048, 5120), "o_proj": (4096, 2048)}
+TINY = {"qkv_proj": (64, 192), "o_proj": (128, 64)}  # the CPU smoke run's
 LAYERS = 48
 ROWS = [1, 16]
 WAYS = ["linear", "fp8 scaled_mm", "fp8 gemv", "int8 pack_mm", "int8 gemv"]
@@ -92,7 +92,7 @@ def print_table(shapes: dict[str, tuple[int, int]], row_counts: list[int], dtype
             times = [median_us(call, device, runs) for call in calls(*inputs(shape, rows, dtype, device)).values()]
             steps[rows] = [total + t * LAYERS / 1e3 for total, t in zip(steps[rows], times)]
             print(f"| {name} {shape[0]}->{shape[1]} | {rows} | {' | '.join(f'{t:.2f}' for t in times)} |", flush=True)
-    print(f"\nA decode step's {4 * LAYERS} projections ({LAYERS} layers of q, k, v, o), ms:\n")
+    print(f"\nA decode step's {len(shapes) * LAYERS} projections ({LAYERS} layers of {', '.join(shapes)}), ms:\n")
     print(f"| rows | {' | '.join(WAYS)} |")
     print("| --- |" + " --- |" * len(WAYS))
     for rows, totals in steps.items():
@@ -108,7 +108,7 @@ def print_sweep(shapes: dict[str, tuple[int, int]], row_counts: list[int], dtype
     device_name = torch.cuda.get_device_name()
     print("| projection | default (µs) | best (µs) | block_n | block_k | split_k | stages | best per case (µs) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, shape in {n: s for n, s in shapes.items() if n != "v_proj"}.items():
+    for name, shape in shapes.items():
         cases = []
         for rows in row_counts:
             x, weight = inputs(shape, rows, dtype, "cuda")

@@ -25,16 +25,25 @@ class GemvTile:
     num_stages: int = 4
 
 
-# A guess, to be tuned on the GPU (python -m omni_local.bench.dense_projections --sweep). Its loads
+# For GPUs and shapes not tuned below (python -m omni_local.bench.dense_projections --sweep). Its loads
 # pipelined over 4 stages take 24 KiB of shared memory for bfloat16 rows, 52 KiB for float32 (compiled
 # for sm_90: tests/test_quantized_gemv.py), inside the 99 KiB a block of Ada, Ampere's sm86 and
 # Blackwell's sm120 may take. BLOCK_N 32 gives the Thinker's q_proj (N 4,096) 128 programs, about one
 # per SM of an H200; its k/v_proj (N 512) only 16, where SPLIT_K may pay for its second launch.
 DEFAULT = GemvTile()
 
-# Tuned tiles by (GPU name, N, K), from the sweep; none yet. A tile tuned on one GPU may not fit
-# another's shared memory, so each GPU has its own.
-TUNED: dict[tuple[str, int, int], GemvTile] = {}
+# Tuned tiles by (GPU name, N, K). A tile tuned on one GPU may not fit another's shared memory, so
+# each GPU has its own. The H200's: `python -m omni_local.bench.dense_projections --sweep --runs 30`
+# (2026-12-02, torch 2.11, Triton 3.6; the best sum over 1 and 16 rows, fp8 and int8) for the
+# Thinker's q_proj, k_proj and o_proj before q, k and v were fused; the fused qkv_proj (N 5,120)
+# takes q_proj's tile, not swept itself: 160 programs, as q_proj's 128 about one per SM.
+_H200_Q = GemvTile(block_n=32, block_k=256, split_k=1, num_stages=4)
+TUNED: dict[tuple[str, int, int], GemvTile] = {
+    ("NVIDIA H200", 4096, 2048): _H200_Q,
+    ("NVIDIA H200", 5120, 2048): _H200_Q,
+    ("NVIDIA H200", 512, 2048): GemvTile(block_n=32, block_k=256, split_k=8, num_stages=3),
+    ("NVIDIA H200", 2048, 4096): GemvTile(block_n=32, block_k=128, split_k=8, num_stages=3),
+}
 
 
 def gemv_tile(out_features: int, in_features: int, device: torch.device) -> GemvTile:
