@@ -248,8 +248,8 @@ def test_the_dense_projection_bench_smoke_run_times_each_way_for_each_projection
     assert f"| rows | {' | '.join(ways)} |" in done.stdout
     table = [line.strip("| ").split(" | ") for line in done.stdout.splitlines() if line.startswith("| ")
              and line[2].isalnum() and not line.startswith(("| projection", "| rows"))]
-    calls, steps = table[:-2], table[-2:]  # each projection's call, then a decode step's 192 of them
-    projections = ["q_proj 64->128", "k_proj 64->32", "v_proj 64->32", "o_proj 128->64"]
+    calls, steps = table[:-2], table[-2:]  # each projection's call, then a decode step's 96 of them
+    projections = ["qkv_proj 64->192", "o_proj 128->64"]
     assert [row[:2] for row in calls] == [[p, rows] for rows in ("1", "16") for p in projections]
     assert [row[0] for row in steps] == ["1", "16"]
     assert all(len(row) == 2 + len(ways) and all(float(cell) > 0 for cell in row[2:]) for row in calls)

@@ -13,7 +13,8 @@ if TEST_DEVICE != "cpu":
     pytest.skip("the interpreter tests run on the CPU run; the GPU run has tests/test_moe_on_gpu.py",
                 allow_module_level=True)
 
-from omni_local.engine.moe.kernels.routing import route  # noqa: E402 (after the skip: imports triton)
+from omni_local.engine.moe.kernels.route_and_sort import route_and_sort  # noqa: E402 (after the skip: imports triton)
+from omni_local.engine.moe.kernels.routing import route  # noqa: E402
 from omni_local.engine.moe.kernels.sorting import (  # noqa: E402
     CHUNK_PAIRS,
     CHUNKED_FROM_PAIRS,
@@ -43,6 +44,20 @@ def test_the_routing_kernel_picks_the_routers_experts_and_weights(renormalize):
 
     assert torch.equal(chosen.long(), expected_experts)
     torch.testing.assert_close(weights, expected_weights, **FLOAT32)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 16])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_a_decode_batchs_routing_and_sort_in_one_launch_are_the_two_kernels_bit_for_bit(tokens, renormalize):
+    logits = torch.randn((tokens, 128), generator=torch.Generator().manual_seed(tokens)) * 3
+    logits[0, 7] = logits[0, 9] = logits[0].max() + 1  # a tie: the lower index first, either way
+
+    weights, experts, order = route_and_sort(logits, top_k=8, renormalize=renormalize, block_m=16)
+
+    expected_weights, expected_experts = route(logits, top_k=8, renormalize=renormalize)
+    assert torch.equal(experts, expected_experts) and experts[0, :2].tolist() == [7, 9]
+    assert torch.equal(weights, expected_weights)
+    assert torch.equal(order, sort_in_one_program(expected_experts, num_experts=128, block_m=16))
 
 
 def test_the_sort_puts_each_experts_pairs_in_order_in_whole_blocks_and_pads_with_the_pair_count():
@@ -104,23 +119,29 @@ def test_the_sort_cases_have_the_loads_they_say():
     assert [len(chosen.flatten()) for chosen, _ in SORT_ROUTES.values()] == [800, 512, 10, 600, 560]
 
 
-# The sort kernels at the Thinker's 128 experts, for a decode batch's BLOCK_M and a prefill's.
+# The routing and sort kernels at the Thinker's 128 experts, for a decode batch's BLOCK_M and a prefill's.
 COMPILE_SORT_FOR_SM90 = """
 from omni_local.engine.moe.kernels.sorting import (CHUNK, CHUNK_PAIRS, CHUNK_ROWS, _count_kernel, _offsets_kernel,
                                                    _scatter_kernel, _sort_kernel)
+from omni_local.engine.moe.kernels.route_and_sort import _route_and_sort_kernel
+from omni_local.engine.moe.kernels.routing import TOKENS_PER_PROGRAM, _route_kernel
 
 for block_m in (16, 64):
     compiled(_sort_kernel, dict(experts_ptr="*i32", sorted_ptr="*i32"), dict(BLOCK_M=block_m, BLOCK_E=128, CHUNK=CHUNK),
              num_warps=4)
     compiled(_offsets_kernel, dict(counts_ptr="*i32", offsets_ptr="*i32"),
              dict(BLOCK_M=block_m, BLOCK_E=128, CHUNK_ROWS=CHUNK_ROWS), num_warps=4)
+routing = dict(TOP_K=8, RENORMALIZE=True, BLOCK_T=TOKENS_PER_PROGRAM, BLOCK_E=128, BLOCK_K=8)
+compiled(_route_kernel, dict(logits_ptr="*bf16", weights_ptr="*bf16", experts_ptr="*i32"), routing, num_warps=4)
+compiled(_route_and_sort_kernel, dict(logits_ptr="*bf16", weights_ptr="*bf16", experts_ptr="*i32", sorted_ptr="*i32"),
+         dict(routing, BLOCK_M=16, CHUNK=CHUNK), num_warps=4)
 chunks = dict(BLOCK_E=128, CHUNK=CHUNK, CHUNK_PAIRS=CHUNK_PAIRS)
 compiled(_count_kernel, dict(experts_ptr="*i32", sorted_ptr="*i32", counts_ptr="*i32"), chunks, num_warps=4)
 compiled(_scatter_kernel, dict(experts_ptr="*i32", sorted_ptr="*i32", offsets_ptr="*i32"), chunks, num_warps=4)
 """
 
 
-def test_the_sort_kernels_compile_for_an_h200_without_a_gpu():
+def test_the_routing_and_sort_kernels_compile_for_an_h200_without_a_gpu():
     done = compile_for_h200(COMPILE_SORT_FOR_SM90)
 
     assert done.returncode == 0, done.stderr

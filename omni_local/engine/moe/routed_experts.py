@@ -1,4 +1,5 @@
-"""The routed experts of one MoE block by our kernels: route, sort, gate_up, down, and the top-k sum.
+"""The routed experts of one MoE block by our kernels: route, sort (one launch for both at a decode
+batch), gate_up, down, and the top-k sum.
 
 `routed_experts` is registered as the torch op `omni_local::routed_experts`, so torch.compile
 leaves it whole inside the compiled decoder layers (the kernels pick their tile config from the
@@ -17,6 +18,7 @@ import torch
 
 from omni_local.engine.moe.kernels.down import weighted_down
 from omni_local.engine.moe.kernels.gate_up import gate_up_silu
+from omni_local.engine.moe.kernels.route_and_sort import fits_one_program, route_and_sort
 from omni_local.engine.moe.kernels.routing import route
 from omni_local.engine.moe.kernels.sorting import sort_by_expert
 from omni_local.engine.moe.kernels.expert_weights import kernel_weight
@@ -37,8 +39,12 @@ def weighted_expert_rows(hidden: torch.Tensor, logits: torch.Tensor, gate_up: to
     if tokens == 0:
         return hidden.new_zeros((0, top_k, width), dtype=torch.float32)
     config = config or tile_config(num_experts, width, intermediate, tokens, hidden.device)
-    weights, experts = route(logits.contiguous(), top_k, renormalize)
-    order = sort_by_expert(experts, num_experts, config.block_m)
+    logits = logits.contiguous()
+    if fits_one_program(tokens):  # a decode batch: one launch
+        weights, experts, order = route_and_sort(logits, top_k, renormalize, config.block_m)
+    else:
+        weights, experts = route(logits, top_k, renormalize)
+        order = sort_by_expert(experts, num_experts, config.block_m)
     activated = gate_up_silu(hidden.contiguous(), gate_up_weight, order, experts, config.block_m, config.gate_up)
     rows = weighted_down(activated, down_weight, order, experts, weights, config.block_m, config.down)
     return rows.view(tokens, top_k, width)

@@ -1,9 +1,10 @@
 """Our Triton kernels for the MoE forward, in the order a layer runs them:
 
-1. routing.py: softmax, top-k and renormalisation of the router's logits, one program a token.
+1. routing.py: softmax, top-k and renormalisation of the router's logits, a tile of tokens a program.
 2. sorting.py: the (token, k) pairs sorted by expert into blocks of BLOCK_M rows, each expert's
    run padded to a whole block, with fixed-size output (no host sync): in one single-program launch
-   for a decode batch, in three launches over chunks of pairs for a prefill, to the same rows.
+   for a few pairs, in three launches over chunks of pairs for a prefill, to the same rows.
+   route_and_sort.py: 1 and 2 in one launch for a decode batch (up to 16 tokens).
 3. gate_up.py: each block's rows times its expert's gate and up projections, SiLU(gate) * up in the
    epilogue.
 4. down.py: the down projection, each row scaled by its routing weight in the epilogue, written to

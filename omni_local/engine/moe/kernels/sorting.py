@@ -33,8 +33,15 @@ CHUNK_ROWS = 32  # chunks one iteration of the offsets program handles: [CHUNK_R
 
 
 @triton.jit
-def _sort_kernel(experts_ptr, sorted_ptr, pairs, num_experts, rows,
-                 BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+def _sort_kernel(experts_ptr, sorted_ptr, pairs, rows, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                 CHUNK: tl.constexpr):
+    sort_pairs(experts_ptr, sorted_ptr, pairs, rows, BLOCK_M, BLOCK_E, CHUNK)
+
+
+@triton.jit
+def sort_pairs(experts_ptr, sorted_ptr, pairs, rows, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+               CHUNK: tl.constexpr):
+    """The one-program sort: every pair's row, the padding first (route_and_sort.py calls it too)."""
     lanes = tl.arange(0, CHUNK)
     expert_ids = tl.arange(0, BLOCK_E)
     for start in range(0, rows, CHUNK):
@@ -150,7 +157,7 @@ def sort_in_one_program(experts: torch.Tensor, num_experts: int, block_m: int) -
     pairs = experts.numel()
     rows = sorted_rows(pairs, num_experts, block_m)
     order = torch.empty(rows, dtype=torch.int32, device=experts.device)
-    _sort_kernel[(1,)](experts, order, pairs, num_experts, rows, BLOCK_M=block_m,
+    _sort_kernel[(1,)](experts, order, pairs, rows, BLOCK_M=block_m,
                        BLOCK_E=triton.next_power_of_2(num_experts), CHUNK=CHUNK, num_warps=4)
     return order
 
