@@ -9,6 +9,7 @@ import torch
 from conftest import TEST_DEVICE
 from moe_cases import ROUTES, experts, logits_choosing, router_over_logits, text_config
 from omni_local.model.quantized import QuantizedExperts, QuantizedLinear, dequantize, quantize
+from omni_local.model.quantized import linear as linear_module
 from omni_local.model.quantized.formats import int4_values
 
 HIDDEN, INTERMEDIATE = 64, 32  # int4 groups of 64 and 32 inputs
@@ -52,6 +53,14 @@ def test_a_quantized_linear_layer_multiplies_by_its_dequantized_weight(format):
 
     expected = x @ dequantize(layer.weight, torch.float32).T + linear.bias
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_an_encoders_quantized_linear_never_takes_the_gemv_where_a_decoders_would(monkeypatch):
+    monkeypatch.setattr(linear_module, "runs_gemv", lambda device, format: True)
+    linear = torch.nn.Linear(64, 48)
+
+    assert QuantizedLinear.replacing(linear, "int8").gemv
+    assert not QuantizedLinear.replacing(linear, "int8", batched=True).gemv
 
 
 @pytest.mark.parametrize("format", FORMATS)
