@@ -9,10 +9,12 @@ import torch
 from replies import assert_spoken_reply_is_generates, assert_written_reply_is_generates
 from samples import QUESTIONS, picture, video_file
 from omni_local.api import OmniLocal
-from omni_local.model.quantized import QuantizedExperts, QuantizedLinear, quantized_decoder_stacks
+from omni_local.model.quantized import (QuantizedEmbedding, QuantizedExperts, QuantizedLinear, encoder_towers,
+                                        quantized_decoder_stacks)
 
 FORMATS = ["fp8", "int4"]
 STORED = {"fp8": (torch.float8_e4m3fn, torch.float8_e4m3fn), "int4": (torch.uint8, torch.int8)}  # experts, attention
+THINKER_HEADS = {"thinker.lm_head.weight", "thinker.model.language_model.embed_tokens.weight"}
 
 
 @pytest.fixture(scope="module", params=FORMATS)
@@ -38,8 +40,27 @@ def test_the_thinkers_and_talkers_experts_and_attention_projections_are_held_qua
     in_stacks = {name for name in full_precision if name.startswith(("thinker.model.language_model.", "talker.model."))}
     assert not any(".mlp.experts." in name or name.endswith("_proj.weight") and ".self_attn." in name
                    for name in in_stacks)
-    assert {"thinker.lm_head.weight", "thinker.model.language_model.embed_tokens.weight",
-            "thinker.model.language_model.layers.0.mlp.gate.weight"} <= full_precision
+    assert "thinker.model.language_model.layers.0.mlp.gate.weight" in full_precision
+
+
+def test_int4_also_holds_the_thinkers_embeddings_lm_head_and_encoder_linears_in_int8_where_fp8_leaves_them(
+    quantized_app,
+):
+    model = quantized_app.backend.loaded.model
+    full_precision = {name for name, p in model.named_parameters() if p.dtype == torch.float32}
+    encoder_modules = [module for tower in encoder_towers(model) for module in tower.modules()]
+    quantized = [module for module in encoder_modules if isinstance(module, QuantizedLinear)]
+    if quantized_app.settings.weights == "fp8":
+        assert THINKER_HEADS <= full_precision and quantized == []
+        return
+    assert not THINKER_HEADS & full_precision
+    assert isinstance(model.thinker.get_input_embeddings(), QuantizedEmbedding)
+    assert model.thinker.lm_head.values.dtype == model.thinker.get_input_embeddings().values.dtype == torch.int8
+    assert not any(isinstance(module, torch.nn.Linear) for module in encoder_modules)
+    assert quantized and all(layer.values.dtype == torch.int8 and layer.batched for layer in quantized)
+    # The convolutions and position tables stay, and the embeddings' rows come out in the model's dtype.
+    assert "thinker.model.visual.patch_embed.proj.weight" in full_precision
+    assert model.thinker.get_input_embeddings()(torch.tensor([[1, 2]])).dtype == torch.float32
 
 
 @pytest.mark.parametrize("case", [*QUESTIONS, pytest.param("video", marks=pytest.mark.torchvision)])

@@ -23,7 +23,7 @@ from omni_local.api import OmniLocal
 from omni_local.errors import SettingsError
 from omni_local.model import load_model
 from omni_local.model.checkpoint_names import expert_slice, fused_rows, model_name
-from omni_local.model.quantized import QuantizedExperts, QuantizedLinear, Quantized, dequantize
+from omni_local.model.quantized import QuantizedExperts, QuantizedLinear, Quantized, dequantize, encoder_towers
 from omni_local.model.quantized import experts as experts_module
 from omni_local.model.quantized import linear as linear_module
 
@@ -195,12 +195,19 @@ def test_a_spoken_reply_has_the_codes_of_transformers_generate_on_the_loaded_mod
     assert_spoken_reply_is_generates(compressed_app, "Sing me a song about the sea.")
 
 
-def test_the_memory_plan_counts_a_quantized_checkpoints_layers_at_their_stored_size(compressed_app, monkeypatch):
+def test_named_in_the_weights_setting_its_format_quantizes_nothing_else_and_is_planned_at_the_stored_size(
+    compressed_app, monkeypatch
+):
     from omni_local.engine import memory_plan
 
     monkeypatch.setattr(memory_plan, "FIRST_START_ENGINE_BYTES", 1 << 20)
-    settings = compressed_app.settings.replace(gpu_memory_bytes=4 << 30)
+    format = compressed_app.backend.loaded.quantized.split()[0]  # int4 would add our int8 layers to a checkpoint's own
+    settings = compressed_app.settings.replace(gpu_memory_bytes=4 << 30, weights=format)
     with OmniLocal(settings) as planned:
         model = planned.backend.loaded.model
         held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
         assert planned.backend.memory.weights == held
+        assert isinstance(model.thinker.lm_head, torch.nn.Linear)
+        assert isinstance(model.thinker.get_input_embeddings(), torch.nn.Embedding)
+        encoders = [module for tower in encoder_towers(model) for module in tower.modules()]
+        assert not any(isinstance(module, QuantizedLinear) for module in encoders)

@@ -10,12 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from omni_local.model import load_model
-from omni_local.model.quantized import QuantizedExperts, QuantizedLinear
+from omni_local.model.quantized import QUANTIZED_LAYERS, QuantizedEmbedding, QuantizedExperts, QuantizedLinear
 from omni_local.model.quantized import stored as stored_module
 from omni_local.model.quantized.stored import checkpoint_fingerprint, filled_from_disk
 from omni_local.model.weights import weight_files
+
+DECODER_STACKS = ("thinker.model.language_model.layers.", "talker.model.layers.")
 
 
 @pytest.fixture
@@ -25,7 +28,7 @@ def int4_settings(demo_settings, demo_checkpoint, tmp_path):
 
 def quantized_tensors(settings) -> dict[str, torch.Tensor]:
     model = load_model(settings).model
-    return {name: t for name, t in model.state_dict().items() if ".self_attn." in name or ".mlp.experts." in name}
+    return {name: t for name, t in model.state_dict().items() if name.endswith((".values", ".scales"))}
 
 
 def stores(settings) -> list[Path]:
@@ -37,6 +40,7 @@ def refuse_quantizing(monkeypatch):
         raise AssertionError("quantized again")
 
     monkeypatch.setattr(QuantizedLinear, "take_weight", refused)
+    monkeypatch.setattr(QuantizedEmbedding, "take_weight", refused)
     monkeypatch.setattr(QuantizedExperts, "take_expert_weight", refused)
 
 
@@ -53,7 +57,7 @@ def test_a_later_start_reads_the_quantized_layers_back_and_quantizes_nothing(int
     assert filled_from_disk(second)
     theirs = second.state_dict()
     assert all(torch.equal(tensor, theirs[name]) for name, tensor in first.state_dict().items())
-    assert all(layer.prefilled for layer in second.modules() if isinstance(layer, (QuantizedLinear, QuantizedExperts)))
+    assert all(layer.prefilled for layer in second.modules() if isinstance(layer, QUANTIZED_LAYERS))
 
 
 def test_the_store_is_found_by_the_weights_contents_not_their_path(int4_settings, demo_checkpoint, tmp_path):
@@ -78,7 +82,6 @@ def test_a_damaged_or_foreign_store_is_made_again_and_the_model_is_the_same(int4
     if damage == "a truncated shard":
         shard.write_bytes(shard.read_bytes()[:-100])
     elif damage == "a missing tensor":
-        from safetensors.torch import load_file, save_file
         tensors = load_file(shard)
         tensors.pop(next(iter(tensors)))
         save_file(tensors, shard)
@@ -89,6 +92,25 @@ def test_a_damaged_or_foreign_store_is_made_again_and_the_model_is_the_same(int4
     model = load_model(int4_settings).model
 
     assert not filled_from_disk(model)
+    assert all(torch.equal(t, model.state_dict()[name]) for name, t in expected.items())
+    assert filled_from_disk(load_model(int4_settings).model), "the store was written again"
+
+
+def test_a_store_made_before_int4_kept_the_thinkers_heads_and_encoders_in_int8_is_made_again_not_misread(
+    int4_settings, caplog
+):
+    expected = quantized_tensors(int4_settings)
+    assert any(name.startswith("thinker.model.visual.") for name in expected)
+    [store] = stores(int4_settings)
+    for shard in store.glob("*.safetensors"):  # as version 1 wrote it: the decoder stacks' layers alone
+        kept = {name: t for name, t in load_file(shard).items() if name.startswith(DECODER_STACKS)}
+        save_file(kept, shard)
+    manifest = json.loads((store / "manifest.json").read_text())
+    (store / "manifest.json").write_text(json.dumps({**manifest, "version": 1}))
+
+    model = load_model(int4_settings).model
+
+    assert not filled_from_disk(model) and "cannot be read" not in caplog.text
     assert all(torch.equal(t, model.state_dict()[name]) for name, t in expected.items())
     assert filled_from_disk(load_model(int4_settings).model), "the store was written again"
 

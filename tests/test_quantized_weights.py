@@ -8,7 +8,9 @@ import torch
 
 from conftest import TEST_DEVICE
 from moe_cases import ROUTES, experts, logits_choosing, router_over_logits, text_config
-from omni_local.model.quantized import QuantizedExperts, QuantizedLinear, dequantize, quantize
+from omni_local.model.quantized import (QuantizedEmbedding, QuantizedExperts, QuantizedLinear, Quantized, dequantize,
+                                        quantize)
+from omni_local.model.quantized import linear as linear_module
 from omni_local.model.quantized.formats import int4_values
 
 HIDDEN, INTERMEDIATE = 64, 32  # int4 groups of 64 and 32 inputs
@@ -52,6 +54,27 @@ def test_a_quantized_linear_layer_multiplies_by_its_dequantized_weight(format):
 
     expected = x @ dequantize(layer.weight, torch.float32).T + linear.bias
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_quantized_embedding_gives_its_dequantized_tables_rows_in_the_models_dtype():
+    embedding = torch.nn.Embedding(40, 64, dtype=torch.bfloat16)
+    ids = torch.tensor([[3, 0, 39], [3, 7, 7]])
+
+    table = QuantizedEmbedding.replacing(embedding, "int8")
+
+    assert table.values.dtype == torch.int8 and table.scales.shape == (40,) and table.scales.dtype == torch.bfloat16
+    rows = table(ids)
+    assert rows.dtype == torch.bfloat16
+    assert torch.equal(rows, dequantize(Quantized("int8", table.values, table.scales), torch.bfloat16)[ids])
+    assert torch.equal(table(torch.tensor(7)), rows[1, 1])  # a single id, as transformers looks up special tokens
+
+
+def test_an_encoders_quantized_linear_never_takes_the_gemv_where_a_decoders_would(monkeypatch):
+    monkeypatch.setattr(linear_module, "runs_gemv", lambda device, format: True)
+    linear = torch.nn.Linear(64, 48)
+
+    assert QuantizedLinear.replacing(linear, "int8").gemv
+    assert not QuantizedLinear.replacing(linear, "int8", batched=True).gemv
 
 
 @pytest.mark.parametrize("format", FORMATS)

@@ -16,6 +16,7 @@ from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneratio
 from checkpoint_layouts import write_older_layout
 from omni_local.errors import CheckpointError
 from omni_local.model import load_model
+from omni_local.model.quantized import quantize_layers, weights_bytes
 from omni_local.model.weights import load_weights
 from omni_local.settings import Settings
 
@@ -79,10 +80,27 @@ def test_the_streamed_model_is_from_pretrained_s_bit_for_bit(case, demo_settings
     assert loaded.model.has_talker == speech
 
 
-def test_tied_embeddings_stay_one_tensor(demo_settings, demo_checkpoint, tmp_path):
+@pytest.mark.parametrize("weights", ["bf16", "int4"])
+def test_tied_embeddings_stay_one_full_precision_tensor_and_are_planned_so(weights, demo_settings, demo_checkpoint,
+                                                                           tmp_path):
     path = _with_tied_embeddings(demo_checkpoint, tmp_path / "tied")
-    thinker = load_model(demo_settings.replace(model=str(path))).model.thinker
+    settings = demo_settings.replace(model=str(path), weights=weights, cache_dir=str(tmp_path / "cache"))
+    model = load_model(settings).model
+    thinker = model.thinker
     assert thinker.lm_head.weight is thinker.model.language_model.embed_tokens.weight
+    held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    assert weights_bytes(load_model(settings.replace(weights="bf16")).model, weights, speech=False) == held
+
+
+def test_int4_streamed_in_holds_what_quantizing_the_loaded_full_precision_model_gives(demo_settings, tmp_path):
+    settings = demo_settings.replace(speech=True, cache_dir=str(tmp_path / "cache"))
+    streamed = load_model(settings.replace(weights="int4")).model  # each tensor quantized as it is read
+    whole = load_model(settings).model
+    quantize_layers(whole, "int4")  # as the random-weights bench does
+
+    theirs = _tensors(whole)
+    assert {name: t.dtype for name, t in _tensors(streamed).items()} == {name: t.dtype for name, t in theirs.items()}
+    assert all(torch.equal(tensor, theirs[name]) for name, tensor in _tensors(streamed).items())
 
 
 # The quantization hook

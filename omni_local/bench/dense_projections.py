@@ -3,7 +3,8 @@
 - linear: F.linear with the weight in the rows' dtype (the bf16 model's);
 - fp8 scaled_mm: each row rounded to float8, then torch._scaled_mm (the fp8 layer's path for many rows);
 - fp8 gemv: our GEMV (engine/dense/gemv.py) over the fp8 weight;
-- int8 pack_mm: torch._weight_int8pack_mm (the int8 layer's path for many rows);
+- int8 pack_mm: torch._weight_int8pack_mm (the int8 layer's path on the CPU; on a GPU, past the GEMV, it
+  dequantizes and multiplies as `linear` does);
 - int8 gemv: our GEMV over the int8 weight.
 
     python -m omni_local.bench.dense_projections                    # on a GPU

@@ -49,7 +49,7 @@ from omni_local.bench.scenarios import AUDIO_QUESTION, QUESTION, SYSTEM, noise_c
 from omni_local.model.demo import WIDE, ensure_demo_checkpoint
 from omni_local.model.loader import LoadedModel, media_markup_token_ids, quiet_library_logs, thinker_eos_token_ids
 from omni_local.model.quantized import (
-    ATTENTION_PROJECTIONS, QuantizedExperts, QuantizedLinear, WeightsSetting, layer_formats, quantized_decoder_stacks,
+    ATTENTION_PROJECTIONS, QuantizedExperts, QuantizedLinear, WeightsSetting, layer_formats, quantized_places,
 )
 from omni_local.prompts import build_prompt
 from omni_local.settings import Settings, settings_from_arguments
@@ -188,13 +188,11 @@ def layer_errors(loaded: LoadedModel, ask: list) -> list[dict]:
 
 
 def round_to_bfloat16(model: torch.nn.Module) -> None:
-    """The weights of every layer a format quantizes, rounded to bfloat16 in place."""
-    for stack in quantized_decoder_stacks(model):
-        for layer in stack.layers:
-            weights = [getattr(layer.self_attn, name).weight for name in ATTENTION_PROJECTIONS]
-            experts = getattr(layer.mlp, "experts", None)
-            for weight in weights + ([experts.gate_up_proj, experts.down_proj] if experts is not None else []):
-                weight.copy_(weight.to(torch.bfloat16))
+    """The parameters of every layer a format quantizes (int4's, fp8's among them), rounded to
+    bfloat16 in place."""
+    for parent, name, _ in quantized_places(model, "int4"):
+        for weight in getattr(parent, name).parameters():
+            weight.copy_(weight.to(torch.bfloat16))
 
 
 def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
@@ -202,9 +200,10 @@ def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def fingerprint(loaded: LoadedModel) -> float:
-    """A sum of weights no format quantizes: equal for models built from the same weights."""
-    thinker = loaded.model.thinker
-    return sum(p.double().sum().item() for p in (thinker.lm_head.weight, thinker.get_input_embeddings().weight))
+    """A sum of weights no format quantizes (the Thinker's routers): equal for models built from the
+    same weights."""
+    layers = loaded.model.thinker.model.language_model.layers
+    return sum(layer.mlp.gate.weight.double().sum().item() for layer in layers if hasattr(layer.mlp, "gate"))
 
 
 def measure(settings: Settings, random_weights: Path | None, new_tokens: int, layers: bool, tokens: bool) -> dict:

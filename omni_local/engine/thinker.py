@@ -69,8 +69,9 @@ class ThinkerRunner:
         self.text = self.model.language_model
         fuse_qkv(self.text)
         shape = kv_shape(self.text.config, max_tokens, block_tokens, talker_rows.width if talker_rows else 0)
-        self.device = thinker.lm_head.weight.device
-        self.dtype = thinker.lm_head.weight.dtype
+        # The final norm's: never quantized, unlike lm_head under int4.
+        self.device = self.text.norm.weight.device
+        self.dtype = self.text.norm.weight.dtype
         self.max_batch = max_batch  # the largest decode step: the engine's seats
         need = least_kv_bytes(shape, self.dtype)
         if kv_budget_bytes < need:

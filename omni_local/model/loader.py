@@ -7,8 +7,9 @@ Qwen3-Omni checkpoints; its config.json has a `quantization_config`) loads in it
 is: the `weights` setting may stay 'bf16' (the default, "as the checkpoint holds them") or name the
 checkpoint's format ('int4' for W4A16, 'fp8' for FP8); another value is refused, as quantizing a
 quantized checkpoint again would round its weights twice and an int4 checkpoint cannot become fp8.
-Such a checkpoint needs no store: its layers are read as they are stored. The start-up line says
-which weights run ("int4 weights, as the checkpoint holds them").
+Such a checkpoint needs no store: its layers are read as they are stored, and nothing else is
+quantized (its embeddings, lm_head and encoders stay as it holds them, where our int4 keeps them in
+int8). The start-up line says which weights run ("int4 weights, as the checkpoint holds them").
 """
 
 import json

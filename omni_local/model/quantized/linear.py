@@ -8,12 +8,17 @@ How it multiplies, by format and device:
 - `fp8` on a GPU with FP8 matrix units (compute capability 8.9 or newer), more rows: each input row
   is scaled to float8 by its own largest magnitude and `torch._scaled_mm` multiplies float8 by float8
   with both scales in its epilogue (FP8 "dynamic"): the weight is read once, in one byte a value;
-- `int8`, more rows or on the CPU: `torch._weight_int8pack_mm`, the weight read as int8 and scaled per
-  output row (its scales kept in the model's dtype, as that op takes them);
-- otherwise (fp8 on the CPU or in a float32 model, and int4 everywhere): the weight dequantized to
-  the input's dtype, then a plain matmul. int4 dense layers come from checkpoints quantized before
-  loading (prequantized.py); a GPU kernel that reads their nibbles in place is still to come, so
-  on a GPU each call makes the layer's full-precision weight for its matmul and frees it.
+- `int8` on the CPU: `torch._weight_int8pack_mm`, the weight read as int8 and scaled per output row
+  (its scales kept in the model's dtype, as that op takes them). Not on a GPU, where it is several
+  times slower than making the full-precision weight and multiplying by it (below);
+- otherwise (int8 on a GPU past the GEMV's rows, fp8 on the CPU or in a float32 model, and int4
+  everywhere): the weight dequantized to the input's dtype, then a plain matmul, each call making
+  the layer's full-precision weight and freeing it. int4 dense layers come from checkpoints
+  quantized before loading (prequantized.py); a GPU kernel that reads their nibbles in place is
+  still to come.
+
+A layer made `batched` (the encoders': an image's patches, a clip's frames) never takes the GEMV, so
+a compiled encoder's token count, which may be unbacked, meets no guard on its size.
 """
 
 import torch
@@ -31,23 +36,25 @@ GEMV_MAX_ROWS = 16
 
 
 class QuantizedLinear(torch.nn.Module):
-    def __init__(self, in_features: int, out_features: int, format: QuantFormat, bias: torch.Tensor | None = None
-                 ) -> None:
+    def __init__(self, in_features: int, out_features: int, format: QuantFormat, bias: torch.Tensor | None = None,
+                 batched: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features, self.format = in_features, out_features, format
+        self.batched = batched  # called with many rows only: never by our GEMV
         self.register_buffer("values", None)
         self.register_buffer("scales", None)
         self.fp8_units = False  # whether `forward` multiplies in float8 (`hold` decides)
         self.gemv = False  # whether `forward` multiplies few rows by our GEMV (`hold` decides)
+        self.int8_pack = False  # whether `forward` multiplies by `torch._weight_int8pack_mm` (`hold` decides)
         self.prefilled = False  # filled before loading (read back from disk): the loader hands it nothing
         self.group: int | None = None  # int4's inputs per scale, where known before the weight is (a checkpoint's)
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
 
     @classmethod
-    def replacing(cls, linear: torch.nn.Linear, format: QuantFormat) -> "QuantizedLinear":
+    def replacing(cls, linear: torch.nn.Linear, format: QuantFormat, batched: bool = False) -> "QuantizedLinear":
         """A layer for `linear`'s place: quantized from its weight, unless that is still on the meta
         device (a skeleton being loaded: `take_weight` fills it)."""
-        layer = cls(linear.in_features, linear.out_features, format, linear.bias)
+        layer = cls(linear.in_features, linear.out_features, format, linear.bias, batched)
         if not linear.weight.is_meta:
             layer.take_weight("weight", linear.weight.detach())
         return layer
@@ -88,7 +95,8 @@ class QuantizedLinear(torch.nn.Module):
         # Decided once, here: a capability query in `forward` would be traced into compiled regions.
         # A float32 model keeps float32 products: the scaled matmul gives bfloat16.
         self.fp8_units = self.format == "fp8" and has_fp8_units(values.device) and dtype != torch.float32
-        self.gemv = runs_gemv(values.device, self.format)
+        self.gemv = not self.batched and runs_gemv(values.device, self.format)
+        self.int8_pack = self.format == "int8" and values.device.type == "cpu"
 
     @property
     def empty(self) -> bool:
@@ -109,7 +117,7 @@ class QuantizedLinear(torch.nn.Module):
         rows = x.reshape(-1, self.in_features)
         if self.gemv and rows.shape[0] <= GEMV_MAX_ROWS:  # a shape: compiled code guards on it
             out = torch.ops.omni_local.quantized_gemv(rows, self.values, self.scales)
-        elif self.format == "int8":
+        elif self.int8_pack:
             out = torch._weight_int8pack_mm(rows, self.values, self.scales)
         elif self.fp8_units:
             out = fp8_matmul(rows, self.values, self.scales)

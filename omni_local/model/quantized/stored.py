@@ -27,15 +27,15 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from omni_local.cache.folders import private_folder
-from omni_local.model.quantized.experts import QuantizedExperts
-from omni_local.model.quantized.linear import QuantizedLinear
+from omni_local.model.quantized import QUANTIZED_LAYERS
 
 log = logging.getLogger(__name__)
 
-VERSION = 1  # of the formats' arithmetic and layout (formats.py): a store of another is made again
+# Of the formats' arithmetic and layout (formats.py) and of the layers a format quantizes: a store of
+# another is made again. 2: int4 also keeps the Thinker's embeddings, lm_head and encoders in int8.
+VERSION = 2
 SHARD_BYTES = 512 << 20  # at most this much host memory holds a shard's tensors while it is written
 _MANIFEST = "manifest.json"
-_QUANTIZED = (QuantizedLinear, QuantizedExperts)
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,7 @@ def filled_from_disk(model: torch.nn.Module) -> bool:
 
 
 def _quantized_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    return {name: module for name, module in model.named_modules() if isinstance(module, _QUANTIZED)}
+    return {name: module for name, module in model.named_modules() if isinstance(module, QUANTIZED_LAYERS)}
 
 
 def _tensor_names(layer: torch.nn.Module) -> set[str]:
@@ -170,7 +170,7 @@ def _by_layer(tensors: dict[str, object]) -> dict[str, dict[str, object]]:
 def _hold(layer: torch.nn.Module, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
     for name, tensor in tensors.items():
         setattr(layer, name, torch.nn.Parameter(tensor, requires_grad=False) if name in layer._parameters else tensor)
-    if isinstance(layer, QuantizedLinear):
+    if hasattr(layer, "hold"):  # a quantized Linear decides how it multiplies, a table its rows' dtype
         layer.hold(layer.values, layer.scales, dtype)
     layer.prefilled = True
 
