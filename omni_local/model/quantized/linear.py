@@ -63,12 +63,12 @@ class QuantizedLinear(torch.nn.Module):
     def concatenated(cls, parts: list["QuantizedLinear"]) -> "QuantizedLinear":
         """One layer whose outputs are `parts`' in order: same inputs, format and way of multiplying."""
         first = parts[0]
-        assert all(isinstance(p, cls) and (p.format, p.in_features, p.fp8_units, p.gemv)
-                   == (first.format, first.in_features, first.fp8_units, first.gemv) for p in parts), parts
+        ways = ("format", "in_features", "batched", "fp8_units", "gemv", "int8_pack")
+        assert all(isinstance(p, cls) and all(getattr(p, w) == getattr(first, w) for w in ways) for p in parts), parts
         bias = None if first.bias is None else torch.cat([p.bias for p in parts])
-        layer = cls(first.in_features, sum(p.out_features for p in parts), first.format, bias)
+        layer = cls(first.in_features, sum(p.out_features for p in parts), first.format, bias, first.batched)
         layer.values, layer.scales = torch.cat([p.values for p in parts]), torch.cat([p.scales for p in parts])
-        layer.fp8_units, layer.gemv = first.fp8_units, first.gemv
+        layer.fp8_units, layer.gemv, layer.int8_pack = first.fp8_units, first.gemv, first.int8_pack
         return layer
 
     def take_weight(self, name: str, tensor: torch.Tensor) -> None:
