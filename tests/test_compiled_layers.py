@@ -8,7 +8,7 @@ from transformers import DynamicCache
 from transformers.utils.output_capturing import install_all_output_capturing_hooks
 
 from omni_local.engine.decoder_stack import LayerRegions, run_layers
-from omni_local.engine.kv_store import KVShape, KVStore
+from omni_local.engine.kv_store import GraphedKVWriter, KVShape, KVStore
 
 # float32 on the CPU: inductor fuses and reorders sums, so compiled outputs differ from eager in the
 # last bits.
@@ -86,6 +86,23 @@ def test_compiled_layers_match_eager_and_one_graph_serves_every_prefill_length_a
     assert graphs - graphs_before <= 4
     # Nor does a store of another size (another app's, the Talker's): its pools are inputs too.
     larger = KVStore(shape, 3 * shape.table_blocks + 1, weight.dtype, weight.device)
-    run_layers(stack, larger.writer(larger.take(shape.table_blocks), 0), hidden_states(stack, 5, seed=7),
-               positions_for(stack, 0, 5), regions=regions[True])
+    table = larger.take(shape.table_blocks)
+    run_layers(stack, larger.writer(table, 0), hidden_states(stack, 5, seed=7), positions_for(stack, 0, 5),
+               regions=regions[True])
+    # Nor a graph's prefill, whose places are views of its buffers for the longest length (strided).
+    run_layers(stack, padded_prefill(larger, table, length=6, longest=32), hidden_states(stack, 6, seed=8),
+               positions_for(stack, 0, 6), regions=regions[True])
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def padded_prefill(store: KVStore, table: list[int], length: int, longest: int) -> GraphedKVWriter:
+    """The writer of a prefill graph of `length` new tokens at the start of `table`, its indices,
+    blocks and offsets [1, length] views of [1, longest] buffers, as BatchGraphs holds them."""
+    rows = torch.arange(longest, device=store.device)
+    indices = rows[None]
+    blocks = torch.tensor(table, device=store.device)[rows // store.shape.block_tokens][None]
+    offsets = (rows % store.shape.block_tokens)[None]
+    tables = torch.tensor([table], device=store.device)
+    last = torch.tensor([length - 1], device=store.device)
+    return GraphedKVWriter(store, tables, indices[:, :length], blocks[:, :length], offsets[:, :length], last,
+                           rows=store.shape.max_tokens)

@@ -30,8 +30,10 @@ def attention_inputs(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Te
                      value_pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A decoder layer's queries, keys and values [B, heads, n, head_dim] for `hidden` [B, n, hidden]:
     its forward up to the cache write, the three projections as one (`fuse_qkv` made it), and the
-    write: token (b, l)'s key and value into row `offsets[b, l]` of block `blocks[b, l]` of the pools.
-    Compiled, the write is stored by the kernel that makes the keys (no launch of its own)."""
+    write: token (b, l)'s key and value into row `offsets[i]` of block `blocks[i]` of the pools, i = b
+    * n + l. Compiled, the write is stored by the kernel that makes the keys (no launch of its own).
+    The places come flat: [B * n] tensors have one stride whatever view of a graph's buffer they were
+    (a strided [B, n] view would be a guard of its own, and so another compiled graph)."""
     attention = layer.self_attn
     normed = layer.input_layernorm(hidden)
     shape = (*normed.shape[:-1], -1, attention.head_dim)
@@ -40,9 +42,9 @@ def attention_inputs(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Te
     keys = attention.k_norm(keys.reshape(shape)).transpose(1, 2)
     values = values.reshape(shape).transpose(1, 2)
     queries, keys = _modeling(attention).apply_rotary_pos_emb(queries, keys, cos, sin)
-    # pool[blocks, :, offsets] is [B, n, kv_heads, head_dim]: each new token's row
-    key_pool[blocks, :, offsets] = keys.transpose(1, 2)
-    value_pool[blocks, :, offsets] = values.transpose(1, 2)
+    # pool[blocks, :, offsets] is [B * n, kv_heads, head_dim]: each new token's row
+    key_pool[blocks, :, offsets] = keys.transpose(1, 2).flatten(0, 1)
+    value_pool[blocks, :, offsets] = values.transpose(1, 2).flatten(0, 1)
     return queries, keys, values
 
 

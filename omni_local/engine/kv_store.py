@@ -237,7 +237,7 @@ class KVWriter(_Writer):
         self._placed: _Placed | None = None
 
     def places(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pool's blocks and offsets [1, length] of this forward's new rows."""
+        """The pool's blocks and offsets [length] of this forward's new rows."""
         placed = self._place(length)
         return placed.blocks, placed.offsets
 
@@ -260,8 +260,8 @@ class KVWriter(_Writer):
             if end > shape.max_tokens or shape.blocks_for(end) > self.table.shape[0]:
                 raise IndexError(f"the sequence holds {self.table.shape[0] * shape.block_tokens} rows, "
                                  f"asked to write up to {end}")
-            rows, blocks, offsets = self.store.addresses(self.table, self.start, end)
-            self._placed = _Placed(end, rows, blocks[None], offsets[None], self.table[: shape.blocks_for(end)])
+            self._placed = _Placed(end, *self.store.addresses(self.table, self.start, end),
+                                   self.table[: shape.blocks_for(end)])
         return self._placed
 
     def attention_mask(self, implementation: str, length: int, like: torch.Tensor) -> torch.Tensor | None:
@@ -278,7 +278,7 @@ class KVWriter(_Writer):
 @dataclass(frozen=True)
 class _Placed:
     """Where a forward's new rows go: its end, their rows [n] in the sequence, their blocks and offsets
-    [1, n] in the pool, and the sequence's table up to the end, all on the device."""
+    [n] in the pool, and the sequence's table up to the end, all on the device."""
 
     end: int
     rows: torch.Tensor
@@ -319,10 +319,12 @@ class GraphedKVWriter(_Writer):
         self.rows = store.shape.blocks_for(rows) * store.shape.block_tokens
         self.tables = tables[:, : store.shape.blocks_for(rows)]
         self.kernel = kernel
+        self._flat_places = blocks.reshape(-1), offsets.reshape(-1)
 
     def places(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pool's blocks and offsets [B, L] of the new rows (L = `length`, the graph's)."""
-        return self.blocks, self.offsets
+        """The pool's blocks and offsets [B * L] of the new rows (L = `length`, the graph's), sequence by
+        sequence: flat views of the graph's buffers (a copy, made once a forward, where one is not)."""
+        return self._flat_places
 
     def attended_rows(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
         """What transformers' attention reads, the new rows written already: their own keys and values
