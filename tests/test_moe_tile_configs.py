@@ -43,6 +43,18 @@ def test_a_shape_or_gpu_without_a_tuned_file_takes_the_default_for_its_path(conf
 
 def test_file_names_hold_the_shape_and_the_gpu_in_letters_digits_and_underscores_only():
     assert config_file_name(128, 2048, 768, "NVIDIA H200") == "experts128_hidden2048_intermediate768_NVIDIA_H200.json"
+    assert config_file_name(128, 2048, 768, "NVIDIA H200", "int4") == (
+        "experts128_hidden2048_intermediate768_NVIDIA_H200_int4.json")
+
+
+def test_quantized_experts_take_their_formats_file_and_else_the_unquantized_one(config_dir):
+    plain, int4 = TileConfig(16, GemmTile(32, 256, 4, 3), GemmTile()), TileConfig(16, GemmTile(64, 128, 4, 3), GemmTile())
+    (config_dir / config_file_name(8, 64, 32, "cpu")).write_text(json.dumps({"16": plain.to_json()}))
+    (config_dir / config_file_name(8, 64, 32, "cpu", "int4")).write_text(json.dumps({"16": int4.to_json()}))
+
+    assert tile_config(8, 64, 32, 1, CPU, "int4") == int4
+    assert tile_config(8, 64, 32, 1, CPU, "fp8") == plain
+    assert tile_config(8, 64, 32, 1, CPU) == plain
 
 
 @pytest.mark.parametrize("path", sorted(TILE_CONFIG_DIR.glob("*.json")), ids=lambda p: p.name)

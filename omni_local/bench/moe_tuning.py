@@ -2,15 +2,16 @@
 
     python -m omni_local.bench.moe_tuning                       # Thinker and Talker, all counts
     python -m omni_local.bench.moe_tuning --out DIR --seconds 170
+    python -m omni_local.bench.moe_tuning --weights int4        # experts as the int4 setting holds them
 
-For each shape (the Thinker's and the Talker's experts at full size, bfloat16) and each token count
-of TUNED_TOKENS (most used first), it times the gate_up and the down kernel over a set of tiles for
-each BLOCK_M the count can use, each the median of --runs CUDA-event-timed runs with the L2 cache
-flushed, and keeps the BLOCK_M and tiles of the fastest pair. Tiles a GPU cannot hold (shared
-memory) are skipped. The JSON goes to DIR/experts<E>_hidden<H>_intermediate<I>_<GPU>.json, one per shape,
-written after each count, so a run stopped by --seconds leaves every count it finished (a count
-that is not there takes the next one above at run time). Commit the files to
-omni_local/engine/moe/tile_configs/.
+For each shape (the Thinker's and the Talker's experts at full size, bfloat16 activations, the experts
+in bfloat16 or quantized by --weights as model/quantized/ does) and each token count of TUNED_TOKENS
+(most used first), it times the gate_up and the down kernel over a set of tiles for each BLOCK_M the
+count can use, each the median of --runs CUDA-event-timed runs with the L2 cache flushed, and keeps
+the BLOCK_M and tiles of the fastest pair. Tiles a GPU cannot hold (shared memory) are skipped. The
+JSON goes to DIR/experts<E>_hidden<H>_intermediate<I>_<GPU>[_<weights>].json, one per shape, written
+after each count, so a run stopped by --seconds leaves every count it finished (a count that is not
+there takes the next one above at run time). Commit the files to omni_local/engine/moe/tile_configs/.
 """
 
 import argparse
@@ -26,7 +27,7 @@ from omni_local.engine.moe.kernels.down import weighted_down
 from omni_local.engine.moe.kernels.gate_up import gate_up_silu
 from omni_local.engine.moe.kernels.routing import route
 from omni_local.engine.moe.kernels.sorting import sort_by_expert
-from omni_local.engine.moe.kernels.expert_weights import kernel_weight
+from omni_local.engine.moe.kernels.expert_weights import KernelWeight, kernel_weight
 from omni_local.engine.moe.tile_configs import (
     TILE_CONFIG_DIR,
     TUNED_TOKENS,
@@ -35,6 +36,7 @@ from omni_local.engine.moe.tile_configs import (
     config_file_name,
     default_config,
 )
+from omni_local.model.quantized import QuantizedExperts, layer_formats
 
 # Few tiles: each is compiled once per BLOCK_M (a second or so each), which is most of the run.
 TILES = [GemmTile(n, k, warps, stages) for n, k, warps, stages in (
@@ -61,11 +63,21 @@ def timed(call, runs: int) -> float:
         return float("inf")
 
 
-def tune_count(shape: MoeShape, block: torch.nn.Module, tokens: int, runs: int) -> tuple[TileConfig, float, float]:
+def expert_weights(block: torch.nn.Module, weights: str) -> tuple[KernelWeight, KernelWeight]:
+    """The block's gate_up and down weights as the kernels take them, quantized as `weights` holds them."""
+    experts = block.experts
+    if weights == "bf16":
+        return kernel_weight(experts.gate_up_proj), kernel_weight(experts.down_proj)
+    quantized = QuantizedExperts.replacing(experts, layer_formats(weights)[1])
+    return (kernel_weight(quantized.gate_up_values, quantized.gate_up_scales),
+            kernel_weight(quantized.down_values, quantized.down_scales))
+
+
+def tune_count(shape: MoeShape, gate_up: KernelWeight, down: KernelWeight, tokens: int, runs: int
+               ) -> tuple[TileConfig, float, float]:
     """The fastest config for `tokens` tokens, its time and the default config's (ms, both GEMMs)."""
     hidden = torch.randn((tokens, shape.hidden), device="cuda", dtype=torch.bfloat16)
     logits = torch.randn((tokens, shape.experts), device="cuda", dtype=torch.bfloat16)
-    gate_up, down = kernel_weight(block.experts.gate_up_proj), kernel_weight(block.experts.down_proj)
     weights, experts = route(logits, shape.top_k, True)
 
     def gemms_ms(block_m: int, gate_up_tile: GemmTile, down_tile: GemmTile | None) -> float:
@@ -97,28 +109,33 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=TILE_CONFIG_DIR, help="folder for the JSON files")
     parser.add_argument("--seconds", type=float, default=600.0, help="stop starting new counts after this")
     parser.add_argument("--runs", type=int, default=20, help="timed runs per tile")
+    parser.add_argument("--weights", choices=["bf16", "fp8", "int4"], default="bf16",
+                        help="the experts as this weights setting holds them")
     args = parser.parse_args()
     started = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name()
-    print(f"tuning on {device}, bfloat16; ms for gate_up + down, tuned against the default tiles\n")
+    print(f"tuning on {device}, bfloat16 activations, {args.weights} experts; ms for gate_up + down, tuned "
+          f"against the default tiles\n")
     print("| shape | tokens | BLOCK_M | gate_up tile | down tile | tuned (ms) | default (ms) |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name in args.shapes:
         shape = SHAPES[name]
         block = moe_block(shape)
-        path = args.out / config_file_name(shape.experts, shape.hidden, shape.intermediate, device)
+        gate_up, down = expert_weights(block, args.weights)
+        quantized = gate_up.quantized
+        path = args.out / config_file_name(shape.experts, shape.hidden, shape.intermediate, device, quantized)
         tuned: dict[int, TileConfig] = {}
         for tokens in TUNED_TOKENS:
             if time.monotonic() - started > args.seconds:
                 print(f"stopped at --seconds {args.seconds:.0f}: {name} has counts {sorted(tuned)}", flush=True)
                 break
-            config, ms, default_ms = tune_count(shape, block, tokens, args.runs)
+            config, ms, default_ms = tune_count(shape, gate_up, down, tokens, args.runs)
             tuned[tokens] = config
             path.write_text(json.dumps({str(t): tuned[t].to_json() for t in sorted(tuned)}, indent=1) + "\n")
             print(f"| {name} | {tokens} | {config.block_m} | {described(config.gate_up)} | {described(config.down)} "
                   f"| {ms:.4f} | {default_ms:.4f} |", flush=True)
-        del block
+        del block, gate_up, down
         torch.cuda.empty_cache()
         print(f"wrote {path}")
 

@@ -38,7 +38,8 @@ def weighted_expert_rows(hidden: torch.Tensor, logits: torch.Tensor, gate_up: to
     num_experts, intermediate = gate_up.shape[0], down_weight.in_features
     if tokens == 0:
         return hidden.new_zeros((0, top_k, width), dtype=torch.float32)
-    config = config or tile_config(num_experts, width, intermediate, tokens, hidden.device)
+    config = config or tile_config(num_experts, width, intermediate, tokens, hidden.device,
+                                   gate_up_weight.quantized)
     logits = logits.contiguous()
     if fits_one_program(tokens):  # a decode batch: one launch
         weights, experts, order = route_and_sort(logits, top_k, renormalize, config.block_m)

@@ -1,11 +1,14 @@
 """Tile configs of the expert GEMMs, per (experts, hidden, intermediate, GPU) and token count.
 
 Tuned configs are committed data: each file of tile_configs/, named as
-experts128_hidden2048_intermediate768_NVIDIA_H200.json, written by
-`python -m omni_local.bench.moe_tuning`, maps a token count to a config; a call takes the config of
-the smallest listed count at or above its own (the largest listed past them). Any other shape or GPU
-takes DEFAULT: tiles small enough for the shared memory of every GPU from Ampere on (3 stages of a
-64x64x64 gate_up tile are 72 KiB: Ada, Ampere's sm86 and Blackwell's sm120 have 99 KiB a block).
+experts128_hidden2048_intermediate768_NVIDIA_H200.json (experts in the activations' dtype) or
+..._NVIDIA_H200_int4.json (experts quantized, model/quantized/: a kernel that unpacks nibbles may
+want other tiles), written by `python -m omni_local.bench.moe_tuning [--weights int4]`, maps a token
+count to a config; a call takes the config of the smallest listed count at or above its own (the
+largest listed past them). Quantized experts without a file of their format take the unquantized
+file's. Any other shape or GPU takes DEFAULT: tiles small enough for the shared memory of every GPU
+from Ampere on (3 stages of a 64x64x64 gate_up tile are 72 KiB: Ada, Ampere's sm86 and Blackwell's
+sm120 have 99 KiB a block).
 """
 
 import json
@@ -61,11 +64,13 @@ def default_config(tokens: int) -> TileConfig:
     return SMALL_BATCH_DEFAULT if tokens <= 16 else PREFILL_DEFAULT
 
 
-def config_file_name(experts: int, hidden: int, intermediate: int, device_name: str) -> str:
+def config_file_name(experts: int, hidden: int, intermediate: int, device_name: str, quantized: str | None = None
+                     ) -> str:
+    """The file of a shape on a GPU, for experts in the activations' dtype or `quantized` ('fp8', 'int4')."""
     # Letters, digits and underscores only: a GPU's name holds spaces and dashes, and such a file
     # must be safe to name on any system and to pass through any tool.
     gpu = re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_")
-    return f"experts{experts}_hidden{hidden}_intermediate{intermediate}_{gpu}.json"
+    return f"experts{experts}_hidden{hidden}_intermediate{intermediate}_{gpu}{f'_{quantized}' if quantized else ''}.json"
 
 
 def device_name(device: torch.device) -> str:
@@ -73,10 +78,13 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def tile_config(experts: int, hidden: int, intermediate: int, tokens: int, device: torch.device) -> TileConfig:
-    """The config for `tokens` tokens through experts of this shape on `device`."""
+def tile_config(experts: int, hidden: int, intermediate: int, tokens: int, device: torch.device,
+                quantized: str | None = None) -> TileConfig:
+    """The config for `tokens` tokens through experts of this shape on `device`, stored as `quantized`
+    ('fp8', 'int4') or None (the activations' dtype)."""
     # Called for every MoE layer of every forward that is not a graph's replay: the lookups are cached.
-    tuned = _tuned_configs(_file_name(experts, hidden, intermediate, device))
+    tuned = quantized and _tuned_configs(_file_name(experts, hidden, intermediate, device, quantized))
+    tuned = tuned or _tuned_configs(_file_name(experts, hidden, intermediate, device))
     if not tuned:
         return default_config(tokens)
     counts = list(tuned)  # ascending
@@ -84,8 +92,9 @@ def tile_config(experts: int, hidden: int, intermediate: int, tokens: int, devic
 
 
 @cache
-def _file_name(experts: int, hidden: int, intermediate: int, device: torch.device) -> str:
-    return config_file_name(experts, hidden, intermediate, device_name(device))
+def _file_name(experts: int, hidden: int, intermediate: int, device: torch.device, quantized: str | None = None
+               ) -> str:
+    return config_file_name(experts, hidden, intermediate, device_name(device), quantized)
 
 
 @cache

@@ -26,6 +26,11 @@ class KernelWeight:
     def scale_strides(self) -> tuple[int, int]:
         return (0, 0) if self.format == PLAIN.value else (self.scales.stride(0), self.scales.stride(1))
 
+    @property
+    def quantized(self) -> str | None:
+        """The format's name where the values are quantized ('fp8', 'int4'), as tile configs name it."""
+        return {ROW_SCALED.value: "fp8", INT4_GROUPS.value: "int4"}.get(self.format)
+
     def block_k(self, tile_block_k: int) -> int:
         """The tile's BLOCK_K, at most an int4 group (so one scale covers a tile's k)."""
         return min(tile_block_k, self.group) if self.format == INT4_GROUPS.value else tile_block_k
