@@ -6,11 +6,14 @@ A tile is [BLOCK_K, BLOCK_N]: element (k, n) is W[n, start + k] of a weight W [N
 - ROW_SCALED: fp8 (e4m3) or int8 values, converted to the activations' dtype as they are loaded
   (exactly: both fit in float16's and bfloat16's significands); the row scales [N] multiply the
   finished sums (`row_scales`), since a row's scale is the same for every k.
-- INT4_GROUPS: two values a byte along K (the even k in the low nibble, each stored plus 8): each
-  element loads its byte and shifts out its nibble, so the bytes come from memory once (the two
-  lanes of a byte share its cache line) and no full-precision copy is made. A group's scale is the
-  same for every k of a tile (BLOCK_K divides the group), so it multiplies the tile's partial sums
-  (`group_scales`), in float32.
+- INT4_GROUPS: two values a byte along K (the even k in the low nibble, each stored plus 8): a
+  tile's bytes are loaded once as [BLOCK_K / 2, BLOCK_N], contiguous along K as a plain tile's
+  values are (so the loads are as wide), and split into the even-k and the odd-k values
+  (`int4_halves`), which multiply the activations' even and odd columns: two dots of half the
+  depth, the same products as one over the unpacked tile, and no full-precision copy. (Loading each
+  k's byte apart, as a [BLOCK_K, BLOCK_N] gather of k // 2, reads every byte twice and defeats the
+  wide loads.) A group's scale is the same for every k of a tile (BLOCK_K divides the group), so it
+  multiplies the tile's partial sums (`group_scales`), in float32.
 """
 
 import triton
@@ -23,15 +26,32 @@ INT4_GROUPS: tl.constexpr = tl.constexpr(2)
 
 
 @triton.jit
-def weight_tile(rows_ptr, columns, depth, start, row_stride, mask, dtype, FORMAT: tl.constexpr):
-    """The tile at reduction offset `start` of the weight whose row n begins at `rows_ptr + n *
-    row_stride` (int4: in bytes); `depth` is arange(BLOCK_K), `columns` the tile's rows of W."""
+def weight_tile(rows_ptr, columns, depth, start, row_stride, mask, dtype):
+    """PLAIN or ROW_SCALED: the tile at reduction offset `start` of the weight whose row n begins at
+    `rows_ptr + n * row_stride`, in `dtype`; `depth` is arange(BLOCK_K), `columns` the tile's rows of W."""
     k = start + depth
-    if FORMAT == INT4_GROUPS:
-        packed = tl.load(rows_ptr + columns[None, :] * row_stride + (k // 2)[:, None], mask=mask, other=0)
-        nibble = (packed.to(tl.int32) >> ((k % 2) * 4)[:, None]) & 0xF
-        return (nibble - 8).to(dtype)
     return tl.load(rows_ptr + columns[None, :] * row_stride + k[:, None], mask=mask, other=0.0).to(dtype)
+
+
+@triton.jit
+def int4_halves(rows_ptr, columns, half, start, row_stride, mask, dtype):
+    """INT4_GROUPS: the tile at reduction offset `start` (even) as its even-k and odd-k values, each
+    [BLOCK_K / 2, BLOCK_N] in `dtype`, from one load of its bytes; `half` is arange(BLOCK_K / 2), row
+    n of the weight begins at byte `rows_ptr + n * row_stride`. Masked bytes read as 0x88: zeros."""
+    packed = tl.load(rows_ptr + columns[None, :] * row_stride + (start // 2 + half)[:, None], mask=mask, other=0x88)
+    packed = packed.to(tl.int32)
+    return ((packed & 0xF) - 8).to(dtype), ((packed >> 4) - 8).to(dtype)
+
+
+@triton.jit
+def int4_tile_dot(x_ptr, x_mask, rows_ptr, columns, half, start, row_stride, mask, DOT_PRECISION: tl.constexpr):
+    """The float32 product [BLOCK_M, BLOCK_N] of the activations' columns [start, start + BLOCK_K)
+    (`x_ptr` [BLOCK_M, BLOCK_K / 2] pointers to their even columns at offset `start`, `x_mask` theirs)
+    and the int4 tile there, unscaled: the even columns by the even-k values, the odd by the odd."""
+    x_even = tl.load(x_ptr + start, mask=x_mask, other=0.0)
+    x_odd = tl.load(x_ptr + start + 1, mask=x_mask, other=0.0)
+    low, high = int4_halves(rows_ptr, columns, half, start, row_stride, mask, x_even.dtype)
+    return tl.dot(x_odd, high, tl.dot(x_even, low, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
 
 
 @triton.jit

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from omni_local.engine.dense.gemv_tiles import GemvTile, gemv_tile
 from omni_local.engine.triton_support import dot_precision
-from omni_local.engine.weight_tiles import ROW_SCALED, row_scales, weight_tile
+from omni_local.engine.weight_tiles import row_scales, weight_tile
 
 SUM_BLOCK = 256  # outputs per program of the split sum
 
@@ -44,7 +44,7 @@ def _gemv_kernel(x_ptr, weight_ptr, scales_ptr, out_ptr, rows, out_features, in_
         within = start + depth < in_features
         x = tl.load(rows_in + start, mask=real[:, None] & within[None, :], other=0.0)
         w = weight_tile(weight_ptr, columns, depth, start, weight_row_stride, within[:, None] & inside[None, :],
-                        dtype, ROW_SCALED)
+                        dtype)
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
     written = real[:, None] & inside[None, :]
     at = row[:, None] * out_row_stride + columns[None, :]

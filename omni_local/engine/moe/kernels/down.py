@@ -15,7 +15,8 @@ from omni_local.engine.moe.kernels.sorting import sorted_block
 from omni_local.engine.moe.kernels.expert_weights import KernelWeight
 from omni_local.engine.moe.tile_configs import GemmTile
 from omni_local.engine.triton_support import dot_precision
-from omni_local.engine.weight_tiles import INT4_GROUPS, ROW_SCALED, group_scales, row_scales, weight_tile
+from omni_local.engine.weight_tiles import (INT4_GROUPS, ROW_SCALED, group_scales, int4_tile_dot, row_scales,
+                                           weight_tile)
 
 
 @triton.jit
@@ -30,21 +31,26 @@ def _down_kernel(inter_ptr, weight_ptr, scales_ptr, sorted_ptr, experts_ptr, rou
     row = tl.where(real, pair, 0).to(tl.int64)
     columns = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     inside = columns < hidden_size
-    depth = tl.arange(0, BLOCK_K)
-    rows_in = inter_ptr + row[:, None] * inter_stride + depth[None, :]
     dtype = inter_ptr.dtype.element_ty
     weight_rows = weight_ptr + expert * weight_expert_stride
     scales = scales_ptr + expert * scale_expert_stride
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for start in range(0, intermediate, BLOCK_K):
-        within = start + depth < intermediate
-        x = tl.load(rows_in + start, mask=real[:, None] & within[None, :], other=0.0)
-        w = weight_tile(weight_rows, columns, depth, start, weight_row_stride, within[:, None] & inside[None, :],
-                        dtype, FORMAT)
-        if FORMAT == INT4_GROUPS:
-            acc += tl.dot(x, w, input_precision=DOT_PRECISION) * group_scales(
+    if FORMAT == INT4_GROUPS:
+        half = tl.arange(0, BLOCK_K // 2)
+        evens = inter_ptr + row[:, None] * inter_stride + 2 * half[None, :]
+        for start in range(0, intermediate, BLOCK_K):
+            within = start + 2 * half < intermediate
+            acc += int4_tile_dot(evens, real[:, None] & within[None, :], weight_rows, columns, half, start,
+                                 weight_row_stride, within[:, None] & inside[None, :], DOT_PRECISION) * group_scales(
                 scales, columns, start, scale_row_stride, inside, GROUP)[None, :]
-        else:
+    else:
+        depth = tl.arange(0, BLOCK_K)
+        rows_in = inter_ptr + row[:, None] * inter_stride + depth[None, :]
+        for start in range(0, intermediate, BLOCK_K):
+            within = start + depth < intermediate
+            x = tl.load(rows_in + start, mask=real[:, None] & within[None, :], other=0.0)
+            w = weight_tile(weight_rows, columns, depth, start, weight_row_stride, within[:, None] & inside[None, :],
+                            dtype)
             acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
     if FORMAT == ROW_SCALED:
         acc *= row_scales(scales, columns, scale_row_stride, inside)[None, :]

@@ -32,8 +32,12 @@ class KernelWeight:
         return {ROW_SCALED.value: "fp8", INT4_GROUPS.value: "int4"}.get(self.format)
 
     def block_k(self, tile_block_k: int) -> int:
-        """The tile's BLOCK_K, at most an int4 group (so one scale covers a tile's k)."""
-        return min(tile_block_k, self.group) if self.format == INT4_GROUPS.value else tile_block_k
+        """The tile's BLOCK_K, at most an int4 group (so one scale covers a tile's k); int4's at least
+        32, as its two dots take half of it each and tl.dot takes 16 at least."""
+        if self.format != INT4_GROUPS.value:
+            return tile_block_k
+        assert tile_block_k >= 32 and self.group >= 32, (tile_block_k, self.group)
+        return min(tile_block_k, self.group)
 
 
 def kernel_weight(values: torch.Tensor, scales: torch.Tensor | None = None) -> KernelWeight:

@@ -14,7 +14,8 @@ from omni_local.engine.moe.kernels.sorting import sorted_block
 from omni_local.engine.moe.kernels.expert_weights import KernelWeight
 from omni_local.engine.moe.tile_configs import GemmTile
 from omni_local.engine.triton_support import dot_precision
-from omni_local.engine.weight_tiles import INT4_GROUPS, ROW_SCALED, group_scales, row_scales, weight_tile
+from omni_local.engine.weight_tiles import (INT4_GROUPS, ROW_SCALED, group_scales, int4_tile_dot, row_scales,
+                                           weight_tile)
 
 
 @triton.jit
@@ -30,8 +31,6 @@ def _gate_up_kernel(hidden_ptr, weight_ptr, scales_ptr, sorted_ptr, experts_ptr,
     token = tl.where(real, pair // TOP_K, 0).to(tl.int64)
     columns = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     inside = columns < intermediate
-    depth = tl.arange(0, BLOCK_K)
-    rows_in = hidden_ptr + token[:, None] * hidden_stride + depth[None, :]
     dtype = hidden_ptr.dtype.element_ty
     gate_rows = weight_ptr + expert * weight_expert_stride
     up_rows = gate_rows + intermediate * weight_row_stride  # the up rows follow the gate rows
@@ -39,20 +38,30 @@ def _gate_up_kernel(hidden_ptr, weight_ptr, scales_ptr, sorted_ptr, experts_ptr,
     up_scales = gate_scales + intermediate * scale_row_stride
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for start in range(0, hidden_size, BLOCK_K):
-        within = start + depth < hidden_size
-        x = tl.load(rows_in + start, mask=real[:, None] & within[None, :], other=0.0)
-        mask = within[:, None] & inside[None, :]
-        w_gate = weight_tile(gate_rows, columns, depth, start, weight_row_stride, mask, dtype, FORMAT)
-        w_up = weight_tile(up_rows, columns, depth, start, weight_row_stride, mask, dtype, FORMAT)
-        if FORMAT == INT4_GROUPS:
-            gate += tl.dot(x, w_gate, input_precision=DOT_PRECISION) * group_scales(
-                gate_scales, columns, start, scale_row_stride, inside, GROUP)[None, :]
-            up += tl.dot(x, w_up, input_precision=DOT_PRECISION) * group_scales(
-                up_scales, columns, start, scale_row_stride, inside, GROUP)[None, :]
-        else:
-            gate = tl.dot(x, w_gate, gate, input_precision=DOT_PRECISION)
-            up = tl.dot(x, w_up, up, input_precision=DOT_PRECISION)
+    if FORMAT == INT4_GROUPS:
+        half = tl.arange(0, BLOCK_K // 2)
+        evens = hidden_ptr + token[:, None] * hidden_stride + 2 * half[None, :]
+        for start in range(0, hidden_size, BLOCK_K):
+            within = start + 2 * half < hidden_size
+            x_mask = real[:, None] & within[None, :]
+            mask = within[:, None] & inside[None, :]
+            gate += int4_tile_dot(evens, x_mask, gate_rows, columns, half, start, weight_row_stride, mask,
+                                  DOT_PRECISION) * group_scales(gate_scales, columns, start, scale_row_stride,
+                                                                inside, GROUP)[None, :]
+            up += int4_tile_dot(evens, x_mask, up_rows, columns, half, start, weight_row_stride, mask,
+                                DOT_PRECISION) * group_scales(up_scales, columns, start, scale_row_stride, inside,
+                                                              GROUP)[None, :]
+    else:
+        depth = tl.arange(0, BLOCK_K)
+        rows_in = hidden_ptr + token[:, None] * hidden_stride + depth[None, :]
+        for start in range(0, hidden_size, BLOCK_K):
+            within = start + depth < hidden_size
+            x = tl.load(rows_in + start, mask=real[:, None] & within[None, :], other=0.0)
+            mask = within[:, None] & inside[None, :]
+            gate = tl.dot(x, weight_tile(gate_rows, columns, depth, start, weight_row_stride, mask, dtype), gate,
+                          input_precision=DOT_PRECISION)
+            up = tl.dot(x, weight_tile(up_rows, columns, depth, start, weight_row_stride, mask, dtype), up,
+                        input_precision=DOT_PRECISION)
     if FORMAT == ROW_SCALED:
         gate *= row_scales(gate_scales, columns, scale_row_stride, inside)[None, :]
         up *= row_scales(up_scales, columns, scale_row_stride, inside)[None, :]
