@@ -77,6 +77,11 @@ def test_an_encoders_quantized_linear_never_takes_the_gemv_where_a_decoders_woul
     assert not QuantizedLinear.replacing(linear, "int8", batched=True).gemv
 
 
+def test_an_int4_dense_layer_never_takes_the_gemv_which_reads_one_value_a_byte():
+    # A W4A16 checkpoint's attention projections: on a GPU they dequantize, as on the CPU.
+    assert not linear_module.runs_gemv(torch.device("cuda"), "int4")
+
+
 @pytest.mark.parametrize("format", FORMATS)
 def test_experts_quantized_one_projection_at_a_time_equal_experts_quantized_whole(format):
     module = experts(text_config(num_experts=4, top_k=2, hidden=HIDDEN, intermediate=INTERMEDIATE), torch.float32)

@@ -137,10 +137,13 @@ def has_fp8_units(device: torch.device) -> bool:
 
 
 def runs_gemv(device: torch.device, format: QuantFormat) -> bool:
-    """Whether our GEMV multiplies a weight of `format` on `device`: a CUDA GPU that runs our Triton
+    """Whether our GEMV multiplies a weight of `format` on `device`: fp8 or int8 (it reads bytes of one
+    value each; an int4 checkpoint's dense layers dequantize), on a CUDA GPU that runs our Triton
     kernels, and for fp8 one with FP8 units (Triton converts e4m3 on compute capability 8.9 and
     newer). Where it does, its op is registered here."""
-    if device.type != "cuda" or triton_refusal(device) or (format == "fp8" and not has_fp8_units(device)):
+    if format not in ("fp8", "int8") or device.type != "cuda" or triton_refusal(device):
+        return False
+    if format == "fp8" and not has_fp8_units(device):
         return False
     # Imported here: it imports Triton, which torch's CPU wheels lack.
     import omni_local.engine.dense.gemv  # noqa: F401 (registers omni_local::quantized_gemv)
