@@ -420,7 +420,9 @@ def edit_last_question(page: "Page", text: str) -> None:
 
 
 def clear(page: "Page") -> None:
-    """The chat's trash icon."""
+    """The chat's trash icon. Under load the page briefly showed a second "Clear" button while it
+    re-rendered (a CI run, 2 cores busy): wait for the one the settled page has."""
+    page.wait_for_function("() => document.querySelectorAll('button[aria-label=Clear]').length === 1")
     page.get_by_role("button", name="Clear").click()
     page.wait_for_function("() => !document.querySelector('[data-testid=user], [data-testid=bot]')")
 
