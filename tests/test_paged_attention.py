@@ -166,6 +166,18 @@ def test_the_kernel_reads_int32_and_int64_block_tables_alike():
 
 
 @on_cpu
+@pytest.mark.parametrize("split_rows", [64, 128])
+def test_a_decode_step_split_every_fewer_rows_gives_the_same_attention(split_rows):
+    # What bench.paged_attention --split-rows times: other splits of the KV walk, merged in order.
+    query, query_rows, kv = case_inputs("sequences on both sides of a split boundary", torch.float32)
+    expected = contiguous_sdpa(query, paged_kv_in_float32(kv), query_rows)
+
+    ours = paged_call(paged_attention, query, kv, query_rows, decode_split_rows=split_rows)
+
+    torch.testing.assert_close(ours, expected, **FLOAT32)
+
+
+@on_cpu
 def test_padded_queries_repeating_a_row_get_that_rows_output():
     query, query_rows, kv = case_inputs("a tail padded by repeating its last row, as a CUDA graph pads it",
                                         torch.float32)

@@ -4,9 +4,13 @@
   KV slot's first `context` rows copied out of [slots, kv_heads, max_tokens, head_dim] by
   index_select, then SDPA under a boolean mask;
 - gathered: `gathered_attention`, the blocks of a paged KV gathered, then the same SDPA;
-- paged: `paged_attention`, our Triton kernel reading the blocks in place.
+- paged: `paged_attention`, our Triton kernel reading the blocks in place, its KV walk split every
+  SPLIT_ROWS rows; with --split-rows N ..., also the kernel split every N rows instead, a column each
+  (a split is the rows one program walks: more programs for a short context, more partial results
+  to merge for a long one).
 
     python -m omni_local.bench.paged_attention                                     # on a GPU
+    python -m omni_local.bench.paged_attention --split-rows 64 128                 # other splits too
     TRITON_INTERPRET=1 python -m omni_local.bench.paged_attention --device cpu     # smoke run
 
 On a GPU: the Thinker's attention (32 heads, 4 kv heads, head_dim 128) in bfloat16, blocks of 16
@@ -26,6 +30,7 @@ import torch
 from omni_local.bench.common import median_wall_ms
 from omni_local.bench.cuda_timing import median_cuda_ms
 from omni_local.engine.attention import gathered_attention, paged_attention
+from omni_local.engine.attention.paged import BLOCK_N
 from omni_local.engine.attention.reference import grouped_sdpa
 from omni_local.engine.cuda_graphs import capture_graph
 
@@ -103,6 +108,14 @@ def paged(x: DecodeInputs, scaling: float) -> torch.Tensor:
 WAYS = {"slots": slots, "gathered": gathered, "paged": paged}
 
 
+def ways(split_rows: list[int]) -> dict[str, Callable[[DecodeInputs, float], torch.Tensor]]:
+    """WAYS, then the kernel split every N rows for each N of `split_rows`."""
+    def split(n: int) -> Callable[[DecodeInputs, float], torch.Tensor]:
+        return lambda x, scaling: paged_attention(x.query, x.key_pool, x.value_pool, x.block_tables, x.query_rows,
+                                                  scaling, decode_split_rows=n)
+    return WAYS | {f"paged, split {n}": split(n) for n in split_rows}
+
+
 def median_us(call: Callable[[], object], device: str, runs: int) -> float:
     """On a GPU, a CUDA graph of `call` replayed; elsewhere `call` itself, wall time."""
     if device != "cuda":
@@ -112,11 +125,11 @@ def median_us(call: Callable[[], object], device: str, runs: int) -> float:
 
 
 def row(shape: AttentionShape, batch: int, context: int, max_tokens: int, dtype: torch.dtype, device: str,
-        runs: int) -> list[float]:
-    """Each way's median µs for `batch` chats at `context` rows."""
+        runs: int, timed: dict[str, Callable[[DecodeInputs, float], torch.Tensor]]) -> list[float]:
+    """Each of the `timed` ways' median µs for `batch` chats at `context` rows."""
     x = decode_inputs(shape, batch, context, max_tokens, dtype, device)
     scaling = shape.head_dim ** -0.5
-    return [median_us(lambda way=way: way(x, scaling), device, runs) for way in WAYS.values()]
+    return [median_us(lambda way=way: way(x, scaling), device, runs) for way in timed.values()]
 
 
 @torch.inference_mode()
@@ -127,7 +140,11 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+",
                         help=f"columns, multiples of 16 rows (default {CONTEXTS}; CPU: 32 272)")
     parser.add_argument("--runs", type=int, default=200, help="timed calls per cell")
+    parser.add_argument("--split-rows", type=int, nargs="+", default=[],
+                        help=f"also time the kernel split every N rows (multiples of {BLOCK_N})")
     args = parser.parse_args()
+    if any(n <= 0 or n % BLOCK_N for n in args.split_rows):
+        parser.error(f"--split-rows: multiples of {BLOCK_N}")
     on_gpu = args.device == "cuda"
     if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
         parser.error("on the CPU the kernel runs in Triton's interpreter: set TRITON_INTERPRET=1")
@@ -138,16 +155,18 @@ def main() -> None:
     print(f"decode attention, one layer: {shape.heads} heads, {shape.kv_heads} kv heads, head_dim "
           f"{shape.head_dim}, blocks of {shape.block_size}, {dtype}, {device_name}; median µs of {args.runs}"
           f"{', CUDA graphs' if on_gpu else ''}; x{LAYERS}: ms per step\n")
-    names = list(WAYS)
+    timed = ways(args.split_rows)
+    names = list(timed)
     print(f"| chats | context | {' | '.join(f'{n} (µs)' for n in names)} | "
           f"{' | '.join(f'{n} x{LAYERS} (ms)' for n in names)} | paged speed-up |")
     print("| --- |" + " --- |" * (2 * len(names) + 2))
     for batch in chats:
         for context in contexts:
-            times = row(shape, batch, context, max(contexts), dtype, args.device, args.runs)
+            times = row(shape, batch, context, max(contexts), dtype, args.device, args.runs, timed)
             per_step = " | ".join(f"{t * LAYERS / 1e3:.3f}" for t in times)
+            paged_us = times[names.index("paged")]
             print(f"| {batch} | {context} | {' | '.join(f'{t:.1f}' for t in times)} | {per_step} | "
-                  f"{times[0] / times[-1]:.2f}x |", flush=True)
+                  f"{times[0] / paged_us:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

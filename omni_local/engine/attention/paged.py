@@ -124,17 +124,20 @@ def _merge_kernel(acc_ptr, stats_ptr, rows_ptr, out_ptr, length, heads, split_ro
 
 
 def paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
-                    block_tables: torch.Tensor, query_rows: torch.Tensor, scaling: float) -> torch.Tensor:
+                    block_tables: torch.Tensor, query_rows: torch.Tensor, scaling: float,
+                    decode_split_rows: int = SPLIT_ROWS) -> torch.Tensor:
     """Attention [B, L, heads, head_dim] of `query` [B, heads, L, head_dim] over the pools
     [num_blocks, kv_heads, block_size, head_dim] through `block_tables` [B, max_blocks] (int32 or
     int64); new token (b, l) attends to rows 0..query_rows[b, l] of sequence b. Softmax and sums in
-    float32; the output in the query's dtype."""
+    float32; the output in the query's dtype. `decode_split_rows` (a multiple of BLOCK_N) is for
+    bench.paged_attention to time other splits: the engine keeps SPLIT_ROWS."""
     batch, heads, length, head_dim = query.shape
     _, kv_heads, block_size, _ = key_pool.shape
     check_layout(query, key_pool, value_pool, block_tables, query_rows)
+    assert decode_split_rows % BLOCK_N == 0, decode_split_rows
     group = heads // kv_heads
     table_width = block_tables.shape[1]
-    split_rows = SPLIT_ROWS if length == 1 else table_width * block_size
+    split_rows = decode_split_rows if length == 1 else table_width * block_size
     num_splits = triton.cdiv(table_width * block_size, split_rows)
     block_l, block_g = query_tile(group, length)
     out = query.new_empty((batch, length, heads, head_dim))
