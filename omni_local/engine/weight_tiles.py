@@ -44,12 +44,10 @@ def int4_halves(rows_ptr, columns, half, start, row_stride, mask, dtype):
 
 
 @triton.jit
-def int4_tile_dot(x_ptr, x_mask, rows_ptr, columns, half, start, row_stride, mask, DOT_PRECISION: tl.constexpr):
+def int4_tile_dot(x_even, x_odd, rows_ptr, columns, half, start, row_stride, mask, DOT_PRECISION: tl.constexpr):
     """The float32 product [BLOCK_M, BLOCK_N] of the activations' columns [start, start + BLOCK_K)
-    (`x_ptr` [BLOCK_M, BLOCK_K / 2] pointers to their even columns at offset `start`, `x_mask` theirs)
-    and the int4 tile there, unscaled: the even columns by the even-k values, the odd by the odd."""
-    x_even = tl.load(x_ptr + start, mask=x_mask, other=0.0)
-    x_odd = tl.load(x_ptr + start + 1, mask=x_mask, other=0.0)
+    (`x_even` and `x_odd` [BLOCK_M, BLOCK_K / 2], their even and odd columns, loaded once by the
+    caller for every weight it multiplies them by) and the int4 tile there, unscaled."""
     low, high = int4_halves(rows_ptr, columns, half, start, row_stride, mask, x_even.dtype)
     return tl.dot(x_odd, high, tl.dot(x_even, low, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
 

@@ -40,8 +40,11 @@ def _down_kernel(inter_ptr, weight_ptr, scales_ptr, sorted_ptr, experts_ptr, rou
         evens = inter_ptr + row[:, None] * inter_stride + 2 * half[None, :]
         for start in range(0, intermediate, BLOCK_K):
             within = start + 2 * half < intermediate
-            acc += int4_tile_dot(evens, real[:, None] & within[None, :], weight_rows, columns, half, start,
-                                 weight_row_stride, within[:, None] & inside[None, :], DOT_PRECISION) * group_scales(
+            x_mask = real[:, None] & within[None, :]
+            x_even = tl.load(evens + start, mask=x_mask, other=0.0)
+            x_odd = tl.load(evens + start + 1, mask=x_mask, other=0.0)
+            acc += int4_tile_dot(x_even, x_odd, weight_rows, columns, half, start, weight_row_stride,
+                                 within[:, None] & inside[None, :], DOT_PRECISION) * group_scales(
                 scales, columns, start, scale_row_stride, inside, GROUP)[None, :]
     else:
         depth = tl.arange(0, BLOCK_K)

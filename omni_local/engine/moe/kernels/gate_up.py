@@ -44,11 +44,13 @@ def _gate_up_kernel(hidden_ptr, weight_ptr, scales_ptr, sorted_ptr, experts_ptr,
         for start in range(0, hidden_size, BLOCK_K):
             within = start + 2 * half < hidden_size
             x_mask = real[:, None] & within[None, :]
+            x_even = tl.load(evens + start, mask=x_mask, other=0.0)
+            x_odd = tl.load(evens + start + 1, mask=x_mask, other=0.0)
             mask = within[:, None] & inside[None, :]
-            gate += int4_tile_dot(evens, x_mask, gate_rows, columns, half, start, weight_row_stride, mask,
+            gate += int4_tile_dot(x_even, x_odd, gate_rows, columns, half, start, weight_row_stride, mask,
                                   DOT_PRECISION) * group_scales(gate_scales, columns, start, scale_row_stride,
                                                                 inside, GROUP)[None, :]
-            up += int4_tile_dot(evens, x_mask, up_rows, columns, half, start, weight_row_stride, mask,
+            up += int4_tile_dot(x_even, x_odd, up_rows, columns, half, start, weight_row_stride, mask,
                                 DOT_PRECISION) * group_scales(up_scales, columns, start, scale_row_stride, inside,
                                                               GROUP)[None, :]
     else:
