@@ -85,6 +85,10 @@ def lay_out(app: OmniLocal, respond: Callable, voices: list[str]) -> Page:
             additional_outputs=[audio_feed, context_use, chooser],
             editable=True,
             fill_height=True,
+            # Gradio marks the outputs of a reply it cancels (the Stop button) "Error", with a Clear
+            # button, when its cancel lands before the stopped reply's last update: after a Stop the
+            # context line and the chats list read "Error". A reply's progress is its own streaming text.
+            show_progress="hidden",
             api_name="chat",
         )
         context_use.render()
