@@ -99,6 +99,12 @@ class Settings:
         " (transformers' attention over the rows gathered from the blocks), or 'auto' (triton on a CUDA GPU, torch"
         " elsewhere)",
     )
+    deterministic: bool = setting(
+        "engine", False,
+        "a greedy reply never depends on the prefix cache, on the other chats decoding beside it or on how its prompt"
+        " was split: every kernel computes a token's row alone (our Triton kernels: a CUDA GPU; slower decode steps"
+        " and prefills, measured in the README)",
+    )
     video_fps: float = setting(
         "engine", 2.0, "video frames read per second (Qwen's default; the checkpoint's own if it sets one)"
     )
@@ -212,6 +218,10 @@ class Settings:
         if self.prefill_forward_tokens % self.prefill_chunk_tokens:
             raise SettingsError(f"setting 'prefill_forward_tokens' ({self.prefill_forward_tokens}) must be a "
                                 f"multiple of 'prefill_chunk_tokens' ({self.prefill_chunk_tokens})")
+        for backend in ("moe_backend", "attention_backend"):
+            if self.deterministic and getattr(self, backend) == "torch":
+                raise SettingsError(f"setting 'deterministic' runs our Triton kernels, and '{backend}' is 'torch': "
+                                    "set it to 'auto' or 'triton', or deterministic = false")
         for port in ("ui_port", "api_port"):
             if getattr(self, port) > 65535:
                 raise SettingsError(f"setting '{port}' must be a port number, 1 to 65535, got {getattr(self, port)}")

@@ -15,7 +15,8 @@ def test_greedy_replies_spoken_and_not_with_the_triton_kernel_are_the_torch_back
         with OmniLocal(settings) as app:
             engine = app.backend.engine
             expected = paged_attention if backend == "triton" else None
-            assert engine.runner.attention is expected and engine.speaker.runner.attention is expected
+            assert engine.runner.attention.decode is expected and engine.speaker.runner.attention.decode is expected
+            assert engine.runner.attention.prefill is None  # prefills: transformers' attention
             session = app.session()
             written = session.send("What do fishermen sing at night?", max_new_tokens=12).result()
             again = session.send("And in the morning?", max_new_tokens=6).result()  # decoding on a cached prefix

@@ -254,3 +254,16 @@ def test_the_dense_projection_bench_smoke_run_times_each_way_for_each_projection
     assert [row[0] for row in steps] == ["1", "16"]
     assert all(len(row) == 2 + len(ways) and all(float(cell) > 0 for cell in row[2:]) for row in calls)
     assert all(len(row) == 1 + len(ways) and all(float(cell) > 0 for cell in row[1:]) for row in steps)
+
+
+def test_the_determinism_bench_smoke_run_counts_differing_replies_for_each_case(demo_settings, demo_checkpoint,
+                                                                                 tmp_path):
+    done = run_part_bench("determinism", demo_settings, tmp_path, "--replies", "2", "--new-tokens", "4",
+                          "--system-tokens", "300", "--speech", "true", "--max-speech-seconds", "0.5")
+    assert done.returncode == 0, done.stderr
+    rows = [line.strip("| ").split(" | ") for line in done.stdout.splitlines() if line.startswith("| ")][2:]
+    assert [cells[0] for cells in rows] == [
+        "same image, new question, cache on against off", "text chat turn 2, cache on against off",
+        "shared 300-token system prompt, cache on against off", "spoken reply (text and codes), cache on against off",
+        "text chat turn 2, alone against beside 15 chats"]
+    assert all(cells[1] == "2" and 0 <= int(cells[2]) <= 2 for cells in rows)

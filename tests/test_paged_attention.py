@@ -123,14 +123,15 @@ def paged_call(attention, query: torch.Tensor, kv: PagedKV, query_rows: torch.Te
 
 
 @on_cpu
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "batch-invariant"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
 @pytest.mark.parametrize("case", CASES)
-def test_the_kernel_and_the_gathered_reference_give_sdpa_over_contiguous_kv(case, dtype):
+def test_the_kernel_and_the_gathered_reference_give_sdpa_over_contiguous_kv(case, dtype, batch_invariant):
     query, query_rows, kv = case_inputs(case, dtype)
     expected = contiguous_sdpa(query.float(), paged_kv_in_float32(kv), query_rows)
     tolerance = FLOAT32 if dtype == torch.float32 else FLOAT16
 
-    ours = paged_call(paged_attention, query, kv, query_rows)
+    ours = paged_call(paged_attention, query, kv, query_rows, batch_invariant=batch_invariant)
     reference = paged_call(gathered_attention, query, kv, query_rows)
 
     assert ours.dtype == dtype and ours.shape == expected.shape
@@ -177,6 +178,56 @@ def test_a_decode_step_split_every_fewer_rows_gives_the_same_attention(split_row
     torch.testing.assert_close(ours, expected, **FLOAT32)
 
 
+# Tokens on both sides of split boundaries (SPLIT_ROWS), in a sequence of three splits' rows.
+INVARIANT_ROWS = 2 * SPLIT_ROWS + 40
+WATCHED = [0, 17, SPLIT_ROWS - 1, SPLIT_ROWS, SPLIT_ROWS + 1, 2 * SPLIT_ROWS + 7, INVARIANT_ROWS - 1]
+
+
+def every_way_a_token_is_attended(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The batch-invariant kernel's output [len(WATCHED), heads, head_dim] for the WATCHED tokens of
+    one sequence, computed as a decode step each, in a batch beside other sequences, in a table wider
+    than the sequence (a graph's bucket), as a whole prefill, and as tails on cached prefixes of
+    several lengths (each tail's queries all of the rows after its prefix)."""
+    heads, kv_heads = 8, 2
+    generator = torch.Generator().manual_seed(7)
+    queries = torch.randn((heads, INVARIANT_ROWS, HEAD_DIM), generator=generator).to(dtype)  # row t's query
+    kv = paged_kv([INVARIANT_ROWS, 100, 3 * SPLIT_ROWS], kv_heads, dtype)
+    ours = dict(batch_invariant=True)
+
+    def attended(rows: list[int], sequences: slice = slice(0, 1), width: int | None = None) -> torch.Tensor:
+        query = queries[:, rows][None].expand(sequences.stop - sequences.start, -1, -1, -1).contiguous()
+        query_rows = torch.tensor([rows] * query.shape[0])
+        query_rows[1:] = query_rows[1:].clamp(max=99)  # the other sequences' own rows
+        table = kv.block_tables[sequences]
+        if width:
+            table = torch.cat([table, table[:, -1:].expand(-1, width - table.shape[1])], dim=1)
+        out = paged_attention(query, kv.key_pool, kv.value_pool, table.contiguous(), query_rows, SCALING, **ours)
+        return out[0]  # [L, heads, head_dim] of the watched sequence
+
+    ways = {
+        "decode steps": torch.stack([attended([t])[0] for t in WATCHED]),
+        "decode steps beside two other sequences": torch.stack([attended([t], slice(0, 3))[0] for t in WATCHED]),
+        "decode steps in a wider table": torch.stack([attended([t], width=kv.block_tables.shape[1] + 9)[0]
+                                                      for t in WATCHED]),
+    }
+    for start in (0, 5, SPLIT_ROWS - 3, SPLIT_ROWS):  # the watched tokens before `start` decoded
+        tail_rows = list(range(start, INVARIANT_ROWS))
+        out = attended(tail_rows)
+        ways[f"a tail after {start} cached rows"] = torch.stack(
+            [out[tail_rows.index(t)] if t >= start else attended([t])[0] for t in WATCHED])
+    return ways
+
+
+@on_cpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+def test_batch_invariant_attention_gives_a_token_the_same_bits_however_it_is_computed(dtype):
+    ways = every_way_a_token_is_attended(dtype)
+
+    first, *others = ways
+    for way in others:
+        assert torch.equal(ways[way], ways[first]), f"{way} differs from {first}"
+
+
 @on_cpu
 def test_padded_queries_repeating_a_row_get_that_rows_output():
     query, query_rows, kv = case_inputs("a tail padded by repeating its last row, as a CUDA graph pads it",
@@ -215,19 +266,21 @@ def test_pools_of_different_layouts_are_refused():
 
 
 # bfloat16 at the Thinker's group of 8 and head_dim 128: a decode step's split kernel and merge, and
-# a tail's kernel.
+# a tail's kernel; each also batch-invariant (a tail's splits in its program, no fused multiply-adds).
 COMPILE_FOR_SM90 = """
 from omni_local.engine.attention.paged import _attention_kernel, _merge_kernel, query_tile
 
-for length, table, partial in ((1, "*i32", True), (64, "*i64", False)):
-    block_l, block_g = query_tile(8, length)
-    out = "*fp32" if partial else "*bf16"
-    pointers = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", table_ptr=table, rows_ptr="*i64", out_ptr=out,
-                    stats_ptr=out, scale="fp32")
-    compiled(_attention_kernel, pointers, dict(GROUP=8, BLOCK_G=block_g, BLOCK_L=block_l, HEAD_DIM=128, BLOCK_D=128,
-             BLOCK_SIZE=16, BLOCK_N=64, PARTIAL=partial, DOT_PRECISION=None), num_warps=4, num_stages=2)
-compiled(_merge_kernel, dict(acc_ptr="*fp32", stats_ptr="*fp32", rows_ptr="*i64", out_ptr="*bf16"),
-         dict(HEAD_DIM=128, BLOCK_D=128), num_warps=1)
+for invariant in (False, True):
+    for length, table, partial in ((1, "*i32", True), (64, "*i64", False)):
+        block_l, block_g = query_tile(8, length, invariant)
+        out = "*fp32" if partial else "*bf16"
+        pointers = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", table_ptr=table, rows_ptr="*i64", out_ptr=out,
+                        stats_ptr=out, scale="fp32")
+        compiled(_attention_kernel, pointers, dict(GROUP=8, BLOCK_G=block_g, BLOCK_L=block_l, HEAD_DIM=128,
+                 BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=64, PARTIAL=partial, SPLIT_LOOP=invariant and length > 1,
+                 DOT_PRECISION=None), num_warps=4, num_stages=2, enable_fp_fusion=not invariant)
+    compiled(_merge_kernel, dict(acc_ptr="*fp32", stats_ptr="*fp32", rows_ptr="*i64", out_ptr="*bf16"),
+             dict(HEAD_DIM=128, BLOCK_D=128), num_warps=1, enable_fp_fusion=not invariant)
 """
 
 

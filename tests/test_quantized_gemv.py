@@ -106,12 +106,30 @@ def test_a_rows_output_has_the_same_bits_alone_and_in_batches_of_any_size():
 
 
 @interpreted
-def test_the_op_passes_torch_librarys_checks_of_its_fake_and_schema():
-    from omni_local.engine.dense.gemv import quantized_gemv
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_an_unscaled_weight_in_the_rows_dtype_gives_any_rows_its_product_with_the_same_bits_in_any_batch(split_k):
+    # invariant_matmul, the deterministic setting's dense product: a prefill's rows and a decode
+    # step's go through one kernel and one tile.
+    from omni_local.engine.dense.gemv import gemv
+
+    weight = normal(OUT_FEATURES, IN_FEATURES, seed=8)
+    batch = normal(37, IN_FEATURES, seed=9)  # three blocks of 16 rows, the last ragged
+
+    outs = {rows: gemv(batch[:rows], weight, None, small_tile(split_k)) for rows in (1, 5, 16, 37)}
+
+    torch.testing.assert_close(outs[37], batch @ weight.T, **TOLERANCE[torch.float32])
+    assert all(torch.equal(out, outs[37][: len(out)]) for out in outs.values())
+
+
+@interpreted
+def test_the_ops_pass_torch_librarys_checks_of_their_fakes_and_schemas():
+    from omni_local.engine.dense.gemv import invariant_matmul, quantized_gemv
 
     weight = stored("int8", torch.float16)  # its schema check compares tensors, which float8 ones refuse
+    rows = normal(2, IN_FEATURES, seed=7).half()
 
-    torch.library.opcheck(quantized_gemv, (normal(2, IN_FEATURES, seed=7).half(), weight.values, weight.scales))
+    torch.library.opcheck(quantized_gemv, (rows, weight.values, weight.scales))
+    torch.library.opcheck(invariant_matmul, (rows, normal(OUT_FEATURES, IN_FEATURES).half()))
 
 
 def test_on_the_cpu_a_quantized_layer_keeps_the_librarys_matmuls():
@@ -122,7 +140,7 @@ def test_on_the_cpu_a_quantized_layer_keeps_the_librarys_matmuls():
 
 COMPILE_GEMV_FOR_SM90 = """
 from omni_local.engine.dense.gemv import SUM_BLOCK, _gemv_kernel, _sum_splits_kernel
-from omni_local.engine.dense.gemv_tiles import DEFAULT
+from omni_local.engine.dense.gemv_tiles import DEFAULT, TUNED
 
 aligned = ("x_ptr", "weight_ptr", "scales_ptr", "out_ptr", "out_features", "in_features", "split_depth",
            "x_row_stride", "weight_row_stride", "out_split_stride", "out_row_stride")
@@ -131,16 +149,24 @@ options = dict(num_warps=DEFAULT.num_warps, num_stages=DEFAULT.num_stages)
 for weight, scales in (("*fp8e4nv", "*fp32"), ("*i8", "*bf16")):
     for split_k, out in ((1, "*bf16"), (4, "*fp32")):
         compiled(_gemv_kernel, dict(x_ptr="*bf16", weight_ptr=weight, scales_ptr=scales, out_ptr=out),
-                 dict(SPLIT_K=split_k, DOT_PRECISION=None, **tiles), **options)
+                 dict(SPLIT_K=split_k, SCALED=True, DOT_PRECISION=None, **tiles), **options)
     compiled(_sum_splits_kernel, dict(partials_ptr="*fp32", scales_ptr=scales, out_ptr="*bf16"),
-             dict(SPLIT_K=4, BLOCK=SUM_BLOCK), num_warps=4)
+             dict(SPLIT_K=4, SCALED=True, BLOCK=SUM_BLOCK), num_warps=4)
     # As launched at the projections' shapes: the loads pipelined through shared memory, which must fit
     # the 99 KiB a block of Ada, Ampere's sm86 and Blackwell's sm120 may take, float32 rows included.
     for rows, precision in (("*bf16", None), ("*fp32", "ieee")):
         kernel = compiled(_gemv_kernel, dict(x_ptr=rows, weight_ptr=weight, scales_ptr=scales, out_ptr=rows),
-                          dict(SPLIT_K=1, DOT_PRECISION=precision, **tiles), aligned, **options)
+                          dict(SPLIT_K=1, SCALED=True, DOT_PRECISION=precision, **tiles), aligned, **options)
         assert "async_copy_global_to_local" in kernel.asm["ttgir"], "the loads are not pipelined"
         assert kernel.metadata.shared <= 99 << 10, (rows, kernel.metadata.shared)
+# A bfloat16 weight, unscaled (invariant_matmul), at the H200's tuned tiles too.
+for tile in (DEFAULT, *TUNED.values()):
+    for split_k, out in ((tile.split_k, "*bf16"), (4, "*fp32")):
+        compiled(_gemv_kernel, dict(x_ptr="*bf16", weight_ptr="*bf16", scales_ptr="*fp32", out_ptr=out),
+                 dict(SPLIT_K=split_k, SCALED=False, DOT_PRECISION=None, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+                      BLOCK_K=tile.block_k), aligned, num_warps=tile.num_warps, num_stages=tile.num_stages)
+compiled(_sum_splits_kernel, dict(partials_ptr="*fp32", scales_ptr="*fp32", out_ptr="*bf16"),
+         dict(SPLIT_K=8, SCALED=False, BLOCK=SUM_BLOCK), num_warps=4)
 """
 
 

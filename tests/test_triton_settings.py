@@ -1,10 +1,11 @@
-"""The settings that pick our Triton kernels (`moe_backend`, `attention_backend`): 'auto' is torch off
-CUDA, 'torch' is torch everywhere, and 'triton' where Triton cannot run is refused, saying why."""
+"""The settings that pick our Triton kernels (`moe_backend`, `attention_backend`, `deterministic`): 'auto'
+is torch off CUDA, 'torch' is torch everywhere, and 'triton' (or deterministic) where Triton cannot run
+is refused, saying why."""
 
 import pytest
 import torch
 
-from omni_local.engine.attention import decode_attention
+from omni_local.engine.attention import attention_kernels, decode_attention
 from omni_local.engine.moe import TORCH, moe_backend
 from omni_local.errors import SettingsError
 
@@ -25,3 +26,15 @@ def test_triton_where_triton_cannot_run_is_a_settings_error_saying_why(monkeypat
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(SettingsError, match=f"'{name}' is 'triton', but the model runs on the CPU"):
         choose("triton", torch.device("cpu"))
+
+
+def test_the_deterministic_setting_where_triton_cannot_run_is_a_settings_error_saying_why(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(SettingsError, match="'deterministic' runs our Triton kernels, but the model runs on the CPU"):
+        attention_kernels("auto", torch.device("cpu"), deterministic=True)
+
+
+def test_the_deterministic_setting_attends_with_our_kernel_in_every_forward():
+    kernels = attention_kernels("auto", torch.device("cpu"), deterministic=True)  # the interpreter runs it here
+
+    assert kernels.decode is kernels.prefill and kernels.decode.keywords == {"batch_invariant": True}

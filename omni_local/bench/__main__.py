@@ -204,7 +204,7 @@ def _environment(app: OmniLocal, args: argparse.Namespace) -> dict[str, str]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "attention": app.settings.attn_implementation,
-        "attention backend": "triton" if app.backend.engine.runner.attention else "torch",
+        "attention backend": "triton" if app.backend.engine.runner.attention.decode else "torch",
         "MoE backend": app.backend.engine.runner.regions.moe.name,
         "KV": f"{app.settings.gpu_cache_bytes / 2**30:g} GiB in blocks of {app.settings.kv_block_tokens}",
         "runs": str(args.runs),

@@ -48,7 +48,8 @@ from omni_local.api.messages import Message
 from omni_local.api.params import SamplingParams, SpeechParams
 from omni_local.cache.encoder_cache import EncoderCache, encoder_namespace
 from omni_local.cache.folders import keep_compiled_code_in
-from omni_local.engine.attention import decode_attention
+from omni_local.engine.attention import attention_kernels
+from omni_local.engine.batch_invariant import make_batch_invariant
 from omni_local.engine.context_window import fit_prompt
 from omni_local.engine.cuda_graphs import prefill_lengths
 from omni_local.engine.detokenizer import IncrementalDetokenizer
@@ -96,8 +97,11 @@ class Engine:
         encoder = MediaEncoder(_encoders(thinker.model, loaded.processor, settings), loaded.processor,
                                self.encoder_cache)
         talker_rows = TalkerRows(loaded.model) if loaded.speech else None
-        moe = moe_backend(settings.moe_backend, loaded.device)
-        attention = decode_attention(settings.attention_backend, loaded.device)
+        deterministic = settings.deterministic
+        attention = attention_kernels(settings.attention_backend, loaded.device, deterministic)
+        moe = moe_backend("triton" if deterministic else settings.moe_backend, loaded.device, deterministic)
+        if deterministic:
+            make_batch_invariant(loaded.model, loaded.speech)
         with current_device(loaded.device):  # the graphs' streams and pools, on the model's GPU
             self.runner = ThinkerRunner(thinker, encoder, settings.gpu_cache_bytes, settings.max_context_tokens,
                                         prefill_lengths(settings.prefill_chunk_tokens, settings.prefill_forward_tokens),

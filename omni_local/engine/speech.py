@@ -21,7 +21,7 @@ import torch
 
 from omni_local.api.events import SPEECH_SAMPLE_RATE, SpeechReport
 from omni_local.api.params import SamplingParams, SpeechParams
-from omni_local.engine.attention import PagedAttention
+from omni_local.engine.attention import AttentionKernels
 from omni_local.engine.kv_store import BlockTable, KVStore
 from omni_local.engine.moe import TORCH, MoeBackend
 from omni_local.engine.prefix_cache import Claim, Match, PrefixCache, common_prefix
@@ -80,7 +80,7 @@ class Speaker:
     """The engine's speech part: the Talker runner, its KV cache, and Code2Wav."""
 
     def __init__(self, model: torch.nn.Module, settings: Settings, kv_sequences: int, moe: MoeBackend = TORCH,
-                 attention: PagedAttention | None = None) -> None:
+                 attention: AttentionKernels = AttentionKernels()) -> None:
         self.vocoder = Vocoder(model.code2wav, settings.first_audio_frames, settings.audio_chunk_frames,
                                settings.audio_left_context_frames, cuda_graphs=settings.cuda_graphs)
         self.max_frames = max(1, round(settings.max_speech_seconds * SPEECH_SAMPLE_RATE / self.vocoder.samples_per_frame))

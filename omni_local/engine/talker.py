@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from omni_local.api.params import SamplingParams
-from omni_local.engine.attention import PagedAttention
+from omni_local.engine.attention import AttentionKernels
 from omni_local.engine.cuda_graphs import BatchGraphs, StaticGraph, graphable
 from omni_local.engine.decoder_stack import LayerRegions, mrope_positions, run_layers
 from omni_local.engine.fused_qkv import fuse_qkv
@@ -76,9 +76,9 @@ class TalkerPrompt:
 class TalkerRunner:
     def __init__(self, model: torch.nn.Module, max_tokens: int, kv_sequences: int, cuda_graphs: bool = False,
                  compiled_layers: bool = False, moe: MoeBackend = TORCH,
-                 attention: PagedAttention | None = None) -> None:
+                 attention: AttentionKernels = AttentionKernels()) -> None:
         self.config = model.config
-        self.attention = attention  # its steps' kernel over the blocks, as the Thinker's decode steps
+        self.attention = attention  # its prefills' and steps' kernels over the blocks, as the Thinker's
         self.talker = model.talker
         self.stack = self.talker.model
         self.predictor = self.talker.code_predictor
@@ -142,7 +142,7 @@ class TalkerRunner:
         try:
             prompt = self.tts_pad.expand(4, -1)[None]
             positions = torch.arange(4, device=self.device).expand(3, 1, -1)
-            hidden, _ = self._forward(self.kv.writer(table, 0), prompt, positions)
+            hidden, _ = self._forward(self.kv.writer(table, 0, self.attention.prefill), prompt, positions)
             codes, codec_sum = self.complete_frame(hidden, 0, SamplingParams(), seed=0, frame=0)
             self.step(table, 4, codec_sum + self.tts_pad, 0)
             if self._capture_predictor:
@@ -152,7 +152,8 @@ class TalkerRunner:
             if self._capture_steps:
                 row = self.tts_pad[None]  # [1, 1, width], shaped as a step's input
                 capturable = self.regions.moe.capturable(self.stack.config, self.dtype)
-                self.step_graphs = BatchGraphs(self._forward, self.kv, row, table, capturable, kernel=self.attention)
+                self.step_graphs = BatchGraphs(self._forward, self.kv, row, table, capturable,
+                                               kernel=self.attention.decode)
             return codes
         finally:
             self.kv.pool.release(table)
@@ -197,7 +198,8 @@ class TalkerRunner:
         last hidden state [1, 1, width], its codec logits [vocab] and the rope delta of later steps."""
         positions, rope_delta = mrope_positions(self.talker, talker.prompt, self.device)
         rows = torch.cat([talker.user_rows, talker.opening])[start:]
-        hidden, logits = self._forward(self.kv.writer(table, start), rows[None], positions[:, :, start:])
+        hidden, logits = self._forward(self.kv.writer(table, start, self.attention.prefill), rows[None],
+                                       positions[:, :, start:])
         return hidden, logits[0], rope_delta
 
     @torch.inference_mode()
@@ -207,7 +209,7 @@ class TalkerRunner:
         if self.step_graphs is not None:
             hidden, logits = self.step_graphs.replay([table], embed, [index], positions)
         else:
-            hidden, logits = self._forward(self.kv.writer(table, index, self.attention), embed, positions)
+            hidden, logits = self._forward(self.kv.writer(table, index, self.attention.decode), embed, positions)
         return hidden, logits[0]
 
     @torch.inference_mode()

@@ -18,7 +18,7 @@ from PIL import Image
 
 from omni_local.api.events import MediaCounts
 from omni_local.api.messages import Message
-from omni_local.engine.attention import PagedAttention
+from omni_local.engine.attention import AttentionKernels
 from omni_local.engine.cuda_graphs import BatchGraphs, graphable, size_buckets
 from omni_local.engine.decoder_stack import LayerRegions, mrope_positions, run_layers
 from omni_local.engine.fused_qkv import fuse_qkv
@@ -58,10 +58,10 @@ class ThinkerRunner:
         cuda_graphs: bool = False,
         compiled_layers: bool = False,
         moe: MoeBackend = TORCH,
-        attention: PagedAttention | None = None,
+        attention: AttentionKernels = AttentionKernels(),
     ) -> None:
         self.thinker = thinker
-        self.attention = attention  # the decode steps' kernel over the blocks; None: transformers' over gathered rows
+        self.attention = attention  # the kernels over the blocks; None: transformers' attention over gathered rows
         self.prefill_lengths = prefill_lengths  # the prefill graphs' new tokens (a prefill pads to the next)
         self.talker_rows = talker_rows
         self.encoder = encoder
@@ -112,12 +112,13 @@ class ThinkerRunner:
         ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         self.decode_graphs = BatchGraphs(self._decode_step, self.kv, ids, table,
                                          moe.capturable(config, self.dtype),
-                                         batches=size_buckets(1, self.max_batch), pool=pool, kernel=self.attention)
+                                         batches=size_buckets(1, self.max_batch), pool=pool,
+                                         kernel=self.attention.decode)
         width = (1 + self._deepstack_levels) * config.hidden_size
         dense = torch.zeros((1, 1, width), dtype=self.dtype, device=self.device)
         self.prefill_graphs = BatchGraphs(self._dense_prefill_step, self.kv, dense, table,
                                           moe.capturable(config, self.dtype),
-                                          lengths=self.prefill_lengths, pool=pool)
+                                          lengths=self.prefill_lengths, pool=pool, kernel=self.attention.prefill)
 
     @torch.inference_mode()
     def prepare(self, prompt: Prompt, start: int, remember: bool = True) -> PreparedPrompt:
@@ -159,7 +160,7 @@ class ThinkerRunner:
         if graphs is not None and graphs.fits(1, length, p.start):
             outputs = graphs.replay([table], self._dense_input(p), [p.start], p.positions)
         else:
-            outputs = self._prefill_step(self.kv.writer(table, p.start), p.embeds, p.positions,
+            outputs = self._prefill_step(self.kv.writer(table, p.start, self.attention.prefill), p.embeds, p.positions,
                                          p.visual_mask, p.deepstack)
         logits, kept = outputs if rows is not None else (outputs, None)
         if rows is not None:
@@ -181,7 +182,7 @@ class ThinkerRunner:
         ids, positions = ids[:, None], positions.view(1, -1, 1).expand(3, -1, -1)
         if self.decode_graphs is not None:
             return self.decode_graphs.replay(tables, ids, indices, positions)
-        return torch.cat([self._decode_step(self.kv.writer(table, index, self.attention), ids[i : i + 1],
+        return torch.cat([self._decode_step(self.kv.writer(table, index, self.attention.decode), ids[i : i + 1],
                                             positions[:, i : i + 1])
                           for i, (table, index) in enumerate(zip(tables, indices))])
 

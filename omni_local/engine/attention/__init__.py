@@ -7,9 +7,10 @@ blocks in order (token t of sequence b at pool[block_tables[b, t // block_size],
 - `gathered_attention` (reference.py): the blocks gathered into contiguous KV, then PyTorch's
   SDPA; the reference the kernel is tested and benchmarked against.
 
-`decode_attention` makes the `attention_backend` setting the kernel decode steps attend with (the
-Thinker's and the Talker's), or None: transformers' attention over the rows gathered from the blocks
-(kv_store.py), the engine's path off CUDA, for prefills, and with 'torch'.
+`attention_kernels` makes the `attention_backend` and `deterministic` settings the kernels the
+Thinker's and the Talker's forwards attend with (`AttentionKernels`): decode steps' (the backend's),
+and prefills' (the deterministic setting's only). None is transformers' attention over the rows
+gathered from the blocks (kv_store.py): the engine's path off CUDA, for prefills, and with 'torch'.
 
 Both take (query [B, heads, L, head_dim], key_pool, value_pool, block_tables [B, max_blocks],
 query_rows [B, L], scaling) and return [B, L, heads, head_dim] in the query's dtype: new token
@@ -17,17 +18,44 @@ query_rows [B, L], scaling) and return [B, L, heads, head_dim] in the query's dt
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 
 from omni_local.engine.attention.reference import gathered_attention
-from omni_local.engine.triton_support import uses_triton
+from omni_local.engine.triton_support import triton_refusal, uses_triton
+from omni_local.errors import SettingsError
 
-__all__ = ["PagedAttention", "decode_attention", "gathered_attention", "paged_attention"]
+__all__ = ["AttentionKernels", "PagedAttention", "attention_kernels", "decode_attention", "gathered_attention",
+           "paged_attention"]
 
 # (query, key_pool, value_pool, block_tables, query_rows, scaling) -> [B, L, heads, head_dim]
 PagedAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class AttentionKernels:
+    """The kernels a stack's forwards attend with over the blocks: decode steps' and prefills' (a
+    prompt's tail, a chunk); None: transformers' attention over the rows gathered from the blocks."""
+
+    decode: PagedAttention | None = None
+    prefill: PagedAttention | None = None
+
+
+def attention_kernels(setting: str, device: torch.device, deterministic: bool = False) -> AttentionKernels:
+    """The `attention_backend` setting's kernel for decode steps; with `deterministic`, our kernel in
+    its batch-invariant form for every forward (a SettingsError where Triton cannot run)."""
+    if not deterministic:
+        return AttentionKernels(decode_attention(setting, device))
+    refusal = triton_refusal(device)
+    if refusal:
+        raise SettingsError(f"setting 'deterministic' runs our Triton kernels, but {refusal}: set it to false")
+    from omni_local.engine.attention.paged import paged_attention  # imports triton
+
+    kernel = partial(paged_attention, batch_invariant=True)
+    return AttentionKernels(kernel, kernel)
 
 
 def decode_attention(setting: str, device: torch.device) -> PagedAttention | None:

@@ -44,10 +44,10 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, out_ptr, stats_p
                       q_stride_l, pool_stride_block, pool_stride_head, pool_stride_row, table_stride,
                       rows_stride, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_L: tl.constexpr,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                      BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                      BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr, SPLIT_LOOP: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):
     sequence = tl.program_id(0) // kv_heads
     kv_head = tl.program_id(0) % kv_heads
-    split = tl.program_id(2)
     # Query row m of the tile: new token `token`, query head `head` of this kv head's group.
     m = tl.arange(0, BLOCK_L * BLOCK_G)
     token = tl.program_id(1) * BLOCK_L + m // BLOCK_G
@@ -56,22 +56,62 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, out_ptr, stats_p
     d = tl.arange(0, BLOCK_D)
     in_dim = d < HEAD_DIM
     last = tl.load(rows_ptr + sequence * rows_stride + token, mask=real, other=-1)  # [M] each one's last row
-    first_row = split * split_rows
-    end = tl.minimum(tl.minimum(first_row + split_rows, tl.max(last, axis=0) + 1), table_width * BLOCK_SIZE)
-    if first_row >= end:
-        return  # a split past every query's rows: the merge never reads it
+    tile_end = tl.minimum(tl.max(last, axis=0) + 1, table_width * BLOCK_SIZE)  # past the tile's last row
     q_at = sequence.to(tl.int64) * q_stride_b + head[:, None] * q_stride_h + token[:, None] * q_stride_l
     q = tl.load(q_ptr + q_at + d[None, :], mask=real[:, None] & in_dim[None, :], other=0.0)
-    row_max = tl.full([BLOCK_L * BLOCK_G], -float("inf"), dtype=tl.float32)
-    row_sum = tl.zeros([BLOCK_L * BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_L * BLOCK_G, BLOCK_D], dtype=tl.float32)
+    if SPLIT_LOOP:
+        # Every split of the tile's rows in turn, each walked as a decode step's program walks it and
+        # merged in split order as _merge_kernel merges a decode step's: the same sums, in one program.
+        row_max, row_sum, acc = _walk(q, k_ptr, v_ptr, table_ptr, sequence * table_stride, kv_head * pool_stride_head,
+                                      pool_stride_block, pool_stride_row, last, 0, tl.minimum(split_rows, tile_end),
+                                      scale, d, in_dim, BLOCK_L * BLOCK_G, BLOCK_D, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
+        for split_start in range(split_rows, tile_end, split_rows):
+            split_max, split_sum, split_acc = _walk(
+                q, k_ptr, v_ptr, table_ptr, sequence * table_stride, kv_head * pool_stride_head, pool_stride_block,
+                pool_stride_row, last, split_start, tl.minimum(split_start + split_rows, tile_end), scale, d, in_dim,
+                BLOCK_L * BLOCK_G, BLOCK_D, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
+            merged_max, merged_sum, merged_acc = _merge(row_max, row_sum, acc, split_max, split_sum, split_acc)
+            holds = split_start <= last  # a query merges the splits holding its rows, as _merge_kernel does
+            row_max = tl.where(holds, merged_max, row_max)
+            row_sum = tl.where(holds, merged_sum, row_sum)
+            acc = tl.where(holds[:, None], merged_acc, acc)
+    else:
+        first_row = tl.program_id(2) * split_rows
+        end = tl.minimum(first_row + split_rows, tile_end)
+        if first_row >= end:
+            return  # a split past every query's rows: the merge never reads it
+        row_max, row_sum, acc = _walk(q, k_ptr, v_ptr, table_ptr, sequence * table_stride, kv_head * pool_stride_head,
+                                      pool_stride_block, pool_stride_row, last, first_row, end, scale, d, in_dim,
+                                      BLOCK_L * BLOCK_G, BLOCK_D, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
+    out_row = (sequence.to(tl.int64) * length + token) * heads + head  # (b, l, head) of [B, L, heads]
+    keep = real[:, None] & in_dim[None, :]
+    if PARTIAL:  # out_ptr is the float32 scratch [B * L * heads, num_splits, HEAD_DIM]
+        at = out_row * num_splits + tl.program_id(2)
+        tl.store(out_ptr + at[:, None] * HEAD_DIM + d[None, :], acc, mask=keep)
+        tl.store(stats_ptr + at * 2, row_max, mask=real)
+        tl.store(stats_ptr + at * 2 + 1, row_sum, mask=real)
+    else:  # every real query has row 0 allowed: its sum is > 0
+        out = acc / tl.where(real, row_sum, 1.0)[:, None]
+        tl.store(out_ptr + out_row[:, None] * HEAD_DIM + d[None, :], out.to(out_ptr.dtype.element_ty), mask=keep)
+
+
+@triton.jit
+def _walk(q, k_ptr, v_ptr, table_ptr, table_row, head_at, block_stride, row_stride, last, first_row, end, scale, d,
+          in_dim, M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+          DOT_PRECISION: tl.constexpr):
+    """The online softmax of the query rows `q` [M, BLOCK_D] over the sequence's rows [first_row, end)
+    (its table row at `table_ptr + table_row`; the kv head's rows at `head_at` in each block), BLOCK_N
+    at a time, each query row over its rows up to `last` [M]: (max [M], sum [M], unnormalised output
+    [M, BLOCK_D]), float32."""
+    row_max = tl.full([M], -float("inf"), dtype=tl.float32)
+    row_sum = tl.zeros([M], dtype=tl.float32)
+    acc = tl.zeros([M, BLOCK_D], dtype=tl.float32)
     for start in range(first_row, end, BLOCK_N):
         rows = start + tl.arange(0, BLOCK_N)
         inside = rows < end
-        block = tl.load(table_ptr + sequence * table_stride + rows // BLOCK_SIZE, mask=inside, other=0)
-        kv_at = (block.to(tl.int64) * pool_stride_block + kv_head * pool_stride_head
-                 + (rows % BLOCK_SIZE) * pool_stride_row)
-        k = tl.load(k_ptr + kv_at[None, :] + d[:, None], mask=in_dim[:, None] & inside[None, :], other=0.0)
+        block = tl.load(table_ptr + table_row + rows // BLOCK_SIZE, mask=inside, other=0)
+        row_at = block.to(tl.int64) * block_stride + head_at + (rows % BLOCK_SIZE) * row_stride
+        k = tl.load(k_ptr + row_at[None, :] + d[:, None], mask=in_dim[:, None] & inside[None, :], other=0.0)
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * (scale * LOG2E)  # [M, BLOCK_N]
         allowed = (rows[None, :] <= last[:, None]) & inside[None, :]
         scores = tl.where(allowed, scores, -float("inf"))
@@ -81,19 +121,20 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, out_ptr, stats_p
         weights = tl.exp2(scores - shift[:, None])
         rescale = tl.exp2(row_max - shift)
         row_sum = row_sum * rescale + tl.sum(weights, axis=1)
-        v = tl.load(v_ptr + kv_at[:, None] + d[None, :], mask=inside[:, None] & in_dim[None, :], other=0.0)
+        v = tl.load(v_ptr + row_at[:, None] + d[None, :], mask=inside[:, None] & in_dim[None, :], other=0.0)
         acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=DOT_PRECISION)
         row_max = new_max
-    out_row = (sequence.to(tl.int64) * length + token) * heads + head  # (b, l, head) of [B, L, heads]
-    keep = real[:, None] & in_dim[None, :]
-    if PARTIAL:  # out_ptr is the float32 scratch [B * L * heads, num_splits, HEAD_DIM]
-        at = out_row * num_splits + split
-        tl.store(out_ptr + at[:, None] * HEAD_DIM + d[None, :], acc, mask=keep)
-        tl.store(stats_ptr + at * 2, row_max, mask=real)
-        tl.store(stats_ptr + at * 2 + 1, row_sum, mask=real)
-    else:  # every real query has row 0 allowed: its sum is > 0
-        out = acc / tl.where(real, row_sum, 1.0)[:, None]
-        tl.store(out_ptr + out_row[:, None] * HEAD_DIM + d[None, :], out.to(out_ptr.dtype.element_ty), mask=keep)
+    return row_max, row_sum, acc
+
+
+@triton.jit
+def _merge(row_max, row_sum, acc, split_max, split_sum, split_acc):
+    """Running (max [M], sum [M], output [M, BLOCK_D]) with one more split's (flash-decoding's merge)."""
+    new_max = tl.maximum(row_max, split_max)
+    shift = tl.where(new_max == -float("inf"), 0.0, new_max)  # a padding lane's: -inf stays, no NaN
+    old_scale, split_scale = tl.exp2(row_max - shift), tl.exp2(split_max - shift)
+    return (new_max, row_sum * old_scale + split_sum * split_scale,
+            acc * old_scale[:, None] + split_acc * split_scale[:, None])
 
 
 @triton.jit
@@ -104,42 +145,47 @@ def _merge_kernel(acc_ptr, stats_ptr, rows_ptr, out_ptr, length, heads, split_ro
     token = out_row // heads % length
     last = tl.load(rows_ptr + sequence * rows_stride + token)
     used = tl.minimum(last // split_rows + 1, num_splits)  # the splits holding rows 0..last, each some
+    one = tl.arange(0, 1)  # the query as a tile of one row: _merge's shapes
     d = tl.arange(0, BLOCK_D)
     in_dim = d < HEAD_DIM
     at = out_row.to(tl.int64) * num_splits
     # Split 0 always holds row 0: start from it, so no max is ever -inf.
-    row_max = tl.load(stats_ptr + at * 2)
-    row_sum = tl.load(stats_ptr + at * 2 + 1)
-    acc = tl.load(acc_ptr + at * HEAD_DIM + d, mask=in_dim, other=0.0)
+    row_max = tl.load(stats_ptr + at * 2 + one)
+    row_sum = tl.load(stats_ptr + at * 2 + 1 + one)
+    acc = tl.load(acc_ptr + at * HEAD_DIM + one[:, None] + d[None, :], mask=in_dim[None, :], other=0.0)
     for split in range(1, used):  # in split order: the same sum however the batch looks
-        split_max = tl.load(stats_ptr + (at + split) * 2)
-        split_sum = tl.load(stats_ptr + (at + split) * 2 + 1)
-        split_acc = tl.load(acc_ptr + (at + split) * HEAD_DIM + d, mask=in_dim, other=0.0)
-        new_max = tl.maximum(row_max, split_max)
-        old_scale, split_scale = tl.exp2(row_max - new_max), tl.exp2(split_max - new_max)
-        row_sum = row_sum * old_scale + split_sum * split_scale
-        acc = acc * old_scale + split_acc * split_scale
-        row_max = new_max
-    tl.store(out_ptr + out_row.to(tl.int64) * HEAD_DIM + d, (acc / row_sum).to(out_ptr.dtype.element_ty), mask=in_dim)
+        split_at = at + split
+        row_max, row_sum, acc = _merge(row_max, row_sum, acc, tl.load(stats_ptr + split_at * 2 + one),
+                                       tl.load(stats_ptr + split_at * 2 + 1 + one),
+                                       tl.load(acc_ptr + split_at * HEAD_DIM + one[:, None] + d[None, :],
+                                               mask=in_dim[None, :], other=0.0))
+    out = acc / row_sum[:, None]
+    tl.store(out_ptr + out_row.to(tl.int64) * HEAD_DIM + one[:, None] + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=in_dim[None, :])
 
 
 def paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
                     block_tables: torch.Tensor, query_rows: torch.Tensor, scaling: float,
-                    decode_split_rows: int = SPLIT_ROWS) -> torch.Tensor:
+                    decode_split_rows: int = SPLIT_ROWS, batch_invariant: bool = False) -> torch.Tensor:
     """Attention [B, L, heads, head_dim] of `query` [B, heads, L, head_dim] over the pools
     [num_blocks, kv_heads, block_size, head_dim] through `block_tables` [B, max_blocks] (int32 or
     int64); new token (b, l) attends to rows 0..query_rows[b, l] of sequence b. Softmax and sums in
     float32; the output in the query's dtype. `decode_split_rows` (a multiple of BLOCK_N) is for
-    bench.paged_attention to time other splits: the engine keeps SPLIT_ROWS."""
+    bench.paged_attention to time other splits: the engine keeps SPLIT_ROWS.
+
+    `batch_invariant`: a token's output is the same bits whatever L, the batch and the prefix are (the
+    deterministic setting): one query tile for every L, a tail's rows split as a decode step's and
+    merged in the same order (in its program), and no multiply-add fused where the other would not."""
     batch, heads, length, head_dim = query.shape
     _, kv_heads, block_size, _ = key_pool.shape
     check_layout(query, key_pool, value_pool, block_tables, query_rows)
     assert decode_split_rows % BLOCK_N == 0, decode_split_rows
     group = heads // kv_heads
     table_width = block_tables.shape[1]
-    split_rows = decode_split_rows if length == 1 else table_width * block_size
-    num_splits = triton.cdiv(table_width * block_size, split_rows)
-    block_l, block_g = query_tile(group, length)
+    split_loop = batch_invariant and length > 1
+    split_rows = decode_split_rows if length == 1 or split_loop else table_width * block_size
+    num_splits = 1 if split_loop else triton.cdiv(table_width * block_size, split_rows)
+    block_l, block_g = query_tile(group, length, batch_invariant)
     out = query.new_empty((batch, length, heads, head_dim))
     if num_splits > 1:
         partial_out = torch.empty((batch * length * heads, num_splits, head_dim), dtype=torch.float32,
@@ -148,26 +194,32 @@ def paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: tor
     else:
         partial_out, stats = out, out  # one split writes the output itself; no stats
     grid = (batch * kv_heads, triton.cdiv(length, block_l), num_splits)
+    fusion = {"enable_fp_fusion": False} if batch_invariant else {}
     _attention_kernel[grid](query, key_pool, value_pool, block_tables, query_rows, partial_out, stats, scaling,
                             length, heads, kv_heads, table_width, split_rows, num_splits, query.stride(0),
                             query.stride(1), query.stride(2), key_pool.stride(0), key_pool.stride(1),
                             key_pool.stride(2), block_tables.stride(0), query_rows.stride(0), GROUP=group,
                             BLOCK_G=block_g, BLOCK_L=block_l, HEAD_DIM=head_dim,
                             BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N,
-                            PARTIAL=num_splits > 1, DOT_PRECISION=dot_precision(query.dtype), num_warps=4,
-                            num_stages=2)
+                            PARTIAL=num_splits > 1, SPLIT_LOOP=split_loop, DOT_PRECISION=dot_precision(query.dtype),
+                            num_warps=4, num_stages=2, **fusion)
     if num_splits > 1:
         _merge_kernel[(batch * length * heads,)](partial_out, stats, query_rows, out, length, heads, split_rows,
                                                  num_splits, query_rows.stride(0), HEAD_DIM=head_dim,
-                                                 BLOCK_D=triton.next_power_of_2(head_dim), num_warps=1)
+                                                 BLOCK_D=triton.next_power_of_2(head_dim), num_warps=1, **fusion)
     return out
 
 
-def query_tile(group: int, length: int) -> tuple[int, int]:
+def query_tile(group: int, length: int, batch_invariant: bool = False) -> tuple[int, int]:
     """(new tokens, heads of the group) per program: a decode step's one token with its group's
-    heads; a tail's tokens by TAIL_QUERIES query rows. At least MIN_DOT rows, as tl.dot needs."""
+    heads; a tail's tokens by TAIL_QUERIES query rows (`batch_invariant`: every L's, a decode step's
+    too, so each token's products are one tl.dot shape's). At least MIN_DOT rows, as tl.dot needs."""
     block_g = triton.next_power_of_2(group)
-    block_l = 1 if length == 1 else min(max(1, TAIL_QUERIES // block_g), triton.next_power_of_2(length))
+    tail_tokens = max(1, TAIL_QUERIES // block_g)
+    if batch_invariant:
+        block_l = tail_tokens
+    else:
+        block_l = 1 if length == 1 else min(tail_tokens, triton.next_power_of_2(length))
     return block_l, max(block_g, MIN_DOT // block_l)
 
 

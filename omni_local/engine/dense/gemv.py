@@ -4,7 +4,8 @@ For a decode batch (M of 1 to 16) through the attention projections: the product
 W, so each program reads its BLOCK_N rows of W once, in their stored bytes (fp8 e4m3 or int8), each
 tile converted to the rows' dtype as it is loaded (engine/weight_tiles.py), and multiplies them by
 its BLOCK_M rows of x with float32 sums. A row's scale is the same for every k, so it multiplies
-the finished sums; the result is rounded once to x's dtype.
+the finished sums; the result is rounded once to x's dtype. A weight in x's own dtype has no scales
+(`invariant_matmul`, the deterministic setting's product for any M: batch_invariant.py).
 
 Programs: (N tiles, M blocks, K splits). With one split (the default), a program walks all of K in
 BLOCK_K steps and writes out directly. With SPLIT_K splits, split s walks its own run of whole
@@ -27,7 +28,7 @@ SUM_BLOCK = 256  # outputs per program of the split sum
 @triton.jit
 def _gemv_kernel(x_ptr, weight_ptr, scales_ptr, out_ptr, rows, out_features, in_features, split_depth,
                  x_row_stride, weight_row_stride, out_split_stride, out_row_stride, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SCALED: tl.constexpr,
                  DOT_PRECISION: tl.constexpr):
     columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -49,7 +50,8 @@ def _gemv_kernel(x_ptr, weight_ptr, scales_ptr, out_ptr, rows, out_features, in_
     written = real[:, None] & inside[None, :]
     at = row[:, None] * out_row_stride + columns[None, :]
     if SPLIT_K == 1:
-        acc *= row_scales(scales_ptr, columns, 1, inside)[None, :]
+        if SCALED:
+            acc *= row_scales(scales_ptr, columns, 1, inside)[None, :]
         tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=written)
     else:
         tl.store(out_ptr + split * out_split_stride + at, acc, mask=written)  # an empty split writes its zeros
@@ -57,7 +59,7 @@ def _gemv_kernel(x_ptr, weight_ptr, scales_ptr, out_ptr, rows, out_features, in_
 
 @triton.jit
 def _sum_splits_kernel(partials_ptr, scales_ptr, out_ptr, out_features, split_stride, partial_row_stride,
-                       out_row_stride, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+                       out_row_stride, SPLIT_K: tl.constexpr, SCALED: tl.constexpr, BLOCK: tl.constexpr):
     # Program (c, m): row m's outputs [c * BLOCK, (c + 1) * BLOCK), the splits added in order.
     columns = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = columns < out_features
@@ -65,20 +67,24 @@ def _sum_splits_kernel(partials_ptr, scales_ptr, out_ptr, out_features, split_st
     acc = tl.load(partials, mask=inside, other=0.0)
     for split in tl.static_range(1, SPLIT_K):
         acc += tl.load(partials + split * split_stride, mask=inside, other=0.0)
-    acc *= row_scales(scales_ptr, columns, 1, inside)
+    if SCALED:
+        acc *= row_scales(scales_ptr, columns, 1, inside)
     tl.store(out_ptr + tl.program_id(1) * out_row_stride + columns, acc.to(out_ptr.dtype.element_ty), mask=inside)
 
 
-def gemv_into(out: torch.Tensor, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, tile: GemvTile,
-              partials: torch.Tensor | None = None) -> torch.Tensor:
+def gemv_into(out: torch.Tensor, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor | None,
+              tile: GemvTile, partials: torch.Tensor | None = None) -> torch.Tensor:
     """Writes every element of `out` [M, N] (x's dtype) with (x [M, K] @ values^T) * scales, for
-    `values` [N, K] fp8 e4m3 or int8 and `scales` [N] (float32, or x's dtype); with `tile.split_k`
-    > 1, through `partials` [split_k, M, N] float32 (allocated where None). Returns `out`."""
+    `values` [N, K] fp8 e4m3 or int8 and `scales` [N] (float32, or x's dtype), or `values` in x's
+    dtype and `scales` None; with `tile.split_k` > 1, through `partials` [split_k, M, N] float32
+    (allocated where None). Returns `out`."""
     rows, in_features = x.shape
     out_features = values.shape[0]
-    assert values.shape[1] == in_features and values.stride(1) == 1 and scales.is_contiguous(), (
-        values.shape, values.stride(), x.shape)
-    assert values.dtype in (torch.float8_e4m3fn, torch.int8), values.dtype
+    assert values.shape[1] == in_features and values.stride(1) == 1, (values.shape, values.stride(), x.shape)
+    if scales is None:
+        assert values.dtype == x.dtype, (values.dtype, x.dtype)
+    else:
+        assert values.dtype in (torch.float8_e4m3fn, torch.int8) and scales.is_contiguous(), values.dtype
     assert out.shape == (rows, out_features) and out.stride(1) == 1 and out.dtype == x.dtype, (out.shape, out.dtype)
     if rows == 0:
         return out
@@ -96,17 +102,19 @@ def gemv_into(out: torch.Tensor, x: torch.Tensor, values: torch.Tensor, scales: 
     grid = (triton.cdiv(out_features, tile.block_n), triton.cdiv(rows, tile.block_m), tile.split_k)
     _gemv_kernel[grid](x, values, scales, target, rows, out_features, in_features, split_depth, x.stride(0),
                        values.stride(0), split_stride, target.stride(-2), BLOCK_M=tile.block_m,
-                       BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, SPLIT_K=tile.split_k,
+                       BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, SPLIT_K=tile.split_k, SCALED=scales is not None,
                        DOT_PRECISION=dot_precision(x.dtype), num_warps=tile.num_warps, num_stages=tile.num_stages)
     if tile.split_k > 1:
         _sum_splits_kernel[(triton.cdiv(out_features, SUM_BLOCK), rows)](
             partials, scales, out, out_features, partials.stride(0), partials.stride(1), out.stride(0),
-            SPLIT_K=tile.split_k, BLOCK=SUM_BLOCK, num_warps=4)
+            SPLIT_K=tile.split_k, SCALED=scales is not None, BLOCK=SUM_BLOCK, num_warps=4)
     return out
 
 
-def gemv(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, tile: GemvTile | None = None) -> torch.Tensor:
-    """(x [M, K] @ values^T) * scales: [M, N] in x's dtype; `tile` None takes gemv_tiles.py's."""
+def gemv(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor | None, tile: GemvTile | None = None
+         ) -> torch.Tensor:
+    """(x [M, K] @ values^T) * scales (scales None: none): [M, N] in x's dtype; `tile` None takes
+    gemv_tiles.py's."""
     tile = tile or gemv_tile(values.shape[0], values.shape[1], x.device)
     return gemv_into(x.new_empty((x.shape[0], values.shape[0])), x, values, scales, tile)
 
@@ -121,3 +129,15 @@ def quantized_gemv(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) 
 @quantized_gemv.register_fake
 def _(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return x.new_empty((x.shape[0], values.shape[0]))
+
+
+@torch.library.custom_op("omni_local::invariant_matmul", mutates_args=())
+def invariant_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight^T ([N, K], x's dtype) by the GEMV's kernel with the shape's tile, whatever M:
+    each row's sums in the same order however many rows come with it (the deterministic setting)."""
+    return gemv(x, weight, None)
+
+
+@invariant_matmul.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))

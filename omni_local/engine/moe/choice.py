@@ -8,9 +8,10 @@ from omni_local.engine.moe.torch_backend import TORCH
 from omni_local.engine.triton_support import uses_triton
 
 
-def moe_backend(setting: str, device: torch.device) -> MoeBackend:
+def moe_backend(setting: str, device: torch.device, batch_invariant: bool = False) -> MoeBackend:
+    """`batch_invariant` (the deterministic setting) takes the triton backend in its invariant form."""
     if not uses_triton("moe_backend", setting, device):
         return TORCH
     from omni_local.engine.moe.triton_backend import TritonMoe  # imports triton
 
-    return TritonMoe()
+    return TritonMoe(batch_invariant)

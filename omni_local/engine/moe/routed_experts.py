@@ -27,18 +27,20 @@ from omni_local.engine.moe.tile_configs import TileConfig, tile_config
 
 def weighted_expert_rows(hidden: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                          top_k: int, renormalize: bool, config: TileConfig | None = None,
-                         gate_up_scales: torch.Tensor | None = None, down_scales: torch.Tensor | None = None
-                         ) -> torch.Tensor:
+                         gate_up_scales: torch.Tensor | None = None, down_scales: torch.Tensor | None = None,
+                         pinned: bool = False) -> torch.Tensor:
     """Each token's top-k experts' outputs, scaled by their routing weights: [tokens, top_k, hidden]
     float32, for `hidden` [tokens, hidden], router `logits` [tokens, E], and the experts' contiguous
     `gate_up` [E, 2I, hidden] and `down` [E, hidden, I] (each in the hidden dtype, or quantized
-    values with their scales: model/quantized/formats.py); `config` None takes the tuned one."""
+    values with their scales: model/quantized/formats.py); `config` None takes the tuned one for the
+    token count, or `pinned`, a decode step's for any count (each pair's sums then run in one order
+    whatever the batch: the deterministic setting)."""
     gate_up_weight, down_weight = kernel_weight(gate_up, gate_up_scales), kernel_weight(down, down_scales)
     tokens, width = hidden.shape
     num_experts, intermediate = gate_up.shape[0], down_weight.in_features
     if tokens == 0:
         return hidden.new_zeros((0, top_k, width), dtype=torch.float32)
-    config = config or tile_config(num_experts, width, intermediate, tokens, hidden.device,
+    config = config or tile_config(num_experts, width, intermediate, 1 if pinned else tokens, hidden.device,
                                    gate_up_weight.quantized)
     logits = logits.contiguous()
     if fits_one_program(tokens):  # a decode batch: one launch
@@ -54,13 +56,14 @@ def weighted_expert_rows(hidden: torch.Tensor, logits: torch.Tensor, gate_up: to
 @torch.library.custom_op("omni_local::routed_experts", mutates_args=())
 def routed_experts(hidden: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                    top_k: int, renormalize: bool, gate_up_scales: torch.Tensor | None = None,
-                   down_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """`weighted_expert_rows` with the tuned config, as one op."""
-    return weighted_expert_rows(hidden, logits, gate_up, down, top_k, renormalize, None, gate_up_scales, down_scales)
+                   down_scales: torch.Tensor | None = None, pinned: bool = False) -> torch.Tensor:
+    """`weighted_expert_rows` with the tuned config (`pinned`: a decode step's), as one op."""
+    return weighted_expert_rows(hidden, logits, gate_up, down, top_k, renormalize, None, gate_up_scales, down_scales,
+                                pinned)
 
 
 @routed_experts.register_fake
 def _(hidden: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
       top_k: int, renormalize: bool, gate_up_scales: torch.Tensor | None = None,
-      down_scales: torch.Tensor | None = None) -> torch.Tensor:
+      down_scales: torch.Tensor | None = None, pinned: bool = False) -> torch.Tensor:
     return hidden.new_empty((hidden.shape[0], top_k, hidden.shape[1]), dtype=torch.float32)

@@ -15,7 +15,9 @@ How it multiplies, by format and device:
   everywhere): the weight dequantized to the input's dtype, then a plain matmul, each call making
   the layer's full-precision weight and freeing it. int4 dense layers come from checkpoints
   quantized before loading (prequantized.py); a GPU kernel that reads their nibbles in place is
-  still to come.
+  still to come;
+- with the deterministic setting (`batch_invariant`), one kernel for every row count
+  (`invariant_product`), so a row's sums do not depend on the rows beside it.
 
 A layer made `batched` (the encoders': an image's patches, a clip's frames) never takes the GEMV, so
 a compiled encoder's token count, which may be unbacked, meets no guard on its size.
@@ -46,6 +48,8 @@ class QuantizedLinear(torch.nn.Module):
         self.fp8_units = False  # whether `forward` multiplies in float8 (`hold` decides)
         self.gemv = False  # whether `forward` multiplies few rows by our GEMV (`hold` decides)
         self.int8_pack = False  # whether `forward` multiplies by `torch._weight_int8pack_mm` (`hold` decides)
+        # Whether every row count takes one kernel (the deterministic setting: engine/batch_invariant.py)
+        self.batch_invariant = False
         self.prefilled = False  # filled before loading (read back from disk): the loader hands it nothing
         self.group: int | None = None  # int4's inputs per scale, where known before the weight is (a checkpoint's)
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
@@ -115,7 +119,9 @@ class QuantizedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self.gemv and rows.shape[0] <= GEMV_MAX_ROWS:  # a shape: compiled code guards on it
+        if self.batch_invariant:
+            out = invariant_product(rows, self.weight)
+        elif self.gemv and rows.shape[0] <= GEMV_MAX_ROWS:  # a shape: compiled code guards on it
             out = torch.ops.omni_local.quantized_gemv(rows, self.values, self.scales)
         elif self.int8_pack:
             out = torch._weight_int8pack_mm(rows, self.values, self.scales)
@@ -149,6 +155,16 @@ def runs_gemv(device: torch.device, format: QuantFormat) -> bool:
     import omni_local.engine.dense.gemv  # noqa: F401 (registers omni_local::quantized_gemv)
 
     return True
+
+
+def invariant_product(rows: torch.Tensor, weight: Quantized) -> torch.Tensor:
+    """rows [M, K] times `weight` by one kernel whatever M: our GEMV, reading fp8 and int8 in place;
+    int4 dequantized, then the GEMV's kernel on the full-precision weight."""
+    from omni_local.engine.dense.gemv import invariant_matmul, quantized_gemv  # imports Triton
+
+    if weight.format in ("fp8", "int8"):
+        return quantized_gemv(rows, weight.values, weight.scales)
+    return invariant_matmul(rows, dequantize(weight, rows.dtype))
 
 
 def fp8_matmul(rows: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,137 @@
+"""How many greedy replies the caches or a batch of other chats change: the measure of the
+`deterministic` setting (engine/batch_invariant.py).
+
+    python -m omni_local.bench.determinism                                     # demo model, CPU smoke run
+    python -m omni_local.bench.determinism --random-weights CONFIG.json --replies 20 --deterministic true
+
+Each case sends --replies conversations, each its own (its own picture, question or chat), greedy and
+--new-tokens long, to the app with every cache on and to an app with every cache off on the same
+model, and counts the timed replies whose tokens differ, with the first token where each does:
+- same image, new question: a picture asked about, then a new question on it;
+- text chat turn 2;
+- shared system prompt: a long system prompt (--system-tokens) another chat sent first, then a new
+  chat's question;
+- beside 15 chats: the cache-off app's reply decoded alone, then again while 15 other chats decode
+  (both sides cache off: only the batch differs);
+- spoken reply: a spoken second turn, its Talker codes compared (text and codes, greedy).
+A row says "differ" for the default setting, and must say 0 for `deterministic = true`. Both apps
+share the model: --deterministic applies to both.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from PIL import Image
+
+from omni_local.api import AudioChunk, OmniLocal, Session
+from omni_local.bench.common import bench_parser, settings_and_model
+from omni_local.bench.scenarios import SYSTEM, long_system_prompt, noise_image
+
+OTHER_CHATS = 15
+
+
+@dataclass(frozen=True)
+class Said:
+    """A reply as compared: its tokens, and a spoken one's codec frames."""
+
+    tokens: list[int]
+    frames: list[list[int]]
+
+
+def said(session: Session, new_tokens: int, text: str, images: list[Image.Image] = (), speak: bool = False) -> Said:
+    reply = session.send(text, images=images, max_new_tokens=new_tokens, temperature=0.0, speak=speak,
+                         talker_temperature=0.0)
+    frames = [frame for event in reply if isinstance(event, AudioChunk) for frame in event.frames]
+    return Said(reply.result().token_ids, frames)
+
+
+# A case: (app, reply index, new tokens) -> the timed reply, sent in a session of its own.
+Case = Callable[[OmniLocal, int, int], Said]
+
+
+def image_new_question(app: OmniLocal, index: int, new_tokens: int) -> Said:
+    session, picture = app.session(SYSTEM), noise_image((224 + 16 * index, 320))
+    said(session, new_tokens, f"Picture {index}: what is in it?", [picture])
+    return said(session, new_tokens, f"Picture {index}: and what colour is the sky?")
+
+
+def text_turn_2(app: OmniLocal, index: int, new_tokens: int) -> Said:
+    session = app.session(SYSTEM)
+    said(session, new_tokens, f"Chat {index}: name three rivers of Europe.")
+    return said(session, new_tokens, f"Chat {index}: which of them is the longest?")
+
+
+def shared_system_prompt(system: str) -> Case:
+    def case(app: OmniLocal, index: int, new_tokens: int) -> Said:
+        said(app.session(system), new_tokens, f"Earlier chat {index}: hello.")  # the prompt's rows, cached
+        return said(app.session(system), new_tokens, f"Chat {index}: which rule comes first?")
+    return case
+
+
+def spoken_turn_2(app: OmniLocal, index: int, new_tokens: int) -> Said:
+    session = app.session(SYSTEM)
+    said(session, new_tokens, f"Voice chat {index}: good morning!", speak=True)
+    return said(session, new_tokens, f"Voice chat {index}: tell me about your day.", speak=True)
+
+
+def compared(case: Case, cached: OmniLocal, cold: OmniLocal, replies: int, new_tokens: int) -> list[int | None]:
+    """For each reply: the first index where cache on and off differ (tokens, then codec frames), or None."""
+    return [first_difference(case(cached, index, new_tokens), case(cold, index, new_tokens))
+            for index in range(replies)]
+
+
+def beside_other_chats(cold: OmniLocal, replies: int, new_tokens: int) -> list[int | None]:
+    """Each reply alone, then while OTHER_CHATS chats decode long replies beside it."""
+    differences = []
+    for index in range(replies):
+        alone = text_turn_2(cold, index, new_tokens)
+        others = [cold.session(SYSTEM).send(f"Other chat {n}: count to one hundred.", max_new_tokens=4 * new_tokens,
+                                            temperature=0.0) for n in range(OTHER_CHATS)]
+        differences.append(first_difference(alone, text_turn_2(cold, index, new_tokens)))
+        for reply in others:
+            reply.cancel()
+    return differences
+
+
+def first_difference(a: Said, b: Said) -> int | None:
+    for one, other in ((a.tokens, b.tokens), (a.frames, b.frames)):
+        for at, (x, y) in enumerate(zip(one, other)):
+            if x != y:
+                return at
+        if len(one) != len(other):
+            return min(len(one), len(other))
+    return None
+
+
+def row(name: str, differences: list[int | None]) -> str:
+    firsts = sorted(d for d in differences if d is not None)
+    where = ", ".join(str(d) for d in firsts) or "-"
+    return f"| {name} | {len(differences)} | {len(firsts)} | {where} |"
+
+
+def main() -> None:
+    parser = bench_parser("python -m omni_local.bench.determinism")
+    parser.add_argument("--replies", type=int, default=2, help="conversations per case")
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--system-tokens", type=int, default=2000, help="the shared system prompt's length")
+    args = parser.parse_args()
+    settings, loaded = settings_and_model(args)
+    every_cache_off = settings.replace(prefix_cache=False, encoder_cache=False)
+    system = long_system_prompt(loaded.processor.tokenizer, args.system_tokens)
+    cases: dict[str, Case] = {"same image, new question": image_new_question, "text chat turn 2": text_turn_2,
+                              f"shared {args.system_tokens:,}-token system prompt": shared_system_prompt(system)}
+    with OmniLocal(settings, loaded=loaded) as cached, OmniLocal(every_cache_off, loaded) as cold:
+        if cached.backend.engine.speaker:
+            cases["spoken reply (text and codes)"] = spoken_turn_2
+        print(f"deterministic = {str(settings.deterministic).lower()}, {args.new_tokens} new tokens, greedy")
+        print("| case | replies | differ | first differing token of each |")
+        print("| --- | --- | --- | --- |")
+        for name, case in cases.items():
+            print(row(f"{name}, cache on against off", compared(case, cached, cold, args.replies, args.new_tokens)),
+                  flush=True)
+        print(row(f"text chat turn 2, alone against beside {OTHER_CHATS} chats",
+                  beside_other_chats(cold, args.replies, args.new_tokens)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
