@@ -95,6 +95,15 @@ def test_a_tokens_rows_and_the_next_logits_are_the_same_bits_however_its_prompt_
 
 
 @torch.inference_mode()
+def test_so_they_are_with_int4_weights(demo_settings, demo_checkpoint):
+    # int4's experts through the MoE kernels, its int8 attention and lm_head through the GEMV
+    from omni_local.api import OmniLocal
+
+    with OmniLocal(demo_settings.replace(deterministic=True, weights="int4")) as app:
+        assert differing(every_way(app.backend.engine.runner)) == []
+
+
+@torch.inference_mode()
 def test_without_the_setting_they_differ(make_apps, demo_settings):
     # What the setting adds: the default kernels round some rows differently by how they were computed.
     cached, _ = make_apps(demo_settings.replace(speech=True, max_speech_seconds=1.0))

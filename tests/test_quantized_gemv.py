@@ -1,5 +1,5 @@
 """Our GEMV (engine/dense/gemv.py): a decode batch's few rows times an fp8 or int8 weight with one
-scale a row, against the rows times the dequantized weight. In Triton's CPU interpreter here (float32
+scale a row, or an int4 one with a scale per group, against the rows times the dequantized weight. In Triton's CPU interpreter here (float32
 and float16 rows: it multiplies bfloat16 wrongly), at shapes whose last tiles are ragged; compiled
 for an H200 in bfloat16; and on a GPU (OMNI_LOCAL_TEST_DEVICE=cuda) at the Thinker's projection
 shapes, in the quantized layers, eager, compiled and graphed."""
@@ -12,10 +12,11 @@ from omni_local.engine.dense.gemv_tiles import GemvTile
 from omni_local.model.quantized import QuantizedLinear, dequantize, quantize
 from omni_local.model.quantized.formats import Quantized
 
-FORMATS = ["fp8", "int8"]
+FORMATS = ["fp8", "int8", "int4"]
 DTYPES = [torch.float32, torch.float16]
 DTYPE_IDS = ["float32", "float16"]
 OUT_FEATURES, IN_FEATURES = 40, 72  # with the tile below: three column tiles and three K steps, the last of each ragged
+INT4_IN_FEATURES = 96  # int4's K is whole groups (of 32 here, one K step each): three steps, none ragged
 # The two sums differ in order only; in float16 each is rounded once, so they may land one rounding apart.
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-3, atol=1e-3)}
 
@@ -26,12 +27,17 @@ def normal(*shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
-def stored(format: str, dtype: torch.dtype, out_features: int = OUT_FEATURES, in_features: int = IN_FEATURES
+def stored(format: str, dtype: torch.dtype, out_features: int = OUT_FEATURES, in_features: int | None = None
            ) -> Quantized:
-    """A weight as a QuantizedLinear holds it for a model in `dtype` (int8's scales in that dtype)."""
-    weight = quantize(normal(out_features, in_features), format)
-    scales = weight.scales.to(dtype) if format == "int8" else weight.scales
-    return Quantized(format, weight.values, scales)
+    """A weight as a QuantizedLinear holds it for a model in `dtype` (int8's and int4's scales in
+    that dtype), of `in_features` inputs (default: the format's test width)."""
+    weight = quantize(normal(out_features, in_features or width(format)), format)
+    scales = weight.scales.to(dtype) if format in ("int8", "int4") else weight.scales
+    return Quantized(format, weight.values, scales, weight.group)
+
+
+def width(format: str) -> int:
+    return INT4_IN_FEATURES if format == "int4" else IN_FEATURES
 
 
 def expected(x: torch.Tensor, weight: Quantized) -> torch.Tensor:
@@ -50,7 +56,7 @@ def test_the_gemv_multiplies_rows_by_the_dequantized_weight(format, dtype, rows)
     from omni_local.engine.dense.gemv import gemv
 
     weight = stored(format, dtype)
-    x = normal(rows, IN_FEATURES, seed=rows).to(dtype)
+    x = normal(rows, width(format), seed=rows).to(dtype)
 
     out = gemv(x, weight.values, weight.scales, small_tile())
 
@@ -66,7 +72,7 @@ def test_split_k_gives_the_rows_times_the_dequantized_weight_too(format, split_k
     from omni_local.engine.dense.gemv import gemv
 
     weight = stored(format, torch.float32)
-    x = normal(rows, IN_FEATURES, seed=rows)
+    x = normal(rows, width(format), seed=rows)
 
     out = gemv(x, weight.values, weight.scales, small_tile(split_k))
 
@@ -141,32 +147,38 @@ def test_on_the_cpu_a_quantized_layer_keeps_the_librarys_matmuls():
 COMPILE_GEMV_FOR_SM90 = """
 from omni_local.engine.dense.gemv import SUM_BLOCK, _gemv_kernel, _sum_splits_kernel
 from omni_local.engine.dense.gemv_tiles import DEFAULT, TUNED
+from omni_local.engine.weight_tiles import INT4_GROUPS, PLAIN, ROW_SCALED
 
 aligned = ("x_ptr", "weight_ptr", "scales_ptr", "out_ptr", "out_features", "in_features", "split_depth",
-           "x_row_stride", "weight_row_stride", "out_split_stride", "out_row_stride")
+           "x_row_stride", "weight_row_stride", "scale_row_stride", "out_split_stride", "out_row_stride")
 tiles = dict(BLOCK_M=DEFAULT.block_m, BLOCK_N=DEFAULT.block_n, BLOCK_K=DEFAULT.block_k)
 options = dict(num_warps=DEFAULT.num_warps, num_stages=DEFAULT.num_stages)
-for weight, scales in (("*fp8e4nv", "*fp32"), ("*i8", "*bf16")):
+formats = (("*fp8e4nv", "*fp32", ROW_SCALED.value, 0), ("*i8", "*bf16", ROW_SCALED.value, 0),
+           ("*u8", "*bf16", INT4_GROUPS.value, 128))
+for weight, scales, format, group in formats:
     for split_k, out in ((1, "*bf16"), (4, "*fp32")):
         compiled(_gemv_kernel, dict(x_ptr="*bf16", weight_ptr=weight, scales_ptr=scales, out_ptr=out),
-                 dict(SPLIT_K=split_k, SCALED=True, DOT_PRECISION=None, **tiles), **options)
+                 dict(SPLIT_K=split_k, FORMAT=format, GROUP=group, DOT_PRECISION=None, **tiles), **options)
     compiled(_sum_splits_kernel, dict(partials_ptr="*fp32", scales_ptr=scales, out_ptr="*bf16"),
-             dict(SPLIT_K=4, SCALED=True, BLOCK=SUM_BLOCK), num_warps=4)
+             dict(SPLIT_K=4, ROW_SCALES=format == ROW_SCALED.value, BLOCK=SUM_BLOCK), num_warps=4)
     # As launched at the projections' shapes: the loads pipelined through shared memory, which must fit
     # the 99 KiB a block of Ada, Ampere's sm86 and Blackwell's sm120 may take, float32 rows included.
     for rows, precision in (("*bf16", None), ("*fp32", "ieee")):
         kernel = compiled(_gemv_kernel, dict(x_ptr=rows, weight_ptr=weight, scales_ptr=scales, out_ptr=rows),
-                          dict(SPLIT_K=1, SCALED=True, DOT_PRECISION=precision, **tiles), aligned, **options)
+                          dict(SPLIT_K=1, FORMAT=format, GROUP=group, DOT_PRECISION=precision, **tiles), aligned,
+                          **options)
         assert "async_copy_global_to_local" in kernel.asm["ttgir"], "the loads are not pipelined"
         assert kernel.metadata.shared <= 99 << 10, (rows, kernel.metadata.shared)
-# A bfloat16 weight, unscaled (invariant_matmul), at the H200's tuned tiles too.
+# A bfloat16 weight, unscaled (invariant_matmul), and int4, at the H200's tuned tiles too.
 for tile in (DEFAULT, *TUNED.values()):
-    for split_k, out in ((tile.split_k, "*bf16"), (4, "*fp32")):
-        compiled(_gemv_kernel, dict(x_ptr="*bf16", weight_ptr="*bf16", scales_ptr="*fp32", out_ptr=out),
-                 dict(SPLIT_K=split_k, SCALED=False, DOT_PRECISION=None, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-                      BLOCK_K=tile.block_k), aligned, num_warps=tile.num_warps, num_stages=tile.num_stages)
-compiled(_sum_splits_kernel, dict(partials_ptr="*fp32", scales_ptr="*fp32", out_ptr="*bf16"),
-         dict(SPLIT_K=8, SCALED=False, BLOCK=SUM_BLOCK), num_warps=4)
+    for weight, scales, format, group in (("*bf16", "*bf16", PLAIN.value, 0), formats[2]):
+        for split_k, out in ((tile.split_k, "*bf16"), (4, "*fp32")):
+            compiled(_gemv_kernel, dict(x_ptr="*bf16", weight_ptr=weight, scales_ptr=scales, out_ptr=out),
+                     dict(SPLIT_K=split_k, FORMAT=format, GROUP=group, DOT_PRECISION=None, BLOCK_M=tile.block_m,
+                          BLOCK_N=tile.block_n, BLOCK_K=min(tile.block_k, group or tile.block_k)), aligned,
+                     num_warps=tile.num_warps, num_stages=tile.num_stages)
+compiled(_sum_splits_kernel, dict(partials_ptr="*fp32", scales_ptr="*bf16", out_ptr="*bf16"),
+         dict(SPLIT_K=8, ROW_SCALES=False, BLOCK=SUM_BLOCK), num_warps=4)
 """
 
 
@@ -201,7 +213,8 @@ def test_on_a_gpu_the_gemv_multiplies_bfloat16_rows_by_the_dequantized_weight(sh
     out = quantized_gemv(x.bfloat16(), weight.values, scales).float()
 
     # bfloat16 rows and one bfloat16 rounding of the output: well under 1% of the output's norm.
-    reference = x.bfloat16().float() @ dequantize(Quantized(format, weight.values, scales), torch.float32).T
+    reference = x.bfloat16().float() @ dequantize(Quantized(format, weight.values, scales, weight.group),
+                                                  torch.float32).T
     assert ((out - reference).norm() / reference.norm()).item() <= 0.005
 
 

@@ -70,16 +70,20 @@ def test_a_quantized_embedding_gives_its_dequantized_tables_rows_in_the_models_d
 
 
 def test_an_encoders_quantized_linear_never_takes_the_gemv_where_a_decoders_would(monkeypatch):
-    monkeypatch.setattr(linear_module, "runs_gemv", lambda device, format: True)
+    monkeypatch.setattr(linear_module, "runs_gemv", lambda device, format, group: True)
     linear = torch.nn.Linear(64, 48)
 
     assert QuantizedLinear.replacing(linear, "int8").gemv
     assert not QuantizedLinear.replacing(linear, "int8", batched=True).gemv
 
 
-def test_an_int4_dense_layer_never_takes_the_gemv_which_reads_one_value_a_byte():
-    # A W4A16 checkpoint's attention projections: on a GPU they dequantize, as on the CPU.
-    assert not linear_module.runs_gemv(torch.device("cuda"), "int4")
+def test_an_int4_dense_layer_takes_the_gemv_on_a_gpu_where_it_reads_its_groups(monkeypatch):
+    # A W4A16 checkpoint's attention projections (groups of 128): the GEMV reads their nibbles in place.
+    monkeypatch.setattr(linear_module, "triton_refusal", lambda device: None)  # a GPU that runs our kernels
+
+    assert linear_module.runs_gemv(torch.device("cuda"), "int4", group=128)
+    assert not linear_module.runs_gemv(torch.device("cuda"), "int4", group=16)  # dequantized, as on the CPU
+    assert not linear_module.runs_gemv(torch.device("cpu"), "int4", group=128)
 
 
 @pytest.mark.parametrize("format", FORMATS)

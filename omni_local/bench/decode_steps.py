@@ -74,8 +74,9 @@ def main() -> None:
         contexts = [c for c in args.contexts if c <= runner.kv.shape.max_tokens]
         batches = [b for b in args.chats if fits(runner, b, max(contexts))]
         graphed = "graphed" if runner.decode_graphs is not None else "eager"
-        print(f"Thinker decode step ({graphed}, MoE backend {runner.regions.moe.name}), ms per step, median of "
-              f"{args.runs}; {device_label(runner)}\n")
+        deterministic = ", deterministic" if settings.deterministic else ""
+        print(f"Thinker decode step ({graphed}, MoE backend {runner.regions.moe.name}{deterministic}), ms per step, "
+              f"median of {args.runs}; {device_label(runner)}\n")
         print("| chats | " + " | ".join(f"context {c}" for c in contexts) + " |")
         print("| --- |" + " --- |" * len(contexts))
         for batch in batches:

@@ -1,11 +1,13 @@
-"""A few rows times a weight-only quantized weight: out [M, N] = (x [M, K] @ W^T) * scale [N].
+"""A few rows times a weight-only quantized weight: out [M, N] = x [M, K] @ (W * scales)^T.
 
 For a decode batch (M of 1 to 16) through the attention projections: the product is bound by reading
-W, so each program reads its BLOCK_N rows of W once, in their stored bytes (fp8 e4m3 or int8), each
-tile converted to the rows' dtype as it is loaded (engine/weight_tiles.py), and multiplies them by
-its BLOCK_M rows of x with float32 sums. A row's scale is the same for every k, so it multiplies
-the finished sums; the result is rounded once to x's dtype. A weight in x's own dtype has no scales
-(`invariant_matmul`, the deterministic setting's product for any M: batch_invariant.py).
+W, so each program reads its BLOCK_N rows of W once, in their stored bytes (fp8 e4m3 or int8, one
+scale a row; or int4, two values a byte, one scale per group of inputs), each tile converted to the
+rows' dtype as it is loaded (engine/weight_tiles.py), and multiplies them by its BLOCK_M rows of x
+with float32 sums. A row's scale is the same for every k, so it multiplies the finished sums; an
+int4 group's multiplies its tile's (BLOCK_K divides the group). The result is rounded once to x's
+dtype. A weight in x's own dtype has no scales (`invariant_matmul`, the deterministic setting's
+product for any M: batch_invariant.py).
 
 Programs: (N tiles, M blocks, K splits). With one split (the default), a program walks all of K in
 BLOCK_K steps and writes out directly. With SPLIT_K splits, split s walks its own run of whole
@@ -20,37 +22,51 @@ import triton.language as tl
 
 from omni_local.engine.dense.gemv_tiles import GemvTile, gemv_tile
 from omni_local.engine.triton_support import dot_precision
-from omni_local.engine.weight_tiles import row_scales, weight_tile
+from omni_local.engine.weight_tiles import (INT4_GROUPS, PLAIN, ROW_SCALED, group_scales, int4_tile_dot, row_scales,
+                                            weight_tile)
 
 SUM_BLOCK = 256  # outputs per program of the split sum
+# int4's BLOCK_K is at most a group (one scale a tile) and at least 32 (two dots of half of it, and
+# tl.dot takes 16 at least): smaller groups are not read here.
+MIN_INT4_GROUP = 32
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, weight_ptr, scales_ptr, out_ptr, rows, out_features, in_features, split_depth,
-                 x_row_stride, weight_row_stride, out_split_stride, out_row_stride, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SCALED: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
+                 x_row_stride, weight_row_stride, scale_row_stride, out_split_stride, out_row_stride,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                 FORMAT: tl.constexpr, GROUP: tl.constexpr, DOT_PRECISION: tl.constexpr):
     columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     split = tl.program_id(2)
     inside = columns < out_features
     real = row < rows
-    depth = tl.arange(0, BLOCK_K)
-    rows_in = x_ptr + row.to(tl.int64)[:, None] * x_row_stride + depth[None, :]
     dtype = x_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     # split_depth is whole BLOCK_K steps: a split's last step may pass K, never into the next split.
     first = split * split_depth
-    for start in range(first, tl.minimum(first + split_depth, in_features), BLOCK_K):
-        within = start + depth < in_features
-        x = tl.load(rows_in + start, mask=real[:, None] & within[None, :], other=0.0)
-        w = weight_tile(weight_ptr, columns, depth, start, weight_row_stride, within[:, None] & inside[None, :],
-                        dtype)
-        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+    if FORMAT == INT4_GROUPS:  # K is whole groups, so whole steps: no step passes it
+        half = tl.arange(0, BLOCK_K // 2)
+        evens = x_ptr + row.to(tl.int64)[:, None] * x_row_stride + 2 * half[None, :]
+        for start in range(first, tl.minimum(first + split_depth, in_features), BLOCK_K):
+            x_even = tl.load(evens + start, mask=real[:, None], other=0.0)
+            x_odd = tl.load(evens + start + 1, mask=real[:, None], other=0.0)
+            acc += int4_tile_dot(x_even, x_odd, weight_ptr, columns, half, start, weight_row_stride,
+                                 inside[None, :], DOT_PRECISION) * group_scales(
+                scales_ptr, columns, start, scale_row_stride, inside, GROUP)[None, :]
+    else:
+        depth = tl.arange(0, BLOCK_K)
+        rows_in = x_ptr + row.to(tl.int64)[:, None] * x_row_stride + depth[None, :]
+        for start in range(first, tl.minimum(first + split_depth, in_features), BLOCK_K):
+            within = start + depth < in_features
+            x = tl.load(rows_in + start, mask=real[:, None] & within[None, :], other=0.0)
+            w = weight_tile(weight_ptr, columns, depth, start, weight_row_stride, within[:, None] & inside[None, :],
+                            dtype)
+            acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
     written = real[:, None] & inside[None, :]
     at = row[:, None] * out_row_stride + columns[None, :]
     if SPLIT_K == 1:
-        if SCALED:
+        if FORMAT == ROW_SCALED:
             acc *= row_scales(scales_ptr, columns, 1, inside)[None, :]
         tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=written)
     else:
@@ -59,7 +75,7 @@ def _gemv_kernel(x_ptr, weight_ptr, scales_ptr, out_ptr, rows, out_features, in_
 
 @triton.jit
 def _sum_splits_kernel(partials_ptr, scales_ptr, out_ptr, out_features, split_stride, partial_row_stride,
-                       out_row_stride, SPLIT_K: tl.constexpr, SCALED: tl.constexpr, BLOCK: tl.constexpr):
+                       out_row_stride, SPLIT_K: tl.constexpr, ROW_SCALES: tl.constexpr, BLOCK: tl.constexpr):
     # Program (c, m): row m's outputs [c * BLOCK, (c + 1) * BLOCK), the splits added in order.
     columns = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = columns < out_features
@@ -67,31 +83,29 @@ def _sum_splits_kernel(partials_ptr, scales_ptr, out_ptr, out_features, split_st
     acc = tl.load(partials, mask=inside, other=0.0)
     for split in tl.static_range(1, SPLIT_K):
         acc += tl.load(partials + split * split_stride, mask=inside, other=0.0)
-    if SCALED:
+    if ROW_SCALES:
         acc *= row_scales(scales_ptr, columns, 1, inside)
     tl.store(out_ptr + tl.program_id(1) * out_row_stride + columns, acc.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 def gemv_into(out: torch.Tensor, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor | None,
               tile: GemvTile, partials: torch.Tensor | None = None) -> torch.Tensor:
-    """Writes every element of `out` [M, N] (x's dtype) with (x [M, K] @ values^T) * scales, for
-    `values` [N, K] fp8 e4m3 or int8 and `scales` [N] (float32, or x's dtype), or `values` in x's
-    dtype and `scales` None; with `tile.split_k` > 1, through `partials` [split_k, M, N] float32
+    """Writes every element of `out` [M, N] (x's dtype) with x [M, K] times the weight [N, K] of
+    `values` and `scales`: fp8 e4m3 or int8 [N, K] with `scales` [N] (float32, or x's dtype); packed
+    int4 uint8 [N, K / 2] with `scales` [N, K / group] (model/quantized/formats.py); or `values` in
+    x's dtype and `scales` None. With `tile.split_k` > 1, through `partials` [split_k, M, N] float32
     (allocated where None). Returns `out`."""
     rows, in_features = x.shape
     out_features = values.shape[0]
-    assert values.shape[1] == in_features and values.stride(1) == 1, (values.shape, values.stride(), x.shape)
-    if scales is None:
-        assert values.dtype == x.dtype, (values.dtype, x.dtype)
-    else:
-        assert values.dtype in (torch.float8_e4m3fn, torch.int8) and scales.is_contiguous(), values.dtype
+    format, group, block_k = _weight_format(values, scales, x.dtype, in_features, tile.block_k)
+    assert values.stride(1) == 1, values.stride()
     assert out.shape == (rows, out_features) and out.stride(1) == 1 and out.dtype == x.dtype, (out.shape, out.dtype)
     if rows == 0:
         return out
     if x.stride(1) != 1:
         x = x.contiguous()
-    steps = triton.cdiv(in_features, tile.block_k)
-    split_depth = triton.cdiv(steps, tile.split_k) * tile.block_k
+    steps = triton.cdiv(in_features, block_k)
+    split_depth = triton.cdiv(steps, tile.split_k) * block_k
     if tile.split_k == 1:
         target, split_stride = out, 0
     else:
@@ -99,23 +113,46 @@ def gemv_into(out: torch.Tensor, x: torch.Tensor, values: torch.Tensor, scales: 
             partials = torch.empty((tile.split_k, rows, out_features), dtype=torch.float32, device=x.device)
         assert partials.shape == (tile.split_k, rows, out_features) and partials.is_contiguous(), partials.shape
         target, split_stride = partials, partials.stride(0)
+    scales = values if scales is None else scales  # never read where there are none
     grid = (triton.cdiv(out_features, tile.block_n), triton.cdiv(rows, tile.block_m), tile.split_k)
     _gemv_kernel[grid](x, values, scales, target, rows, out_features, in_features, split_depth, x.stride(0),
-                       values.stride(0), split_stride, target.stride(-2), BLOCK_M=tile.block_m,
-                       BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, SPLIT_K=tile.split_k, SCALED=scales is not None,
+                       values.stride(0), scales.stride(0), split_stride, target.stride(-2), BLOCK_M=tile.block_m,
+                       BLOCK_N=tile.block_n, BLOCK_K=block_k, SPLIT_K=tile.split_k, FORMAT=format, GROUP=group,
                        DOT_PRECISION=dot_precision(x.dtype), num_warps=tile.num_warps, num_stages=tile.num_stages)
     if tile.split_k > 1:
         _sum_splits_kernel[(triton.cdiv(out_features, SUM_BLOCK), rows)](
             partials, scales, out, out_features, partials.stride(0), partials.stride(1), out.stride(0),
-            SPLIT_K=tile.split_k, SCALED=scales is not None, BLOCK=SUM_BLOCK, num_warps=4)
+            SPLIT_K=tile.split_k, ROW_SCALES=format == ROW_SCALED.value, BLOCK=SUM_BLOCK, num_warps=4)
     return out
+
+
+def _weight_format(values: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype, in_features: int,
+                   block_k: int) -> tuple[int, int, int]:
+    """(format, int4 group or 0, BLOCK_K) of a weight as gemv_into takes it."""
+    if scales is None:
+        assert values.dtype == dtype and values.shape[1] == in_features, (values.dtype, dtype, values.shape)
+        return PLAIN.value, 0, block_k
+    assert scales.is_contiguous(), scales.stride()
+    if values.dtype == torch.uint8:
+        group = in_features // scales.shape[1]
+        assert 2 * values.shape[1] == in_features and group * scales.shape[1] == in_features, (values.shape, scales.shape)
+        if not reads_int4_groups(min(block_k, group)):
+            raise ValueError(f"the GEMV reads int4 in groups of {MIN_INT4_GROUP} inputs or more, not {group}")
+        return INT4_GROUPS.value, group, min(block_k, group)
+    assert values.dtype in (torch.float8_e4m3fn, torch.int8) and values.shape[1] == in_features, values.dtype
+    return ROW_SCALED.value, 0, block_k
+
+
+def reads_int4_groups(group: int) -> bool:
+    """Whether the GEMV reads int4 weights in groups of `group` inputs."""
+    return group >= MIN_INT4_GROUP
 
 
 def gemv(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor | None, tile: GemvTile | None = None
          ) -> torch.Tensor:
     """(x [M, K] @ values^T) * scales (scales None: none): [M, N] in x's dtype; `tile` None takes
     gemv_tiles.py's."""
-    tile = tile or gemv_tile(values.shape[0], values.shape[1], x.device)
+    tile = tile or gemv_tile(values.shape[0], x.shape[1], x.device)
     return gemv_into(x.new_empty((x.shape[0], values.shape[0])), x, values, scales, tile)
 
 

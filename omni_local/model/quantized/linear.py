@@ -3,19 +3,18 @@
 How it multiplies, by format and device:
 - a decode batch's few rows (up to GEMV_MAX_ROWS) on a GPU that runs our Triton kernels (and for
   `fp8`, has FP8 units): our GEMV (engine/dense/gemv.py), which reads the weight once in its stored
-  bytes, converts each tile to the rows' dtype as it loads it, and scales the float32 sums; the rows
-  stay as they are (no float8 rounding of the activations);
+  bytes (int4's two values a byte too), converts each tile to the rows' dtype as it loads it, and
+  scales the float32 sums; the rows stay as they are (no float8 rounding of the activations);
 - `fp8` on a GPU with FP8 matrix units (compute capability 8.9 or newer), more rows: each input row
   is scaled to float8 by its own largest magnitude and `torch._scaled_mm` multiplies float8 by float8
   with both scales in its epilogue (FP8 "dynamic"): the weight is read once, in one byte a value;
 - `int8` on the CPU: `torch._weight_int8pack_mm`, the weight read as int8 and scaled per output row
   (its scales kept in the model's dtype, as that op takes them). Not on a GPU, where it is several
   times slower than making the full-precision weight and multiplying by it (below);
-- otherwise (int8 on a GPU past the GEMV's rows, fp8 on the CPU or in a float32 model, and int4
-  everywhere): the weight dequantized to the input's dtype, then a plain matmul, each call making
-  the layer's full-precision weight and freeing it. int4 dense layers come from checkpoints
-  quantized before loading (prequantized.py); a GPU kernel that reads their nibbles in place is
-  still to come;
+- otherwise (int8 and int4 on a GPU past the GEMV's rows, fp8 on the CPU or in a float32 model, and
+  int4 on the CPU): the weight dequantized to the input's dtype, then a plain matmul, each call
+  making the layer's full-precision weight and freeing it. int4 dense layers come from checkpoints
+  quantized before loading (prequantized.py);
 - with the deterministic setting (`batch_invariant`), one kernel for every row count
   (`invariant_product`), so a row's sums do not depend on the rows beside it.
 
@@ -99,7 +98,7 @@ class QuantizedLinear(torch.nn.Module):
         # Decided once, here: a capability query in `forward` would be traced into compiled regions.
         # A float32 model keeps float32 products: the scaled matmul gives bfloat16.
         self.fp8_units = self.format == "fp8" and has_fp8_units(values.device) and dtype != torch.float32
-        self.gemv = not self.batched and runs_gemv(values.device, self.format)
+        self.gemv = not self.batched and runs_gemv(values.device, self.format, self.weight.group)
         self.int8_pack = self.format == "int8" and values.device.type == "cpu"
 
     @property
@@ -142,29 +141,29 @@ def has_fp8_units(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= _FP8_CAPABILITY
 
 
-def runs_gemv(device: torch.device, format: QuantFormat) -> bool:
-    """Whether our GEMV multiplies a weight of `format` on `device`: fp8 or int8 (it reads bytes of one
-    value each; an int4 checkpoint's dense layers dequantize), on a CUDA GPU that runs our Triton
-    kernels, and for fp8 one with FP8 units (Triton converts e4m3 on compute capability 8.9 and
-    newer). Where it does, its op is registered here."""
-    if format not in ("fp8", "int8") or device.type != "cuda" or triton_refusal(device):
+def runs_gemv(device: torch.device, format: QuantFormat, group: int = 0) -> bool:
+    """Whether our GEMV multiplies a weight of `format` (int4: in groups of `group` inputs) on
+    `device`: on a CUDA GPU that runs our Triton kernels, for fp8 one with FP8 units (Triton converts
+    e4m3 on compute capability 8.9 and newer), for int4 groups it reads. Where it does, its op is
+    registered here."""
+    if device.type != "cuda" or triton_refusal(device):
         return False
     if format == "fp8" and not has_fp8_units(device):
         return False
     # Imported here: it imports Triton, which torch's CPU wheels lack.
-    import omni_local.engine.dense.gemv  # noqa: F401 (registers omni_local::quantized_gemv)
+    from omni_local.engine.dense.gemv import reads_int4_groups  # registers omni_local::quantized_gemv
 
-    return True
+    return format != "int4" or reads_int4_groups(group)
 
 
 def invariant_product(rows: torch.Tensor, weight: Quantized) -> torch.Tensor:
-    """rows [M, K] times `weight` by one kernel whatever M: our GEMV, reading fp8 and int8 in place;
-    int4 dequantized, then the GEMV's kernel on the full-precision weight."""
-    from omni_local.engine.dense.gemv import invariant_matmul, quantized_gemv  # imports Triton
+    """rows [M, K] times `weight` by one kernel whatever M: our GEMV, reading the weight in place
+    (int4 in groups it does not read: dequantized, then its kernel on the full-precision weight)."""
+    from omni_local.engine.dense.gemv import invariant_matmul, quantized_gemv, reads_int4_groups  # imports Triton
 
-    if weight.format in ("fp8", "int8"):
-        return quantized_gemv(rows, weight.values, weight.scales)
-    return invariant_matmul(rows, dequantize(weight, rows.dtype))
+    if weight.format == "int4" and not reads_int4_groups(weight.group):
+        return invariant_matmul(rows, dequantize(weight, rows.dtype))
+    return quantized_gemv(rows, weight.values, weight.scales)
 
 
 def fp8_matmul(rows: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
