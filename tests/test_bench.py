@@ -265,5 +265,6 @@ def test_the_determinism_bench_smoke_run_counts_differing_replies_for_each_case(
     assert [cells[0] for cells in rows] == [
         "same image, new question, cache on against off", "text chat turn 2, cache on against off",
         "shared 300-token system prompt, cache on against off", "spoken reply (text and codes), cache on against off",
-        "text chat turn 2, alone against beside 15 chats"]
+        "text chat turn 2, alone against beside 15 chats",
+        "text chat turn 2 resumed from host memory (2 of 2 did), cache on against off"]  # each turn 2 did
     assert all(cells[1] == "2" and 0 <= int(cells[2]) <= 2 for cells in rows)

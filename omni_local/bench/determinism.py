@@ -13,7 +13,10 @@ model, and counts the timed replies whose tokens differ, with the first token wh
   chat's question;
 - beside 15 chats: the cache-off app's reply decoded alone, then again while 15 other chats decode
   (both sides cache off: only the batch differs);
-- spoken reply: a spoken second turn, its Talker codes compared (text and codes, greedy).
+- spoken reply: a spoken second turn, its Talker codes compared (text and codes, greedy);
+- resumed from host memory: text chat turn 2, its first turn's rows moved to host memory in
+  between by two long chats, in a third app whose device KV holds two conversations (the row says
+  how many turns did resume from host memory).
 A row says "differ" for the default setting, and must say 0 for `deterministic = true`. Both apps
 share the model: --deterministic applies to both.
 """
@@ -25,24 +28,28 @@ from PIL import Image
 
 from omni_local.api import AudioChunk, OmniLocal, Session
 from omni_local.bench.common import bench_parser, settings_and_model
-from omni_local.bench.scenarios import SYSTEM, long_system_prompt, noise_image
+from omni_local.bench.scenarios import SYSTEM, long_system_prompt, noise_image, notes
+from omni_local.settings import Settings
 
 OTHER_CHATS = 15
 
 
 @dataclass(frozen=True)
 class Said:
-    """A reply as compared: its tokens, and a spoken one's codec frames."""
+    """A reply as compared: its tokens, and a spoken one's codec frames; its prompt's rows that came
+    back from host memory."""
 
     tokens: list[int]
     frames: list[list[int]]
+    reused_host: int = 0
 
 
 def said(session: Session, new_tokens: int, text: str, images: list[Image.Image] = (), speak: bool = False) -> Said:
     reply = session.send(text, images=images, max_new_tokens=new_tokens, temperature=0.0, speak=speak,
                          talker_temperature=0.0)
     frames = [frame for event in reply if isinstance(event, AudioChunk) for frame in event.frames]
-    return Said(reply.result().token_ids, frames)
+    finished = reply.result()
+    return Said(finished.token_ids, frames, finished.tokens.reused_host)
 
 
 # A case: (app, reply index, new tokens) -> the timed reply, sent in a session of its own.
@@ -72,6 +79,31 @@ def spoken_turn_2(app: OmniLocal, index: int, new_tokens: int) -> Said:
     session = app.session(SYSTEM)
     said(session, new_tokens, f"Voice chat {index}: good morning!", speak=True)
     return said(session, new_tokens, f"Voice chat {index}: tell me about your day.", speak=True)
+
+
+def resumed_from_host(small: OmniLocal, filler: str, resumed: list[int]) -> Case:
+    """text_turn_2, with two chats of `filler` sent between its turns in `small` (whose KV they
+    fill, so the first turn's rows move to host memory); each of small's turns 2 appends to `resumed`
+    the rows it took back from host memory."""
+    def case(app: OmniLocal, index: int, new_tokens: int) -> Said:
+        session = app.session(SYSTEM)
+        said(session, new_tokens, f"Chat {index}: name three rivers of Europe.")
+        if app is small:
+            for other in range(2):
+                said(app.session(SYSTEM), 1, f"Filler {index}.{other}: {filler}")
+        second = said(session, new_tokens, f"Chat {index}: which of them is the longest?")
+        if app is small:
+            resumed.append(second.reused_host)
+        return second
+    return case
+
+
+def two_conversations(settings: Settings, token_bytes: int) -> Settings:
+    """`settings` with device KV for two conversations of max_context_tokens (and the pad block), and
+    host memory for at least one."""
+    rows = 2 * settings.max_context_tokens + settings.kv_block_tokens
+    return settings.replace(gpu_cache_bytes=rows * token_bytes,
+                            host_cache_bytes=max(settings.host_cache_bytes, rows * token_bytes))
 
 
 def compared(case: Case, cached: OmniLocal, cold: OmniLocal, replies: int, new_tokens: int) -> list[int | None]:
@@ -131,6 +163,15 @@ def main() -> None:
                   flush=True)
         print(row(f"text chat turn 2, alone against beside {OTHER_CHATS} chats",
                   beside_other_chats(cold, args.replies, args.new_tokens)), flush=True)
+        small = two_conversations(settings, cached.backend.engine.runner.kv.token_bytes)
+        filler = notes(loaded.processor.tokenizer, settings.max_prompt_tokens * 9 // 10)
+        with OmniLocal(small, loaded=loaded) as pressed:
+            resumed: list[int] = []
+            differences = compared(resumed_from_host(pressed, filler, resumed), pressed, cold, args.replies,
+                                   args.new_tokens)
+            back = sum(1 for rows in resumed if rows > 0)
+            print(row(f"text chat turn 2 resumed from host memory ({back} of {len(resumed)} did), cache on against off",
+                      differences), flush=True)
 
 
 if __name__ == "__main__":
