@@ -101,6 +101,7 @@ def test_so_they_are_with_int4_weights(demo_settings, demo_checkpoint):
 
     with OmniLocal(demo_settings.replace(deterministic=True, weights="int4")) as app:
         assert differing(every_way(app.backend.engine.runner)) == []
+        assert app.backend.info.describe().endswith("float32 on cpu, int4 weights, deterministic · speech off")  # the header
 
 
 @torch.inference_mode()

@@ -21,7 +21,7 @@ class BackendInfo:
 
     model_id: str  # the model's id, as an API names it ("demo", or the checkpoint folder's name)
     model: str  # the model's name, as the page's header shows it
-    runs_on: str  # where it runs: "bfloat16 on cuda:0", or the server's address
+    runs_on: str  # where it runs: "bfloat16 on cuda:0" (", int4", ", deterministic"), or the server's address
     speech: bool  # it can speak its replies
     voices: list[str]  # the voices it speaks in (may be empty where a remote server does not list them)
     max_context_tokens: int  # prompt plus reply, per request

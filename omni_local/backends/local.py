@@ -64,7 +64,8 @@ class LocalBackend:
             model_id=model_id(settings),
             model=model_name(settings),
             runs_on=f"{str(self.loaded.dtype).removeprefix('torch.')} on {self.loaded.device}"
-                    + (f", {self.loaded.quantized}" if self.loaded.quantized else ""),
+                    + (f", {self.loaded.quantized}" if self.loaded.quantized else "")
+                    + (", deterministic" if settings.deterministic else ""),
             speech=self.loaded.speech,
             voices=self.engine.speaker.voices if self.engine.speaker else [],
             max_context_tokens=settings.max_context_tokens,
