@@ -11,7 +11,7 @@ cached prefix rounds differently; on random weights, near-ties make greedy repli
 With it, the engine runs:
 - dense layers (every Linear of the Thinker's text stack and lm_head, and of the Talker's modules;
   the MoE routers): our GEMV's kernel for every row count, its tile fixed by the weight's shape
-  (`omni_local::invariant_matmul`, engine/dense/gemv.py); fp8 and int8 layers its quantized form;
+  (`omni_local::invariant_matmul`, engine/dense/gemv.py); quantized layers its quantized form;
 - RMSNorms: one program a row (engine/rms_norm.py);
 - attention: our paged kernel with one query tile for every length and a tail's rows split and
   merged as a decode step's (engine/attention/paged.py, `batch_invariant`), for prefills too;
