@@ -137,6 +137,37 @@ def test_the_invariant_kernels_give_a_row_the_same_bits_alone_and_among_others(d
         torch.testing.assert_close(together, defaults[name](hidden), rtol=1e-5, atol=1e-5, msg=name)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's CPU import
+@torch.inference_mode()
+def test_compiled_layers_around_the_invariant_kernels_keep_a_rows_bits_whatever_the_forward(deterministic_apps):
+    # On a GPU the layers' work around our kernels runs compiled (inductor fuses the row-wise rest):
+    # fused whole, a prefill of 9 tokens and a prefill of 5 then 4 decode steps write the same rows.
+    from omni_local.engine.decoder_stack import LayerRegions, run_layers
+    from omni_local.engine.kv_store import KVShape, KVStore
+    from omni_local.engine.moe.triton_backend import TritonMoe
+
+    app = deterministic_apps[0]
+    stack = app.backend.loaded.model.thinker.model.language_model
+    kernel = app.backend.engine.runner.attention.prefill
+    config, weight = stack.config, stack.norm.weight
+    shape = KVShape(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, max_tokens=32)
+    regions = LayerRegions(compiled=True, moe=TritonMoe(batch_invariant=True))
+    embeds = torch.randn((1, 9, config.hidden_size), generator=torch.Generator().manual_seed(5)).to(weight.dtype)
+    positions = torch.arange(9)[None].expand(3, 1, -1)
+    rows, last = [], []
+    for parts in ([9], [5, 1, 1, 1, 1]):
+        store = KVStore(shape, shape.table_blocks + 1, weight.dtype, weight.device)
+        table, start = store.take(shape.table_blocks), 0
+        for length in parts:
+            end = start + length
+            out, _ = run_layers(stack, store.writer(table, start, kernel), embeds[:, start:end],
+                                positions[:, :, start:end], regions=regions)
+            start = end
+        rows.append(store.to_host(table, 9).kv)
+        last.append(out)
+    assert torch.equal(rows[0], rows[1]) and torch.equal(last[0], last[1])
+
+
 def test_the_invariant_ops_pass_torch_librarys_checks_of_their_fakes_and_schemas():
     import omni_local.engine.rms_norm  # noqa: F401 (registers the op)
 

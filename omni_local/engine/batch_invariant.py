@@ -76,7 +76,7 @@ def _swap(module: torch.nn.Module) -> None:
     if type(module) is torch.nn.Linear:
         module.__class__ = InvariantLinear
     elif isinstance(module, QuantizedLinear):
-        module.batch_invariant = True
+        module.make_batch_invariant()
     elif (type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
           and not isinstance(module, InvariantRMSNorm)):
         module.__class__ = _invariant_norm(type(module))

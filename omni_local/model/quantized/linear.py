@@ -15,8 +15,8 @@ How it multiplies, by format and device:
   int4 on the CPU): the weight dequantized to the input's dtype, then a plain matmul, each call
   making the layer's full-precision weight and freeing it. int4 dense layers come from checkpoints
   quantized before loading (prequantized.py);
-- with the deterministic setting (`batch_invariant`), one kernel for every row count
-  (`invariant_product`), so a row's sums do not depend on the rows beside it.
+- with the deterministic setting (`make_batch_invariant`), one kernel for every row count, so a
+  row's sums do not depend on the rows beside it.
 
 A layer made `batched` (the encoders': an image's patches, a clip's frames) never takes the GEMV, so
 a compiled encoder's token count, which may be unbacked, meets no guard on its size.
@@ -47,8 +47,10 @@ class QuantizedLinear(torch.nn.Module):
         self.fp8_units = False  # whether `forward` multiplies in float8 (`hold` decides)
         self.gemv = False  # whether `forward` multiplies few rows by our GEMV (`hold` decides)
         self.int8_pack = False  # whether `forward` multiplies by `torch._weight_int8pack_mm` (`hold` decides)
-        # Whether every row count takes one kernel (the deterministic setting: engine/batch_invariant.py)
+        # Whether every row count takes one kernel (`make_batch_invariant` decides), and whether that is
+        # the weight dequantized first (int4 in groups the GEMV does not read)
         self.batch_invariant = False
+        self.invariant_dequantizes = False
         self.prefilled = False  # filled before loading (read back from disk): the loader hands it nothing
         self.group: int | None = None  # int4's inputs per scale, where known before the weight is (a checkpoint's)
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
@@ -118,8 +120,10 @@ class QuantizedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self.batch_invariant:
-            out = invariant_product(rows, self.weight)
+        if self.batch_invariant and self.invariant_dequantizes:
+            out = torch.ops.omni_local.invariant_matmul(rows, dequantize(self.weight, rows.dtype))
+        elif self.batch_invariant:
+            out = torch.ops.omni_local.quantized_gemv(rows, self.values, self.scales)
         elif self.gemv and rows.shape[0] <= GEMV_MAX_ROWS:  # a shape: compiled code guards on it
             out = torch.ops.omni_local.quantized_gemv(rows, self.values, self.scales)
         elif self.int8_pack:
@@ -131,6 +135,14 @@ class QuantizedLinear(torch.nn.Module):
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
+
+    def make_batch_invariant(self) -> None:
+        """Multiply every row count by one kernel (the deterministic setting): our GEMV, reading the
+        weight in place, or for int4 in groups it does not read, its kernel on the weight dequantized."""
+        from omni_local.engine.dense.gemv import reads_int4_groups  # registers the ops; imports Triton
+
+        self.batch_invariant = True
+        self.invariant_dequantizes = self.format == "int4" and not reads_int4_groups(self.weight.group)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"
@@ -155,15 +167,6 @@ def runs_gemv(device: torch.device, format: QuantFormat, group: int = 0) -> bool
 
     return format != "int4" or reads_int4_groups(group)
 
-
-def invariant_product(rows: torch.Tensor, weight: Quantized) -> torch.Tensor:
-    """rows [M, K] times `weight` by one kernel whatever M: our GEMV, reading the weight in place
-    (int4 in groups it does not read: dequantized, then its kernel on the full-precision weight)."""
-    from omni_local.engine.dense.gemv import invariant_matmul, quantized_gemv, reads_int4_groups  # imports Triton
-
-    if weight.format == "int4" and not reads_int4_groups(weight.group):
-        return invariant_matmul(rows, dequantize(weight, rows.dtype))
-    return quantized_gemv(rows, weight.values, weight.scales)
 
 
 def fp8_matmul(rows: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
