@@ -206,6 +206,7 @@ def _environment(app: OmniLocal, args: argparse.Namespace) -> dict[str, str]:
         "attention": app.settings.attn_implementation,
         "attention backend": "triton" if app.backend.engine.runner.attention.decode else "torch",
         "MoE backend": app.backend.engine.runner.regions.moe.name,
+        "deterministic": str(app.settings.deterministic).lower(),
         "KV": f"{app.settings.gpu_cache_bytes / 2**30:g} GiB in blocks of {app.settings.kv_block_tokens}",
         "runs": str(args.runs),
         "new_tokens": str(args.new_tokens),
