@@ -62,9 +62,11 @@ def image_new_question(app: OmniLocal, index: int, new_tokens: int) -> Said:
     return said(session, new_tokens, f"Picture {index}: and what colour is the sky?")
 
 
-def text_turn_2(app: OmniLocal, index: int, new_tokens: int) -> Said:
+def text_turn_2(app: OmniLocal, index: int, new_tokens: int, between: Callable[[], None] = lambda: None) -> Said:
+    """A chat's second reply; `between` runs after its first."""
     session = app.session(SYSTEM)
     said(session, new_tokens, f"Chat {index}: name three rivers of Europe.")
+    between()
     return said(session, new_tokens, f"Chat {index}: which of them is the longest?")
 
 
@@ -85,15 +87,15 @@ def resumed_from_host(small: OmniLocal, filler: str, resumed: list[int]) -> Case
     """text_turn_2, with two chats of `filler` sent between its turns in `small` (whose KV they
     fill, so the first turn's rows move to host memory); each of small's turns 2 appends to `resumed`
     the rows it took back from host memory."""
+    def fill(index: int) -> None:  # chats of their own, which no earlier reply's fillers match
+        for other in range(2):
+            said(small.session(SYSTEM), 1, f"Filler {index}.{other}: {filler}")
+
     def case(app: OmniLocal, index: int, new_tokens: int) -> Said:
-        session = app.session(SYSTEM)
-        said(session, new_tokens, f"Chat {index}: name three rivers of Europe.")
-        if app is small:
-            for other in range(2):
-                said(app.session(SYSTEM), 1, f"Filler {index}.{other}: {filler}")
-        second = said(session, new_tokens, f"Chat {index}: which of them is the longest?")
-        if app is small:
-            resumed.append(second.reused_host)
+        if app is not small:
+            return text_turn_2(app, index, new_tokens)
+        second = text_turn_2(app, index, new_tokens, between=lambda: fill(index))
+        resumed.append(second.reused_host)
         return second
     return case
 
