@@ -106,3 +106,34 @@ def padded_prefill(store: KVStore, table: list[int], length: int, longest: int) 
     last = torch.tensor([length - 1], device=store.device)
     return GraphedKVWriter(store, tables, indices[:, :length], blocks[:, :length], offsets[:, :length], last,
                            rows=store.shape.max_tokens)
+
+
+@torch.inference_mode()
+def test_each_kind_of_layer_compiles_regions_of_its_own_which_another_app_of_that_kind_reuses(speaking_app):
+    # Dynamo compiles a function at most `recompile_limit` times, then fails (fullgraph): a process
+    # holding many kinds of layer (a test run's apps: quantized, deterministic, ...) must not get there.
+    stack = stacks(speaking_app.backend.loaded.model)["thinker"]
+    projections = [layer.self_attn.o_proj for layer in stack.layers]
+    shape = KVShape(stack.config.num_hidden_layers, stack.config.num_key_value_heads, stack.config.head_dim,
+                    max_tokens=32)
+    weight = stack.norm.weight
+    store = KVStore(shape, shape.table_blocks + 1, weight.dtype, weight.device)
+    table = store.take(shape.table_blocks)
+
+    def prefill() -> None:  # a new LayerRegions: another app's
+        run_layers(stack, store.writer(table, 0), hidden_states(stack, 5, seed=9), positions_for(stack, 0, 5),
+                   regions=LayerRegions(compiled=True))
+
+    try:
+        with torch._dynamo.config.patch(recompile_limit=1):
+            for kind in range(3):  # o_proj swapped for a class of its own: a kind of layer the guards tell apart
+                swapped = type(f"Linear{kind}", (torch.nn.Linear,), {})
+                for projection in projections:
+                    projection.__class__ = swapped
+                prefill()
+            graphs = counters["stats"]["unique_graphs"]
+            prefill()
+    finally:
+        for projection in projections:
+            projection.__class__ = torch.nn.Linear
+    assert counters["stats"]["unique_graphs"] == graphs

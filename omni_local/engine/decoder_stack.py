@@ -13,8 +13,8 @@ replays one kernel at a time.
 """
 
 import sys
-from collections.abc import Callable
-from functools import partial
+import types
+from collections.abc import Callable, Hashable
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -58,24 +58,22 @@ def attention_output_and_mlp(layer: torch.nn.Module, hidden: torch.Tensor, atten
 
 class LayerRegions:
     """How each decoder layer runs: eagerly, or with the work before and after its cache write
-    compiled (one compiled function each for every layer of every stack: they differ only in
-    weights, which the compiled code takes as inputs); MoE experts by `moe`."""
+    compiled (one compiled function each for every layer of a kind: the layers of a stack differ
+    only in weights, which the compiled code takes as inputs); MoE experts by `moe`."""
 
     def __init__(self, compiled: bool = False, moe: MoeBackend = TORCH) -> None:
         self.moe = moe
-        self._before: Callable = attention_inputs
-        self._after: Callable = partial(attention_output_and_mlp, moe=moe)
-        if compiled:
-            self._before = _compiled_for_any_batch(attention_inputs)
-            self._after = _compiled_for_any_batch(self._after)
+        self.compiled = compiled
+        self._regions: dict[type, tuple[Callable, Callable]] = {}  # by layer class: the Thinker's, the Talker's, ...
 
     def run(self, layer: torch.nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None,
             cache: KVWriter | GraphedKVWriter, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """`layer`'s output for `hidden` [B, n, hidden], its keys and values written to `cache`."""
+        before, after = self._regions_for(layer)
         attention = layer.self_attn
         key_pool, value_pool = cache.pools(attention.layer_idx)
-        queries, keys, values = self._before(layer, hidden, *rotary, *cache.places(hidden.shape[1]),
-                                             key_pool=key_pool, value_pool=value_pool)
+        queries, keys, values = before(layer, hidden, *rotary, *cache.places(hidden.shape[1]),
+                                       key_pool=key_pool, value_pool=value_pool)
         if cache.attends_in_place:  # our kernel over the blocks (Qwen3-Omni's layers have no sliding window)
             attended = cache.attend(queries, attention.layer_idx, attention.scaling)
         else:
@@ -84,7 +82,17 @@ class LayerRegions:
                                                            _modeling(attention).eager_attention_forward)
             attended, _ = kernel(attention, queries, keys, values, mask, dropout=0.0, scaling=attention.scaling,
                                  sliding_window=attention.sliding_window)
-        return self._after(layer, hidden, attended)
+        return after(layer, hidden, attended, moe=self.moe)
+
+    def _regions_for(self, layer: torch.nn.Module) -> tuple[Callable, Callable]:
+        regions = self._regions.get(type(layer))
+        if regions is None:
+            regions = (attention_inputs, attention_output_and_mlp)
+            if self.compiled:
+                kind = (_layer_kind(layer), _moe_kind(self.moe))
+                regions = tuple(_compiled_for_any_batch(region, kind) for region in regions)
+            self._regions[type(layer)] = regions
+        return regions
 
 
 EAGER = LayerRegions()
@@ -95,28 +103,54 @@ def _modeling(module: torch.nn.Module) -> object:
     return sys.modules[type(module).__module__]
 
 
-def _compiled_for_any_batch(region: Callable) -> Callable:
-    """`region(layer, *tensors)` compiled, its tensors' first two dimensions (sequences, new tokens)
-    dynamic: one graph for all prefill lengths, one for all batches of decode steps, and one for a
-    single decode step (dynamo specializes a size of 1). fullgraph: a graph break would mean
-    guards of its own."""
-    compiled = torch.compile(region, fullgraph=True)
-    # Dynamo keeps the graphs of a function together, up to `recompile_limit` (8 by default), then
-    # runs it eagerly: here every stack's layer type (Thinker, Talker, code predictor) times those
-    # three shape families, times the experts kernel capture switches to in float32, is more; with
-    # quantized weights the Thinker's and Talker's batches and prefills of up to GEMV_MAX_ROWS rows
-    # (model/quantized/linear.py) take graphs apart from longer ones: four more at most.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+def _layer_kind(layer: torch.nn.Module) -> Hashable:
+    """What a compiled region's guards see of a layer besides its tensors: its modules' classes
+    (quantized or deterministic layers swap some)."""
+    return tuple((name, type(module)) for name, module in layer.named_modules())
 
-    def call(layer: torch.nn.Module, *tensors: torch.Tensor, **pools: torch.Tensor) -> object:
-        for tensor in tensors:
-            torch._dynamo.maybe_mark_dynamic(tensor, 0)
-            torch._dynamo.maybe_mark_dynamic(tensor, 1)
-        for pool in pools.values():  # a pool's blocks differ by store (the Thinker's, the Talker's, each app's)
-            torch._dynamo.maybe_mark_dynamic(pool, 0)
-        return compiled(layer, *tensors, **pools)
 
-    return call
+def _moe_kind(moe: MoeBackend) -> Hashable:
+    return type(moe), tuple(sorted(vars(moe).items()))
+
+
+# One kind's graphs (above) may pass dynamo's default limit of 8.
+torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
+
+# Compiled regions by (region, kind), shared by every LayerRegions of the process (apps on one
+# model, a test's many apps): a second app of a kind reuses the first one's graphs.
+_COMPILED: dict[tuple[str, Hashable], Callable] = {}
+
+
+def _compiled_for_any_batch(region: Callable, kind: Hashable) -> Callable:
+    """`region(layer, *tensors, ...)` compiled for layers of one kind, its tensors' first two
+    dimensions (sequences, new tokens) dynamic: one graph for all prefill lengths, one for all
+    batches of decode steps, and one for a single decode step (dynamo specializes a size of 1), and
+    in float32 again for the experts kernel capture switches to; with quantized weights, batches
+    and prefills of up to GEMV_MAX_ROWS rows (model/quantized/linear.py) apart from longer ones.
+    fullgraph: a graph break would mean guards of its own.
+
+    Dynamo keeps a function's graphs on its code object and compiles it at most `recompile_limit`
+    times (then fails, with fullgraph): every kind of layer (Thinker, Talker, code predictor, each
+    with its weights' formats and MoE backend) compiles a copy of the region's code of its own, so
+    no number of kinds in one process reaches the limit."""
+    key = (region.__name__, kind)
+    if key not in _COMPILED:
+        code = region.__code__.replace(co_name=f"{region.__name__}_{len(_COMPILED)}")
+        copy = types.FunctionType(code, region.__globals__, code.co_name, region.__defaults__, region.__closure__)
+        copy.__kwdefaults__ = region.__kwdefaults__
+        compiled = torch.compile(copy, fullgraph=True)
+
+        def call(layer: torch.nn.Module, *tensors: torch.Tensor, **keywords: object) -> object:
+            for tensor in tensors:
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
+                torch._dynamo.maybe_mark_dynamic(tensor, 1)
+            for value in keywords.values():  # a pool's blocks differ by store (the Thinker's, the Talker's, each app's)
+                if isinstance(value, torch.Tensor):
+                    torch._dynamo.maybe_mark_dynamic(value, 0)
+            return compiled(layer, *tensors, **keywords)
+
+        _COMPILED[key] = call
+    return _COMPILED[key]
 
 
 def run_layers(
