@@ -14,6 +14,7 @@ from PIL import Image
 from omni_local.engine.attention.reference import gathered
 from omni_local.errors import SettingsError
 from omni_local.prompts import Message, Prompt, build_prompt
+from conftest import TEST_DEVICE
 from replies import send
 
 REPLY = [104, 199, 335, 246, 335, 483]  # tokens decoded after the prompt (any ids do)
@@ -101,7 +102,8 @@ def test_so_they_are_with_int4_weights(demo_settings, demo_checkpoint):
 
     with OmniLocal(demo_settings.replace(deterministic=True, weights="int4")) as app:
         assert differing(every_way(app.backend.engine.runner)) == []
-        assert app.backend.info.describe().endswith("float32 on cpu, int4 weights, deterministic · speech off")  # the header
+        assert app.backend.info.describe().endswith(f"float32 on {app.backend.engine.runner.device}, int4 weights,"
+                                                    " deterministic · speech off")  # the header
 
 
 @torch.inference_mode()
@@ -120,7 +122,8 @@ def test_the_invariant_kernels_give_a_row_the_same_bits_alone_and_among_others(d
 
     model = deterministic_apps[0].backend.loaded.model
     layer = model.thinker.model.language_model.layers[0]
-    hidden = torch.randn((23, layer.input_layernorm.weight.shape[0]), generator=torch.Generator().manual_seed(3))
+    weight = layer.input_layernorm.weight
+    hidden = torch.randn((23, weight.shape[0]), generator=torch.Generator().manual_seed(3)).to(weight.device)
     invariant = TritonMoe(batch_invariant=True)
     parts = {"RMSNorm": layer.input_layernorm, "q, k and v": layer.self_attn.qkv_proj, "lm_head": model.thinker.lm_head,
              "MoE block": lambda x: invariant.routed_experts(layer.mlp, x)}
@@ -152,8 +155,8 @@ def test_compiled_layers_around_the_invariant_kernels_keep_a_rows_bits_whatever_
     config, weight = stack.config, stack.norm.weight
     shape = KVShape(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, max_tokens=32)
     regions = LayerRegions(compiled=True, moe=TritonMoe(batch_invariant=True))
-    embeds = torch.randn((1, 9, config.hidden_size), generator=torch.Generator().manual_seed(5)).to(weight.dtype)
-    positions = torch.arange(9)[None].expand(3, 1, -1)
+    embeds = torch.randn((1, 9, config.hidden_size), generator=torch.Generator().manual_seed(5)).to(weight)
+    positions = torch.arange(9, device=weight.device)[None].expand(3, 1, -1)
     rows, last = [], []
     for parts in ([9], [5, 1, 1, 1, 1]):
         store = KVStore(shape, shape.table_blocks + 1, weight.dtype, weight.device)
@@ -171,8 +174,8 @@ def test_compiled_layers_around_the_invariant_kernels_keep_a_rows_bits_whatever_
 def test_the_invariant_ops_pass_torch_librarys_checks_of_their_fakes_and_schemas():
     import omni_local.engine.rms_norm  # noqa: F401 (registers the op)
 
-    rows = torch.randn((3, 40), generator=torch.Generator().manual_seed(4))
-    torch.library.opcheck(torch.ops.omni_local.rms_norm.default, (rows, torch.rand(40), 1e-6))
+    rows = torch.randn((3, 40), generator=torch.Generator().manual_seed(4)).to(TEST_DEVICE)
+    torch.library.opcheck(torch.ops.omni_local.rms_norm.default, (rows, torch.rand(40, device=TEST_DEVICE), 1e-6))
 
 
 # The norm as the engine launches it at the Thinker's width and at a head's (q_norm, k_norm).
