@@ -268,3 +268,13 @@ def test_the_determinism_bench_smoke_run_counts_differing_replies_for_each_case(
         "text chat turn 2, alone against beside 15 chats",
         "text chat turn 2 resumed from host memory (2 of 2 did), cache on against off"]  # each turn 2 did
     assert all(cells[1] == "2" and 0 <= int(cells[2]) <= 2 for cells in rows)
+
+
+def test_the_determinism_bench_measures_only_the_cases_asked_for(demo_settings, demo_checkpoint, tmp_path):
+    # A GPU call's time limit may not fit all six cases: a call measures some.
+    done = run_part_bench("determinism", demo_settings, tmp_path, "--replies", "1", "--new-tokens", "4",
+                          "--cases", "beside", "text")
+    assert done.returncode == 0, done.stderr
+    rows = [line.strip("| ").split(" | ") for line in done.stdout.splitlines() if line.startswith("| ")][2:]
+    assert [cells[0] for cells in rows] == ["text chat turn 2, cache on against off",
+                                            "text chat turn 2, alone against beside 15 chats"]

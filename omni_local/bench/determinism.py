@@ -18,7 +18,8 @@ model, and counts the timed replies whose tokens differ, with the first token wh
   between by two long chats, in a third app whose device KV holds two conversations (the row says
   how many turns did resume from host memory).
 A row says "differ" for the default setting, and must say 0 for `deterministic = true`. Both apps
-share the model: --deterministic applies to both.
+share the model: --deterministic applies to both. --cases measures some of the rows only (image,
+text, system, spoken, beside, host).
 """
 
 from collections.abc import Callable
@@ -32,6 +33,7 @@ from omni_local.bench.scenarios import SYSTEM, long_system_prompt, noise_image, 
 from omni_local.settings import Settings
 
 OTHER_CHATS = 15
+CASES = ["image", "text", "system", "spoken", "beside", "host"]  # --cases: the rows, in the table's order
 
 
 @dataclass(frozen=True)
@@ -148,14 +150,17 @@ def main() -> None:
     parser.add_argument("--replies", type=int, default=2, help="conversations per case")
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--system-tokens", type=int, default=2000, help="the shared system prompt's length")
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=CASES,
+                        help="the rows to measure (a GPU call's time limit may not fit all six)")
     args = parser.parse_args()
     settings, loaded = settings_and_model(args)
     every_cache_off = settings.replace(prefix_cache=False, encoder_cache=False)
     system = long_system_prompt(loaded.processor.tokenizer, args.system_tokens)
     cases: dict[str, Case] = {"same image, new question": image_new_question, "text chat turn 2": text_turn_2,
                               f"shared {args.system_tokens:,}-token system prompt": shared_system_prompt(system)}
+    cases = {name: case for (name, case), key in zip(cases.items(), CASES) if key in args.cases}
     with OmniLocal(settings, loaded=loaded) as cached, OmniLocal(every_cache_off, loaded) as cold:
-        if cached.backend.engine.speaker:
+        if cached.backend.engine.speaker and "spoken" in args.cases:
             cases["spoken reply (text and codes)"] = spoken_turn_2
         print(f"deterministic = {str(settings.deterministic).lower()}, {args.new_tokens} new tokens, greedy")
         print("| case | replies | differ | first differing token of each |")
@@ -163,8 +168,11 @@ def main() -> None:
         for name, case in cases.items():
             print(row(f"{name}, cache on against off", compared(case, cached, cold, args.replies, args.new_tokens)),
                   flush=True)
-        print(row(f"text chat turn 2, alone against beside {OTHER_CHATS} chats",
-                  beside_other_chats(cold, args.replies, args.new_tokens)), flush=True)
+        if "beside" in args.cases:
+            print(row(f"text chat turn 2, alone against beside {OTHER_CHATS} chats",
+                      beside_other_chats(cold, args.replies, args.new_tokens)), flush=True)
+        if "host" not in args.cases:
+            return
         small = two_conversations(settings, cached.backend.engine.runner.kv.token_bytes)
         filler = notes(loaded.processor.tokenizer, settings.max_prompt_tokens * 9 // 10)
         with OmniLocal(small, loaded=loaded) as pressed:
