@@ -22,6 +22,8 @@ share the model: --deterministic applies to both. --cases measures some of the r
 text, system, spoken, beside, host).
 """
 
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,6 +35,7 @@ from omni_local.bench.scenarios import SYSTEM, long_system_prompt, noise_image, 
 from omni_local.settings import Settings
 
 OTHER_CHATS = 15
+STARTED = time.perf_counter()
 CASES = ["image", "text", "system", "spoken", "beside", "host"]  # --cases: the rows, in the table's order
 
 
@@ -112,8 +115,17 @@ def two_conversations(settings: Settings, token_bytes: int) -> Settings:
 
 def compared(case: Case, cached: OmniLocal, cold: OmniLocal, replies: int, new_tokens: int) -> list[int | None]:
     """For each reply: the first index where cache on and off differ (tokens, then codec frames), or None."""
-    return [first_difference(case(cached, index, new_tokens), case(cold, index, new_tokens))
-            for index in range(replies)]
+    differences = []
+    for index in range(replies):
+        differences.append(first_difference(case(cached, index, new_tokens), case(cold, index, new_tokens)))
+        progress(index, replies)
+    return differences
+
+
+def progress(index: int, replies: int) -> None:
+    """How far a case is, on stderr: a GPU call cut by its time limit shows what it reached."""
+    print(f"  reply {index + 1} of {replies} compared at {time.perf_counter() - STARTED:.0f} s", file=sys.stderr,
+          flush=True)
 
 
 def beside_other_chats(cold: OmniLocal, replies: int, new_tokens: int) -> list[int | None]:
@@ -126,6 +138,7 @@ def beside_other_chats(cold: OmniLocal, replies: int, new_tokens: int) -> list[i
         differences.append(first_difference(alone, text_turn_2(cold, index, new_tokens)))
         for reply in others:
             reply.cancel()
+        progress(index, replies)
     return differences
 
 
