@@ -79,7 +79,8 @@ def test_the_start_up_line_and_the_page_header_name_the_member(thinking, caption
     pytest.importorskip("gradio", reason="the page's header needs the UI's packages")  # not on the GPU machine
     from omni_local.ui.layout import header
 
-    assert thinking.info.describe() == "Qwen3-Omni Thinking · thinking · float32 on cpu · speech off"
+    device = thinking.backend.engine.runner.device
+    assert thinking.info.describe() == f"Qwen3-Omni Thinking · thinking · float32 on {device} · speech off"
     assert header(captioner).startswith("**omni_local** · Qwen3-Omni Captioner · captioner · ")
 
 

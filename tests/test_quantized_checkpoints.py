@@ -191,7 +191,8 @@ def test_our_expert_kernels_read_the_checkpoints_experts_as_their_dequantized_we
 
 def test_the_start_up_line_says_the_weights_are_the_checkpoints(compressed_app):
     format = compressed_app.backend.loaded.quantized.split()[0]
-    assert compressed_app.info.runs_on == f"float32 on cpu, {format} weights, as the checkpoint holds them"
+    device = compressed_app.backend.engine.runner.device
+    assert compressed_app.info.runs_on == f"float32 on {device}, {format} weights, as the checkpoint holds them"
 
 
 @pytest.mark.parametrize("case", QUESTIONS)
