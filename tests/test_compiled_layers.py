@@ -114,6 +114,7 @@ def test_each_kind_of_layer_compiles_regions_of_its_own_which_another_app_of_tha
     # holding many kinds of layer (a test run's apps: quantized, deterministic, ...) must not get there.
     stack = stacks(speaking_app.backend.loaded.model)["thinker"]
     projections = [layer.self_attn.o_proj for layer in stack.layers]
+    classes = [type(projection) for projection in projections]
     shape = KVShape(stack.config.num_hidden_layers, stack.config.num_key_value_heads, stack.config.head_dim,
                     max_tokens=32)
     weight = stack.norm.weight
@@ -127,13 +128,13 @@ def test_each_kind_of_layer_compiles_regions_of_its_own_which_another_app_of_tha
     try:
         with torch._dynamo.config.patch(recompile_limit=1):
             for kind in range(3):  # o_proj swapped for a class of its own: a kind of layer the guards tell apart
-                swapped = type(f"Linear{kind}", (torch.nn.Linear,), {})
-                for projection in projections:
-                    projection.__class__ = swapped
+                swapped = {own: type(f"{own.__name__}{kind}", (own,), {}) for own in set(classes)}
+                for projection, own in zip(projections, classes):
+                    projection.__class__ = swapped[own]
                 prefill()
             graphs = counters["stats"]["unique_graphs"]
             prefill()
     finally:
-        for projection in projections:
-            projection.__class__ = torch.nn.Linear
+        for projection, own in zip(projections, classes):
+            projection.__class__ = own
     assert counters["stats"]["unique_graphs"] == graphs
