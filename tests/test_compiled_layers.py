@@ -108,6 +108,16 @@ def padded_prefill(store: KVStore, table: list[int], length: int, longest: int) 
                            rows=store.shape.max_tokens)
 
 
+def prefill_of_five(stack: torch.nn.Module, regions: LayerRegions) -> None:
+    """Five tokens into fresh blocks, each layer as `regions` runs it."""
+    shape = KVShape(stack.config.num_hidden_layers, stack.config.num_key_value_heads, stack.config.head_dim,
+                    max_tokens=32)
+    weight = stack.norm.weight
+    store = KVStore(shape, shape.table_blocks + 1, weight.dtype, weight.device)
+    run_layers(stack, store.writer(store.take(shape.table_blocks), 0), hidden_states(stack, 5, seed=9),
+               positions_for(stack, 0, 5), regions=regions)
+
+
 @torch.inference_mode()
 def test_each_kind_of_layer_compiles_regions_of_its_own_which_another_app_of_that_kind_reuses(speaking_app):
     # Dynamo compiles a function at most `recompile_limit` times, then fails (fullgraph): a process
@@ -115,26 +125,29 @@ def test_each_kind_of_layer_compiles_regions_of_its_own_which_another_app_of_tha
     stack = stacks(speaking_app.backend.loaded.model)["thinker"]
     projections = [layer.self_attn.o_proj for layer in stack.layers]
     classes = [type(projection) for projection in projections]
-    shape = KVShape(stack.config.num_hidden_layers, stack.config.num_key_value_heads, stack.config.head_dim,
-                    max_tokens=32)
-    weight = stack.norm.weight
-    store = KVStore(shape, shape.table_blocks + 1, weight.dtype, weight.device)
-    table = store.take(shape.table_blocks)
-
-    def prefill() -> None:  # a new LayerRegions: another app's
-        run_layers(stack, store.writer(table, 0), hidden_states(stack, 5, seed=9), positions_for(stack, 0, 5),
-                   regions=LayerRegions(compiled=True))
-
     try:
         with torch._dynamo.config.patch(recompile_limit=1):
             for kind in range(3):  # o_proj swapped for a class of its own: a kind of layer the guards tell apart
                 swapped = {own: type(f"{own.__name__}{kind}", (own,), {}) for own in set(classes)}
                 for projection, own in zip(projections, classes):
                     projection.__class__ = swapped[own]
-                prefill()
+                prefill_of_five(stack, LayerRegions(compiled=True))
             graphs = counters["stats"]["unique_graphs"]
-            prefill()
+            prefill_of_five(stack, LayerRegions(compiled=True))  # a new LayerRegions: another app's
     finally:
         for projection, own in zip(projections, classes):
             projection.__class__ = own
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+@torch.inference_mode()
+def test_another_moe_backend_compiles_only_the_region_after_attention_again(speaking_app):
+    from omni_local.engine.moe.triton_backend import TritonMoe
+
+    stack = stacks(speaking_app.backend.loaded.model)["thinker"]
+    prefill_of_five(stack, LayerRegions(compiled=True))
+    graphs = counters["stats"]["unique_graphs"]
+
+    prefill_of_five(stack, LayerRegions(compiled=True, moe=TritonMoe()))
+
+    assert counters["stats"]["unique_graphs"] == graphs + 1

@@ -85,14 +85,15 @@ class LayerRegions:
         return after(layer, hidden, attended, moe=self.moe)
 
     def _regions_for(self, layer: torch.nn.Module) -> tuple[Callable, Callable]:
-        regions = self._regions.get(type(layer))
-        if regions is None:
-            regions = (attention_inputs, attention_output_and_mlp)
-            if self.compiled:
-                kind = (_layer_kind(layer), _moe_kind(self.moe))
-                regions = tuple(_compiled_for_any_batch(region, kind) for region in regions)
-            self._regions[type(layer)] = regions
-        return regions
+        if type(layer) not in self._regions:
+            eager = (attention_inputs, attention_output_and_mlp)
+            self._regions[type(layer)] = self._compiled_regions(layer) if self.compiled else eager
+        return self._regions[type(layer)]
+
+    def _compiled_regions(self, layer: torch.nn.Module) -> tuple[Callable, Callable]:
+        kind = _layer_kind(layer)  # the MoE backend runs after attention only
+        return (_compiled_for_any_batch(attention_inputs, kind),
+                _compiled_for_any_batch(attention_output_and_mlp, (kind, _moe_kind(self.moe))))
 
 
 EAGER = LayerRegions()
