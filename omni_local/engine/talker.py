@@ -140,7 +140,9 @@ class TalkerRunner:
         frame's codes."""
         table = self.kv.take(self.kv.shape.table_blocks)
         try:
-            prompt = self.tts_pad.expand(4, -1)[None]
+            # contiguous, as a real prompt's embeddings are: the compiled layers would compile a
+            # graph for the expanded view's zero strides that no real prefill uses
+            prompt = self.tts_pad.expand(4, -1)[None].contiguous()
             positions = torch.arange(4, device=self.device).expand(3, 1, -1)
             hidden, _ = self._forward(self.kv.writer(table, 0, self.attention.prefill), prompt, positions)
             codes, codec_sum = self.complete_frame(hidden, 0, SamplingParams(), seed=0, frame=0)
