@@ -69,21 +69,21 @@ def test_compiled_layers_match_eager_and_one_graph_serves_every_prefill_length_a
     stores = {compiled: KVStore(shape, shape.table_blocks + 1, weight.dtype, weight.device) for compiled in (False, True)}
     tables = {compiled: stores[compiled].take(shape.table_blocks) for compiled in (False, True)}
     regions = {compiled: LayerRegions(compiled) for compiled in (False, True)}
-    graphs_before = counters["stats"]["unique_graphs"]
     start = 0
     for length in (9, 13, 1, 1, 21):  # a prefill, a second one, decode steps, a third prefill
         embeds = hidden_states(stack, length, seed=100 + start)
         positions = positions_for(stack, start, length)
+        if length == 21:
+            graphs = counters["stats"]["unique_graphs"]  # dynamo counts a recompile as a graph too
         eager, compiled = (run_layers(stack, stores[c].writer(tables[c], start), embeds, positions,
                                       regions=regions[c])[0] for c in (False, True))
         torch.testing.assert_close(compiled, eager, **TOLERANCE)
         start += length
     torch.testing.assert_close(stores[True].to_host(tables[True], start).kv,
                                stores[False].to_host(tables[False], start).kv, **TOLERANCE)
-    # Two regions, each compiled for one token and for any other count: the third prefill length,
-    # like any later one, reuses a graph (dynamo counts a recompile as a graph too).
-    graphs = counters["stats"]["unique_graphs"]
-    assert graphs - graphs_before <= 4
+    # Once a prefill and a decode step have compiled, the third prefill length, like any later one,
+    # reuses a graph.
+    assert counters["stats"]["unique_graphs"] == graphs
     # Nor does a store of another size (another app's, the Talker's): its pools are inputs too.
     larger = KVStore(shape, 3 * shape.table_blocks + 1, weight.dtype, weight.device)
     table = larger.take(shape.table_blocks)
@@ -148,6 +148,8 @@ def test_another_moe_backend_compiles_only_the_region_after_attention_again(spea
     prefill_of_five(stack, LayerRegions(compiled=True))
     graphs = counters["stats"]["unique_graphs"]
 
-    prefill_of_five(stack, LayerRegions(compiled=True, moe=TritonMoe()))
+    # A class of its own: on a GPU the app's layers already compiled TritonMoe's region.
+    another = type("AnotherMoe", (TritonMoe,), {})()
+    prefill_of_five(stack, LayerRegions(compiled=True, moe=another))
 
     assert counters["stats"]["unique_graphs"] == graphs + 1
