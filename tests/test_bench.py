@@ -3,17 +3,23 @@
 import json
 import math
 import os
+import re
 import subprocess
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
+import torch
 from transformers.utils import is_torchvision_available
 
 from omni_local.bench.beside import longest_gap
 from omni_local.bench.profile_decode import (
     ATTENTION, CATEGORIES, DENSE, ELEMENTWISE, EXPERTS, KV, OTHER, ROUTING, category,
 )
+from omni_local.bench.profile_turn import busy_ms
+from omni_local.engine.phases import (BEGIN_SPEECH, BUILD_PROMPT, CLAIM_KV, ENCODE_MEDIA, FIRST_TOKEN, PREFILL, PREPARE,
+                                      SPEECH_FRAME, phase)
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE_ON, CACHE_OFF = "omni_local, cache on", "omni_local, cache off"
@@ -221,6 +227,48 @@ def test_the_decode_profile_puts_each_backends_kernels_and_the_compiled_layers_f
         "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": ELEMENTWISE,
     }
     assert {name: category(name) for name in names} == names
+
+
+def test_the_turn_profile_shows_each_engine_phase_of_a_spoken_first_send_once_and_the_ops_it_ran(
+    demo_settings, demo_checkpoint, tmp_path
+):
+    done = run_part_bench("profile_turn", demo_settings, tmp_path, "--runs", "1", "--reading-seconds", "0",
+                          "--only", "spoken reply, first send", "--speech", "true", "--max-speech-seconds", "0.5")
+    assert done.returncode == 0, done.stderr
+    assert "'spoken reply, first send': where the time to first audio goes, medians of 1 profiled runs" in done.stdout
+    first_audio = re.search(r"Time to first audio: ([\d.]+) ms unprofiled, ([\d.]+) ms profiled", done.stdout)
+    assert first_audio and float(first_audio[1]) > 0 and float(first_audio[2]) > 0
+    tables = {table[0][0]: {row[0]: row[1:] for row in table[2:]} for table in markdown_tables(done.stdout)}
+    phases = {name: float(calls) for name, (calls, _) in tables["engine phase"].items()}
+    once = [BUILD_PROMPT, CLAIM_KV, PREPARE, ENCODE_MEDIA, FIRST_TOKEN, BEGIN_SPEECH]
+    assert {name: phases.get(name) for name in once} == dict.fromkeys(once, 1.0)
+    assert phases[PREFILL] >= 1 and phases[SPEECH_FRAME] >= 1  # the first audio needs a frame at least
+    ops = tables["device work"]
+    assert set(ops) <= set(CATEGORIES) and float(ops[DENSE][1]) > 0
+
+
+def markdown_tables(text: str) -> list[list[list[str]]]:
+    """Each markdown table in `text`: its rows, each a list of cells (the header and --- rows included)."""
+    tables, rows = [], []
+    for line in [*text.splitlines(), ""]:
+        if line.startswith("| "):
+            rows.append(line.strip("| ").split(" | "))
+        elif rows:
+            tables.append(rows)
+            rows = []
+    return tables
+
+
+def test_the_devices_busy_time_counts_overlapping_kernels_once():
+    assert busy_ms([("a", 0.0, 1000.0), ("b", 500.0, 1500.0), ("c", 3000.0, 3500.0), ("d", 3100.0, 3200.0)]) == 2.0
+
+
+def test_an_engine_phase_records_nothing_while_no_profiler_runs():
+    assert isinstance(phase(PREFILL), nullcontext)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as recorded:
+        with phase(PREFILL):
+            torch.ones(2).sum()
+    assert PREFILL in {event.name for event in recorded.events()}
 
 
 def test_the_paged_attention_bench_smoke_run_times_each_way_for_each_batch_and_context():

@@ -61,10 +61,8 @@ import transformers
 from omni_local.api import Finished, OmniLocal, Reply, Session
 from omni_local.bench.beside import beside_a_decoding_chat
 from omni_local.bench.common import bench_parser, medians, settings_and_model, synced_now
-from omni_local.bench.scenarios import Scenario, opened, question, scenarios, send, spoken_scenarios, video_scenarios
+from omni_local.bench.scenarios import Scenario, available, first_look, opened, question, send
 from omni_local.bench.transformers_baseline import transformers_run
-from omni_local.model.workarounds import video_supported
-from omni_local.api.messages import Message
 
 # A row's label, the app it runs on, and how one run is timed (engine_run or transformers_run).
 System = tuple[str, OmniLocal, Callable[[OmniLocal, Scenario, int, int], dict[str, float]]]
@@ -80,9 +78,7 @@ def engine_run(app: OmniLocal, scenario: Scenario, run: int, new_tokens: int, re
     """One run of `scenario` through omni_local: another session sends it first (`warm_cache`), then
     the timed turn goes to `app`, or to a new app on the same settings (`restart`)."""
     if scenario.warm_cache:
-        first_look = Message("user", [*scenario.last.parts[:-1], f"First look {run}."])
-        session = opened(app, scenario, run, 0, new_tokens, scenario.speak)
-        send(session, first_look, new_tokens, scenario.speak).result()
+        first_look(app, scenario, run, new_tokens)
     if scenario.beside:
         session = opened(app, scenario, run, 0, new_tokens, scenario.speak)
         time.sleep(reading_s)
@@ -156,7 +152,7 @@ def main() -> None:
         engine = partial(engine_run, reading_s=args.reading_seconds)
         systems = (("omni_local, cache on", cached, engine), ("omni_local, cache off", cold, engine),
                    ("transformers", cold, transformers_run))
-        chosen = [s for s in _available(cached) if not args.only or any(text in s.name for text in args.only)]
+        chosen = [s for s in available(cached) if not args.only or any(text in s.name for text in args.only)]
         _warn_if_few_seats(cached, chosen)
         environment = _environment(cached, args)
         print(_table_head(environment), flush=True)
@@ -166,12 +162,6 @@ def main() -> None:
             rows.append(row)
     if args.json:
         args.json.write_text(json.dumps({"environment": environment, "rows": rows}, indent=2))
-
-
-def _available(app: OmniLocal) -> list[Scenario]:
-    return (scenarios(app.backend.loaded.processor.tokenizer)
-            + (video_scenarios() if video_supported(app.backend.loaded.processor) else [])
-            + (spoken_scenarios() if app.backend.engine.speaker else []))
 
 
 def _rows(scenario: Scenario, systems: tuple[System, ...], args: argparse.Namespace) -> Iterator[dict]:

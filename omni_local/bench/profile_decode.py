@@ -88,11 +88,11 @@ def step_work(step: Callable[[], object], cuda: bool) -> Work:
         if cuda:
             torch.cuda.synchronize()
     if cuda:
-        return [(e.name, e.time_range.elapsed_us()) for e in prof.events() if _is_work(e, DeviceType.CUDA, DEVICE_WORK)]
-    return [(e.name, e.self_cpu_time_total) for e in prof.events() if _is_work(e, DeviceType.CPU, ("cpu_op",))]
+        return [(e.name, e.time_range.elapsed_us()) for e in prof.events() if is_work(e, DeviceType.CUDA, DEVICE_WORK)]
+    return [(e.name, e.self_cpu_time_total) for e in prof.events() if is_work(e, DeviceType.CPU, ("cpu_op",))]
 
 
-def _is_work(event: object, device: DeviceType, activities: tuple[str, ...]) -> bool:
+def is_work(event: object, device: DeviceType, activities: tuple[str, ...]) -> bool:
     """Whether a profiler event is work on `device` (not a range of record_function's, nor the
     profiler's own overhead). torch 2.13 on tells its activity; before, where it ran and whether it
     is a range is all an event says."""

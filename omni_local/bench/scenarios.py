@@ -12,6 +12,7 @@ from PIL import Image
 from omni_local.api import OmniLocal, Reply, Session
 from omni_local.media.video import Video
 from omni_local.api.messages import Message
+from omni_local.model.workarounds import video_supported
 
 SYSTEM = (
     "You are a helpful assistant who looks carefully at pictures and listens to sounds, then answers "
@@ -99,6 +100,13 @@ def spoken_scenarios() -> list[Scenario]:
     ]
 
 
+def available(app: OmniLocal) -> list[Scenario]:
+    """The scenarios `app` can serve: video where the processor reads it, speech where it speaks."""
+    return (scenarios(app.backend.loaded.processor.tokenizer)
+            + (video_scenarios() if video_supported(app.backend.loaded.processor) else [])
+            + (spoken_scenarios() if app.backend.engine.speaker else []))
+
+
 def ten_second_video() -> Video:
     """A 10 s clip as it is read (2 frames a second, 360x640) with its sound track."""
     rng = np.random.default_rng(1)
@@ -142,6 +150,13 @@ def opened(app: OmniLocal, scenario: Scenario, run: int, chat: int, new_tokens: 
     for turn in scenario.earlier:
         send(session, _tagged(turn, f"{scenario.name}, run {run}, chat {chat}"), new_tokens, speak).result()
     return session
+
+
+def first_look(app: OmniLocal, scenario: Scenario, run: int, new_tokens: int) -> None:
+    """Another chat sends `scenario`'s conversation first (a `warm_cache` scenario's), so the timed
+    turn finds its prefix and media in the caches."""
+    look = Message("user", [*scenario.last.parts[:-1], f"First look {run}."])
+    send(opened(app, scenario, run, 0, new_tokens, scenario.speak), look, new_tokens, scenario.speak).result()
 
 
 def send(session: Session, message: Message, new_tokens: int, speak: bool) -> Reply:

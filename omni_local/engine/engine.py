@@ -57,6 +57,8 @@ from omni_local.engine.encoders import Encoders
 from omni_local.engine.host_copies import Readback
 from omni_local.engine.media_encoder import MediaEncoder
 from omni_local.engine.moe import moe_backend
+from omni_local.engine.phases import (BEGIN_SPEECH, BUILD_PROMPT, CLAIM_KV, COLLECT, DECODE, FIRST_TOKEN, PREFILL,
+                                      PREPARE, SPEECH_FRAME, phase)
 from omni_local.engine.prefill_chunks import chunk_end
 from omni_local.engine.prefix_cache import PrefixCache
 from omni_local.engine.reasoning import ReasoningText, prompt_opens_reasoning
@@ -208,13 +210,15 @@ class Engine:
             try:
                 if request.prompt is None:
                     building = time.perf_counter()
-                    request.prompt, request.turns_left_out = fit_prompt(
-                        request.messages, self.loaded.processor, self.settings.max_prompt_tokens,
-                        self.reasoning_marks)
+                    with phase(BUILD_PROMPT):
+                        request.prompt, request.turns_left_out = fit_prompt(
+                            request.messages, self.loaded.processor, self.settings.max_prompt_tokens,
+                            self.reasoning_marks)
                     request.prompt_built_s = time.perf_counter() - building
-                request.claim = self.cache.claim(request.session, request.prompt,
-                                                 self.cache.match(request.prompt, request.session),
-                                                 self._claimed_rows(request), at_most=self._rows_for(request))
+                with phase(CLAIM_KV):
+                    request.claim = self.cache.claim(request.session, request.prompt,
+                                                     self.cache.match(request.prompt, request.session),
+                                                     self._claimed_rows(request), at_most=self._rows_for(request))
             except Exception as error:  # noqa: BLE001 - one request's failure must not stop the worker
                 self._waiting.popleft()
                 self._fail(request, self._failure_message(error))
@@ -374,12 +378,15 @@ class Engine:
         """`request`'s prefill up to row `end`, in one forward. The first part prepares the whole tail
         (embeddings, media encoded); after the last comes its first token."""
         if request.prepared is None:
-            request.prepared = self.runner.prepare(request.prompt, request.claim.start)
+            with phase(PREPARE):
+                request.prepared = self.runner.prepare(request.prompt, request.claim.start)
             request.media = request.prepared.media
-        logits = self.runner.prefill(request.table, request.prepared.rows(request.prefilled, end))
+        with phase(PREFILL):
+            logits = self.runner.prefill(request.table, request.prepared.rows(request.prefilled, end))
         request.advance_prefill(end)
         if not request.prefilling:
-            self._first_token(request, logits)
+            with phase(FIRST_TOKEN):
+                self._first_token(request, logits)
 
     def _first_token(self, request: Request, logits: torch.Tensor) -> None:
         """Sample the reply's first token from the prompt's last logits; publish the prompt's rows."""
@@ -416,7 +423,10 @@ class Engine:
         """Queue one decode step of the `requests` whose next token is within their limits. A failure
         of the forward fails them all."""
         requests = [r for r in requests if r.launched < r.max_new_tokens]
-        return self._guarded(requests, lambda: self._decode(requests)) if requests else None
+        if not requests:
+            return None
+        with phase(DECODE):
+            return self._guarded(requests, lambda: self._decode(requests))
 
     def _decode(self, requests: list[Request]) -> DecodeStep:
         """One token more of each request, queued on the device (one forward for them all when
@@ -439,7 +449,8 @@ class Engine:
         token: the step was one too many for it, and the KV row it wrote is not counted. A failure
         fails the step's requests; one of a request's own token (its logits not numbers, say), that
         request only."""
-        tokens, finite = self._guarded(step.requests, step.chosen.tolist) or ([], [])
+        with phase(COLLECT):
+            tokens, finite = self._guarded(step.requests, step.chosen.tolist) or ([], [])
         for request, token, numbers in zip(step.requests, tokens, finite):
             if request.ended or request.text_done:
                 continue
@@ -457,8 +468,9 @@ class Engine:
             request.first_token_at = time.perf_counter()
             if request.speech is not None and token not in self.eos_ids:
                 # Now, while the Thinker's blocks (and the Talker rows in them) are surely still held.
-                request.spoken = self.speaker.begin(request.speech, request.session, request.seed, request.prompt,
-                                                    token, self.runner.kv, request.table)
+                with phase(BEGIN_SPEECH):
+                    request.spoken = self.speaker.begin(request.speech, request.session, request.seed,
+                                                        request.prompt, token, self.runner.kv, request.table)
         request.output_ids.append(token)
         if token in self.eos_ids:
             return self._end_text(request, "end_of_turn")
@@ -472,7 +484,8 @@ class Engine:
             self._end_text(request, "max_new_tokens" if full else "context_full")
 
     def _speak(self, request: Request) -> None:
-        chunk = self.speaker.step(request.spoken, request.output_ids, request.text_done)
+        with phase(SPEECH_FRAME):
+            chunk = self.speaker.step(request.spoken, request.output_ids, request.text_done)
         if chunk is not None:
             request.events.put(AudioChunk(*chunk))
 

@@ -26,6 +26,7 @@ from omni_local.engine.host_copies import to_device
 from omni_local.engine.kv_store import DEFAULT_BLOCK_TOKENS, BlockTable, GraphedKVWriter, KVShape, KVStore, KVWriter
 from omni_local.engine.media_encoder import MediaEncoder, deepstack_levels
 from omni_local.engine.moe import TORCH, MoeBackend
+from omni_local.engine.phases import ENCODE_MEDIA, phase
 from omni_local.engine.prefill_chunks import PreparedPrompt
 from omni_local.errors import SettingsError
 from omni_local.engine.talker import TalkerRows
@@ -130,7 +131,8 @@ class ThinkerRunner:
         tail = prompt.input_ids[:, start:].to(self.device)
         embeds = self.model.get_input_embeddings()(tail)
         media = [m for m in prompt.media if m.start >= start]
-        outputs, encoded = self.encoder.encode(media, remember)
+        with phase(ENCODE_MEDIA):
+            outputs, encoded = self.encoder.encode(media, remember)
         counts = MediaCounts(in_kv=len(prompt.media) - len(media), from_cache=len(media) - encoded, encoded=encoded)
         config = self.model.config
         # Each kind's rows go to its placeholders in prompt order: a video's sound track among the

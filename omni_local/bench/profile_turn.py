@@ -1,0 +1,176 @@
+"""Where a request's time to its first token (or first audio) goes: one of the bench's scenarios, its
+timed turn under torch.profiler, the engine's phases on its thread beside the device's kernels.
+
+    python -m omni_local.bench.profile_turn --only "shared 2,084"              # demo model, CPU smoke run
+    python -m omni_local.bench.profile_turn --random-weights CONFIG.json --only "video 10 s, first send"
+    python -m omni_local.bench.profile_turn --random-weights CONFIG.json --prefix-cache false \\
+        --encoder-cache false --only "2,084-token system prompt, first send"
+
+A run opens the scenario's chat as the bench does (its earlier turns; for a `warm_cache` scenario,
+another chat's first look before), waits --reading-seconds, then sends the timed turn and waits for
+its first token (a spoken scenario's: its first audio). After a warm-up run, --runs runs unprofiled
+give the time to first token the bench would show, then --runs profiled ones, from the send to that
+first token, give the tables; each cell is a median over the profiled runs.
+
+- The engine's phases (engine/phases.py): each one's summed time in the turn and how often it ran.
+  "prepare prompt" holds "encode media", and "first token" a spoken reply's "begin speech". The
+  engine thread's time in no phase is its loop, waiting for work, or work not named.
+- The device: kernels by category (profile_decode's), their summed time, and the device's busy
+  time, the union of its kernels' intervals: the rest of the turn the device waited for the host.
+  On the CPU there are no kernels: ATen ops on every thread, by self time, and no busy time.
+Scenarios of several chats at once, beside a decoding chat, in turn or after a restart are the
+bench's; a profile of one request's path leaves them out.
+"""
+
+import itertools
+import statistics
+import time
+from collections import Counter, defaultdict
+from contextlib import nullcontext
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from omni_local.api import AudioChunk, Finished, OmniLocal, Reply, TextDelta
+from omni_local.bench.common import bench_parser, settings_and_model
+from omni_local.bench.decode_steps import device_label
+from omni_local.bench.profile_decode import CATEGORIES, DEVICE_WORK, category, is_work
+from omni_local.bench.scenarios import Scenario, available, first_look, opened, question, send
+from omni_local.engine.phases import PHASES
+
+
+def profiled_turn(app: OmniLocal, scenario: Scenario, run: int, new_tokens: int, reading_s: float,
+                  profiling: bool) -> tuple[float | None, profile | None]:
+    """One run of `scenario`'s timed turn: its time to first token (to first audio where it speaks), in
+    seconds, and the profile from its send to then (None unless `profiling`). A spoken reply that
+    ended at its first token (random weights may say end-of-turn first) has no first audio: None."""
+    if scenario.warm_cache:
+        first_look(app, scenario, run, new_tokens)
+    session = opened(app, scenario, run, 0, new_tokens, scenario.speak)
+    time.sleep(reading_s)
+    with _profiler(app) if profiling else nullcontext() as recorded:
+        reply = send(session, question(scenario, run), new_tokens, scenario.speak)
+        _wait_for_first(reply, AudioChunk if scenario.speak else TextDelta)
+    final = reply.result()
+    if not scenario.speak:
+        return final.timings.ttft_s, recorded
+    return (final.speech.first_audio_s if final.speech is not None else None), recorded
+
+
+def _profiler(app: OmniLocal) -> profile:
+    """torch.profiler over every thread (the engine's own is not the caller's), kernels too on a GPU."""
+    cuda = app.backend.engine.runner.device.type == "cuda"
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    return profile(activities=activities,
+                   experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True))
+
+
+def _wait_for_first(reply: Reply, kind: type) -> None:
+    for event in reply:
+        if isinstance(event, (kind, Finished)):
+            return
+
+
+def phase_times(recorded: profile) -> dict[str, tuple[int, float]]:
+    """Each engine phase's (calls, summed ms) in the profile."""
+    calls, ms = Counter(), defaultdict(float)
+    for event in recorded.events():
+        if event.name in PHASES:
+            calls[event.name] += 1
+            ms[event.name] += event.time_range.elapsed_us() / 1e3
+    return {name: (calls[name], ms[name]) for name in calls}
+
+
+def device_times(recorded: profile, cuda: bool) -> tuple[dict[str, tuple[int, float]], float | None]:
+    """Each category's (kernels, summed ms) and, on a GPU, the ms the device was busy (the union of
+    its kernels' intervals); on the CPU, ATen ops by self time, and no busy time."""
+    if cuda:
+        work = [(e.name, e.time_range.start, e.time_range.end) for e in recorded.events()
+                if is_work(e, DeviceType.CUDA, DEVICE_WORK)]
+    else:
+        work = [(e.name, 0.0, e.self_cpu_time_total) for e in recorded.events()
+                if is_work(e, DeviceType.CPU, ("cpu_op",))]
+    kernels, ms = Counter(), defaultdict(float)
+    for name, start, end in work:
+        kernels[category(name)] += 1
+        ms[category(name)] += (end - start) / 1e3
+    return {c: (kernels[c], ms[c]) for c in kernels}, busy_ms(work) if cuda else None
+
+
+def busy_ms(work: list[tuple[str, float, float]]) -> float:
+    """The length of the union of the (start, end) intervals in µs, as ms."""
+    busy, reached = 0.0, float("-inf")
+    for _, start, end in sorted(work, key=lambda w: w[1]):
+        if end > reached:
+            busy += end - max(start, reached)
+            reached = end
+    return busy / 1e3
+
+
+def median_cells(samples: list[dict[str, tuple[int, float]]], names: list[str]) -> list[tuple[str, float, float]]:
+    """(name, calls, ms) for each of `names` any sample holds, each the median over `samples`
+    (a sample without it counts 0, 0)."""
+    held = [name for name in names if any(name in s for s in samples)]
+    return [(name, statistics.median(s.get(name, (0, 0.0))[0] for s in samples),
+             statistics.median(s.get(name, (0, 0.0))[1] for s in samples)) for name in held]
+
+
+def print_rows(title: str, what: str, rows: list[tuple[str, float, float]]) -> None:
+    print(f"\n| {title} | {what} | ms |\n| --- | --- | --- |")
+    for name, count, ms in rows:
+        print(f"| {name} | {count:g} | {ms:.2f} |")
+
+
+def main() -> None:
+    parser = bench_parser("python -m omni_local.bench.profile_turn")
+    parser.add_argument("--only", required=True, metavar="TEXT",
+                        help="the scenario whose name holds TEXT (the first, in the bench's order)")
+    parser.add_argument("--new-tokens", type=int, default=4)
+    parser.add_argument("--reading-seconds", type=float, default=0.5,
+                        help="pause before each timed turn, as the bench's")
+    args = parser.parse_args()
+    settings, loaded = settings_and_model(args)
+    with OmniLocal(settings, loaded=loaded) as app:
+        scenario = next((s for s in available(app) if args.only in s.name), None)
+        if scenario is None:
+            parser.error(f"no scenario's name holds {args.only!r}: " + "; ".join(s.name for s in available(app)))
+        if scenario.concurrency > 1 or scenario.beside or scenario.in_turn or scenario.restart:
+            parser.error(f"'{scenario.name}' is more than one request's path: the bench times it")
+        cuda = app.backend.engine.runner.device.type == "cuda"
+
+        questions = itertools.count()  # each run asks a new one, as the bench's
+
+        def turns(count: int, profiling: bool) -> list[tuple[float, profile | None]]:
+            """`count` runs that reached their first token or audio; a spoken one that did not is asked again."""
+            done = []
+            for _ in range(3 * count + 3):
+                first, recorded = profiled_turn(app, scenario, next(questions), args.new_tokens, args.reading_seconds,
+                                                profiling)
+                if first is not None:
+                    done.append((first, recorded))
+                if len(done) == count:
+                    return done
+            raise SystemExit(f"'{scenario.name}': {3 * count + 3} replies, and fewer than {count} spoke")
+
+        turns(1, profiling=False)  # compiles, first uses
+        turns(1, profiling=True)  # the profiler's own first start
+        plain = [seconds * 1e3 for seconds, _ in turns(args.runs, profiling=False)]
+        profiled = turns(args.runs, profiling=True)
+    first = "first audio" if scenario.speak else "first token"
+    print(f"'{scenario.name}': where the time to {first} goes, medians of {args.runs} profiled runs; "
+          f"{device_label(app.backend.engine.runner)}, prefix cache {str(settings.prefix_cache).lower()}, "
+          f"MoE backend {app.backend.engine.runner.regions.moe.name}\n")
+    print(f"Time to {first}: {statistics.median(plain):.2f} ms unprofiled, "
+          f"{statistics.median(seconds * 1e3 for seconds, _ in profiled):.2f} ms profiled")
+    recorded = [r for _, r in profiled]
+    print_rows("engine phase", "calls", median_cells([phase_times(r) for r in recorded], PHASES))
+    devices = [device_times(r, cuda) for r in recorded]
+    what = "kernels" if cuda else "ATen ops, self CPU time"
+    print_rows("device work", what, median_cells([cells for cells, _ in devices], CATEGORIES))
+    if cuda:
+        print(f"\nDevice busy (the union of its kernels' intervals): {statistics.median(b for _, b in devices):.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
