@@ -17,9 +17,9 @@ from omni_local.bench.beside import longest_gap
 from omni_local.bench.profile_decode import (
     ATTENTION, CATEGORIES, DENSE, ELEMENTWISE, EXPERTS, KV, OTHER, ROUTING, category,
 )
-from omni_local.bench.profile_turn import busy_ms
-from omni_local.engine.phases import (BEGIN_SPEECH, BUILD_PROMPT, CLAIM_KV, ENCODE_MEDIA, FIRST_TOKEN, PREFILL, PREPARE,
-                                      SPEECH_FRAME, phase)
+from omni_local.bench.profile_turn import busy_ms, longest_read_gap, within
+from omni_local.engine.phases import (BEGIN_SPEECH, BUILD_PROMPT, CLAIM_KV, COLLECT, DECODE, ENCODE_MEDIA, FIRST_TOKEN,
+                                      PREFILL, PREPARE, SPEECH_FRAME, phase)
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE_ON, CACHE_OFF = "omni_local, cache on", "omni_local, cache off"
@@ -108,11 +108,11 @@ def test_the_bench_smoke_run_times_every_scenario_and_the_cache_rows_compute_onl
 
 def run_part_bench(module: str, demo_settings, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     """`python -m omni_local.bench.<module> *args` on the demo model on the CPU, with KV for 32 chats
-    of 1,024 tokens."""
+    of 1,024 tokens (settings in `args` come later, and win)."""
     return subprocess.run(
-        [sys.executable, "-m", f"omni_local.bench.{module}", *args, "--device", "cpu",
+        [sys.executable, "-m", f"omni_local.bench.{module}", "--device", "cpu",
          "--demo-dir", str(demo_settings.demo_path), "--cache-dir", str(tmp_path / "cache"),
-         "--gpu-cache-bytes", str(64 << 20), "--max-context-tokens", "1024", "--max-prompt-tokens", "960"],
+         "--gpu-cache-bytes", str(64 << 20), "--max-context-tokens", "1024", "--max-prompt-tokens", "960", *args],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )
 
@@ -247,6 +247,23 @@ def test_the_turn_profile_shows_each_engine_phase_of_a_spoken_first_send_once_an
     assert set(ops) <= set(CATEGORIES) and float(ops[DENSE][1]) > 0
 
 
+def test_the_turn_profile_beside_a_decoding_chat_shows_what_filled_its_longest_wait_for_a_token(
+    demo_settings, demo_checkpoint, tmp_path
+):
+    # The 2,084-token prompt, in chunks of 512 while the other chat decodes; the part bench's
+    # settings allow prompts of 960 tokens, these later ones 3,960.
+    done = run_part_bench("profile_turn", demo_settings, tmp_path, "--runs", "1", "--reading-seconds", "0",
+                          "--only", "first send beside", "--prefix-cache", "false",
+                          "--max-context-tokens", "4096", "--max-prompt-tokens", "3960")
+    assert done.returncode == 0, done.stderr
+    phases = {row[0]: float(row[1]) for table in markdown_tables(done.stdout) if table[0][0] == "engine phase"
+              for row in table[2:]}
+    assert phases[PREFILL] == 5  # 2,115 tokens: four chunks of 512, and the rest
+    gap = re.search(r"- run 0: ([\d.]+) ms: (.*)", done.stdout)
+    # One chunk and one decode step in the longest gap, as the engine takes turns
+    assert gap and float(gap[1]) > 0 and "prefill forward 1x" in gap[2] and "queue decode step 1x" in gap[2]
+
+
 def markdown_tables(text: str) -> list[list[list[str]]]:
     """Each markdown table in `text`: its rows, each a list of cells (the header and --- rows included)."""
     tables, rows = [], []
@@ -261,6 +278,15 @@ def markdown_tables(text: str) -> list[list[list[str]]]:
 
 def test_the_devices_busy_time_counts_overlapping_kernels_once():
     assert busy_ms([("a", 0.0, 1000.0), ("b", 500.0, 1500.0), ("c", 3000.0, 3500.0), ("d", 3100.0, 3200.0)]) == 2.0
+
+
+def test_the_longest_gap_is_between_the_ends_of_two_consecutive_reads_and_holds_what_ran_in_it():
+    phases = [(COLLECT, 0.0, 100.0), (PREFILL, 150.0, 4000.0), (DECODE, 4000.0, 4400.0), (COLLECT, 4400.0, 4500.0),
+              (COLLECT, 5000.0, 5100.0)]
+    assert longest_read_gap(phases) == (100.0, 4500.0)
+    assert within(phases, 100.0, 4500.0) == [(PREFILL, 150.0, 4000.0), (DECODE, 4000.0, 4400.0),
+                                             (COLLECT, 4400.0, 4500.0)]
+    assert longest_read_gap(phases[:1]) is None
 
 
 def test_an_engine_phase_records_nothing_while_no_profiler_runs():

@@ -83,7 +83,8 @@ def engine_run(app: OmniLocal, scenario: Scenario, run: int, new_tokens: int, re
         session = opened(app, scenario, run, 0, new_tokens, scenario.speak)
         time.sleep(reading_s)
         final, gap_s = beside_a_decoding_chat(app, scenario.system, run,
-                                              lambda: send(session, question(scenario, run), new_tokens, scenario.speak))
+                                              lambda: send(session, question(scenario, run), new_tokens,
+                                                           scenario.speak).result())
         return _figures(final) | {"other_gap_ms": gap_s * 1e3}
     if scenario.in_turn:
         return _in_turn(app, scenario, run, new_tokens)

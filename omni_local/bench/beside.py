@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from omni_local.api import Finished, OmniLocal, Reply
+from omni_local.api import Finished, OmniLocal
 from omni_local.engine.engine import Engine
 
 # The decoding chat's reply: long enough to outlast any prefill timed beside it; cancelled once the
@@ -21,10 +21,10 @@ BESIDE_QUESTION = "Tell me a long story about the sea, the ships on it and the p
 STREAMING_TOKENS = 2  # tokens the decoding chat has before the timed turn is sent: it is decoding
 
 
-def beside_a_decoding_chat(app: OmniLocal, system: str, run: int, timed: Callable[[], Reply]) -> tuple[Finished, float]:
-    """The final event of `timed()`, sent while another chat of `app` decodes, and that chat's longest
-    gap between two tokens, in seconds, from the send to the timed reply's first token (NaN if it did
-    not decode through that whole time)."""
+def beside_a_decoding_chat(app: OmniLocal, system: str, run: int, timed: Callable[[], Finished]) -> tuple[Finished, float]:
+    """The final event `timed()` returns (it sends a request and waits for its end) while another chat
+    of `app` decodes, and that chat's longest gap between two tokens, in seconds, from the send to the
+    timed reply's first token (NaN if it did not decode through that whole time)."""
     session = app.session(system_prompt=system)
     with accepted_tokens(app.backend.engine, session.id) as arrivals:
         other = session.send(f"Chat beside {run}: {BESIDE_QUESTION}", max_new_tokens=BESIDE_TOKENS)
@@ -33,7 +33,7 @@ def beside_a_decoding_chat(app: OmniLocal, system: str, run: int, timed: Callabl
         while len(arrivals) < STREAMING_TOKENS and reader.is_alive():
             time.sleep(0.001)
         sent = time.perf_counter()
-        final = timed().result()
+        final = timed()
         other.cancel()
         reader.join(timeout=60)
     return final, longest_gap(arrivals, sent, sent + final.timings.ttft_s)

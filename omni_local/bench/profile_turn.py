@@ -4,13 +4,14 @@ timed turn under torch.profiler, the engine's phases on its thread beside the de
     python -m omni_local.bench.profile_turn --only "shared 2,084"              # demo model, CPU smoke run
     python -m omni_local.bench.profile_turn --random-weights CONFIG.json --only "video 10 s, first send"
     python -m omni_local.bench.profile_turn --random-weights CONFIG.json --prefix-cache false \\
-        --encoder-cache false --only "2,084-token system prompt, first send"
+        --encoder-cache false --only "2,084-token system prompt, first send beside"
 
 A run opens the scenario's chat as the bench does (its earlier turns; for a `warm_cache` scenario,
-another chat's first look before), waits --reading-seconds, then sends the timed turn and waits for
-its first token (a spoken scenario's: its first audio). After a warm-up run, --runs runs unprofiled
-give the time to first token the bench would show, then --runs profiled ones, from the send to that
-first token, give the tables; each cell is a median over the profiled runs.
+another chat's first look before; for a `beside` one, another chat decoding meanwhile), waits
+--reading-seconds, then sends the timed turn and profiles it until its first token (a spoken
+scenario's: its first audio). After a warm-up run, --runs runs unprofiled give the time to first
+token the bench would show, then --runs profiled ones the tables; each cell is a median over the
+profiled runs.
 
 - The engine's phases (engine/phases.py): each one's summed time in the turn and how often it ran.
   "prepare prompt" holds "encode media", and "first token" a spoken reply's "begin speech". The
@@ -18,26 +19,30 @@ first token, give the tables; each cell is a median over the profiled runs.
 - The device: kernels by category (profile_decode's), their summed time, and the device's busy
   time, the union of its kernels' intervals: the rest of the turn the device waited for the host.
   On the CPU there are no kernels: ATen ops on every thread, by self time, and no busy time.
-Scenarios of several chats at once, beside a decoding chat, in turn or after a restart are the
-bench's; a profile of one request's path leaves them out.
+- Beside a decoding chat: that chat's longest gap between two of the engine's reads of its tokens
+  ("read decode step"), and what the engine did in it, for each profiled run.
+Scenarios of several chats at once, in turn or after a restart are the bench's alone.
 """
 
 import itertools
 import statistics
 import time
 from collections import Counter, defaultdict
-from contextlib import nullcontext
+from collections.abc import Callable
 
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from omni_local.api import AudioChunk, Finished, OmniLocal, Reply, TextDelta
+from omni_local.bench.beside import beside_a_decoding_chat
 from omni_local.bench.common import bench_parser, settings_and_model
 from omni_local.bench.decode_steps import device_label
 from omni_local.bench.profile_decode import CATEGORIES, DEVICE_WORK, category, is_work
 from omni_local.bench.scenarios import Scenario, available, first_look, opened, question, send
-from omni_local.engine.phases import PHASES
+from omni_local.engine.phases import COLLECT, PHASES
+
+Span = tuple[str, float, float]  # (name, start, end), µs on the profiler's clock
 
 
 def profiled_turn(app: OmniLocal, scenario: Scenario, run: int, new_tokens: int, reading_s: float,
@@ -49,13 +54,21 @@ def profiled_turn(app: OmniLocal, scenario: Scenario, run: int, new_tokens: int,
         first_look(app, scenario, run, new_tokens)
     session = opened(app, scenario, run, 0, new_tokens, scenario.speak)
     time.sleep(reading_s)
-    with _profiler(app) if profiling else nullcontext() as recorded:
+    recorder = _profiler(app) if profiling else None
+
+    def timed() -> Finished:
+        if recorder is not None:
+            recorder.start()
         reply = send(session, question(scenario, run), new_tokens, scenario.speak)
         _wait_for_first(reply, AudioChunk if scenario.speak else TextDelta)
-    final = reply.result()
+        if recorder is not None:
+            recorder.stop()
+        return reply.result()
+
+    final = beside_a_decoding_chat(app, scenario.system, run, timed)[0] if scenario.beside else timed()
     if not scenario.speak:
-        return final.timings.ttft_s, recorded
-    return (final.speech.first_audio_s if final.speech is not None else None), recorded
+        return final.timings.ttft_s, recorder
+    return (final.speech.first_audio_s if final.speech is not None else None), recorder
 
 
 def _profiler(app: OmniLocal) -> profile:
@@ -72,44 +85,52 @@ def _wait_for_first(reply: Reply, kind: type) -> None:
             return
 
 
-def phase_times(recorded: profile) -> dict[str, tuple[int, float]]:
-    """Each engine phase's (calls, summed ms) in the profile."""
-    calls, ms = Counter(), defaultdict(float)
-    for event in recorded.events():
-        if event.name in PHASES:
-            calls[event.name] += 1
-            ms[event.name] += event.time_range.elapsed_us() / 1e3
-    return {name: (calls[name], ms[name]) for name in calls}
+def phase_spans(recorded: profile) -> list[Span]:
+    return sorted(((e.name, e.time_range.start, e.time_range.end) for e in recorded.events() if e.name in PHASES),
+                  key=lambda span: span[1])
 
 
-def device_times(recorded: profile, cuda: bool) -> tuple[dict[str, tuple[int, float]], float | None]:
-    """Each category's (kernels, summed ms) and, on a GPU, the ms the device was busy (the union of
-    its kernels' intervals); on the CPU, ATen ops by self time, and no busy time."""
+def device_work(recorded: profile, cuda: bool) -> list[Span]:
+    """Each kernel, copy and memset on the GPU; on the CPU, each ATen op, as (name, 0, self time)."""
     if cuda:
-        work = [(e.name, e.time_range.start, e.time_range.end) for e in recorded.events()
+        return [(e.name, e.time_range.start, e.time_range.end) for e in recorded.events()
                 if is_work(e, DeviceType.CUDA, DEVICE_WORK)]
-    else:
-        work = [(e.name, 0.0, e.self_cpu_time_total) for e in recorded.events()
-                if is_work(e, DeviceType.CPU, ("cpu_op",))]
-    kernels, ms = Counter(), defaultdict(float)
-    for name, start, end in work:
-        kernels[category(name)] += 1
-        ms[category(name)] += (end - start) / 1e3
-    return {c: (kernels[c], ms[c]) for c in kernels}, busy_ms(work) if cuda else None
+    return [(e.name, 0.0, e.self_cpu_time_total) for e in recorded.events() if is_work(e, DeviceType.CPU, ("cpu_op",))]
 
 
-def busy_ms(work: list[tuple[str, float, float]]) -> float:
-    """The length of the union of the (start, end) intervals in µs, as ms."""
+def totals(spans: list[Span], name_of: Callable[[str], str]) -> dict[str, tuple[int, float]]:
+    """(count, summed ms) of `spans` by `name_of` their name."""
+    count, ms = Counter(), defaultdict(float)
+    for name, start, end in spans:
+        count[name_of(name)] += 1
+        ms[name_of(name)] += (end - start) / 1e3
+    return {name: (count[name], ms[name]) for name in count}
+
+
+def busy_ms(spans: list[Span]) -> float:
+    """The length of the union of the spans' intervals (µs), in ms."""
     busy, reached = 0.0, float("-inf")
-    for _, start, end in sorted(work, key=lambda w: w[1]):
+    for _, start, end in sorted(spans, key=lambda span: span[1]):
         if end > reached:
             busy += end - max(start, reached)
             reached = end
     return busy / 1e3
 
 
+def within(spans: list[Span], start: float, end: float) -> list[Span]:
+    """The parts of `spans` inside [start, end]."""
+    return [(name, max(s, start), min(e, end)) for name, s, e in spans if s < end and e > start]
+
+
+def longest_read_gap(phases: list[Span]) -> tuple[float, float] | None:
+    """The longest interval between the ends of two consecutive reads of a decode step, or None
+    where there are fewer than two."""
+    reads = [end for name, _, end in phases if name == COLLECT]
+    return max(zip(reads, reads[1:]), key=lambda pair: pair[1] - pair[0], default=None)
+
+
 def median_cells(samples: list[dict[str, tuple[int, float]]], names: list[str]) -> list[tuple[str, float, float]]:
-    """(name, calls, ms) for each of `names` any sample holds, each the median over `samples`
+    """(name, count, ms) for each of `names` any sample holds, each the median over `samples`
     (a sample without it counts 0, 0)."""
     held = [name for name in names if any(name in s for s in samples)]
     return [(name, statistics.median(s.get(name, (0, 0.0))[0] for s in samples),
@@ -120,6 +141,21 @@ def print_rows(title: str, what: str, rows: list[tuple[str, float, float]]) -> N
     print(f"\n| {title} | {what} | ms |\n| --- | --- | --- |")
     for name, count, ms in rows:
         print(f"| {name} | {count:g} | {ms:.2f} |")
+
+
+def print_gaps(recorded: list[profile], cuda: bool) -> None:
+    """For each run, the decoding chat's longest gap between two token reads and what filled it."""
+    print("\nThe decoding chat's longest gap between two token reads, and the engine's phases in it:")
+    for run, one in enumerate(recorded):
+        phases = phase_spans(one)
+        gap = longest_read_gap(phases)
+        if gap is None:
+            print(f"- run {run}: fewer than two reads in the profile")
+            continue
+        inside = totals(within(phases, *gap), str)
+        filled = ", ".join(f"{name.removeprefix('engine: ')} {n}x {ms:.2f} ms" for name, (n, ms) in inside.items())
+        busy = f"; device busy {busy_ms(within(device_work(one, cuda), *gap)):.2f} ms" if cuda else ""
+        print(f"- run {run}: {(gap[1] - gap[0]) / 1e3:.2f} ms: {filled}{busy}")
 
 
 def main() -> None:
@@ -135,10 +171,9 @@ def main() -> None:
         scenario = next((s for s in available(app) if args.only in s.name), None)
         if scenario is None:
             parser.error(f"no scenario's name holds {args.only!r}: " + "; ".join(s.name for s in available(app)))
-        if scenario.concurrency > 1 or scenario.beside or scenario.in_turn or scenario.restart:
+        if scenario.concurrency > 1 or scenario.in_turn or scenario.restart:
             parser.error(f"'{scenario.name}' is more than one request's path: the bench times it")
         cuda = app.backend.engine.runner.device.type == "cuda"
-
         questions = itertools.count()  # each run asks a new one, as the bench's
 
         def turns(count: int, profiling: bool) -> list[tuple[float, profile | None]]:
@@ -164,12 +199,14 @@ def main() -> None:
     print(f"Time to {first}: {statistics.median(plain):.2f} ms unprofiled, "
           f"{statistics.median(seconds * 1e3 for seconds, _ in profiled):.2f} ms profiled")
     recorded = [r for _, r in profiled]
-    print_rows("engine phase", "calls", median_cells([phase_times(r) for r in recorded], PHASES))
-    devices = [device_times(r, cuda) for r in recorded]
-    what = "kernels" if cuda else "ATen ops, self CPU time"
-    print_rows("device work", what, median_cells([cells for cells, _ in devices], CATEGORIES))
+    print_rows("engine phase", "calls", median_cells([totals(phase_spans(r), str) for r in recorded], PHASES))
+    work = [device_work(r, cuda) for r in recorded]
+    print_rows("device work", "kernels" if cuda else "ATen ops, self CPU time",
+               median_cells([totals(w, category) for w in work], CATEGORIES))
     if cuda:
-        print(f"\nDevice busy (the union of its kernels' intervals): {statistics.median(b for _, b in devices):.2f} ms")
+        print(f"\nDevice busy (the union of its kernels' intervals): {statistics.median(map(busy_ms, work)):.2f} ms")
+    if scenario.beside:
+        print_gaps(recorded, cuda)
 
 
 if __name__ == "__main__":
