@@ -169,9 +169,10 @@ def main() -> None:
     settings, loaded = settings_and_model(args)
     every_cache_off = settings.replace(prefix_cache=False, encoder_cache=False)
     system = long_system_prompt(loaded.processor.tokenizer, args.system_tokens)
-    cases: dict[str, Case] = {"same image, new question": image_new_question, "text chat turn 2": text_turn_2,
-                              f"shared {args.system_tokens:,}-token system prompt": shared_system_prompt(system)}
-    cases = {name: case for (name, case), key in zip(cases.items(), CASES) if key in args.cases}
+    rows: dict[str, tuple[str, Case]] = {
+        "image": ("same image, new question", image_new_question), "text": ("text chat turn 2", text_turn_2),
+        "system": (f"shared {args.system_tokens:,}-token system prompt", shared_system_prompt(system))}
+    cases = dict(rows[key] for key in CASES if key in rows and key in args.cases)
     with OmniLocal(settings, loaded=loaded) as cached, OmniLocal(every_cache_off, loaded) as cold:
         if cached.backend.engine.speaker and "spoken" in args.cases:
             cases["spoken reply (text and codes)"] = spoken_turn_2
