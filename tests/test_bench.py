@@ -235,8 +235,8 @@ def test_the_turn_profile_shows_each_engine_phase_of_a_spoken_first_send_once_an
     done = run_part_bench("profile_turn", demo_settings, tmp_path, "--runs", "1", "--reading-seconds", "0",
                           "--only", "spoken reply, first send", "--speech", "true", "--max-speech-seconds", "0.5")
     assert done.returncode == 0, done.stderr
-    assert "'spoken reply, first send': where the time to first audio goes, medians of 1 profiled runs" in done.stdout
-    first_audio = re.search(r"Time to first audio: ([\d.]+) ms unprofiled, ([\d.]+) ms profiled", done.stdout)
+    assert "## 'spoken reply, first send': where the time to first audio goes\n\nMedians of 1 profiled runs" in done.stdout
+    first_audio = re.search(r"Time to first audio: ([\d.]+) ms unprofiled, ([\d.]+) ms profiled\.", done.stdout)
     assert first_audio and float(first_audio[1]) > 0 and float(first_audio[2]) > 0
     tables = {table[0][0]: {row[0]: row[1:] for row in table[2:]} for table in markdown_tables(done.stdout)}
     phases = {name: float(calls) for name, (calls, _) in tables["engine phase"].items()}
@@ -287,6 +287,9 @@ def test_the_longest_gap_is_between_the_ends_of_two_consecutive_reads_and_holds_
     assert within(phases, 100.0, 4500.0) == [(PREFILL, 150.0, 4000.0), (DECODE, 4000.0, 4400.0),
                                              (COLLECT, 4400.0, 4500.0)]
     assert longest_read_gap(phases[:1]) is None
+    # Gaps that begin after the timed reply's first token are not its doing.
+    later = [(COLLECT, 0.0, 100.0), (FIRST_TOKEN, 150.0, 200.0), (COLLECT, 300.0, 400.0), (COLLECT, 9000.0, 9100.0)]
+    assert longest_read_gap(later) == (100.0, 400.0)
 
 
 def test_an_engine_phase_records_nothing_while_no_profiler_runs():

@@ -1,8 +1,9 @@
-"""Where a request's time to its first token (or first audio) goes: one of the bench's scenarios, its
-timed turn under torch.profiler, the engine's phases on its thread beside the device's kernels.
+"""Where a request's time to its first token (or first audio) goes: bench scenarios' timed turns
+under torch.profiler, the engine's phases on its thread beside the device's kernels.
 
     python -m omni_local.bench.profile_turn --only "shared 2,084"              # demo model, CPU smoke run
-    python -m omni_local.bench.profile_turn --random-weights CONFIG.json --only "video 10 s, first send"
+    python -m omni_local.bench.profile_turn --random-weights CONFIG.json --only "video 10 s, first send" \\
+        --only "shared 2,084" --only "spoken reply, first send"           # each in turn, one model load
     python -m omni_local.bench.profile_turn --random-weights CONFIG.json --prefix-cache false \\
         --encoder-cache false --only "2,084-token system prompt, first send beside"
 
@@ -13,7 +14,8 @@ scenario's: its first audio). After a warm-up run, --runs runs unprofiled give t
 token the bench would show, then --runs profiled ones the tables; each cell is a median over the
 profiled runs.
 
-- The engine's phases (engine/phases.py): each one's summed time in the turn and how often it ran.
+- The engine's phases (engine/phases.py): each one's summed time in the turn and how often it ran,
+  up to the end of the first token's phase (or, spoken, the whole profile).
   "prepare prompt" holds "encode media", and "first token" a spoken reply's "begin speech". The
   engine thread's time in no phase is its loop, waiting for work, or work not named.
 - The device: kernels by category (profile_decode's), their summed time, and the device's busy
@@ -24,6 +26,7 @@ profiled runs.
 Scenarios of several chats at once, in turn or after a restart are the bench's alone.
 """
 
+import argparse
 import itertools
 import statistics
 import time
@@ -40,7 +43,7 @@ from omni_local.bench.common import bench_parser, settings_and_model
 from omni_local.bench.decode_steps import device_label
 from omni_local.bench.profile_decode import CATEGORIES, DEVICE_WORK, category, is_work
 from omni_local.bench.scenarios import Scenario, available, first_look, opened, question, send
-from omni_local.engine.phases import COLLECT, PHASES
+from omni_local.engine.phases import COLLECT, FIRST_TOKEN, PHASES
 
 Span = tuple[str, float, float]  # (name, start, end), µs on the profiler's clock
 
@@ -91,11 +94,20 @@ def phase_spans(recorded: profile) -> list[Span]:
 
 
 def device_work(recorded: profile, cuda: bool) -> list[Span]:
-    """Each kernel, copy and memset on the GPU; on the CPU, each ATen op, as (name, 0, self time)."""
+    """Each kernel, copy and memset on the GPU; on the CPU, each ATen op from its start for its self
+    time (its children's apart)."""
     if cuda:
         return [(e.name, e.time_range.start, e.time_range.end) for e in recorded.events()
                 if is_work(e, DeviceType.CUDA, DEVICE_WORK)]
-    return [(e.name, 0.0, e.self_cpu_time_total) for e in recorded.events() if is_work(e, DeviceType.CPU, ("cpu_op",))]
+    return [(e.name, e.time_range.start, e.time_range.start + e.self_cpu_time_total) for e in recorded.events()
+            if is_work(e, DeviceType.CPU, ("cpu_op",))]
+
+
+def until_first_token(spans: list[Span], phases: list[Span]) -> list[Span]:
+    """`spans` up to the end of the first token's phase, where the profile holds one: the profile runs
+    until the reply's first text, which can come a few tokens later (a token of part of a character)."""
+    end = next((e for name, _, e in phases if name == FIRST_TOKEN), None)
+    return spans if end is None else within(spans, float("-inf"), end)
 
 
 def totals(spans: list[Span], name_of: Callable[[str], str]) -> dict[str, tuple[int, float]]:
@@ -123,10 +135,13 @@ def within(spans: list[Span], start: float, end: float) -> list[Span]:
 
 
 def longest_read_gap(phases: list[Span]) -> tuple[float, float] | None:
-    """The longest interval between the ends of two consecutive reads of a decode step, or None
-    where there are fewer than two."""
+    """The longest interval between the ends of two consecutive reads of a decode step that begins
+    before the first token's phase ends (the bench's gaps, beside.py, are those until the first
+    token), or None where there is none."""
+    until = next((end for name, _, end in phases if name == FIRST_TOKEN), float("inf"))
     reads = [end for name, _, end in phases if name == COLLECT]
-    return max(zip(reads, reads[1:]), key=lambda pair: pair[1] - pair[0], default=None)
+    gaps = [(earlier, later) for earlier, later in zip(reads, reads[1:]) if earlier <= until]
+    return max(gaps, key=lambda pair: pair[1] - pair[0], default=None)
 
 
 def median_cells(samples: list[dict[str, tuple[int, float]]], names: list[str]) -> list[tuple[str, float, float]]:
@@ -158,55 +173,69 @@ def print_gaps(recorded: list[profile], cuda: bool) -> None:
         print(f"- run {run}: {(gap[1] - gap[0]) / 1e3:.2f} ms: {filled}{busy}")
 
 
-def main() -> None:
-    parser = bench_parser("python -m omni_local.bench.profile_turn")
-    parser.add_argument("--only", required=True, metavar="TEXT",
-                        help="the scenario whose name holds TEXT (the first, in the bench's order)")
-    parser.add_argument("--new-tokens", type=int, default=4)
-    parser.add_argument("--reading-seconds", type=float, default=0.5,
-                        help="pause before each timed turn, as the bench's")
-    args = parser.parse_args()
-    settings, loaded = settings_and_model(args)
-    with OmniLocal(settings, loaded=loaded) as app:
-        scenario = next((s for s in available(app) if args.only in s.name), None)
-        if scenario is None:
-            parser.error(f"no scenario's name holds {args.only!r}: " + "; ".join(s.name for s in available(app)))
-        if scenario.concurrency > 1 or scenario.in_turn or scenario.restart:
-            parser.error(f"'{scenario.name}' is more than one request's path: the bench times it")
-        cuda = app.backend.engine.runner.device.type == "cuda"
-        questions = itertools.count()  # each run asks a new one, as the bench's
+def profile_scenario(app: OmniLocal, scenario: Scenario, args: argparse.Namespace) -> None:
+    """Profile `scenario`'s timed turn (after warm-ups) and print its tables."""
+    cuda = app.backend.engine.runner.device.type == "cuda"
+    questions = itertools.count()  # each run asks a new one, as the bench's
 
-        def turns(count: int, profiling: bool) -> list[tuple[float, profile | None]]:
-            """`count` runs that reached their first token or audio; a spoken one that did not is asked again."""
-            done = []
-            for _ in range(3 * count + 3):
-                first, recorded = profiled_turn(app, scenario, next(questions), args.new_tokens, args.reading_seconds,
-                                                profiling)
-                if first is not None:
-                    done.append((first, recorded))
-                if len(done) == count:
-                    return done
-            raise SystemExit(f"'{scenario.name}': {3 * count + 3} replies, and fewer than {count} spoke")
+    def turns(count: int, profiling: bool) -> list[tuple[float, profile | None]]:
+        """`count` runs that reached their first token or audio; a spoken one that did not is asked again."""
+        done = []
+        for _ in range(3 * count + 3):
+            first, recorded = profiled_turn(app, scenario, next(questions), args.new_tokens, args.reading_seconds,
+                                            profiling)
+            if first is not None:
+                done.append((first, recorded))
+            if len(done) == count:
+                return done
+        raise SystemExit(f"'{scenario.name}': {3 * count + 3} replies, and fewer than {count} spoke")
 
-        turns(1, profiling=False)  # compiles, first uses
-        turns(1, profiling=True)  # the profiler's own first start
-        plain = [seconds * 1e3 for seconds, _ in turns(args.runs, profiling=False)]
-        profiled = turns(args.runs, profiling=True)
+    turns(1, profiling=False)  # compiles, first uses
+    turns(1, profiling=True)  # the profiler's own first start
+    plain = [seconds * 1e3 for seconds, _ in turns(args.runs, profiling=False)]
+    profiled = turns(args.runs, profiling=True)
+    runner = app.backend.engine.runner
     first = "first audio" if scenario.speak else "first token"
-    print(f"'{scenario.name}': where the time to {first} goes, medians of {args.runs} profiled runs; "
-          f"{device_label(app.backend.engine.runner)}, prefix cache {str(settings.prefix_cache).lower()}, "
-          f"MoE backend {app.backend.engine.runner.regions.moe.name}\n")
-    print(f"Time to {first}: {statistics.median(plain):.2f} ms unprofiled, "
-          f"{statistics.median(seconds * 1e3 for seconds, _ in profiled):.2f} ms profiled")
+    print(f"\n## '{scenario.name}': where the time to {first} goes\n\nMedians of {args.runs} profiled runs; "
+          f"{device_label(runner)}, prefix cache {str(app.settings.prefix_cache).lower()}, MoE backend "
+          f"{runner.regions.moe.name}. Time to {first}: {statistics.median(plain):.2f} ms unprofiled, "
+          f"{statistics.median(seconds * 1e3 for seconds, _ in profiled):.2f} ms profiled.")
     recorded = [r for _, r in profiled]
-    print_rows("engine phase", "calls", median_cells([totals(phase_spans(r), str) for r in recorded], PHASES))
+    phases = [phase_spans(r) for r in recorded]
     work = [device_work(r, cuda) for r in recorded]
+    if not scenario.speak:
+        work = [until_first_token(w, p) for w, p in zip(work, phases)]
+        phases = [until_first_token(p, p) for p in phases]
+    print_rows("engine phase", "calls", median_cells([totals(p, str) for p in phases], PHASES))
     print_rows("device work", "kernels" if cuda else "ATen ops, self CPU time",
                median_cells([totals(w, category) for w in work], CATEGORIES))
     if cuda:
         print(f"\nDevice busy (the union of its kernels' intervals): {statistics.median(map(busy_ms, work)):.2f} ms")
     if scenario.beside:
         print_gaps(recorded, cuda)
+
+
+def main() -> None:
+    parser = bench_parser("python -m omni_local.bench.profile_turn")
+    parser.add_argument("--only", action="append", required=True, metavar="TEXT",
+                        help="profile the scenario whose name holds TEXT (the first, in the bench's order); "
+                             "repeatable, each in turn on one app")
+    parser.add_argument("--new-tokens", type=int, default=4)
+    parser.add_argument("--reading-seconds", type=float, default=0.5,
+                        help="pause before each timed turn, as the bench's")
+    args = parser.parse_args()
+    settings, loaded = settings_and_model(args)
+    with OmniLocal(settings, loaded=loaded) as app:
+        chosen = []
+        for text in args.only:
+            scenario = next((s for s in available(app) if text in s.name), None)
+            if scenario is None:
+                parser.error(f"no scenario's name holds {text!r}: " + "; ".join(s.name for s in available(app)))
+            if scenario.concurrency > 1 or scenario.in_turn or scenario.restart:
+                parser.error(f"'{scenario.name}' is more than one request's path: the bench times it")
+            chosen.append(scenario)
+        for scenario in chosen:
+            profile_scenario(app, scenario, args)
 
 
 if __name__ == "__main__":
