@@ -78,8 +78,11 @@ def _profiler(app: OmniLocal) -> profile:
     """torch.profiler over every thread (the engine's own is not the caller's), kernels too on a GPU."""
     cuda = app.backend.engine.runner.device.type == "cuda"
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
-    return profile(activities=activities,
-                   experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True))
+    try:
+        every_thread = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except TypeError:  # a torch without the option: kernels are still recorded, the engine's phases not
+        every_thread = None
+    return profile(activities=activities, experimental_config=every_thread)
 
 
 def _wait_for_first(reply: Reply, kind: type) -> None:
