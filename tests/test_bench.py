@@ -250,15 +250,14 @@ def test_the_turn_profile_shows_each_engine_phase_of_a_spoken_first_send_once_an
 def test_the_turn_profile_beside_a_decoding_chat_shows_what_filled_its_longest_wait_for_a_token(
     demo_settings, demo_checkpoint, tmp_path
 ):
-    # The 2,084-token prompt, in chunks of 512 while the other chat decodes; the part bench's
-    # settings allow prompts of 960 tokens, these later ones 3,960.
+    # The 2,084-token prompt, every cache off (a first send), in chunks of 512 while the other chat
+    # decodes; the part bench's settings allow prompts of 960 tokens, these later ones 3,960.
     done = run_part_bench("profile_turn", demo_settings, tmp_path, "--runs", "1", "--reading-seconds", "0",
-                          "--only", "first send beside", "--prefix-cache", "false",
-                          "--max-context-tokens", "4096", "--max-prompt-tokens", "3960")
+                          "--only", "first send beside", "--max-context-tokens", "4096", "--max-prompt-tokens", "3960")
     assert done.returncode == 0, done.stderr
     phases = {row[0]: float(row[1]) for table in markdown_tables(done.stdout) if table[0][0] == "engine phase"
               for row in table[2:]}
-    assert phases[PREFILL] == 5  # 2,115 tokens: four chunks of 512, and the rest
+    assert "caches off" in done.stdout and phases[PREFILL] == 5  # 2,115 tokens: four chunks of 512, and the rest
     gap = re.search(r"- run 0: ([\d.]+) ms: (.*)", done.stdout)
     # One chunk and one decode step in the longest gap, as the engine takes turns
     assert gap and float(gap[1]) > 0 and "prefill forward 1x" in gap[2] and "queue decode step 1x" in gap[2]

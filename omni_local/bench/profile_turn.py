@@ -4,20 +4,20 @@ under torch.profiler, the engine's phases on its thread beside the device's kern
     python -m omni_local.bench.profile_turn --only "shared 2,084"              # demo model, CPU smoke run
     python -m omni_local.bench.profile_turn --random-weights CONFIG.json --only "video 10 s, first send" \\
         --only "shared 2,084" --only "spoken reply, first send"           # each in turn, one model load
-    python -m omni_local.bench.profile_turn --random-weights CONFIG.json --prefix-cache false \\
-        --encoder-cache false --only "2,084-token system prompt, first send beside"
+    python -m omni_local.bench.profile_turn --random-weights CONFIG.json --only "first send beside"
 
-A run opens the scenario's chat as the bench does (its earlier turns; for a `warm_cache` scenario,
-another chat's first look before; for a `beside` one, another chat decoding meanwhile), waits
---reading-seconds, then sends the timed turn and profiles it until its first token (a spoken
-scenario's: its first audio). After a warm-up run, --runs runs unprofiled give the time to first
-token the bench would show, then --runs profiled ones the tables; each cell is a median over the
-profiled runs.
+A first send runs with every cache off, the rest with the caches the settings say, as the bench's
+rows (two apps on the model loaded once). A run opens the scenario's chat as the bench does (its
+earlier turns; for a `warm_cache` scenario, another chat's first look before; for a `beside` one,
+another chat decoding meanwhile), waits --reading-seconds, then sends the timed turn and profiles
+it until its first token (a spoken scenario's: its first audio). After a warm-up run, --runs runs
+unprofiled give the time to first token the bench would show, then --runs profiled ones the
+tables; each cell is a median over the profiled runs.
 
 - The engine's phases (engine/phases.py): each one's summed time in the turn and how often it ran,
-  up to the end of the first token's phase (or, spoken, the whole profile).
-  "prepare prompt" holds "encode media", and "first token" a spoken reply's "begin speech". The
-  engine thread's time in no phase is its loop, waiting for work, or work not named.
+  up to the end of the first token's phase (spoken, the whole profile). "prepare prompt" holds
+  "encode media", and "first token" a spoken reply's "begin speech". The engine thread's time in
+  no phase is its loop, waiting for work, or work not named.
 - The device: kernels by category (profile_decode's), their summed time, and the device's busy
   time, the union of its kernels' intervals: the rest of the turn the device waited for the host.
   On the CPU there are no kernels: ATen ops on every thread, by self time, and no busy time.
@@ -199,8 +199,9 @@ def profile_scenario(app: OmniLocal, scenario: Scenario, args: argparse.Namespac
     profiled = turns(args.runs, profiling=True)
     runner = app.backend.engine.runner
     first = "first audio" if scenario.speak else "first token"
+    caches = "on" if app.settings.prefix_cache else "off"
     print(f"\n## '{scenario.name}': where the time to {first} goes\n\nMedians of {args.runs} profiled runs; "
-          f"{device_label(runner)}, prefix cache {str(app.settings.prefix_cache).lower()}, MoE backend "
+          f"{device_label(runner)}, caches {caches}, MoE backend "
           f"{runner.regions.moe.name}. Time to {first}: {statistics.median(plain):.2f} ms unprofiled, "
           f"{statistics.median(seconds * 1e3 for seconds, _ in profiled):.2f} ms profiled.")
     recorded = [r for _, r in profiled]
@@ -228,17 +229,24 @@ def main() -> None:
                         help="pause before each timed turn, as the bench's")
     args = parser.parse_args()
     settings, loaded = settings_and_model(args)
-    with OmniLocal(settings, loaded=loaded) as app:
+    every_cache_off = settings.replace(prefix_cache=False, encoder_cache=False)
+    with OmniLocal(settings, loaded=loaded) as cached, OmniLocal(every_cache_off, loaded) as cold:
         chosen = []
         for text in args.only:
-            scenario = next((s for s in available(app) if text in s.name), None)
+            scenario = next((s for s in available(cached) if text in s.name), None)
             if scenario is None:
-                parser.error(f"no scenario's name holds {text!r}: " + "; ".join(s.name for s in available(app)))
+                parser.error(f"no scenario's name holds {text!r}: " + "; ".join(s.name for s in available(cached)))
             if scenario.concurrency > 1 or scenario.in_turn or scenario.restart:
                 parser.error(f"'{scenario.name}' is more than one request's path: the bench times it")
             chosen.append(scenario)
         for scenario in chosen:
-            profile_scenario(app, scenario, args)
+            profile_scenario(cold if first_send(scenario) else cached, scenario, args)
+
+
+def first_send(scenario: Scenario) -> bool:
+    """Whether the bench times `scenario` with every cache off alone: a first send has nothing to
+    reuse, and with the cache on its later runs would find the earlier runs' system prompt."""
+    return "first send" in scenario.name
 
 
 if __name__ == "__main__":
