@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers.utils import is_torchvision_available
 
+from omni_local.bench.__main__ import median_of
 from omni_local.bench.beside import longest_gap
 from omni_local.bench.profile_decode import (
     ATTENTION, CATEGORIES, DENSE, ELEMENTWISE, EXPERTS, KV, OTHER, ROUTING, category,
@@ -115,6 +116,18 @@ def run_part_bench(module: str, demo_settings, tmp_path: Path, *args: str) -> su
          "--gpu-cache-bytes", str(64 << 20), "--max-context-tokens", "1024", "--max-prompt-tokens", "960", *args],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )
+
+
+def test_a_row_times_its_runs_after_one_warm_up_run_unless_told_to_time_the_first_use():
+    seen = []
+
+    def measure(run: int) -> dict[str, float]:
+        seen.append(run)
+        return {"ttft_ms": 10.0 * (run + 2)}
+
+    assert median_of(2, measure) == {"ttft_ms": 25.0} and seen == [-1, 0, 1]
+    seen.clear()
+    assert median_of(1, measure, warm_up=False) == {"ttft_ms": 20.0} and seen == [0]
 
 
 def test_the_decode_step_bench_smoke_run_prints_a_step_time_for_each_batch_and_context(

@@ -8,6 +8,10 @@ is the median of --runs after one warm-up run; each run asks a new question, so 
 reuse only what a real user's next request would. "cache off" means every cache off (prefix and
 encoder), so a first send really runs its encoder. The table goes to stdout, JSON to --json.
 
+Each row's runs follow a warm-up run, which pays what a first use costs (compiles, kernel choices);
+`--no-warm-up --runs 1` times that first use instead: the first row of a process, its first such
+request since start-up (a voice turn 2 right after start-up, say).
+
 A timed turn is sent --reading-seconds (0.5) after the turns before it finished, as a person
 reads a reply before the next question. The engine uses such idle time to keep blocks free ahead
 of need (moving the least recently used chats to host memory, a copy of their whole KV); a request
@@ -69,8 +73,9 @@ System = tuple[str, OmniLocal, Callable[[OmniLocal, Scenario, int, int], dict[st
 _IN_TURN_CHATS: dict[tuple[int, str], list[Session]] = {}  # (app, scenario) -> its chats taken up in turn
 
 
-def median_of(runs: int, measure: Callable[[int], dict[str, float]]) -> dict[str, float]:
-    measure(-1)  # warm-up
+def median_of(runs: int, measure: Callable[[int], dict[str, float]], warm_up: bool = True) -> dict[str, float]:
+    if warm_up:
+        measure(-1)
     return medians([measure(run) for run in range(runs)])
 
 
@@ -144,6 +149,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--reading-seconds", type=float, default=0.5,
                         help="pause before each timed turn, as a person reading the reply before")
+    parser.add_argument("--no-warm-up", action="store_true",
+                        help="time each row's first run too: with --runs 1, the first such request since start-up")
     parser.add_argument("--only", action="append", default=[], metavar="TEXT",
                         help="run only the scenarios whose name holds TEXT (repeatable)")
     args = parser.parse_args()
@@ -175,7 +182,7 @@ def _rows(scenario: Scenario, systems: tuple[System, ...], args: argparse.Namesp
             continue  # chats taken up in turn show how their KV is kept: nothing to show without a cache
         if run is transformers_run and scenario.concurrency > 1:
             system += ", sequential"
-        result = median_of(args.runs, lambda i: run(app, scenario, i, args.new_tokens))
+        result = median_of(args.runs, lambda i: run(app, scenario, i, args.new_tokens), warm_up=not args.no_warm_up)
         yield {"scenario": scenario.name, "system": system, **result}
 
 
@@ -199,7 +206,7 @@ def _environment(app: OmniLocal, args: argparse.Namespace) -> dict[str, str]:
         "MoE backend": app.backend.engine.runner.regions.moe.name,
         "deterministic": str(app.settings.deterministic).lower(),
         "KV": f"{app.settings.gpu_cache_bytes / 2**30:g} GiB in blocks of {app.settings.kv_block_tokens}",
-        "runs": str(args.runs),
+        "runs": str(args.runs) + ("" if not args.no_warm_up else ", no warm-up run"),
         "new_tokens": str(args.new_tokens),
     }
 
