@@ -1,6 +1,7 @@
 """How the engine serves requests: sampling, streaming, cancellation, failures, several at once."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -220,3 +221,41 @@ def test_a_request_waiting_for_blocks_is_not_matched_again_at_every_decode_step(
     # The first request once; the second once while blocked, then once when blocks came free and
     # once more after its match (the first's entry, in those blocks) moved to host to make room.
     assert 3 <= len(matched) <= 4
+
+
+def test_a_prompt_slow_to_build_holds_up_no_chat_that_is_decoding(app, monkeypatch):
+    import omni_local.engine.engine as engine_module
+    from omni_local.bench.beside import accepted_tokens
+
+    build = engine_module.fit_prompt
+    decoding = app.session()
+    with accepted_tokens(app.backend.engine, decoding.id) as arrivals:
+        kept_coming = []
+
+        def slow_to_build(messages, *args):
+            if "a long document" in messages[-1].text:  # say, a pasted document: tokenizing takes a while
+                start = len(arrivals)
+                kept_coming.append(wait_until(lambda: len(arrivals) >= start + 5, seconds=10))
+            return build(messages, *args)
+
+        monkeypatch.setattr(engine_module, "fit_prompt", slow_to_build)
+        story = decoding.send(QUESTION, max_new_tokens=400)
+        reader = threading.Thread(target=story.result, daemon=True)
+        reader.start()
+        assert wait_until(lambda: len(arrivals) >= 2, seconds=30)
+        asked = app.session().send("Here is a long document.", max_new_tokens=2)
+        final = asked.result()
+        story.cancel()
+        reader.join(timeout=30)
+    # While its prompt was being built, the other chat got five tokens more; then it was answered.
+    assert kept_coming == [True] and final.tokens.prompt > 0
+
+
+def wait_until(condition, seconds: float) -> bool:
+    """Whether `condition()` came true within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True

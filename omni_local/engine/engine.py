@@ -1,8 +1,10 @@
-"""The engine: one worker thread owns the model; requests arrive from any thread.
+"""The engine: one worker thread owns the model; requests arrive from any thread, and another
+thread builds their prompts (the chat template, the tokenizer, the media's digests) in the order
+they come, so the worker never stops every decoding chat to build one.
 
-Each turn of the loop is schedule (admit waiting requests: build the prompt, match it in the prefix
-cache, claim blocks for all it may write, take a seat), run (forwards, and sampling on the device), postprocess
-(stream, finish). A turn runs the prefill of the oldest request still waiting for its first token
+Each turn of the loop is schedule (admit waiting requests, their prompts built: match each in the
+prefix cache, claim blocks for all it may write, take a seat), run (forwards, and sampling on the
+device), postprocess (stream, finish). A turn runs the prefill of the oldest request still waiting for its first token
 (of what the cache could not supply), and of the short ones after it while the turn's prefills stay
 within one chunk's tokens, then one decode step of every request that was decoding (one batched
 forward when graphed), then one frame of every spoken reply. While another reply is decoding or
@@ -37,6 +39,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TypeVar
@@ -132,7 +135,11 @@ class Engine:
         self.seats = Seats(settings.max_running_requests)
         self.sampler = SeatSampler(self.seats.count, thinker.lm_head.out_features, self.runner.device, suppressed,
                                    self.reasoning_marks.end if self.reasoning_marks else None)
-        self._inbox: "queue.Queue[Request | None]" = queue.Queue()
+        # Prompts are built on a thread of their own, in the order requests come (the chat template,
+        # the tokenizer, each medium's digest: milliseconds for a long chat or a video), so the
+        # worker, whom every decoding chat waits on, never stops for one.
+        self._prompt_builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-prompts")
+        self._inbox: "queue.Queue[Request | None]" = queue.Queue()  # requests with their prompts
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self._in_flight: DecodeStep | None = None  # the last decode step, read in the next turn
@@ -152,10 +159,26 @@ class Engine:
             self.speaker.check(speech)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         request = Request(session=session, messages=list(messages), params=params, seed=seed, speech=speech)
-        self._inbox.put(request)
+        try:
+            self._prompt_builder.submit(self._build_prompt, request)
+        except RuntimeError as error:  # the builder is shut down
+            raise RequestError("the engine was closed") from error
         return request
 
+    def _build_prompt(self, request: Request) -> None:
+        """On the prompt builder's thread: `request`'s prompt, or why it has none; then it is the worker's."""
+        building = time.perf_counter()
+        try:
+            with phase(BUILD_PROMPT):
+                request.prompt, request.turns_left_out = fit_prompt(
+                    request.messages, self.loaded.processor, self.settings.max_prompt_tokens, self.reasoning_marks)
+        except Exception as error:  # noqa: BLE001 - the worker fails the request, as any request's failure
+            request.build_error = error
+        request.prompt_built_s = time.perf_counter() - building
+        self._inbox.put(request)
+
     def close(self) -> None:
+        self._prompt_builder.shutdown(wait=True)  # every request submitted reaches the worker, to serve or fail
         self._inbox.put(None)
         self._worker.join(timeout=30)
         if self.encoder_cache is not None:
@@ -208,13 +231,8 @@ class Engine:
         while self._waiting and not self._short_of_blocks and self.seats.free and not self._parked():
             request = self._waiting[0]
             try:
-                if request.prompt is None:
-                    building = time.perf_counter()
-                    with phase(BUILD_PROMPT):
-                        request.prompt, request.turns_left_out = fit_prompt(
-                            request.messages, self.loaded.processor, self.settings.max_prompt_tokens,
-                            self.reasoning_marks)
-                    request.prompt_built_s = time.perf_counter() - building
+                if request.build_error is not None:
+                    raise request.build_error
                 with phase(CLAIM_KV):
                     request.claim = self.cache.claim(request.session, request.prompt,
                                                      self.cache.match(request.prompt, request.session),

@@ -39,7 +39,8 @@ Event = TextDelta | ReasoningDelta | AudioChunk | Finished | Failed
 
 @dataclass
 class Request:
-    """Created by the caller, then owned by the engine's worker thread until it finishes."""
+    """Created by the caller, given its prompt by the engine's prompt builder, then owned by the
+    engine's worker thread until it finishes."""
 
     session: str
     messages: list[Message]
@@ -49,8 +50,12 @@ class Request:
     events: "queue.Queue[Event]" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted_at: float = field(default_factory=time.perf_counter)
-    # Filled by the worker:
+    # Filled by the prompt builder:
     prompt: Prompt | None = None
+    turns_left_out: int = 0  # the chat's earliest turns the prompt leaves out, to fit max_prompt_tokens
+    prompt_built_s: float = 0.0  # spent building its prompt (not waiting: the engine's work on it)
+    build_error: Exception | None = None  # why its prompt could not be built: the worker fails it
+    # Filled by the worker:
     claim: Claim | None = None  # the session's cache entry and its blocks, while running
     seat: int | None = None  # its row in the sampler, from admission until its text ends
     prepared: PreparedPrompt | None = None  # from its prefill's first part on, until its text ends
@@ -59,7 +64,6 @@ class Request:
     computed: int = 0  # prompt tokens this request computed
     reused: tuple[int, int] = (0, 0)  # prompt tokens whose KV came from the device, from host memory
     media: MediaCounts = field(default_factory=MediaCounts)
-    turns_left_out: int = 0  # the chat's earliest turns the prompt leaves out, to fit max_prompt_tokens
     written: int = 0  # tokens of prompt-then-reply whose KV is in its blocks, of accepted tokens only
     output_ids: list[int] = field(default_factory=list)  # the reply's tokens the host has accepted
     launched: int = 0  # reply tokens chosen on the device: the accepted ones and one of a step not read yet
@@ -67,7 +71,6 @@ class Request:
     streamed: str = ""  # the answer sent as deltas so far
     reasoning: ReasoningText | None = None  # a Thinking checkpoint's reply
     started_at: float = 0.0  # admitted: a seat taken and its blocks claimed
-    prompt_built_s: float = 0.0  # spent building its prompt before that (not waiting: the engine's work on it)
     first_token_at: float = 0.0
     text_done: bool = False  # the Thinker has finished; its seat and blocks are given back
     text_done_at: float = 0.0
