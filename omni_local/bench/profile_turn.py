@@ -1,5 +1,5 @@
 """Where a request's time to its first token (or first audio) goes: bench scenarios' timed turns
-under torch.profiler, the engine's phases on its thread beside the device's kernels.
+under torch.profiler, the engine's phases on its threads beside the device's kernels.
 
     python -m omni_local.bench.profile_turn --only "shared 2,084"              # demo model, CPU smoke run
     python -m omni_local.bench.profile_turn --random-weights CONFIG.json --only "video 10 s, first send" \\
@@ -16,8 +16,9 @@ tables; each cell is a median over the profiled runs.
 
 - The engine's phases (engine/phases.py): each one's summed time in the turn and how often it ran,
   up to the end of the first token's phase (spoken, the whole profile). "prepare prompt" holds
-  "encode media", and "first token" a spoken reply's "begin speech". The engine thread's time in
-  no phase is its loop, waiting for work, or work not named.
+  "encode media", and "first token" a spoken reply's "begin speech". "build prompt" runs on the
+  engine's prompt builder, the rest on its worker, whose time in no phase is its loop, waiting
+  for work, or work not named.
 - The device: kernels by category (profile_decode's), their summed time, and the device's busy
   time, the union of its kernels' intervals: the rest of the turn the device waited for the host.
   On the CPU there are no kernels: ATen ops on every thread, by self time, and no busy time.
@@ -75,7 +76,8 @@ def profiled_turn(app: OmniLocal, scenario: Scenario, run: int, new_tokens: int,
 
 
 def _profiler(app: OmniLocal) -> profile:
-    """torch.profiler over every thread (the engine's own is not the caller's), kernels too on a GPU."""
+    """torch.profiler over every thread (the engine's worker and prompt builder are not the caller's),
+    kernels too on a GPU."""
     cuda = app.backend.engine.runner.device.type == "cuda"
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     try:
