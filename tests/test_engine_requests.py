@@ -6,8 +6,10 @@ import time
 import pytest
 import torch
 
+import omni_local.engine.engine as engine_module
 from kv_budget import kv_rows
 from omni_local.api import OmniLocal
+from omni_local.bench.beside import accepted_tokens
 from omni_local.api.events import Finished, TextDelta
 from omni_local.errors import RequestError
 from omni_local.model.loader import end_of_turn_ids
@@ -224,9 +226,6 @@ def test_a_request_waiting_for_blocks_is_not_matched_again_at_every_decode_step(
 
 
 def test_a_prompt_slow_to_build_holds_up_no_chat_that_is_decoding(app, monkeypatch):
-    import omni_local.engine.engine as engine_module
-    from omni_local.bench.beside import accepted_tokens
-
     build = engine_module.fit_prompt
     decoding = app.session()
     with accepted_tokens(app.backend.engine, decoding.id) as arrivals:

@@ -21,7 +21,8 @@ BESIDE_QUESTION = "Tell me a long story about the sea, the ships on it and the p
 STREAMING_TOKENS = 2  # tokens the decoding chat has before the timed turn is sent: it is decoding
 
 
-def beside_a_decoding_chat(app: OmniLocal, system: str, run: int, timed: Callable[[], Finished]) -> tuple[Finished, float]:
+def beside_a_decoding_chat(app: OmniLocal, system: str, run: int,
+                           timed: Callable[[], Finished]) -> tuple[Finished, float]:
     """The final event `timed()` returns (it sends a request and waits for its end) while another chat
     of `app` decodes, and that chat's longest gap between two tokens, in seconds, from the send to the
     timed reply's first token (NaN if it did not decode through that whole time)."""

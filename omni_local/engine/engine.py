@@ -4,14 +4,15 @@ they come, so the worker never stops every decoding chat to build one.
 
 Each turn of the loop is schedule (admit waiting requests, their prompts built: match each in the
 prefix cache, claim blocks for all it may write, take a seat), run (forwards, and sampling on the
-device), postprocess (stream, finish). A turn runs the prefill of the oldest request still waiting for its first token
-(of what the cache could not supply), and of the short ones after it while the turn's prefills stay
-within one chunk's tokens, then one decode step of every request that was decoding (one batched
-forward when graphed), then one frame of every spoken reply. While another reply is decoding or
-speaking, the oldest prefill is one chunk a turn (prefill_chunks.py), so a new question, however
-long, holds up each reply by one chunk at a time; with nobody to hold up, it is the whole rest of
-the prompt in one forward. A long reply does not hold up a new question's first token. A spoken reply
-gives its seat and blocks back when its text ends and stays in the turns until its speech ends.
+device), postprocess (stream, finish). A turn runs the prefill of the oldest request still waiting
+for its first token (of what the cache could not supply), and of the short ones after it while the
+turn's prefills stay within one chunk's tokens, then one decode step of every request that was
+decoding (one batched forward when graphed), then one frame of every spoken reply. While another
+reply is decoding or speaking, the oldest prefill is one chunk a turn (prefill_chunks.py), so a new
+question, however long, holds up each reply by one chunk at a time; with nobody to hold up, it is
+the whole rest of the prompt in one forward. A long reply does not hold up a new question's first
+token. A spoken reply gives its seat and blocks back when its text ends and stays in the turns
+until its speech ends.
 
 The host does not wait for a decode step it queues. A step's tokens are chosen on the device
 (SeatSampler, one row per seat) and are the next step's input there; the host reads them one turn

@@ -17,7 +17,7 @@ PREFILL = "engine: prefill forward"  # one part of a prompt through the Thinker
 FIRST_TOKEN = "engine: first token"  # sampled, read back, the prompt's blocks published
 DECODE = "engine: queue decode step"
 COLLECT = "engine: read decode step"  # waits for the step queued the turn before
-BEGIN_SPEECH = "engine: begin speech"  # the Talker's prompt and prefill
+BEGIN_SPEECH = "engine: begin speech"  # the Talker's prompt, from the rows the Thinker kept
 SPEECH_FRAME = "engine: speech frame"  # a Talker step, its code predictor, the codec's audio
 
 PHASES = [BUILD_PROMPT, CLAIM_KV, PREPARE, ENCODE_MEDIA, PREFILL, FIRST_TOKEN, DECODE, COLLECT, BEGIN_SPEECH,
