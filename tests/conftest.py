@@ -18,6 +18,12 @@ TEST_DEVICE = os.environ.get("OMNI_LOCAL_TEST_DEVICE", "cpu")
 # kernels are compiled, as in the app.
 if TEST_DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # The interpreter's tl.dot is numpy's matmul, through OpenBLAS, whose kernel the CPU or
+    # OPENBLAS_CORETYPE picks (our machines set Haswell): with numpy 2.4's OpenBLAS 0.3.31 the Haswell
+    # and Zen kernels give equal rows of A different bits in A @ B by where they stand, so a test of
+    # a row's bits alone and among others would test OpenBLAS. Its AVX kernel, which every x86-64 CPU
+    # of these years runs, computes each row alike. Read when numpy loads OpenBLAS: before any import.
+    os.environ["OPENBLAS_CORETYPE"] = "Sandybridge"
 
 import subprocess  # noqa: E402 (after the variable)
 from collections.abc import Callable, Iterator
