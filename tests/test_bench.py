@@ -267,8 +267,12 @@ def test_the_turn_profile_beside_a_decoding_chat_shows_what_filled_its_longest_w
     # The 2,084-token prompt, every cache off (a first send), in chunks of 512 while the other chat
     # decodes; the part bench's settings allow prompts of 960 tokens, these later ones 3,960.
     done = run_part_bench("profile_turn", demo_settings, tmp_path, "--runs", "1", "--reading-seconds", "0",
-                          "--only", "first send beside", "--max-context-tokens", "4096", "--max-prompt-tokens", "3960")
+                          "--only", "first send beside", "--max-context-tokens", "4096", "--max-prompt-tokens", "3960",
+                          "--trace", str(tmp_path / "traces"))
     assert done.returncode == 0, done.stderr
+    trace_file = tmp_path / "traces" / "2-084-token-system-prompt-first-send-beside-a-decoding-chat.json"
+    trace = json.loads(trace_file.read_text())
+    assert PREFILL in {event.get("name") for event in trace["traceEvents"]}  # the engine's thread is in it
     phases = {row[0]: float(row[1]) for table in markdown_tables(done.stdout) if table[0][0] == "engine phase"
               for row in table[2:]}
     assert "caches off" in done.stdout and phases[PREFILL] == 5  # 2,115 tokens: four chunks of 512, and the rest

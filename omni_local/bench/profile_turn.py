@@ -24,15 +24,19 @@ tables; each cell is a median over the profiled runs.
   On the CPU there are no kernels: ATen ops on every thread, by self time, and no busy time.
 - Beside a decoding chat: that chat's longest gap between two of the engine's reads of its tokens
   ("read decode step"), and what the engine did in it, for each profiled run.
+- With --trace FOLDER, each scenario's last profiled run as a Chrome trace, every thread and kernel
+  on one timeline (chrome://tracing, or ui.perfetto.dev).
 Scenarios of several chats at once, in turn or after a restart are the bench's alone.
 """
 
 import argparse
 import itertools
+import re
 import statistics
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch.autograd import DeviceType
@@ -219,6 +223,11 @@ def profile_scenario(app: OmniLocal, scenario: Scenario, args: argparse.Namespac
         print(f"\nDevice busy (the union of its kernels' intervals): {statistics.median(map(busy_ms, work)):.2f} ms")
     if scenario.beside:
         print_gaps(recorded, cuda)
+    if args.trace is not None:
+        args.trace.mkdir(parents=True, exist_ok=True)
+        path = args.trace / f"{re.sub(r'[^a-z0-9]+', '-', scenario.name.lower()).strip('-')}.json"
+        recorded[-1].export_chrome_trace(str(path))
+        print(f"\nThe last profiled run's trace (chrome://tracing, Perfetto): {path}")
 
 
 def main() -> None:
@@ -229,6 +238,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=4)
     parser.add_argument("--reading-seconds", type=float, default=0.5,
                         help="pause before each timed turn, as the bench's")
+    parser.add_argument("--trace", type=Path, metavar="FOLDER",
+                        help="write each scenario's last profiled run there as a Chrome trace")
     args = parser.parse_args()
     settings, loaded = settings_and_model(args)
     every_cache_off = settings.replace(prefix_cache=False, encoder_cache=False)
