@@ -174,7 +174,7 @@ def main() -> None:
 
 def _rows(scenario: Scenario, systems: tuple[System, ...], args: argparse.Namespace) -> Iterator[dict]:
     for system, app, run in systems:
-        if "first send" in scenario.name and system.endswith("cache on"):
+        if scenario.first_send and system.endswith("cache on"):
             continue  # a first send has nothing to reuse: the cache-off row is the same
         if scenario.beside and run is transformers_run:
             continue  # one request at a time: nothing decodes beside its prefill

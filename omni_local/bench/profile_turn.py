@@ -244,22 +244,16 @@ def main() -> None:
     settings, loaded = settings_and_model(args)
     every_cache_off = settings.replace(prefix_cache=False, encoder_cache=False)
     with OmniLocal(settings, loaded=loaded) as cached, OmniLocal(every_cache_off, loaded) as cold:
-        chosen = []
+        served, chosen = available(cached), []
         for text in args.only:
-            scenario = next((s for s in available(cached) if text in s.name), None)
+            scenario = next((s for s in served if text in s.name), None)
             if scenario is None:
-                parser.error(f"no scenario's name holds {text!r}: " + "; ".join(s.name for s in available(cached)))
+                parser.error(f"no scenario's name holds {text!r}: " + "; ".join(s.name for s in served))
             if scenario.concurrency > 1 or scenario.in_turn or scenario.restart:
                 parser.error(f"'{scenario.name}' is more than one request's path: the bench times it")
             chosen.append(scenario)
         for scenario in chosen:
-            profile_scenario(cold if first_send(scenario) else cached, scenario, args)
-
-
-def first_send(scenario: Scenario) -> bool:
-    """Whether the bench times `scenario` with every cache off alone: a first send has nothing to
-    reuse, and with the cache on its later runs would find the earlier runs' system prompt."""
-    return "first send" in scenario.name
+            profile_scenario(cold if scenario.first_send else cached, scenario, args)
 
 
 if __name__ == "__main__":

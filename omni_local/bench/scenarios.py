@@ -52,6 +52,12 @@ class Scenario:
     beside: bool = False  # another chat is decoding meanwhile: its longest gap between tokens is timed too
     in_turn: int = 0  # that many sessions, opened first, send their timed turns one after another
 
+    @property
+    def first_send(self) -> bool:
+        """Timed with every cache off alone: a first send has nothing to reuse, and with the cache on
+        its later runs would find the earlier runs' system prompt."""
+        return "first send" in self.name
+
 
 def scenarios(tokenizer) -> list[Scenario]:
     images = {size: noise_image(size) for size in IMAGE_SIZES}
