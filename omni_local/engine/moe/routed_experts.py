@@ -6,9 +6,10 @@ leaves it whole inside the compiled decoder layers (the kernels pick their tile 
 token count at run time) and a CUDA graph captures its launches.
 
 The top-k sum: the down kernel writes each (token, k) pair's weighted row apart, in float32, and
-`partials.sum(1)` adds a token's k rows in one fixed order. Atomic adds into one row would need a
-zeroed float32 buffer and a cast pass anyway, and their order changes from run to run; this order
-does not depend on the token count, the batch or the tile config, which a deterministic mode needs.
+the backend adds a token's k rows in one fixed order (triton_backend.top_k_sum). Atomic adds into
+one row would need a zeroed float32 buffer and a cast pass anyway, and their order changes from run
+to run; this order does not depend on the token count, the batch or the tile config, which a
+deterministic mode needs.
 It costs a [tokens, top_k, hidden] float32 round trip (64 KiB a layer for one token at full size;
 32 MiB for a 512-token prefill, against 1.2 GB of expert weights read), and in the compiled layers
 the sum fuses into the residual add that follows.
