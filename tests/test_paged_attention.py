@@ -106,6 +106,8 @@ CASES = {  # (heads, kv_heads, each sequence's new tokens' rows)
     "a group of 3 query heads per kv head, not a power of two": (6, 2, [[12], [40]]),
     "sequences on both sides of a split boundary": (4, 2, [[SPLIT_ROWS - 1], [SPLIT_ROWS], [SPLIT_ROWS + 40]]),
     "causal tails of new tokens on cached prefixes, one empty": (4, 2, [tail(30, 5), tail(0, 5), tail(11, 5)]),
+    "a short tail on a prefix longer than a split, beside a tail in one split": (4, 2, [tail(SPLIT_ROWS + 40, 5),
+                                                                                   tail(3, 5)]),
     "a tail of two query tiles in the Thinker's group of 8": (8, 1, [tail(20, 9)]),
     "a tail padded by repeating its last row, as a CUDA graph pads it": (4, 2, [[17, 18, 19, 19, 19]]),
 }
@@ -141,7 +143,8 @@ def test_the_kernel_and_the_gathered_reference_give_sdpa_over_contiguous_kv(case
 
 @on_cpu
 @pytest.mark.parametrize("case", ["decode tokens of sequences of uneven lengths",
-                                  "causal tails of new tokens on cached prefixes, one empty"])
+                                  "causal tails of new tokens on cached prefixes, one empty",
+                                  "a short tail on a prefix longer than a split, beside a tail in one split"])
 def test_nan_in_rows_no_query_may_read_never_reaches_the_output(case):
     query, query_rows, poisoned = case_inputs(case, torch.float32)
     _, _, clean = case_inputs(case, torch.float32, filler=0.0)

@@ -74,7 +74,8 @@ class BatchGraphs:
     embeddings); `table` is a block table the caller holds and nobody reads (the captures write
     its first rows); the captures run inside `capturable`, where the stack's MoE experts can be
     captured (`MoeBackend.capturable`). With a `kernel`, attention reads the blocks in place
-    (decode steps); else the bucket's rows are gathered for transformers' attention.
+    (decode steps, prefills on a prefix), and prefills of new tokens that begin their sequences too
+    unless not `kernel_from_start`; else the bucket's rows are gathered for transformers' attention.
 
     A call with fewer sequences than its batch bucket is padded with copies of its first sequence
     (their writes are that sequence's own, the same values to the same rows); a shorter prefill with
@@ -85,7 +86,7 @@ class BatchGraphs:
     def __init__(self, forward: BatchForward, store: KVStore, input_like: torch.Tensor, table: BlockTable,
                  capturable: AbstractContextManager[None], batches: Sequence[int] = (1,),
                  lengths: Sequence[int] = (1,), pool: tuple | None = None,
-                 kernel: PagedAttention | None = None) -> None:
+                 kernel: PagedAttention | None = None, kernel_from_start: bool = True) -> None:
         self.store, self.batches, self.lengths = store, list(batches), list(lengths)
         self.buckets = attention_buckets(store.shape.max_tokens)
         b, n, width = max(batches), max(lengths), store.shape.table_blocks
@@ -106,10 +107,11 @@ class BatchGraphs:
             for batch in reversed(self.batches):  # largest first: the smaller ones reuse its pool memory
                 for length in reversed(self.lengths):
                     # A prefill padded to `length` tokens is more than half new tokens: fewer rows never hold it.
-                    for rows in [*(r for r in reversed(self.buckets) if r >= length), *self._no_prefix(length, kernel)]:
+                    no_prefix = self._no_prefix(length, kernel if kernel_from_start else None)
+                    for rows in [*(r for r in reversed(self.buckets) if r >= length), *no_prefix]:
                         cache = GraphedKVWriter(store, self._tables[:batch], self._indices[:batch, :length],
                                                 self._blocks[:batch, :length], self._offsets[:batch, :length],
-                                                self._last[:batch], rows, kernel)
+                                                self._last[:batch], rows, None if rows == NO_PREFIX else kernel)
                         run = partial(forward, cache, self._input[:batch, :length],
                                       self._positions[:, :batch, :length])
                         self._graphs[batch, length, rows] = capture_graph(run, pool)
@@ -117,7 +119,8 @@ class BatchGraphs:
     @staticmethod
     def _no_prefix(length: int, kernel: PagedAttention | None) -> list[int]:
         """[NO_PREFIX] where a graph for new tokens that begin their sequences is worth capturing: a
-        prefill's, attending as transformers does (the kernel's are not, reading the blocks anyway)."""
+        prefill's, attending as transformers does (not where the `kernel` attends for them, reading
+        the blocks anyway)."""
         return [NO_PREFIX] if length > 1 and kernel is None else []
 
     def fits(self, batch: int, length: int, start: int) -> bool:

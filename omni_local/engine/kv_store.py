@@ -75,17 +75,20 @@ class KVStore:
         self.shape, self.dtype, self.device = shape, dtype, device
         self.pool = BlockPool(blocks, shape.block_tokens)
         size = (blocks, shape.kv_heads, shape.block_tokens, shape.head_dim)
-        # Eager attention reads rows [0, end) of its own table only, so rows are never read before
-        # written and are left uninitialised (on the CPU, untouched pages cost no memory). Graphed
-        # decode steps and prefills read a whole bucket of rows and mask those past each new token,
-        # but a zero attention weight does not cancel a NaN or an infinity (0 x NaN is NaN): one
-        # chat's bad rows, past the end of the next chat in its blocks, would poison that chat's every
-        # output. So with `zeroed` every block handed out holds zeros, and a sequence's rows past its
-        # end are zeros or its own session's.
+        # Eager attention and the kernel read a sequence's own rows only, so rows are never read
+        # before written and are left uninitialised (on the CPU, untouched pages cost no memory).
+        # Graphed forwards under transformers' attention read a whole bucket of rows and mask those
+        # past each new token, but a zero attention weight does not cancel a NaN or an infinity
+        # (0 x NaN is NaN): one chat's bad rows, past the end of the next chat in its blocks, would
+        # poison that chat's every output. So with `zeroed` every block handed out holds zeros, and
+        # a sequence's rows past its end are zeros or its own session's.
         self.zeroed = zeroed
         make = torch.zeros if zeroed else torch.empty
-        self.keys = [make(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
-        self.values = [make(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
+        # Keys and values of every layer in one tensor, each layer's a view of it: zeroing or copying
+        # a block is one launch, not one per layer and kind (96 at full size, about 2 ms of host time
+        # on each request that takes blocks).
+        self._layers = make((2, shape.num_layers, *size), dtype=dtype, device=device)
+        self.keys, self.values = list(self._layers[0].unbind()), list(self._layers[1].unbind())
         self.talker_rows = (
             make((blocks, shape.block_tokens, shape.talker_dim), dtype=dtype, device=device)
             if shape.talker_dim else None
@@ -131,8 +134,7 @@ class KVStore:
         first = start // self.shape.block_tokens
         if first < len(table):
             offset = start - first * self.shape.block_tokens
-            for layer in self.keys + self.values:
-                layer[table[first], :, offset:].zero_()
+            self._layers[:, :, table[first], :, offset:].zero_()
             self._zero(table[first + 1 :])
 
     def writer(self, table: BlockTable | torch.Tensor, start: int, kernel: PagedAttention | None = None
@@ -142,8 +144,7 @@ class KVStore:
     def copy_block(self, source: int, target: int, rows: int) -> None:
         """The first `rows` rows of block `source` into block `target`: a partly shared block copied
         before it is written."""
-        for layer in self.keys + self.values:
-            layer[target, :, :rows].copy_(layer[source, :, :rows])
+        self._layers[:, :, target, :, :rows].copy_(self._layers[:, :, source, :, :rows])
         if self.talker_rows is not None:
             self.talker_rows[target, :rows].copy_(self.talker_rows[source, :rows])
 
@@ -199,8 +200,9 @@ class KVStore:
     def _zero(self, blocks: BlockTable) -> None:
         if blocks:
             index = to_device(torch.tensor(blocks, dtype=torch.long), self.device)
-            for tensor in self.block_tensors():
-                tensor.index_fill_(0, index, 0)
+            self._layers.index_fill_(2, index, 0)
+            if self.talker_rows is not None:
+                self.talker_rows.index_fill_(0, index, 0)
 
     def block_tensors(self) -> list[torch.Tensor]:
         """Every tensor with a block as its first dimension."""

@@ -92,11 +92,12 @@ class TalkerRunner:
         self.dtype = self.talker.codec_head.weight.dtype
         shape = KVShape(text.num_hidden_layers, text.num_key_value_heads, text.head_dim, max_tokens)
         # The Talker's own step is a decode step like the Thinker's (about 41 ms eager at full size,
-        # 5 ms graphed): BatchGraphs, whose buckets read rows past each new token, so the blocks it
-        # hands out are zeroed. Blocks for `kv_sequences` sequences of `max_tokens`, and the pad block.
+        # 5 ms graphed): BatchGraphs, whose buckets under transformers' attention read rows past
+        # each new token, so the blocks it hands out are zeroed then (the kernel reads a token's own
+        # rows only). Blocks for `kv_sequences` sequences of `max_tokens`, and the pad block.
         self._capture_steps = cuda_graphs and graphable(self.stack.config, self.device)
         self.kv = KVStore(shape, kv_sequences * shape.table_blocks + 1, self.dtype, self.device,
-                          zeroed=self._capture_steps)
+                          zeroed=self._capture_steps and attention.decode is None)
         self.step_graphs: BatchGraphs | None = None  # set once captured, by warm_up
         # The code predictor's KV: one frame's rows (the Talker's state, then each code), one
         # frame at a time.
@@ -144,7 +145,7 @@ class TalkerRunner:
             # graph for the expanded view's zero strides that no real prefill uses
             prompt = self.tts_pad.expand(4, -1)[None].contiguous()
             positions = torch.arange(4, device=self.device).expand(3, 1, -1)
-            hidden, _ = self._forward(self.kv.writer(table, 0, self.attention.prefill), prompt, positions)
+            hidden, _ = self._forward(self.kv.writer(table, 0, self.attention.for_prefill(0)), prompt, positions)
             codes, codec_sum = self.complete_frame(hidden, 0, SamplingParams(), seed=0, frame=0)
             self.step(table, 4, codec_sum + self.tts_pad, 0)
             if self._capture_predictor:
@@ -200,7 +201,7 @@ class TalkerRunner:
         last hidden state [1, 1, width], its codec logits [vocab] and the rope delta of later steps."""
         positions, rope_delta = mrope_positions(self.talker, talker.prompt, self.device)
         rows = torch.cat([talker.user_rows, talker.opening])[start:]
-        hidden, logits = self._forward(self.kv.writer(table, start, self.attention.prefill), rows[None],
+        hidden, logits = self._forward(self.kv.writer(table, start, self.attention.for_prefill(start)), rows[None],
                                        positions[:, :, start:])
         return hidden, logits[0], rope_delta
 

@@ -84,7 +84,10 @@ class ThinkerRunner:
         # Compiled on the GPU only: on the CPU the compile takes longer than it saves.
         self.regions = LayerRegions(compiled=compiled_layers and self.device.type == "cuda", moe=moe)
         self._deepstack_levels = len(self.model.config.vision_config.deepstack_visual_indexes)
-        self.kv = KVStore.for_budget(shape, kv_budget_bytes, self.dtype, self.device, zeroed=self._capture_graphs)
+        # Graphs under transformers' attention read whole buckets of rows, past each sequence's end
+        # (KVStore's `zeroed`); the kernel reads each token's own rows only.
+        reads_buckets = self._capture_graphs and (attention.decode is None or attention.prefill is None)
+        self.kv = KVStore.for_budget(shape, kv_budget_bytes, self.dtype, self.device, zeroed=reads_buckets)
         self.decode_graphs: BatchGraphs | None = None  # set once captured, by warm_up
         self.prefill_graphs: BatchGraphs | None = None
 
@@ -119,7 +122,8 @@ class ThinkerRunner:
         dense = torch.zeros((1, 1, width), dtype=self.dtype, device=self.device)
         self.prefill_graphs = BatchGraphs(self._dense_prefill_step, self.kv, dense, table,
                                           moe.capturable(config, self.dtype),
-                                          lengths=self.prefill_lengths, pool=pool, kernel=self.attention.prefill)
+                                          lengths=self.prefill_lengths, pool=pool, kernel=self.attention.prefill,
+                                          kernel_from_start=self.attention.from_start)
 
     @torch.inference_mode()
     def prepare(self, prompt: Prompt, start: int, remember: bool = True) -> PreparedPrompt:
@@ -162,7 +166,7 @@ class ThinkerRunner:
         if graphs is not None and graphs.fits(1, length, p.start):
             outputs = graphs.replay([table], self._dense_input(p), [p.start], p.positions)
         else:
-            outputs = self._prefill_step(self.kv.writer(table, p.start, self.attention.prefill), p.embeds, p.positions,
+            outputs = self._prefill_step(self.kv.writer(table, p.start, self.attention.for_prefill(p.start)), p.embeds, p.positions,
                                          p.visual_mask, p.deepstack)
         logits, kept = outputs if rows is not None else (outputs, None)
         if rows is not None:

@@ -8,9 +8,11 @@ blocks in order (token t of sequence b at pool[block_tables[b, t // block_size],
   SDPA; the reference the kernel is tested and benchmarked against.
 
 `attention_kernels` makes the `attention_backend` and `deterministic` settings the kernels the
-Thinker's and the Talker's forwards attend with (`AttentionKernels`): decode steps' (the backend's),
-and prefills' (the deterministic setting's only). None is transformers' attention over the rows
-gathered from the blocks (kv_store.py): the engine's path off CUDA, for prefills, and with 'torch'.
+Thinker's and the Talker's forwards attend with (`AttentionKernels`): decode steps' and prefills'
+on a cached prefix (the backend's), and a sequence's first prefill (the deterministic setting's
+only). None is transformers' attention over the rows gathered from the blocks (kv_store.py): the
+engine's path off CUDA, with 'torch', and for first prefills, whose tokens attend among themselves
+(flash attention's kernel: no mask, nothing gathered).
 
 Both take (query [B, heads, L, head_dim], key_pool, value_pool, block_tables [B, max_blocks],
 query_rows [B, L], scaling) and return [B, L, heads, head_dim] in the query's dtype: new token
@@ -37,25 +39,34 @@ PagedAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tenso
 
 @dataclass(frozen=True)
 class AttentionKernels:
-    """The kernels a stack's forwards attend with over the blocks: decode steps' and prefills' (a
-    prompt's tail, a chunk); None: transformers' attention over the rows gathered from the blocks."""
+    """The kernels a stack's forwards attend with over the blocks: decode steps' and prefills' on a
+    cached prefix (a prompt's tail, a later chunk: the prefix read in place, not gathered), and
+    whether prefills of a sequence's first tokens take it too (`from_start`); None: transformers'
+    attention over the rows gathered from the blocks."""
 
     decode: PagedAttention | None = None
     prefill: PagedAttention | None = None
+    from_start: bool = False
+
+    def for_prefill(self, start: int) -> PagedAttention | None:
+        """The kernel for a prefill of new tokens after `start` cached rows."""
+        return self.prefill if start or self.from_start else None
 
 
 def attention_kernels(setting: str, device: torch.device, deterministic: bool = False) -> AttentionKernels:
-    """The `attention_backend` setting's kernel for decode steps; with `deterministic`, our kernel in
-    its batch-invariant form for every forward (a SettingsError where Triton cannot run)."""
+    """The `attention_backend` setting's kernel for decode steps and prefills on a prefix; with
+    `deterministic`, our kernel in its batch-invariant form for every forward (a SettingsError where
+    Triton cannot run)."""
     if not deterministic:
-        return AttentionKernels(decode_attention(setting, device))
+        kernel = decode_attention(setting, device)
+        return AttentionKernels(kernel, kernel)
     refusal = triton_refusal(device)
     if refusal:
         raise SettingsError(f"setting 'deterministic' runs our Triton kernels, but {refusal}: set it to false")
     from omni_local.engine.attention.paged import paged_attention  # imports triton
 
     kernel = partial(paged_attention, batch_invariant=True)
-    return AttentionKernels(kernel, kernel)
+    return AttentionKernels(kernel, kernel, from_start=True)
 
 
 def decode_attention(setting: str, device: torch.device) -> PagedAttention | None:

@@ -13,12 +13,15 @@ this forward's own rows, numbers unless the forward itself made NaN.)
   partial (max, sum, unnormalised output) to a float32 scratch buffer, and a second kernel merges
   a query's splits in split order. The split size is fixed, never chosen from the batch or the
   context: a query's reduction order is the same however the batch looks.
-- A tail of L > 1 new tokens on a cached prefix (a prefill chunk): correct, not tuned. One program
-  per (sequence, kv head, tile of new tokens) walks the whole table, no split, and writes the output
-  itself. Fast enough for long chunks (many tiles); a short chunk on a long prefix runs few programs.
-  Its walk is one running softmax in BLOCK_N tiles, not a decode step's splits: the same row's
-  output rounds differently from a tail and from a decode step (a deterministic mode would split
-  tails too).
+- A short tail of 1 < L <= SPLIT_TAIL_TOKENS new tokens on a cached prefix (a new question on a
+  cached conversation): a few query tiles, so its rows are split too, into at most MAX_TAIL_SPLITS
+  splits of SPLIT_ROWS rows or more, and merged as a decode step's are. (A 27-token question on a
+  2,100-token prefix: 16 programs unsplit, 144 with rows to walk split, on an H200's 132 SMs.)
+- A longer tail (a prefill chunk) has tiles enough: one program per (sequence, kv head, tile of new
+  tokens) walks the whole table, no split, and writes the output itself. Its walk is one running
+  softmax in BLOCK_N tiles, not a decode step's splits: the same row's output rounds differently
+  from a tail and from a decode step (the deterministic setting's batch-invariant form splits every
+  tail as a decode step, in one program).
 
 Capturable in a CUDA graph: the grid and the scratch buffers come from the tensors' shapes only
 (the table's width, not the sequences' lengths), each query's last row is read on the device, and
@@ -34,6 +37,8 @@ from omni_local.engine.triton_support import dot_precision
 SPLIT_ROWS = 256  # KV rows per program of a decode step (SGLang's deterministic mode also fixes 256)
 BLOCK_N = 64  # KV rows per loop iteration: a tile of the scores' columns
 TAIL_QUERIES = 64  # query rows (new tokens x the group's heads) per program of an L > 1 tail
+SPLIT_TAIL_TOKENS = 64  # the longest tail whose rows are split
+MAX_TAIL_SPLITS = 16  # bounds a split tail's float32 scratch: 16 x its output, in float32
 MIN_DOT = 16  # tl.dot's smallest tile side
 LOG2E = tl.constexpr(1.4426950408889634)  # scores in base 2: exp2 is the GPU's native exponential
 
@@ -181,10 +186,10 @@ def paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: tor
     check_layout(query, key_pool, value_pool, block_tables, query_rows)
     assert decode_split_rows % BLOCK_N == 0, decode_split_rows
     group = heads // kv_heads
-    table_width = block_tables.shape[1]
+    rows = block_tables.shape[1] * block_size
     split_loop = batch_invariant and length > 1
-    split_rows = decode_split_rows if length == 1 or split_loop else table_width * block_size
-    num_splits = 1 if split_loop else triton.cdiv(table_width * block_size, split_rows)
+    split_rows = _split_rows(length, rows, decode_split_rows, split_loop)
+    num_splits = 1 if split_loop else triton.cdiv(rows, split_rows)
     block_l, block_g = query_tile(group, length, batch_invariant)
     out = query.new_empty((batch, length, heads, head_dim))
     if num_splits > 1:
@@ -196,7 +201,7 @@ def paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: tor
     grid = (batch * kv_heads, triton.cdiv(length, block_l), num_splits)
     fusion = {"enable_fp_fusion": False} if batch_invariant else {}
     _attention_kernel[grid](query, key_pool, value_pool, block_tables, query_rows, partial_out, stats, scaling,
-                            length, heads, kv_heads, table_width, split_rows, num_splits, query.stride(0),
+                            length, heads, kv_heads, block_tables.shape[1], split_rows, num_splits, query.stride(0),
                             query.stride(1), query.stride(2), key_pool.stride(0), key_pool.stride(1),
                             key_pool.stride(2), block_tables.stride(0), query_rows.stride(0), GROUP=group,
                             BLOCK_G=block_g, BLOCK_L=block_l, HEAD_DIM=head_dim,
@@ -208,6 +213,17 @@ def paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: tor
                                                  num_splits, query_rows.stride(0), HEAD_DIM=head_dim,
                                                  BLOCK_D=triton.next_power_of_2(head_dim), num_warps=1, **fusion)
     return out
+
+
+def _split_rows(length: int, rows: int, decode_split_rows: int, split_loop: bool) -> int:
+    """KV rows per split for `length` new tokens over tables of `rows` rows: a decode step's (and a
+    batch-invariant tail's, looped in its program), a short tail's (as many, or more where the table
+    would make more than MAX_TAIL_SPLITS), or a long tail's whole table."""
+    if length == 1 or split_loop:
+        return decode_split_rows
+    if length <= SPLIT_TAIL_TOKENS:
+        return max(decode_split_rows, triton.cdiv(rows, MAX_TAIL_SPLITS * BLOCK_N) * BLOCK_N)
+    return rows
 
 
 def query_tile(group: int, length: int, batch_invariant: bool = False) -> tuple[int, int]:
