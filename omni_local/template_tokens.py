@@ -12,9 +12,13 @@ always had: the same stretches, the same merges across the seams between templat
 import functools
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 from tokenizers import Tokenizer
+
+# About two a message (its role and text, then the newline after its end): a few long chats' worth.
+STRETCHES_KEPT = 256
 
 
 class TemplateIds:
@@ -22,7 +26,7 @@ class TemplateIds:
     the order they stand."""
 
     def __init__(self, tokenizer: Any) -> None:
-        self._plain, self._controls, self._control_ids = _vocabulary(tokenizer)
+        self._encode, self._controls, self._control_ids = _vocabulary(tokenizer)
         self._ids: list[int] = []
         self._stretch = ""  # text since the last control token or ready-made id, not yet tokenized
 
@@ -50,17 +54,29 @@ class TemplateIds:
 
     def _flush(self) -> None:
         if self._stretch:
-            self._ids += self._plain.encode(self._stretch, add_special_tokens=False).ids
+            self._ids += self._encode(self._stretch)
             self._stretch = ""
 
 
 @functools.lru_cache(maxsize=4)
-def _vocabulary(tokenizer: Any) -> tuple[Tokenizer, re.Pattern[str], dict[str, int]]:
-    """The tokenizer with no added tokens (its normalizer, pre-tokenizer and merges alone); a
-    pattern that matches any added token, longest first as the tokenizer matches them; their ids."""
+def _vocabulary(tokenizer: Any) -> tuple[Callable[[str], tuple[int, ...]], re.Pattern[str], dict[str, int]]:
+    """The ids of a stretch by the tokenizer with no added tokens (its normalizer, pre-tokenizer and
+    merges alone); a pattern that matches any added token, longest first as the tokenizer matches
+    them; their ids."""
     spec = json.loads(tokenizer.backend_tokenizer.to_str())
     spec["added_tokens"] = []
     added = tokenizer.get_added_vocab()
     alternatives = "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)) or "(?!)"
     pattern = re.compile(f"({alternatives})")
-    return Tokenizer.from_str(json.dumps(spec)), pattern, added
+    return _remembering(Tokenizer.from_str(json.dumps(spec))), pattern, added
+
+
+def _remembering(plain: Tokenizer) -> Callable[[str], tuple[int, ...]]:
+    """`plain`'s encoding of a stretch, remembered: each turn's prompt holds the whole conversation
+    again, and its earlier stretches (a 2,000-token system prompt: about 1 ms) are the same text."""
+
+    @functools.lru_cache(maxsize=STRETCHES_KEPT)
+    def encode(stretch: str) -> tuple[int, ...]:
+        return tuple(plain.encode(stretch, add_special_tokens=False).ids)
+
+    return encode
