@@ -1,5 +1,6 @@
 """The benchmark runs end to end on the demo model and writes its table and JSON."""
 
+import gzip
 import json
 import math
 import os
@@ -270,8 +271,8 @@ def test_the_turn_profile_beside_a_decoding_chat_shows_what_filled_its_longest_w
                           "--only", "first send beside", "--max-context-tokens", "4096", "--max-prompt-tokens", "3960",
                           "--trace", str(tmp_path / "traces"))
     assert done.returncode == 0, done.stderr
-    trace_file = tmp_path / "traces" / "2-084-token-system-prompt-first-send-beside-a-decoding-chat.json"
-    trace = json.loads(trace_file.read_text())
+    trace_file = tmp_path / "traces" / "2-084-token-system-prompt-first-send-beside-a-decoding-chat.json.gz"
+    trace = json.loads(gzip.decompress(trace_file.read_bytes()))
     assert PREFILL in {event.get("name") for event in trace["traceEvents"]}  # the engine's thread is in it
     phases = {row[0]: float(row[1]) for table in markdown_tables(done.stdout) if table[0][0] == "engine phase"
               for row in table[2:]}
