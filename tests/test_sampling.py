@@ -180,7 +180,7 @@ def test_the_one_row_sampler_draws_what_a_seat_with_its_seed_draws():
     one = Sampler(params, 9, torch.tensor([0]))
     table = started([params], [9])
     rows = [logits(i) for i in range(6)]
-    assert [one.next_token(row) for row in rows] == [draw(table, row[None], [0], [i])[0] for i, row in enumerate(rows)]
+    assert [int(one.next_token(row)) for row in rows] == [draw(table, row[None], [0], [i])[0] for i, row in enumerate(rows)]
 
 
 def test_a_top_k_beyond_the_vocabulary_is_no_limit():

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from chats import SpokenChat, written
+from conftest import TEST_DEVICE
 from replies import GREEDY, NEW_TOKENS, media, send, transformers_speech
 from samples import QUESTIONS, clip, picture
 from omni_local.metrics_line import metrics_line
@@ -51,6 +52,32 @@ def test_spoken_replies_have_the_codes_and_audio_of_transformers_generate(speaki
     whole = one_decode(app.backend.loaded.model.code2wav, codes)
     assert audio.shape == whole.shape
     np.testing.assert_allclose(audio, whole, atol=1e-6 if app.backend.loaded.device.type == "cpu" else 5e-5)
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="a forward hook does not run inside a replayed CUDA graph")
+def test_a_talker_that_ends_its_speech_keeps_the_frames_before_the_end_as_transformers_generate(speaking_apps):
+    # The engine completes a frame before the host reads its first code, so the frame whose first
+    # code ends the speech is made, then dropped. Here the Talker's codec head votes for the end from
+    # its fourth forward on (the first is the prompt's): three frames are spoken.
+    app = speaking_apps[1]
+    talker, end = app.backend.loaded.model.talker, app.backend.loaded.model.config.talker_config.codec_eos_token_id
+    forwards = 0
+
+    def end_from_the_fourth(module: torch.nn.Module, args: tuple, logits: torch.Tensor) -> torch.Tensor:
+        nonlocal forwards
+        forwards += 1
+        return logits.index_fill(-1, torch.tensor([end], device=logits.device), 100.0) if forwards >= 4 else logits
+
+    handle = talker.codec_head.register_forward_hook(end_from_the_fourth)
+    try:
+        final, frames, audio, _ = send(app, app.session(), "Tell me about the sea.", voice="Chelsie")
+        forwards = 0
+        text, codes = transformers_speech(app, [Message("user", ["Tell me about the sea."])], "Chelsie")
+    finally:
+        handle.remove()
+    assert len(frames) == final.speech.frames == 3 and audio.size > 0
+    assert frames == codes.T.tolist() and final.token_ids == text
+    assert len(send(app, app.session(), "And about the sky?", voice="Chelsie")[1]) > 3  # the next reply speaks on
 
 
 def test_chunks_with_less_left_context_than_the_reply_stay_close_to_one_decode(speaking_apps):

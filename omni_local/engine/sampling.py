@@ -140,9 +140,10 @@ class SeatSampler:
 
 
 class Sampler:
-    """One stream of tokens, each read by the host as it is chosen (the Talker's first code of each
-    frame, whose end-of-speech the host must see at once): the rule of SeatSampler on a table of one
-    row, made at the first token (whose logits give the vocabulary)."""
+    """One stream of tokens, each chosen on the device and left there (the Talker's first code of
+    each frame, which the code predictor reads there, the host reading it with the frame's other
+    codes): the rule of SeatSampler on a table of one row, made at the first token (whose logits
+    give the vocabulary)."""
 
     def __init__(
         self, params: SamplingParams, seed: int, prompt_ids: torch.Tensor, suppressed: torch.Tensor | None = None
@@ -152,14 +153,14 @@ class Sampler:
         self._table: SeatSampler | None = None
         self._chosen = 0
 
-    def next_token(self, logits: torch.Tensor) -> int:
-        """logits: [vocab] float32."""
+    def next_token(self, logits: torch.Tensor) -> torch.Tensor:
+        """The token [1] chosen from `logits` [vocab] float32, on their device, unread."""
         if self._table is None:
             self._table = SeatSampler(1, logits.shape[-1], logits.device, self._suppressed)
             self._table.start(0, *self._start)
         token = self._table.sample(logits[None], self._table.batch([0], [self._chosen]))
         self._chosen += 1
-        return int(token[0])
+        return token
 
 
 def _penalize_repeats(scores: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:

@@ -142,12 +142,15 @@ class Speaker:
             hidden, logits = self.runner.step(reply.table, reply.written, reply.codec_sum + text_row,
                                               reply.rope_delta)
             reply.written += 1
-        first_code = reply.sampler.next_token(logits)
-        if first_code == self.runner.codec_eos:
+        # The frame is completed before its first code is read, so the host waits for the device once
+        # a frame, not twice; a first code that ends the speech makes a frame nobody keeps.
+        codes, codec_sum = self.runner.complete_frame(hidden, reply.sampler.next_token(logits),
+                                                      predictor_sampling(reply.params), reply.seed,
+                                                      frame=len(reply.stream.frames))
+        if codes[0] == self.runner.codec_eos:
             reply.done = True
         else:
-            codes, reply.codec_sum = self.runner.complete_frame(hidden, first_code, predictor_sampling(reply.params),
-                                                                reply.seed, frame=len(reply.stream.frames))
+            reply.codec_sum = codec_sum
             reply.stream.frames.append(codes)
             reply.done = len(reply.stream.frames) >= self.max_frames
         if not self.vocoder.due(reply.stream, final=reply.done):
