@@ -5,7 +5,8 @@ rows the Thinker kept for every user token (`TalkerRows`), so a cached prompt ne
 recompute. Each engine turn then makes at most one frame: a Talker step on the last frame's codes
 plus the next reply token's row (waiting while the Thinker has not written that token yet) gives
 the frame's first code, the code predictor its other codes, and Code2Wav turns whole chunks of
-frames into audio. The Talker's own KV
+frames into audio. Once the first audio is out, a frame is read the turn after it is queued, so the
+device always holds work while the host makes the next turn. The Talker's own KV
 of the user turns is kept per session (a second prefix cache), so a later spoken turn computes
 only the new user turn and the assistant opening. Its keys are the user turns' tokens, but a
 medium's row is the Thinker's hidden state there, which the whole Thinker prompt before it shapes
@@ -22,6 +23,7 @@ import torch
 from omni_local.api.events import SPEECH_SAMPLE_RATE, SpeechReport
 from omni_local.api.params import SamplingParams, SpeechParams
 from omni_local.engine.attention import AttentionKernels
+from omni_local.engine.host_copies import Readback
 from omni_local.engine.kv_store import BlockTable, KVStore
 from omni_local.engine.moe import TORCH, MoeBackend
 from omni_local.engine.prefix_cache import Claim, Match, PrefixCache, common_prefix
@@ -55,8 +57,10 @@ class SpokenReply:
     sampler: Sampler  # the Talker's: each frame's first code
     seed: int  # the code predictor's draws' (its sampling row is the Talker runner's)
     claim: Claim | None = None  # the session's Talker cache entry and its blocks, once had
-    codec_sum: torch.Tensor | None = None  # the last frame's summed code embeddings: the next input
+    codec_sum: torch.Tensor | None = None  # the last queued frame's summed code embeddings: the next input
     written: int = 0  # Talker KV rows in its blocks
+    queued: int = 0  # frames queued on the device (the Talker's forward and the code predictor's)
+    unread: Readback | None = None  # the codes of the last frame queued, until the host reads them
     rope_delta: int = 0
     stream: AudioStream = field(default_factory=AudioStream)
     done: bool = False
@@ -125,34 +129,22 @@ class Speaker:
     def step(
         self, reply: SpokenReply, reply_ids: list[int], text_done: bool
     ) -> tuple[np.ndarray, list[list[int]]] | None:
-        """At most one Talker forward of `reply` and the frame it begins; returns the audio chunk
-        that completes, if one, with its frames' codes. A frame is completed in the same turn as
-        its first code, so the first chunk goes out as soon as its frames exist."""
-        if reply.claim is None:
-            hidden, logits = self._start(reply)
-            if hidden is None:
-                return None  # running replies hold the Talker's blocks: try again next turn
-            # Every spoken reply has at least one frame (transformers' `talker_min_new_tokens=1`).
-            logits = logits.index_fill(0, torch.tensor([self.runner.codec_eos], device=logits.device), float("-inf"))
-        else:
-            # The frame this forward begins reads the reply token of the same index.
-            text_row = self._text_row(len(reply.stream.frames), reply_ids, text_done)
-            if text_row is None:
-                return None  # the Thinker has not written that token yet
-            hidden, logits = self.runner.step(reply.table, reply.written, reply.codec_sum + text_row,
-                                              reply.rope_delta)
-            reply.written += 1
-        # The frame is completed before its first code is read, so the host waits for the device once
-        # a frame, not twice; a first code that ends the speech makes a frame nobody keeps.
-        codes, codec_sum = self.runner.complete_frame(hidden, reply.sampler.next_token(logits),
-                                                      predictor_sampling(reply.params), reply.seed,
-                                                      frame=len(reply.stream.frames))
-        if codes[0] == self.runner.codec_eos:
-            reply.done = True
-        else:
-            reply.codec_sum = codec_sum
-            reply.stream.frames.append(codes)
-            reply.done = len(reply.stream.frames) >= self.max_frames
+        """At most one more frame of `reply` queued, and the frame queued the turn before read;
+        returns the audio chunk that completes, if one, with its frames' codes. Until the first
+        audio, a frame is also read in the turn that queues it, so the first chunk goes out as soon
+        as its frames exist. Reading a frame a turn late keeps one queued on the device while the host
+        makes the next turn (the engine's loop, the Thinker's step, Code2Wav), where reading it at
+        once left the device idle then; a frame queued after the one that ends the speech is dropped."""
+        earlier, reply.unread = reply.unread, None
+        if reply.queued < self.max_frames:
+            reply.unread = self._queue_frame(reply, reply_ids, text_done)
+        if earlier is not None:
+            self._keep(reply, earlier.tolist())
+        if reply.unread is not None and (reply.done or not reply.first_audio_at):
+            # Before the first audio, read at once; after the end of the speech, dropped.
+            unread, reply.unread = reply.unread, None
+            if not reply.done:
+                self._keep(reply, unread.tolist())
         if not self.vocoder.due(reply.stream, final=reply.done):
             return None
         start = reply.stream.decoded
@@ -161,6 +153,39 @@ class Speaker:
         reply.first_audio_at = reply.first_audio_at or now
         reply.last_audio_at = now
         return samples, reply.stream.frames[start:]
+
+    def _queue_frame(self, reply: SpokenReply, reply_ids: list[int], text_done: bool) -> Readback | None:
+        """Queue `reply`'s next frame, the Talker's forward (its prefill, for the first) and the code
+        predictor's, waiting for nothing; its codes, unread. None where it cannot be queued yet."""
+        if reply.claim is None:
+            hidden, logits = self._start(reply)
+            if hidden is None:
+                return None  # running replies hold the Talker's blocks: try again next turn
+            # Every spoken reply has at least one frame (transformers' `talker_min_new_tokens=1`).
+            logits = logits.index_fill(0, torch.tensor([self.runner.codec_eos], device=logits.device), float("-inf"))
+        else:
+            # The frame this forward begins reads the reply token of the same index.
+            text_row = self._text_row(reply.queued, reply_ids, text_done)
+            if text_row is None:
+                return None  # the Thinker has not written that token yet
+            hidden, logits = self.runner.step(reply.table, reply.written, reply.codec_sum + text_row,
+                                              reply.rope_delta)
+            reply.written += 1
+        # The frame is completed before its first code is read: whether it ends the speech is known
+        # when its codes are.
+        codes, reply.codec_sum = self.runner.complete_frame(hidden, reply.sampler.next_token(logits),
+                                                            predictor_sampling(reply.params), reply.seed,
+                                                            frame=reply.queued)
+        reply.queued += 1
+        return codes
+
+    def _keep(self, reply: SpokenReply, codes: list[int]) -> None:
+        """A frame's codes, read: kept, or the end of the speech."""
+        if codes[0] == self.runner.codec_eos:
+            reply.done = True
+        else:
+            reply.stream.frames.append(codes)
+            reply.done = len(reply.stream.frames) >= self.max_frames
 
     def end(self, reply: SpokenReply) -> None:
         """Give the Talker's blocks back; the user turns' KV stays for the session's next spoken turn."""

@@ -146,7 +146,8 @@ class TalkerRunner:
             prompt = self.tts_pad.expand(4, -1)[None].contiguous()
             positions = torch.arange(4, device=self.device).expand(3, 1, -1)
             hidden, _ = self._forward(self.kv.writer(table, 0, self.attention.for_prefill(0)), prompt, positions)
-            codes, codec_sum = self.complete_frame(hidden, self._row_zero, SamplingParams(), seed=0, frame=0)
+            frame, codec_sum = self.complete_frame(hidden, self._row_zero, SamplingParams(), seed=0, frame=0)
+            codes = frame.tolist()
             self.step(table, 4, codec_sum + self.tts_pad, 0)
             if self._capture_predictor:
                 # Captured sampling: greedy rows still take the argmax, the graph serves both.
@@ -218,12 +219,12 @@ class TalkerRunner:
     @torch.inference_mode()
     def complete_frame(
         self, hidden: torch.Tensor, first_code: torch.Tensor, params: SamplingParams, seed: int, frame: int
-    ) -> tuple[list[int], torch.Tensor]:
+    ) -> tuple[Readback, torch.Tensor]:
         """The code predictor's codes for the rest of frame `frame` of a reply, after the Talker's
         `first_code` [1] (on the device, unread) from `hidden`, sampled by `params` with the reply's
-        `seed`; returns the frame's 16 codes, the first included, and the sum of their embeddings [1,
-        1, width] (the next step's input, before the text row is added). The host reads the codes
-        once, at the end: one wait for the device a frame."""
+        `seed`; returns the frame's 16 codes, the first included, on their way to the host (read
+        them once, when wanted), and the sum of their embeddings [1, 1, width] (the next step's
+        input, before the text row is added). Nothing here waits for the device."""
         first = self.stack.codec_embedding(first_code.view(1, 1))
         table = self.predictor_sampler
         table.start(0, params, seed, self._no_ids)
@@ -234,7 +235,7 @@ class TalkerRunner:
             codes, codec_sum = self.frame_graph.replay(start, batch.keys)
         else:
             codes, codec_sum = self._frame(start, batch.keys, batch.sampling)
-        return Readback(torch.cat([first_code, codes])).tolist(), codec_sum
+        return Readback(torch.cat([first_code, codes])), codec_sum
 
     def _frame(self, start: torch.Tensor, keys: torch.Tensor, sampling: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The code predictor's 15 steps of a frame from `start` [1, 2, width] (the Talker's hidden

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from omni_local.engine.cuda_graphs import capture_graph
+from omni_local.engine.host_copies import to_device
 
 
 @dataclass
@@ -84,7 +85,8 @@ class Vocoder:
         """The next samples (float32, mono, SPEECH_SAMPLE_RATE) from the frames not decoded yet."""
         start, end = stream.decoded, len(stream.frames)
         context = min(self.left_context, start)
-        codes = torch.tensor(stream.frames[start - context : end], device=self.device).T[None]  # [1, groups, n]
+        # Through pinned memory: a copy from pageable memory would first wait for all queued work.
+        codes = to_device(torch.tensor(stream.frames[start - context : end]), self.device).T[None]  # [1, groups, n]
         wav = self.graphs.replay(codes) if self.graphs is not None else self.code2wav(codes)
         wav = wav[0, 0].float().cpu().numpy()
         first = (start - context) * self.samples_per_frame  # the sample the output begins at
