@@ -166,8 +166,8 @@ class ThinkerRunner:
         if graphs is not None and graphs.fits(1, length, p.start):
             outputs = graphs.replay([table], self._dense_input(p), [p.start], p.positions)
         else:
-            outputs = self._prefill_step(self.kv.writer(table, p.start, self.attention.for_prefill(p.start)), p.embeds, p.positions,
-                                         p.visual_mask, p.deepstack)
+            cache = self.kv.writer(table, p.start, self.attention.for_prefill(p.start))
+            outputs = self._prefill_step(cache, p.embeds, p.positions, p.visual_mask, p.deepstack)
         logits, kept = outputs if rows is not None else (outputs, None)
         if rows is not None:
             talker_rows = rows.project(p.ids, p.embeds, kept[:, :length])[0]
