@@ -95,8 +95,8 @@ class Settings:
     )
     attention_backend: Literal["auto", "torch", "triton"] = setting(
         "engine", "auto",
-        "what decode steps and prefills on a cached prefix attend with: 'triton' (our kernel, reading each chat's"
-        " KV blocks in place), 'torch'"
+        "what decode steps and graphed prefills on a cached prefix attend with: 'triton' (our kernel, reading each"
+        " chat's KV blocks in place), 'torch'"
         " (transformers' attention over the rows gathered from the blocks), or 'auto' (triton on a CUDA GPU, torch"
         " elsewhere)",
     )

@@ -1,7 +1,7 @@
-"""The attention backends of decode steps and prefills on a cached prefix on the demo model: `triton`
-(our kernel over the KV blocks, in Triton's interpreter on CPU runs) gives the greedy replies,
-written and spoken, of `torch` (transformers' attention over the rows gathered from the blocks).
-(What the setting picks: test_triton_settings.py.)"""
+"""The attention backends of decode steps on the demo model: `triton` (our kernel over the KV blocks,
+in Triton's interpreter on CPU runs) gives the greedy replies, written and spoken, of `torch`
+(transformers' attention over the rows gathered from the blocks). (What the setting picks:
+test_triton_settings.py; the graphed prefills' kernel on a prefix: test_graph_writers.py.)"""
 
 from omni_local.api import OmniLocal
 from omni_local.engine.attention import paged_attention
@@ -16,8 +16,8 @@ def test_greedy_replies_spoken_and_not_with_the_triton_kernel_are_the_torch_back
             engine = app.backend.engine
             expected = paged_attention if backend == "triton" else None
             for attention in (engine.runner.attention, engine.speaker.runner.attention):
-                assert attention.decode is expected and attention.for_prefill(start=30) is expected
-                assert attention.for_prefill(start=0) is None  # first prefills: transformers' attention
+                assert attention.decode is expected and attention.prefill is expected  # graphed, on a prefix
+                assert attention.eager_prefill is None  # eager prefills: transformers' attention
             session = app.session()
             written = session.send("What do fishermen sing at night?", max_new_tokens=12).result()
             again = session.send("And in the morning?", max_new_tokens=6).result()  # decoding on a cached prefix

@@ -36,6 +36,7 @@ def hidden_states(stack: torch.nn.Module, length: int, seed: int) -> torch.Tenso
 
 
 @pytest.mark.parametrize("name", ["thinker", "talker", "code predictor"])
+@torch.inference_mode()  # as the engine runs them: its KV pools are views of one tensor, written in place
 def test_a_split_layer_is_transformers_own_layer_bit_for_bit(speaking_app, name):
     stack = stacks(speaking_app.backend.loaded.model)[name]
     config, weight = stack.config, stack.norm.weight

@@ -88,6 +88,8 @@ class KVStore:
         # a block is one launch, not one per layer and kind (96 at full size, about 2 ms of host time
         # on each request that takes blocks).
         self._layers = make((2, shape.num_layers, *size), dtype=dtype, device=device)
+        # (Written in place under inference mode, as the engine's forwards run: with grad on, a write
+        # of a value that requires grad into one view of a leaf is refused.)
         self.keys, self.values = list(self._layers[0].unbind()), list(self._layers[1].unbind())
         self.talker_rows = (
             make((blocks, shape.block_tokens, shape.talker_dim), dtype=dtype, device=device)

@@ -145,7 +145,7 @@ class TalkerRunner:
             # graph for the expanded view's zero strides that no real prefill uses
             prompt = self.tts_pad.expand(4, -1)[None].contiguous()
             positions = torch.arange(4, device=self.device).expand(3, 1, -1)
-            hidden, _ = self._forward(self.kv.writer(table, 0, self.attention.for_prefill(0)), prompt, positions)
+            hidden, _ = self._forward(self.kv.writer(table, 0, self.attention.eager_prefill), prompt, positions)
             frame, codec_sum = self.complete_frame(hidden, self._row_zero, SamplingParams(), seed=0, frame=0)
             codes = frame.tolist()
             self.step(table, 4, codec_sum + self.tts_pad, 0)
@@ -202,7 +202,7 @@ class TalkerRunner:
         last hidden state [1, 1, width], its codec logits [vocab] and the rope delta of later steps."""
         positions, rope_delta = mrope_positions(self.talker, talker.prompt, self.device)
         rows = torch.cat([talker.user_rows, talker.opening])[start:]
-        hidden, logits = self._forward(self.kv.writer(table, start, self.attention.for_prefill(start)), rows[None],
+        hidden, logits = self._forward(self.kv.writer(table, start, self.attention.eager_prefill), rows[None],
                                        positions[:, :, start:])
         return hidden, logits[0], rope_delta
 

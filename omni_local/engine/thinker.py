@@ -123,7 +123,7 @@ class ThinkerRunner:
         self.prefill_graphs = BatchGraphs(self._dense_prefill_step, self.kv, dense, table,
                                           moe.capturable(config, self.dtype),
                                           lengths=self.prefill_lengths, pool=pool, kernel=self.attention.prefill,
-                                          kernel_from_start=self.attention.from_start)
+                                          kernel_from_start=self.attention.everywhere)
 
     @torch.inference_mode()
     def prepare(self, prompt: Prompt, start: int, remember: bool = True) -> PreparedPrompt:
@@ -166,7 +166,7 @@ class ThinkerRunner:
         if graphs is not None and graphs.fits(1, length, p.start):
             outputs = graphs.replay([table], self._dense_input(p), [p.start], p.positions)
         else:
-            cache = self.kv.writer(table, p.start, self.attention.for_prefill(p.start))
+            cache = self.kv.writer(table, p.start, self.attention.eager_prefill)
             outputs = self._prefill_step(cache, p.embeds, p.positions, p.visual_mask, p.deepstack)
         logits, kept = outputs if rows is not None else (outputs, None)
         if rows is not None:

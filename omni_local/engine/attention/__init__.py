@@ -8,11 +8,12 @@ blocks in order (token t of sequence b at pool[block_tables[b, t // block_size],
   SDPA; the reference the kernel is tested and benchmarked against.
 
 `attention_kernels` makes the `attention_backend` and `deterministic` settings the kernels the
-Thinker's and the Talker's forwards attend with (`AttentionKernels`): decode steps' and prefills'
-on a cached prefix (the backend's), and a sequence's first prefill (the deterministic setting's
-only). None is transformers' attention over the rows gathered from the blocks (kv_store.py): the
-engine's path off CUDA, with 'torch', and for first prefills, whose tokens attend among themselves
-(flash attention's kernel: no mask, nothing gathered).
+Thinker's and the Talker's forwards attend with (`AttentionKernels`): decode steps' and graphed
+prefills' on a cached prefix (the backend's), and every other prefill's (the deterministic
+setting's only). None is transformers' attention over the rows gathered from the blocks
+(kv_store.py): the engine's path off CUDA, with 'torch', for eager prefills on a prefix (their own
+rows, no bucket), and for first prefills, whose tokens attend among themselves (flash attention's
+kernel: no mask, nothing gathered).
 
 Both take (query [B, heads, L, head_dim], key_pool, value_pool, block_tables [B, max_blocks],
 query_rows [B, L], scaling) and return [B, L, heads, head_dim] in the query's dtype: new token
@@ -39,24 +40,31 @@ PagedAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tenso
 
 @dataclass(frozen=True)
 class AttentionKernels:
-    """The kernels a stack's forwards attend with over the blocks: decode steps' and prefills' on a
-    cached prefix (a prompt's tail, a later chunk: the prefix read in place, not gathered), and
-    whether prefills of a sequence's first tokens take it too (`from_start`); None: transformers'
-    attention over the rows gathered from the blocks."""
+    """The kernels a stack's forwards attend with over the blocks: decode steps'; graphed prefills'
+    on a cached prefix (a prompt's tail, a later chunk: the prefix read in place, where the graph
+    would gather its whole bucket of rows); and with `everywhere` (the deterministic setting, whose
+    rows must not depend on how they were computed) every prefill's, eager and from a sequence's
+    first token too. None: transformers' attention over the rows gathered from the blocks.
+
+    Eager prefills keep transformers' attention otherwise: they come at any length, and Triton
+    compiles a kernel anew for integer arguments it has not met (whether each is 1 or a multiple of
+    16 is part of a compiled kernel's key), a second or more in someone's turn; every graph's
+    shapes are met at start-up."""
 
     decode: PagedAttention | None = None
     prefill: PagedAttention | None = None
-    from_start: bool = False
+    everywhere: bool = False
 
-    def for_prefill(self, start: int) -> PagedAttention | None:
-        """The kernel for a prefill of new tokens after `start` cached rows."""
-        return self.prefill if start or self.from_start else None
+    @property
+    def eager_prefill(self) -> PagedAttention | None:
+        """The kernel an eager prefill attends with."""
+        return self.prefill if self.everywhere else None
 
 
 def attention_kernels(setting: str, device: torch.device, deterministic: bool = False) -> AttentionKernels:
-    """The `attention_backend` setting's kernel for decode steps and prefills on a prefix; with
-    `deterministic`, our kernel in its batch-invariant form for every forward (a SettingsError where
-    Triton cannot run)."""
+    """The `attention_backend` setting's kernel for decode steps and graphed prefills on a prefix;
+    with `deterministic`, our kernel in its batch-invariant form for every forward (a SettingsError
+    where Triton cannot run)."""
     if not deterministic:
         kernel = decode_attention(setting, device)
         return AttentionKernels(kernel, kernel)
@@ -66,7 +74,7 @@ def attention_kernels(setting: str, device: torch.device, deterministic: bool = 
     from omni_local.engine.attention.paged import paged_attention  # imports triton
 
     kernel = partial(paged_attention, batch_invariant=True)
-    return AttentionKernels(kernel, kernel, from_start=True)
+    return AttentionKernels(kernel, kernel, everywhere=True)
 
 
 def decode_attention(setting: str, device: torch.device) -> PagedAttention | None:
