@@ -75,6 +75,16 @@ def _(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, scaling: fl
     return query.new_empty(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
 
 
+def _segment_bounds(cu_seqlens: Tensor, implementation: str) -> Tensor:
+    """`cu_seqlens` where `segment_attention` reads it: on the device for flash attention, which takes
+    it there; else on the host, read from the device once here, not by every layer's per-segment
+    loop. Each such read waits for all the work queued before it, so the device then idles while
+    the host queues the layer's next kernels: at full size 27 times an image or video, 32 a clip."""
+    if is_flash_attention_requested(requested_attention_implementation=implementation):
+        return cu_seqlens
+    return cu_seqlens.cpu()
+
+
 def _attention_module(implementation: str) -> SimpleNamespace:
     # What transformers' attention functions read from the encoder attention module that calls them
     # (a custom op cannot take a module); the same for every vision and audio attention.
@@ -96,7 +106,8 @@ def vision_forward(visual: nn.Module, pixels: Tensor, grid_thw: Tensor, stack: C
         spatial_merge_size=visual.config.spatial_merge_size,
     )  # [n, 4] bilinear taps into the learned position table
     position_ids = get_vision_position_ids(grid_thw, visual.spatial_merge_size)  # [n, 2]
-    cu_seqlens = get_vision_cu_seqlens(grid_thw)  # [frames + 1], one attention segment per frame
+    # [frames + 1], one attention segment per frame
+    cu_seqlens = _segment_bounds(get_vision_cu_seqlens(grid_thw), visual.blocks[0].attn.config._attn_implementation)
     hidden = visual.patch_embed(pixels)  # [n, hidden]
     pos_embeds = (visual.pos_embed(indices) * weights[:, :, None]).sum(1)
     hidden = hidden + pos_embeds.to(hidden.dtype)
@@ -141,7 +152,8 @@ def audio_forward(tower: nn.Module, features: Tensor, feature_mask: Tensor, stac
     # Each clip cut into chunks of 2 * n_window frames: [chunks, mel, longest chunk]
     padded, chunk_lengths = chunk_and_pad_features(packed, lengths, tower.n_window)
     valid_indices = get_valid_indices(chunk_lengths, tower.n_window)  # [tokens] conv rows that are not padding
-    cu_seqlens = get_audio_cu_seqlens(chunk_lengths, lengths, tower.n_window_infer, tower.n_window)  # [windows + 1]
+    cu_seqlens = _segment_bounds(get_audio_cu_seqlens(chunk_lengths, lengths, tower.n_window_infer, tower.n_window),
+                                 tower.layers[0].self_attn.config._attn_implementation)  # [windows + 1]
 
     padded = padded.unsqueeze(1).to(dtype=tower.conv2d1.weight.dtype)  # [chunks, 1, mel, frames]
     embeds = []
