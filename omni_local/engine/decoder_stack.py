@@ -20,6 +20,7 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from omni_local.engine.fused_qkv import split_qkv
+from omni_local.engine.host_copies import to_device
 from omni_local.engine.kv_store import GraphedKVWriter, KVWriter
 from omni_local.engine.moe import TORCH, MoeBackend, mlp_output
 from omni_local.prompts import Prompt
@@ -196,16 +197,18 @@ def run_layers(
 
 def mrope_positions(owner: torch.nn.Module, prompt: Prompt, device: torch.device) -> tuple[torch.Tensor, int]:
     """3D positions [3, 1, L] of the prompt's tokens by `owner.get_rope_index` (the Thinker's or the
-    Talker's), and the delta that places later tokens: token t after the prompt is at t + delta."""
-    ids = prompt.input_ids.to(device)
-    images, videos, audio = prompt.image_grid_thw, prompt.video_grid_thw, prompt.audio_feature_lengths
+    Talker's), on `device`, and the delta that places later tokens: token t after the prompt is at
+    t + delta. Worked out on the host, from the prompt's own host tensors: transformers' loop over
+    the media reads them element by element (and builds the media's positions on the host anyway),
+    and on the device each such read would wait for all the work queued before it."""
+    ids = prompt.input_ids
     positions, deltas = owner.get_rope_index(
         ids,
-        image_grid_thw=images.to(device) if images is not None else None,
-        video_grid_thw=videos.to(device) if videos is not None else None,
+        image_grid_thw=prompt.image_grid_thw,
+        video_grid_thw=prompt.video_grid_thw,
         attention_mask=torch.ones_like(ids),
         use_audio_in_video=prompt.use_audio_in_video,
-        audio_seqlens=audio.to(device) if audio is not None else None,
+        audio_seqlens=prompt.audio_feature_lengths,
         second_per_grids=prompt.video_second_per_grid,
     )
-    return positions, int(deltas.reshape(-1)[0])
+    return to_device(positions.contiguous(), device), int(deltas.reshape(-1)[0])
