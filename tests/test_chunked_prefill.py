@@ -163,6 +163,31 @@ def test_a_chat_decoding_gets_a_token_between_every_two_chunks_of_a_long_prompt(
     assert steady_tokens == app.session().send("Tell me about the tide.", max_new_tokens=120).result().token_ids
 
 
+def test_a_long_prompts_first_token_is_read_after_the_decode_step_queued_beside_its_last_chunk(chunking, monkeypatch):
+    # Read at once, the first token would hold the decoding chat's next token back by the last chunk
+    # too, and by the host's work on it (publishing the prompt's rows).
+    app = chunking[1]
+    engine = app.backend.engine
+    monkeypatch.setattr(engine, "eos_ids", set())  # the decoding chat runs until stopped
+    with forwards_of(app, decodes=True) as order:
+        first_token = engine._first_token
+
+        def recording_first_token(request, choice):
+            order.append("first token")
+            return first_token(request, choice)
+
+        monkeypatch.setattr(engine, "_first_token", recording_first_token)
+        steady = app.session().send("Tell me about the tide.", max_new_tokens=400)
+        next(event for event in steady if isinstance(event, TextDelta))  # it decodes now
+        long = app.session().send(LONG, max_new_tokens=4).result()
+        steady.cancel()
+    assert steady.result().stop_reason == "cancelled"
+
+    last = chunk_bounds(0, long.tokens.prompt)[-1]
+    at = order.index(last)
+    assert order[at : at + 3] == [last, "decode", "first token"]
+
+
 def test_a_prompt_begun_in_chunks_beside_a_reply_that_then_stops_ends_in_one_forward_from_a_boundary(
     chunking, monkeypatch
 ):

@@ -61,8 +61,8 @@ from omni_local.engine.encoders import Encoders
 from omni_local.engine.host_copies import Readback
 from omni_local.engine.media_encoder import MediaEncoder
 from omni_local.engine.moe import moe_backend
-from omni_local.engine.phases import (BEGIN_SPEECH, BUILD_PROMPT, CLAIM_KV, COLLECT, DECODE, FIRST_TOKEN, PREFILL,
-                                      PREPARE, SPEECH_FRAME, phase)
+from omni_local.engine.phases import (BEGIN_SPEECH, BUILD_PROMPT, CHOOSE_FIRST, CLAIM_KV, COLLECT, DECODE, FIRST_TOKEN,
+                                      PREFILL, PREPARE, SPEECH_FRAME, phase)
 from omni_local.engine.prefill_chunks import chunk_end
 from omni_local.engine.prefix_cache import PrefixCache
 from omni_local.engine.reasoning import ReasoningText, prompt_opens_reasoning
@@ -144,6 +144,8 @@ class Engine:
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self._in_flight: DecodeStep | None = None  # the last decode step, read in the next turn
+        # First tokens chosen this turn, read once the turn's decode step is queued (`_read_first_tokens`)
+        self._first_choices: list[tuple[Request, Readback]] = []
         self._short_of_blocks = False  # the first waiting request found too few blocks; a release clears it
         self._worker = threading.Thread(target=self._loop, name="omni-engine", daemon=True)
         self._worker.start()
@@ -288,6 +290,7 @@ class Engine:
         previous, self._in_flight = self._in_flight, self._launch(decoding)
         if previous is not None:
             self._collect(previous)
+        self._read_first_tokens()
         for request in [r for r in self._running if not r.ended and r.spoken is not None and not r.spoken.done]:
             self._guarded([request], lambda: self._speak(request))
         for request in self._running:
@@ -404,20 +407,34 @@ class Engine:
             logits = self.runner.prefill(request.table, request.prepared.rows(request.prefilled, end))
         request.advance_prefill(end)
         if not request.prefilling:
-            with phase(FIRST_TOKEN):
-                self._first_token(request, logits)
+            with phase(CHOOSE_FIRST):
+                self._choose_first_token(request, logits)
 
-    def _first_token(self, request: Request, logits: torch.Tensor) -> None:
-        """Sample the reply's first token from the prompt's last logits; publish the prompt's rows."""
+    def _choose_first_token(self, request: Request, logits: torch.Tensor) -> None:
+        """Queue the choice of the reply's first token from the prompt's last logits. It is read in
+        this turn still, but after the other replies' decode step is queued and the one before read:
+        read here, it would hold their next tokens back by this prompt's last part too, and the
+        host's work on the first token (publishing the prompt's rows) would come in between."""
         prompt = request.prompt
         room = self.settings.max_context_tokens - prompt.num_tokens
         request.max_new_tokens = min(request.params.max_new_tokens, room)
         reasoning_limit = self._start_text(request)
         self.sampler.start(request.seat, request.params, request.seed, prompt.input_ids[0], reasoning_limit)
-        # The first token is read at once: speech starts from it, and it ends the time to first token.
         tokens = self.sampler.sample(logits[None], self.sampler.batch([request.seat], [0]))
-        (token,), (finite,) = _chosen_and_finite(tokens, logits[None]).tolist()
+        self._first_choices.append((request, Readback(_chosen_and_finite(tokens, logits[None]))))
         request.launched = 1
+
+    def _read_first_tokens(self) -> None:
+        """The first tokens chosen this turn, each read (speech starts from it, and it ends the time to
+        first token) and taken; the prompts' rows published."""
+        choices, self._first_choices = self._first_choices, []
+        for request, choice in choices:
+            with phase(FIRST_TOKEN):
+                self._guarded([request], lambda: self._first_token(request, choice))
+
+    def _first_token(self, request: Request, choice: Readback) -> None:
+        (token,), (finite,) = choice.tolist()
+        prompt = request.prompt
         if not finite:
             return self._fail_poisoned(request)  # before its rows are published: nobody may read them
         request.written = prompt.num_tokens

@@ -14,14 +14,15 @@ CLAIM_KV = "engine: match and claim KV"  # the prefix cache's lookup and the req
 PREPARE = "engine: prepare prompt"  # positions, embeddings, media (ENCODE_MEDIA)
 ENCODE_MEDIA = "engine: encode media"  # the encoders, or the encoder cache
 PREFILL = "engine: prefill forward"  # one part of a prompt through the Thinker
-FIRST_TOKEN = "engine: first token"  # sampled, read back, the prompt's blocks published
+CHOOSE_FIRST = "engine: choose first token"  # its sampling queued after the prompt's last part
+FIRST_TOKEN = "engine: first token"  # read back, the prompt's blocks published
 DECODE = "engine: queue decode step"
 COLLECT = "engine: read decode step"  # waits for the step queued the turn before
 BEGIN_SPEECH = "engine: begin speech"  # the Talker's prompt, from the rows the Thinker kept
 SPEECH_FRAME = "engine: speech frame"  # a Talker step, its code predictor, the codec's audio
 
-PHASES = [BUILD_PROMPT, CLAIM_KV, PREPARE, ENCODE_MEDIA, PREFILL, FIRST_TOKEN, DECODE, COLLECT, BEGIN_SPEECH,
-          SPEECH_FRAME]
+PHASES = [BUILD_PROMPT, CLAIM_KV, PREPARE, ENCODE_MEDIA, PREFILL, CHOOSE_FIRST, FIRST_TOKEN, DECODE, COLLECT,
+          BEGIN_SPEECH, SPEECH_FRAME]
 
 
 def phase(name: str) -> AbstractContextManager:
