@@ -4,6 +4,7 @@ eager prefill and writes the same rows: with nothing before it, attending over i
 only; as a tail on a cached prefix, attending with our kernel (Triton's interpreter here) over the
 bucket's blocks in place."""
 
+import pytest
 import torch
 
 from omni_local.api import OmniLocal
@@ -17,68 +18,70 @@ from omni_local.prompts import build_prompt
 TEXT = " ".join(f"Rule {i}: answer the sailor plainly." for i in range(6))
 
 
+@pytest.fixture(scope="module")
+def uncached(demo_settings, demo_checkpoint):
+    with OmniLocal(demo_settings.replace(prefix_cache=False, encoder_cache=False)) as app:
+        yield app.backend.engine.runner
+
+
 @torch.inference_mode()
 def test_a_padded_first_prefill_through_a_graphs_writer_with_no_prefix_gives_the_eager_prefills_logits_and_rows(
-    demo_settings,
+    uncached,
 ):
-    with OmniLocal(demo_settings.replace(prefix_cache=False, encoder_cache=False)) as app:
-        runner = app.backend.engine.runner
-        kv, size = runner.kv, runner.kv.shape.block_tokens
-        prompt = build_prompt([Message("user", [TEXT])], runner.encoder.processor)
-        prepared = runner.prepare(prompt, 0, remember=False)
-        n = prompt.num_tokens
-        padded = (n // size + 2) * size  # past the sequence's blocks: its padding goes to the pad block
-        eager_table, graph_table = kv.take(kv.shape.blocks_for(n)), kv.take(kv.shape.blocks_for(n))
-        expected = runner._prefill_step(kv.writer(eager_table, 0), prepared.embeds, prepared.positions)
+    runner, kv = uncached, uncached.kv
+    prepared = runner.prepare(build_prompt([Message("user", [TEXT])], runner.encoder.processor), 0, remember=False)
+    n, size = prepared.end, kv.shape.block_tokens
+    padded = (n // size + 2) * size  # past the sequence's blocks: its padding goes to the pad block
+    eager_table, graph_table = kv.take(kv.shape.blocks_for(n)), kv.take(kv.shape.blocks_for(n))
+    expected = runner._prefill_step(kv.writer(eager_table, 0), prepared.embeds, prepared.positions)
 
-        table = torch.tensor([[*graph_table, PAD_BLOCK, PAD_BLOCK]], device=runner.device)
-        indices = torch.arange(padded, device=runner.device)[None]
-        blocks = table.gather(1, indices // size)
-        last = torch.tensor([n - 1], device=runner.device)
-        cache = GraphedKVWriter(kv, table, indices, blocks, indices % size, last, NO_PREFIX)
-        dense = runner._dense_input(prepared)
-        dense = torch.cat([dense, dense.new_zeros((1, padded - n, dense.shape[-1]))], dim=1)
-        positions = torch.cat([prepared.positions, prepared.positions[:, :, -1:].expand(-1, -1, padded - n)], dim=2)
-        logits = runner._dense_prefill_step(cache, dense, positions)
+    logits = through_a_graphs_writer(runner, graph_table, prepared, padded, NO_PREFIX)
 
-        torch.testing.assert_close(logits, expected)
-        for layer in kv.keys + kv.values:
-            torch.testing.assert_close(rows(layer, graph_table, n), rows(layer, eager_table, n))
+    assert_same_logits_and_rows(kv, logits, expected, graph_table, eager_table, n)
 
 
 @torch.inference_mode()
 def test_a_padded_tail_on_a_prefix_through_a_graphs_writer_with_the_kernel_gives_the_eager_prefills_logits_and_rows(
-    demo_settings,
+    uncached,
 ):
-    with OmniLocal(demo_settings.replace(prefix_cache=False, encoder_cache=False)) as app:
-        runner = app.backend.engine.runner
-        kv, size = runner.kv, runner.kv.shape.block_tokens
-        prompt = build_prompt([Message("user", [TEXT])], runner.encoder.processor)
-        prepared = runner.prepare(prompt, 0, remember=False)
-        n = prompt.num_tokens
-        start, padded = n - 7, 16  # a 7-token tail padded to a graph's 16, past a block's end
-        eager_table, graph_table = kv.take(kv.shape.blocks_for(n + padded)), kv.take(kv.shape.blocks_for(n + padded))
-        head = prepared.rows(0, start)
-        for table in (eager_table, graph_table):
-            runner._prefill_step(kv.writer(table, 0), head.embeds, head.positions)
-        tail = prepared.rows(start, n)
-        expected = runner._prefill_step(kv.writer(eager_table, start), tail.embeds, tail.positions)
+    runner, kv = uncached, uncached.kv
+    prepared = runner.prepare(build_prompt([Message("user", [TEXT])], runner.encoder.processor), 0, remember=False)
+    n = prepared.end
+    start, padded = n - 7, 16  # a 7-token tail padded to a graph's 16, past a block's end
+    eager_table, graph_table = kv.take(kv.shape.blocks_for(n + padded)), kv.take(kv.shape.blocks_for(n + padded))
+    head, tail = prepared.rows(0, start), prepared.rows(start, n)
+    for table in (eager_table, graph_table):
+        runner._prefill_step(kv.writer(table, 0), head.embeds, head.positions)
+    expected = runner._prefill_step(kv.writer(eager_table, start), tail.embeds, tail.positions)
 
-        bucket = next(r for r in attention_buckets(kv.shape.max_tokens) if r >= start + padded)
-        table = torch.tensor([graph_table + [PAD_BLOCK] * (kv.shape.blocks_for(bucket) - len(graph_table))],
-                             device=runner.device)
-        indices = start + torch.arange(padded, device=runner.device)[None]
-        blocks = table.gather(1, indices // size)
-        last = torch.tensor([n - start - 1], device=runner.device)
-        cache = GraphedKVWriter(kv, table, indices, blocks, indices % size, last, bucket, kernel=paged_attention)
-        dense = runner._dense_input(tail)
-        dense = torch.cat([dense, dense.new_zeros((1, padded - (n - start), dense.shape[-1]))], dim=1)
-        positions = torch.cat([tail.positions, tail.positions[:, :, -1:].expand(-1, -1, padded - (n - start))], dim=2)
-        logits = runner._dense_prefill_step(cache, dense, positions)
+    bucket = next(r for r in attention_buckets(kv.shape.max_tokens) if r >= start + padded)
+    logits = through_a_graphs_writer(runner, graph_table, tail, padded, bucket, kernel=paged_attention)
 
-        torch.testing.assert_close(logits, expected)
-        for layer in kv.keys + kv.values:
-            torch.testing.assert_close(rows(layer, graph_table, n), rows(layer, eager_table, n))
+    assert_same_logits_and_rows(kv, logits, expected, graph_table, eager_table, n)
+
+
+def through_a_graphs_writer(runner, table: list[int], part, padded: int, rows: int, kernel=None) -> torch.Tensor:
+    """The logits of `part` (a prepared prompt's new tokens from row `part.start`) padded to `padded`
+    tokens as a graph pads them, through the writer a prefill graph of `rows` attention rows hands
+    the layers (with `kernel`: attending in place), run eagerly; `table`'s blocks hold the rows."""
+    kv, size, device = runner.kv, runner.kv.shape.block_tokens, runner.device
+    width = max(kv.shape.blocks_for(part.start + padded), kv.shape.blocks_for(rows))
+    tables = torch.tensor([table + [PAD_BLOCK] * (width - len(table))], device=device)
+    indices = part.start + torch.arange(padded, device=device)[None]
+    length = part.end - part.start
+    last = torch.tensor([length - 1], device=device)
+    cache = GraphedKVWriter(kv, tables, indices, tables.gather(1, indices // size), indices % size, last, rows, kernel)
+    dense = runner._dense_input(part)
+    dense = torch.cat([dense, dense.new_zeros((1, padded - length, dense.shape[-1]))], dim=1)
+    positions = torch.cat([part.positions, part.positions[:, :, -1:].expand(-1, -1, padded - length)], dim=2)
+    return runner._dense_prefill_step(cache, dense, positions)
+
+
+def assert_same_logits_and_rows(kv, logits: torch.Tensor, expected: torch.Tensor, table: list[int],
+                                expected_table: list[int], n: int) -> None:
+    torch.testing.assert_close(logits, expected)
+    for layer in kv.keys + kv.values:
+        torch.testing.assert_close(rows(layer, table, n), rows(layer, expected_table, n))
 
 
 def rows(layer: torch.Tensor, table: list[int], n: int) -> torch.Tensor:
