@@ -5,12 +5,12 @@ is refused, saying why."""
 import pytest
 import torch
 
-from omni_local.engine.attention import attention_kernels, decode_attention
+from omni_local.engine.attention import attention_kernels, backend_kernel
 from omni_local.engine.moe import TORCH, moe_backend
 from omni_local.errors import SettingsError
 
 # setting -> (what makes the setting's choice, what it gives for torch)
-CHOICES = {"moe_backend": (moe_backend, TORCH), "attention_backend": (decode_attention, None)}
+CHOICES = {"moe_backend": (moe_backend, TORCH), "attention_backend": (backend_kernel, None)}
 
 
 @pytest.mark.parametrize("name", CHOICES)

@@ -25,8 +25,8 @@ tables; each cell is a median over the profiled runs.
 - Beside a decoding chat: that chat's longest gap between two of the engine's reads of its tokens
   ("read decode step"), and what the engine did in it, for each profiled run.
 - With --trace FOLDER, each scenario's last profiled run as a gzipped Chrome trace, every thread and
-  kernel on one timeline (chrome://tracing, or ui.perfetto.dev; gzipped, a cold 2,123-token
-  prompt's is 121 KB against 2.5 MB of JSON, so a 10 s video's comes back from a lent GPU machine).
+  kernel on one timeline (chrome://tracing, or ui.perfetto.dev; gzipped, as the lent GPU machine
+  sends back only files of limited size: a cold 2,123-token prompt's 2.5 MB of JSON is 121 KB).
 Scenarios of several chats at once, in turn or after a restart are the bench's alone.
 """
 
@@ -113,11 +113,15 @@ def device_work(recorded: profile, cuda: bool) -> list[Span]:
             if is_work(e, DeviceType.CPU, ("cpu_op",))]
 
 
+def first_token_end(phases: list[Span]) -> float:
+    """When the first token's phase ends; where the profile holds none, never (inf)."""
+    return next((end for name, _, end in phases if name == FIRST_TOKEN), float("inf"))
+
+
 def until_first_token(spans: list[Span], phases: list[Span]) -> list[Span]:
     """`spans` up to the end of the first token's phase, where the profile holds one: the profile runs
     until the reply's first text, which can come a few tokens later (a token of part of a character)."""
-    end = next((e for name, _, e in phases if name == FIRST_TOKEN), None)
-    return spans if end is None else within(spans, float("-inf"), end)
+    return within(spans, float("-inf"), first_token_end(phases))
 
 
 def totals(spans: list[Span], name_of: Callable[[str], str]) -> dict[str, tuple[int, float]]:
@@ -148,7 +152,7 @@ def longest_read_gap(phases: list[Span]) -> tuple[float, float] | None:
     """The longest interval between the ends of two consecutive reads of a decode step that begins
     before the first token's phase ends (the bench's gaps, beside.py, are those until the first
     token), or None where there is none."""
-    until = next((end for name, _, end in phases if name == FIRST_TOKEN), float("inf"))
+    until = first_token_end(phases)
     reads = [end for name, _, end in phases if name == COLLECT]
     gaps = [(earlier, later) for earlier, later in zip(reads, reads[1:]) if earlier <= until]
     return max(gaps, key=lambda pair: pair[1] - pair[0], default=None)
@@ -240,7 +244,7 @@ def main() -> None:
     parser.add_argument("--reading-seconds", type=float, default=0.5,
                         help="pause before each timed turn, as the bench's")
     parser.add_argument("--trace", type=Path, metavar="FOLDER",
-                        help="write each scenario's last profiled run there as a Chrome trace")
+                        help="write each scenario's last profiled run there as a gzipped Chrome trace")
     args = parser.parse_args()
     settings, loaded = settings_and_model(args)
     every_cache_off = settings.replace(prefix_cache=False, encoder_cache=False)

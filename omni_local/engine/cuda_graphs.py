@@ -107,7 +107,7 @@ class BatchGraphs:
             for batch in reversed(self.batches):  # largest first: the smaller ones reuse its pool memory
                 for length in reversed(self.lengths):
                     # A prefill padded to `length` tokens is more than half new tokens: fewer rows never hold it.
-                    no_prefix = self._no_prefix(length, kernel if kernel_from_start else None)
+                    no_prefix = self._no_prefix(length, kernel is not None and kernel_from_start)
                     for rows in [*(r for r in reversed(self.buckets) if r >= length), *no_prefix]:
                         cache = GraphedKVWriter(store, self._tables[:batch], self._indices[:batch, :length],
                                                 self._blocks[:batch, :length], self._offsets[:batch, :length],
@@ -117,11 +117,11 @@ class BatchGraphs:
                         self._graphs[batch, length, rows] = capture_graph(run, pool)
 
     @staticmethod
-    def _no_prefix(length: int, kernel: PagedAttention | None) -> list[int]:
+    def _no_prefix(length: int, kernel_attends_first: bool) -> list[int]:
         """[NO_PREFIX] where a graph for new tokens that begin their sequences is worth capturing: a
-        prefill's, attending as transformers does (not where the `kernel` attends for them, reading
+        prefill's, attending as transformers does (not where the kernel attends for them, reading
         the blocks anyway)."""
-        return [NO_PREFIX] if length > 1 and kernel is None else []
+        return [NO_PREFIX] if length > 1 and not kernel_attends_first else []
 
     def fits(self, batch: int, length: int, start: int) -> bool:
         """Whether a call of `batch` sequences of `length` new tokens after `start` rows has a graph

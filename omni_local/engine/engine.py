@@ -7,7 +7,9 @@ prefix cache, claim blocks for all it may write, take a seat), run (forwards, an
 device), postprocess (stream, finish). A turn runs the prefill of the oldest request still waiting
 for its first token (of what the cache could not supply), and of the short ones after it while the
 turn's prefills stay within one chunk's tokens, then one decode step of every request that was
-decoding (one batched forward when graphed), then one frame of every spoken reply. While another
+decoding (one batched forward when graphed), then the first tokens of the prompts that turn
+finished (chosen on the device after their last part, read once that step is queued, so the
+decoding replies do not wait for them), then one frame of every spoken reply. While another
 reply is decoding or speaking, the oldest prefill is one chunk a turn (prefill_chunks.py), so a new
 question, however long, holds up each reply by one chunk at a time; with nobody to hold up, it is
 the whole rest of the prompt in one forward. A long reply does not hold up a new question's first

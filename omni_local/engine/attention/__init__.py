@@ -31,7 +31,7 @@ from omni_local.engine.attention.reference import gathered_attention
 from omni_local.engine.triton_support import triton_refusal, uses_triton
 from omni_local.errors import SettingsError
 
-__all__ = ["AttentionKernels", "PagedAttention", "attention_kernels", "decode_attention", "gathered_attention",
+__all__ = ["AttentionKernels", "PagedAttention", "attention_kernels", "backend_kernel", "gathered_attention",
            "paged_attention"]
 
 # (query, key_pool, value_pool, block_tables, query_rows, scaling) -> [B, L, heads, head_dim]
@@ -66,7 +66,7 @@ def attention_kernels(setting: str, device: torch.device, deterministic: bool = 
     with `deterministic`, our kernel in its batch-invariant form for every forward (a SettingsError
     where Triton cannot run)."""
     if not deterministic:
-        kernel = decode_attention(setting, device)
+        kernel = backend_kernel(setting, device)
         return AttentionKernels(kernel, kernel)
     refusal = triton_refusal(device)
     if refusal:
@@ -77,7 +77,7 @@ def attention_kernels(setting: str, device: torch.device, deterministic: bool = 
     return AttentionKernels(kernel, kernel, everywhere=True)
 
 
-def decode_attention(setting: str, device: torch.device) -> PagedAttention | None:
+def backend_kernel(setting: str, device: torch.device) -> PagedAttention | None:
     """The kernel for `attention_backend`: 'triton', our kernel; 'torch', None; 'auto', triton on a
     CUDA GPU that runs it. 'triton' where Triton cannot run is a SettingsError saying why."""
     if not uses_triton("attention_backend", setting, device):
