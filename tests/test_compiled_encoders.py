@@ -8,6 +8,7 @@ from PIL import Image
 from torch._dynamo.utils import counters
 
 from omni_local.engine.encoders import Encoders, audio_forward, audio_stack
+from conftest import TEST_DEVICE
 
 IMAGE_SIZES = [(224, 224), (333, 517), (480, 640), (640, 480), (1024, 768)]  # (width, height)
 CLIP_SECONDS = [1.0, 3.0, 7.5, 30.0]
@@ -53,7 +54,7 @@ def image_inputs(processor, *sizes: tuple[int, int]) -> tuple[torch.Tensor, torc
     rng = np.random.default_rng(sum(w * h for w, h in sizes))
     images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in sizes]
     encoded = processor.image_processor(images=images, return_tensors="pt")
-    return encoded["pixel_values"], encoded["image_grid_thw"]
+    return encoded["pixel_values"].to(TEST_DEVICE), encoded["image_grid_thw"].to(TEST_DEVICE)
 
 
 def audio_inputs(processor, *seconds: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,7 +63,7 @@ def audio_inputs(processor, *seconds: float) -> tuple[torch.Tensor, torch.Tensor
     encoded = processor.feature_extractor(
         clips, sampling_rate=16_000, padding=True, truncation=False, return_attention_mask=True, return_tensors="pt"
     )
-    return encoded["input_features"], encoded["attention_mask"]
+    return encoded["input_features"].to(TEST_DEVICE), encoded["attention_mask"].to(TEST_DEVICE)
 
 
 IMAGE_BATCHES = [[size] for size in IMAGE_SIZES] + [IMAGE_SIZES[:3]]
@@ -129,7 +130,7 @@ def video_inputs(processor, *seconds: float) -> tuple[torch.Tensor, torch.Tensor
     rng = np.random.default_rng(len(seconds))
     clips = [rng.integers(0, 256, (max(4, round(2 * s)), 96, 128, 3), dtype=np.uint8) for s in seconds]
     encoded = processor.video_processor(videos=clips, do_sample_frames=False, return_tensors="pt")
-    return encoded["pixel_values_videos"], encoded["video_grid_thw"]
+    return encoded["pixel_values_videos"].to(TEST_DEVICE), encoded["video_grid_thw"].to(TEST_DEVICE)
 
 
 @pytest.mark.torchvision

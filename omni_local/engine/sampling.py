@@ -90,7 +90,7 @@ class SeatSampler:
         rows.top_p[seat] = params.top_p
         rows.penalty[seat] = params.repetition_penalty
         rows.seen[seat] = False
-        rows.seen[seat, prompt_ids.to(self.device)] = True
+        rows.seen[seat, to_device(prompt_ids, self.device)] = True
         self.reasoning_left[seat] = reasoning_limit if reasoning_limit > 0 else -1
         self._limits_reasoning[seat] = reasoning_limit > 0
         self._sampling[seat], self._seeds[seat] = not params.greedy, seed

@@ -132,7 +132,7 @@ class ThinkerRunner:
         # Positions of the whole sequence, then the tail's slice: a tail on a cached prefix gets
         # exactly the positions a cold prefill would give it.
         positions, rope_delta = mrope_positions(self.model, prompt, self.device)
-        tail = prompt.input_ids[:, start:].to(self.device)
+        tail = to_device(prompt.input_ids[:, start:], self.device)
         embeds = self.model.get_input_embeddings()(tail)
         media = [m for m in prompt.media if m.start >= start]
         with phase(ENCODE_MEDIA):
@@ -150,7 +150,7 @@ class ThinkerRunner:
             # On the host first: each chunk finds its DeepStack rows by counting there.
             visual = torch.isin(prompt.input_ids[0, start:], torch.tensor([config.image_token_id, config.video_token_id]))
             visual_before = torch.cat([torch.zeros(1, dtype=torch.long), visual.cumsum(0)])
-            visual_mask = visual[None].to(self.device)
+            visual_mask = to_device(visual[None], self.device)
             embeds = _scatter(embeds, visual_mask, torch.cat([o["embeds"] for o in visuals]))
             deepstack = [level.to(embeds.dtype) for level in deepstack_levels(visuals)]
         return PreparedPrompt(start, embeds, positions[:, :, start:], rope_delta, visual_mask, deepstack, tail, counts,
