@@ -23,6 +23,7 @@ from omni_local.engine.fused_qkv import split_qkv
 from omni_local.engine.host_copies import to_device
 from omni_local.engine.kv_store import GraphedKVWriter, KVWriter
 from omni_local.engine.moe import TORCH, MoeBackend, mlp_output
+from omni_local.engine.rope_positions import rope_positions
 from omni_local.prompts import Prompt
 
 
@@ -196,19 +197,8 @@ def run_layers(
 
 
 def mrope_positions(owner: torch.nn.Module, prompt: Prompt, device: torch.device) -> tuple[torch.Tensor, int]:
-    """3D positions [3, 1, L] of the prompt's tokens by `owner.get_rope_index` (the Thinker's or the
-    Talker's), on `device`, and the delta that places later tokens: token t after the prompt is at
-    t + delta. Worked out on the host, from the prompt's own host tensors: transformers' loop over
-    the media reads them element by element (and builds the media's positions on the host anyway),
-    and on the device each such read would wait for all the work queued before it."""
-    ids = prompt.input_ids
-    positions, deltas = owner.get_rope_index(
-        ids,
-        image_grid_thw=prompt.image_grid_thw,
-        video_grid_thw=prompt.video_grid_thw,
-        attention_mask=torch.ones_like(ids),
-        use_audio_in_video=prompt.use_audio_in_video,
-        audio_seqlens=prompt.audio_feature_lengths,
-        second_per_grids=prompt.video_second_per_grid,
-    )
-    return to_device(positions.contiguous(), device), int(deltas.reshape(-1)[0])
+    """3D positions [3, 1, L] of the prompt's tokens, the ones `owner.get_rope_index` (the Thinker's or
+    the Talker's) gives, on `device`, and the delta that places later tokens: token t after the prompt
+    is at t + delta. Worked out on the host, from the prompt's media list (rope_positions.py)."""
+    positions, delta = rope_positions(prompt, owner.spatial_merge_size, owner.config.position_id_per_seconds)
+    return to_device(positions, device), delta
