@@ -12,7 +12,8 @@ earlier turns; for a `warm_cache` scenario, another chat's first look before; fo
 another chat decoding meanwhile), waits --reading-seconds, then sends the timed turn and profiles
 it until its first token (a spoken scenario's: its first audio). After a warm-up run, --runs runs
 unprofiled give the time to first token the bench would show, then --runs profiled ones the
-tables; each cell is a median over the profiled runs.
+tables; each cell is a median over the profiled runs. With --whole-reply the profiles run on to the
+reply's end: where a spoken reply's frames go once it speaks, the real-time factor's share.
 
 - The engine's phases (engine/phases.py): each one's summed time in the turn and how often it ran,
   up to the end of the first token's phase (spoken, the whole profile). "prepare prompt" holds
@@ -55,10 +56,11 @@ Span = tuple[str, float, float]  # (name, start, end), µs on the profiler's clo
 
 
 def profiled_turn(app: OmniLocal, scenario: Scenario, run: int, new_tokens: int, reading_s: float,
-                  profiling: bool) -> tuple[float | None, profile | None]:
+                  profiling: bool, whole_reply: bool = False) -> tuple[float | None, profile | None]:
     """One run of `scenario`'s timed turn: its time to first token (to first audio where it speaks), in
-    seconds, and the profile from its send to then (None unless `profiling`). A spoken reply that
-    ended at its first token (random weights may say end-of-turn first) has no first audio: None."""
+    seconds, and the profile from its send to then, or to the reply's end with `whole_reply` (None
+    unless `profiling`). A spoken reply that ended at its first token (random weights may say
+    end-of-turn first) has no first audio: None."""
     if scenario.warm_cache:
         first_look(app, scenario, run, new_tokens)
     session = opened(app, scenario, run, 0, new_tokens, scenario.speak)
@@ -69,7 +71,7 @@ def profiled_turn(app: OmniLocal, scenario: Scenario, run: int, new_tokens: int,
         if recorder is not None:
             recorder.start()
         reply = send(session, question(scenario, run), new_tokens, scenario.speak)
-        _wait_for_first(reply, AudioChunk if scenario.speak else TextDelta)
+        _wait_for_first(reply, Finished if whole_reply else AudioChunk if scenario.speak else TextDelta)
         if recorder is not None:
             recorder.stop()
         return reply.result()
@@ -197,7 +199,7 @@ def profile_scenario(app: OmniLocal, scenario: Scenario, args: argparse.Namespac
         done = []
         for _ in range(3 * count + 3):
             first, recorded = profiled_turn(app, scenario, next(questions), args.new_tokens, args.reading_seconds,
-                                            profiling)
+                                            profiling, args.whole_reply)
             if first is not None:
                 done.append((first, recorded))
             if len(done) == count:
@@ -218,7 +220,9 @@ def profile_scenario(app: OmniLocal, scenario: Scenario, args: argparse.Namespac
     recorded = [r for _, r in profiled]
     phases = [phase_spans(r) for r in recorded]
     work = [device_work(r, cuda) for r in recorded]
-    if not scenario.speak:
+    if args.whole_reply:
+        print("\nProfiled from the send to the reply's end: every token and audio frame.")
+    elif not scenario.speak:
         work = [until_first_token(w, p) for w, p in zip(work, phases)]
         phases = [until_first_token(p, p) for p in phases]
     print_rows("engine phase", "calls", median_cells([totals(p, str) for p in phases], PHASES))
@@ -243,6 +247,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=4)
     parser.add_argument("--reading-seconds", type=float, default=0.5,
                         help="pause before each timed turn, as the bench's")
+    parser.add_argument("--whole-reply", action="store_true",
+                        help="profile each timed turn to its reply's end, not to its first token or audio "
+                             "(where a spoken reply's frames go once it speaks)")
     parser.add_argument("--trace", type=Path, metavar="FOLDER",
                         help="write each scenario's last profiled run there as a gzipped Chrome trace")
     args = parser.parse_args()
