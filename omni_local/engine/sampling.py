@@ -82,16 +82,20 @@ class SeatSampler:
     @torch.inference_mode()
     def start(self, seat: int, params: SamplingParams, seed: int, prompt_ids: torch.Tensor,
               reasoning_limit: int = 0) -> None:
-        """Give `seat`'s row to a new request: its parameters, its seed, its prompt's ids as seen, and
-        how many tokens it may reason for (its prompt opened a reasoning block; 0: no limit)."""
+        """Give `seat`'s row to a new request: its parameters, its seed, its prompt's ids (on the host)
+        as seen, and how many tokens it may reason for (its prompt opened a reasoning block; 0: no
+        limit)."""
+        # Each value is a kernel's argument (fill_): assigned (`row[seat] = value`), it would be a copy
+        # from the host's memory, which waits for all the work queued on the device.
         rows = self.rows
-        rows.temperature[seat] = params.temperature
-        rows.top_k[seat] = min(params.top_k, rows.seen.shape[1])  # any more is the whole vocabulary
-        rows.top_p[seat] = params.top_p
-        rows.penalty[seat] = params.repetition_penalty
-        rows.seen[seat] = False
-        rows.seen[seat, to_device(prompt_ids, self.device)] = True
-        self.reasoning_left[seat] = reasoning_limit if reasoning_limit > 0 else -1
+        rows.temperature[seat].fill_(params.temperature)
+        rows.top_k[seat].fill_(min(params.top_k, rows.seen.shape[1]))  # any more is the whole vocabulary
+        rows.top_p[seat].fill_(params.top_p)
+        rows.penalty[seat].fill_(params.repetition_penalty)
+        rows.seen[seat].zero_()
+        if len(prompt_ids):
+            rows.seen[seat].index_fill_(0, to_device(prompt_ids, self.device), True)
+        self.reasoning_left[seat].fill_(reasoning_limit if reasoning_limit > 0 else -1)
         self._limits_reasoning[seat] = reasoning_limit > 0
         self._sampling[seat], self._seeds[seat] = not params.greedy, seed
 

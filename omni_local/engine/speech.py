@@ -23,7 +23,7 @@ import torch
 from omni_local.api.events import SPEECH_SAMPLE_RATE, SpeechReport
 from omni_local.api.params import SamplingParams, SpeechParams
 from omni_local.engine.attention import AttentionKernels
-from omni_local.engine.host_copies import Readback
+from omni_local.engine.host_copies import Readback, to_device
 from omni_local.engine.kv_store import BlockTable, KVStore
 from omni_local.engine.moe import TORCH, MoeBackend
 from omni_local.engine.prefix_cache import Claim, Match, PrefixCache, common_prefix
@@ -117,13 +117,12 @@ class Speaker:
         """Speech for a reply to `prompt` that begins with `first_token`; the Thinker's Talker rows
         are read now from the blocks of `table`, which it may give up before the Talker starts."""
         positions = user_positions(prompt.input_ids[0], self.im_start, self.user)
-        rows = kv.read_talker_rows(table, torch.from_numpy(positions).to(kv.device))
+        rows = kv.read_talker_rows(table, to_device(torch.from_numpy(positions), kv.device))
         voice = self.runner.voice_id(params.voice)
         talker_prompt = self.runner.build_prompt(prompt, rows, positions, first_token, voice)
-        device = self.runner.device
-        empty = torch.empty(0, dtype=torch.long, device=device)
+        no_ids = torch.empty(0, dtype=torch.long)
         return SpokenReply(params, session, prompt, talker_prompt,
-                           Sampler(params.talker_sampling(), seed + 1, empty, self.runner.suppressed), seed + 2)
+                           Sampler(params.talker_sampling(), seed + 1, no_ids, self.runner.suppressed), seed + 2)
 
     @torch.inference_mode()
     def step(

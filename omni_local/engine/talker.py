@@ -115,7 +115,7 @@ class TalkerRunner:
         # each frame (spoken replies take turns), at fixed addresses the frame's graph reads.
         self.predictor_sampler = SeatSampler(1, self.predictor.config.vocab_size, self.device)
         self._row_zero = torch.zeros(1, dtype=torch.long, device=self.device)
-        self._no_ids = torch.empty(0, dtype=torch.long, device=self.device)
+        self._no_ids = torch.empty(0, dtype=torch.long)
         # The Talker's and the code predictor's layers, as the Thinker's (on the GPU only).
         self.regions = LayerRegions(compiled=compiled_layers and self.device.type == "cuda", moe=moe)
         self.voices = {name.lower(): int(i) for name, i in talker_config.speaker_id.items()}
