@@ -13,6 +13,7 @@ Run eagerly (`compile=False`) the same functions give bit for bit what transform
 `get_image_features` / `get_audio_features` give.
 """
 
+import itertools
 import time
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -61,13 +62,22 @@ def segment_attention(
         longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())  # the longest segment, not all tokens
         segments = dict(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=longest, max_length_k=longest)
         return attention(module, query, key, value, None, scaling=scaling, dropout=0.0, is_causal=False, **segments)[0]
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    splits = [torch.split(tensor, lengths, dim=2) for tensor in (query, key, value)]
-    outputs = [
-        attention(module, q, k, v, attention_mask=None, scaling=scaling, dropout=0.0, is_causal=False)[0]
-        for q, k, v in zip(*splits)
-    ]
+    # Segments of one length side by side (a video's frames, a clip's full windows) are one batch:
+    # one attention launch for all of them instead of one each.
+    outputs, start = [], 0
+    for length, run in itertools.groupby((cu_seqlens[1:] - cu_seqlens[:-1]).tolist()):
+        count = len(list(run))
+        q, k, v = (_as_batch(t[0, :, start:start + count * length], count) for t in (query, key, value))
+        out = attention(module, q, k, v, attention_mask=None, scaling=scaling, dropout=0.0, is_causal=False)[0]
+        outputs.append(out.reshape(1, count * length, *out.shape[2:]))
+        start += count * length
     return torch.cat(outputs, dim=1)
+
+
+def _as_batch(rows: Tensor, count: int) -> Tensor:
+    """[heads, count * length, head_dim] -> [count, heads, length, head_dim]: `count` segments."""
+    heads, tokens, head_dim = rows.shape
+    return rows.reshape(heads, count, tokens // count, head_dim).transpose(0, 1)
 
 
 @segment_attention.register_fake
