@@ -161,7 +161,8 @@ class Speaker:
             if hidden is None:
                 return None  # running replies hold the Talker's blocks: try again next turn
             # Every spoken reply has at least one frame (transformers' `talker_min_new_tokens=1`).
-            logits = logits.index_fill(0, torch.tensor([self.runner.codec_eos], device=logits.device), float("-inf"))
+            eos = to_device(torch.tensor([self.runner.codec_eos]), logits.device)
+            logits = logits.index_fill(0, eos, float("-inf"))
         else:
             # The frame this forward begins reads the reply token of the same index.
             text_row = self._text_row(reply.queued, reply_ids, text_done)

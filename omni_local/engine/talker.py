@@ -27,7 +27,7 @@ from omni_local.engine.cuda_graphs import BatchGraphs, StaticGraph, graphable
 from omni_local.engine.decoder_stack import LayerRegions, mrope_positions, run_layers
 from omni_local.engine.fused_qkv import fuse_qkv
 from omni_local.engine.kv_store import BlockTable, GraphedKVWriter, KVShape, KVStore, KVWriter
-from omni_local.engine.host_copies import Readback
+from omni_local.engine.host_copies import Readback, to_device
 from omni_local.engine.moe import TORCH, MoeBackend
 from omni_local.engine.sampling import SampleBatch, SeatSampler
 from omni_local.errors import RequestError
@@ -173,7 +173,7 @@ class TalkerRunner:
     @torch.inference_mode()
     def project_text(self, ids: list[int]) -> torch.Tensor:
         """[len(ids), width]: text tokens as the Talker reads them."""
-        embeds = self.thinker_embeddings(torch.tensor(ids, device=self.device))
+        embeds = self.thinker_embeddings(to_device(torch.tensor(ids), self.device))
         return self.talker.text_projection(embeds)
 
     def build_prompt(
@@ -185,7 +185,7 @@ class TalkerRunner:
         text = torch.cat([self.project_text(opening_ids), self.tts_pad.expand(4, -1), self.tts_bos,
                           self.project_text([first_token])])
         zeros = self._codec_opening.new_zeros(ASSISTANT_OPENING, self._codec_opening.shape[1])
-        voice_row = self.stack.codec_embedding(torch.tensor([voice], device=self.device))
+        voice_row = self.stack.codec_embedding(to_device(torch.tensor([voice]), self.device))
         codec = torch.cat([zeros, self._codec_opening, voice_row, self._codec_tail])
         # The ids only place the media for the 3D positions; the assistant rows' ids are padding.
         talker_ids = torch.cat([ids[user_positions], ids.new_full((len(text),), self.config.tts_pad_token_id)])
