@@ -141,9 +141,41 @@ def test_the_expert_kernels_read_quantized_experts_as_their_dequantized_weights(
     torch.testing.assert_close(rows.sum(dim=1).to(dtype), expected, **tolerance)
 
 
+# A decode step's sizes for the kernels by pair: 4 groups of 128 inputs a step into gate_up, 3 groups
+# of 64 (one a step) into down, column tiles with ragged ends.
+PAIR_HIDDEN, PAIR_INTERMEDIATE = 512, 192
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the interpreter tests run on the CPU run")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize("case", ["one token routed to its top-k", "an expert gets no token"])
+def test_a_decode_steps_int4_experts_run_by_pair_as_their_dequantized_weights(case, dtype, monkeypatch):
+    from omni_local.engine.moe import routed_experts as routed
+    from omni_local.engine.moe.kernels import pairs
+
+    config = text_config(num_experts=4, top_k=2, hidden=PAIR_HIDDEN, intermediate=PAIR_INTERMEDIATE)
+    quantized = QuantizedExperts.replacing(experts(config, torch.float32), "int4")
+    assert [pairs._step(routed.kernel_weight(v, s)) for v, s in [(quantized.gate_up_values, quantized.gate_up_scales),
+                                                                 (quantized.down_values, quantized.down_scales)]
+            ] == [512, 64]
+    logits = logits_choosing(ROUTES[case], num_experts=4)
+    hidden = normal(len(logits), PAIR_HIDDEN, seed=5).to(dtype)
+    _, weights, chosen = router_over_logits(config)(logits)
+    expected = quantized(hidden.float(), chosen, weights).to(dtype)
+    monkeypatch.setattr(routed, "gate_up_silu", None)  # the sorted blocks' kernels are not called
+
+    rows = routed.weighted_expert_rows(hidden, logits.to(dtype), quantized.gate_up_values, quantized.down_values,
+                                       top_k=2, renormalize=True, gate_up_scales=quantized.gate_up_scales,
+                                       down_scales=quantized.down_scales)
+
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=3e-3)
+    torch.testing.assert_close(rows.sum(dim=1).to(dtype), expected, **tolerance)
+
+
 COMPILE_GEMMS_FOR_SM90 = """
 from omni_local.engine.moe.kernels.down import _down_kernel
 from omni_local.engine.moe.kernels.gate_up import _gate_up_kernel
+from omni_local.engine.moe.kernels.pairs import _down_pairs_kernel, _gate_up_pairs_kernel
 from omni_local.engine.weight_tiles import INT4_GROUPS, PLAIN, ROW_SCALED
 
 weights = {PLAIN.value: "*bf16", ROW_SCALED.value: "*fp8e4nv", INT4_GROUPS.value: "*u8"}
@@ -153,6 +185,11 @@ for format, weight in weights.items():
                                    experts_ptr="*i32", out_ptr="*bf16"), dict(TOP_K=8, **tiles), num_warps=4)
     compiled(_down_kernel, dict(inter_ptr="*bf16", weight_ptr=weight, scales_ptr="*bf16", sorted_ptr="*i32",
                                 experts_ptr="*i32", routing_ptr="*fp32", out_ptr="*fp32"), tiles, num_warps=4)
+compiled(_gate_up_pairs_kernel, dict(hidden_ptr="*bf16", weight_ptr="*u8", scales_ptr="*bf16", experts_ptr="*i32",
+                                     out_ptr="*bf16"), dict(TOP_K=8, BLOCK_N=16, BLOCK_K=512, GROUP=128), num_warps=4)
+compiled(_down_pairs_kernel, dict(inter_ptr="*bf16", weight_ptr="*u8", scales_ptr="*bf16", experts_ptr="*i32",
+                                  routing_ptr="*fp32", out_ptr="*fp32"), dict(BLOCK_N=32, BLOCK_K=256, GROUP=128),
+         num_warps=4)
 """
 
 

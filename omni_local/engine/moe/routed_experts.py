@@ -19,11 +19,17 @@ import torch
 
 from omni_local.engine.moe.kernels.down import weighted_down
 from omni_local.engine.moe.kernels.gate_up import gate_up_silu
+from omni_local.engine.moe.kernels.pairs import gate_up_silu_by_pair, weighted_down_by_pair
 from omni_local.engine.moe.kernels.route_and_sort import fits_one_program, route_and_sort
 from omni_local.engine.moe.kernels.routing import route
 from omni_local.engine.moe.kernels.sorting import sort_by_expert
 from omni_local.engine.moe.kernels.expert_weights import kernel_weight
 from omni_local.engine.moe.tile_configs import TileConfig, tile_config
+from omni_local.engine.weight_tiles import INT4_GROUPS
+
+# Up to this many tokens, int4 experts run by pair (kernels/pairs.py), each pair's expert rows read
+# as a GEMV reads them; more tokens share experts, which the sorted blocks read once for all of them.
+PAIR_KERNEL_TOKENS = 4
 
 
 def weighted_expert_rows(hidden: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
@@ -34,16 +40,21 @@ def weighted_expert_rows(hidden: torch.Tensor, logits: torch.Tensor, gate_up: to
     float32, for `hidden` [tokens, hidden], router `logits` [tokens, E], and the experts' contiguous
     `gate_up` [E, 2I, hidden] and `down` [E, hidden, I] (each in the hidden dtype, or quantized
     values with their scales: model/quantized/formats.py); `config` None takes the tuned one for the
-    token count, or `pinned`, a decode step's for any count (each pair's sums then run in one order
-    whatever the batch: the deterministic setting)."""
+    token count (int4 experts at up to PAIR_KERNEL_TOKENS tokens: the kernels by pair), or `pinned`,
+    a decode step's for any count (each pair's sums then run in one order whatever the batch: the
+    deterministic setting)."""
     gate_up_weight, down_weight = kernel_weight(gate_up, gate_up_scales), kernel_weight(down, down_scales)
     tokens, width = hidden.shape
     num_experts, intermediate = gate_up.shape[0], down_weight.in_features
     if tokens == 0:
         return hidden.new_zeros((0, top_k, width), dtype=torch.float32)
+    logits = logits.contiguous()
+    if config is None and not pinned and tokens <= PAIR_KERNEL_TOKENS and gate_up_weight.format == INT4_GROUPS.value:
+        weights, experts = route(logits, top_k, renormalize)
+        activated = gate_up_silu_by_pair(hidden.contiguous(), gate_up_weight, experts)
+        return weighted_down_by_pair(activated, down_weight, experts, weights).view(tokens, top_k, width)
     config = config or tile_config(num_experts, width, intermediate, 1 if pinned else tokens, hidden.device,
                                    gate_up_weight.quantized)
-    logits = logits.contiguous()
     if fits_one_program(tokens):  # a decode batch: one launch
         weights, experts, order = route_and_sort(logits, top_k, renormalize, config.block_m)
     else:

@@ -9,6 +9,8 @@
    epilogue.
 4. down.py: the down projection, each row scaled by its routing weight in the epilogue, written to
    the pair's own row: the top-k sum is then a fixed-order sum over k (see routed_experts.py).
+pairs.py: 3 and 4 for int4 experts at up to a few tokens, one program per pair and column tile,
+   after 1 alone (no sort): each pair's expert rows read as a GEMV reads them.
 
 They take float32, float16 and bfloat16; Triton's CPU interpreter (TRITON_INTERPRET=1, the tests)
 multiplies bfloat16 wrongly, so it is tested there in float32 and float16.
