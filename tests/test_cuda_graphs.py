@@ -190,11 +190,16 @@ def test_the_engine_queues_the_decode_steps_of_a_batch_without_ever_waiting_for_
     assert all(final.tokens.generated == 12 for final in finals)
 
 
-def test_a_text_prompt_is_prefilled_and_its_first_token_chosen_without_waiting_for_the_device(on_gpu, monkeypatch):
+@pytest.mark.parametrize("speaking", [False, True], ids=["text", "with the Talker's rows"])
+def test_a_text_prompt_is_prefilled_and_its_first_token_chosen_without_waiting_for_the_device(
+    speaking, request, monkeypatch,
+):
     # A wait there holds back the next decode step of every other chat until the prompt's work
     # queued so far is done: measured, a 2,123-token prompt's last part stopped another chat's
-    # tokens for 25 ms more than its chunk took.
-    engine = on_gpu.backend.engine
+    # tokens for 25 ms more than its chunk took. Where the app speaks, the prefill writes each
+    # token's Talker row too.
+    app = request.getfixturevalue("speaking_graphed_and_eager")[0] if speaking else request.getfixturevalue("on_gpu")
+    engine = app.backend.engine
     prefill, parts = engine._prefill, []
 
     def prefill_forbidding_syncs(request, end):
@@ -204,8 +209,8 @@ def test_a_text_prompt_is_prefilled_and_its_first_token_chosen_without_waiting_f
 
     monkeypatch.setattr(engine, "_prefill", prefill_forbidding_syncs)
     monkeypatch.setattr(engine, "eos_ids", set())
-    final = on_gpu.session().send("Tell me about the sea, with a repeat penalty.", max_new_tokens=4,
-                                  repetition_penalty=1.1).result()  # a synchronising call fails it
+    final = app.session().send("Tell me about the sea, with a repeat penalty.", max_new_tokens=4,
+                               repetition_penalty=1.1).result()  # a synchronising call fails it
     assert parts and final.tokens.generated == 4
 
 

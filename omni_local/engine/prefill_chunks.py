@@ -22,7 +22,7 @@ from omni_local.api.events import MediaCounts
 @dataclass(frozen=True)
 class PreparedPrompt:
     """What a prefill needs: the embeddings and 3D positions of the prompt's tokens from `start` on
-    (those before are in the KV already), tensors on the model's device."""
+    (those before are in the KV already), tensors on the model's device unless said."""
 
     start: int
     embeds: torch.Tensor  # [1, L - start, hidden]
@@ -30,7 +30,7 @@ class PreparedPrompt:
     rope_delta: int  # position of token t after the prompt is t + rope_delta
     visual_mask: torch.Tensor | None  # [1, L - start], where deepstack features are added
     deepstack: list[torch.Tensor] | None  # one [visual tokens, hidden] per deepstack layer
-    ids: torch.Tensor  # [1, L - start] the tail's token ids
+    ids: torch.Tensor  # [1, L - start] the tail's token ids, on the host (the Talker rows' media mask)
     media: MediaCounts
     # [L - start + 1] on the host: how many visual tokens come before each row of the tail (and
     # after its last), so a chunk finds its DeepStack rows without asking the device.

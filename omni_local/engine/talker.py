@@ -50,12 +50,13 @@ class TalkerRows:
         self._media_ids = torch.tensor([thinker.audio_token_id, thinker.image_token_id, thinker.video_token_id])
 
     def project(self, ids: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """Rows [1, n, width] for tokens `ids` [1, n], from their Thinker input embeddings and hidden
-        states at `accept_layer` ([1, n, thinker hidden])."""
-        media = torch.isin(ids, self._media_ids.to(ids.device))
+        """Rows [1, n, width] for tokens `ids` [1, n] (on the host: which are media is known there,
+        without waiting for the device), from their Thinker input embeddings and hidden states at
+        `accept_layer` ([1, n, thinker hidden])."""
+        media = torch.isin(ids, self._media_ids)
         rows = self.text_projection(embeds)
         if media.any():
-            rows = torch.where(media.unsqueeze(-1), self.hidden_projection(hidden), rows)
+            rows = torch.where(to_device(media, rows.device).unsqueeze(-1), self.hidden_projection(hidden), rows)
         return rows
 
 

@@ -153,8 +153,8 @@ class ThinkerRunner:
             visual_mask = to_device(visual[None], self.device)
             embeds = _scatter(embeds, visual_mask, torch.cat([o["embeds"] for o in visuals]))
             deepstack = [level.to(embeds.dtype) for level in deepstack_levels(visuals)]
-        return PreparedPrompt(start, embeds, positions[:, :, start:], rope_delta, visual_mask, deepstack, tail, counts,
-                              visual_before)
+        return PreparedPrompt(start, embeds, positions[:, :, start:], rope_delta, visual_mask, deepstack,
+                              prompt.input_ids[:, start:], counts, visual_before)
 
     @torch.inference_mode()
     def prefill(self, table: BlockTable, prepared: PreparedPrompt) -> torch.Tensor:
