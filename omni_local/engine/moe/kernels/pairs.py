@@ -4,10 +4,10 @@ At one to a few tokens each pair has its expert to itself, and the block kernels
 down.py) spend a tl.dot of BLOCK_M rows on one real row, their int4 tiles unpacked and moved into
 the dot's layout at every step: on the H200, a full-size decode step's int4 experts took 3.0 ms,
 against 1.1 ms for the same kernels reading bf16, four times the bytes (bench.profile_decode). Here
-a program multiplies its pair's one row by its expert's rows as a GEMV does: each step loads the
-packed bytes of several int4 groups at once, splits them into the even-k and odd-k values in float32,
-multiplies them by the row's even and odd inputs, sums each group's products, scales them by the
-group's scale and adds them up (a group's scale is the same for its whole run of k).
+a program multiplies its pair's one row by its expert's rows as a GEMV does: for each int4 group it
+loads the packed bytes, splits them into the even-k and odd-k values in float32, multiplies them by
+the row's even and odd inputs and sums them, times the group's scale (the same for its whole run of
+k). A step's groups (up to four) are unrolled, so their loads are in flight together.
 
 gate_up: SiLU(gate) * up of the pair's token, written at the pair's row of [pairs, intermediate];
 down: the routing weight times the pair's intermediate row through its expert's down rows, float32,
@@ -32,29 +32,16 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _int4_row_products(x_even, x_odd, rows_ptr, scales_ptr, columns, inside, half, start, depth, row_stride,
-                       scale_row_stride, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
-    """[BLOCK_N] float32: the inputs [start, start + BLOCK_K) of one row (`x_even` and `x_odd`, its
-    even and odd ones, float32) times the int4 rows `columns` of a weight there, each group's sum
-    scaled by its scale; inputs past `depth` count as zeros."""
-    within = start + 2 * half < depth
-    low, high = int4_halves(rows_ptr, columns, half, start, row_stride, within[:, None] & inside[None, :],
-                            tl.float32)
-    products = x_even[:, None] * low + x_odd[:, None] * high  # [BLOCK_K / 2, BLOCK_N]
-    by_group = tl.sum(tl.reshape(products, (BLOCK_K // GROUP, GROUP // 2, products.shape[1])), axis=1)
-    group = start // GROUP + tl.arange(0, BLOCK_K // GROUP)
-    scales = tl.load(scales_ptr + columns[None, :] * scale_row_stride + group[:, None],
-                     mask=(group < depth // GROUP)[:, None] & inside[None, :], other=0.0).to(tl.float32)
-    return tl.sum(by_group * scales, axis=0)
-
-
-@triton.jit
-def _row_inputs(row_ptr, half, start, depth):
-    """A row's even and odd inputs of the step at `start`, float32, zeros past `depth`."""
-    even = start + 2 * half
-    within = even < depth
-    return (tl.load(row_ptr + even, mask=within, other=0.0).to(tl.float32),
-            tl.load(row_ptr + even + 1, mask=within, other=0.0).to(tl.float32))
+def _int4_group_products(row_ptr, rows_ptr, scales_ptr, columns, inside, start, row_stride, scale_row_stride,
+                         GROUP: tl.constexpr):
+    """[BLOCK_N] float32: one int4 group's inputs [start, start + GROUP) of a row times the weight
+    rows `columns` there, dequantized (the sum times the group's scale)."""
+    half = tl.arange(0, GROUP // 2)
+    x_even = tl.load(row_ptr + start + 2 * half).to(tl.float32)
+    x_odd = tl.load(row_ptr + start + 2 * half + 1).to(tl.float32)
+    low, high = int4_halves(rows_ptr, columns, half, start, row_stride, inside[None, :], tl.float32)
+    scale = tl.load(scales_ptr + columns * scale_row_stride + start // GROUP, mask=inside, other=0.0)
+    return tl.sum(x_even[:, None] * low + x_odd[:, None] * high, axis=0) * scale.to(tl.float32)
 
 
 @triton.jit
@@ -71,15 +58,15 @@ def _gate_up_pairs_kernel(hidden_ptr, weight_ptr, scales_ptr, experts_ptr, out_p
     up_rows = gate_rows + intermediate * weight_row_stride  # the up rows follow the gate rows
     gate_scales = scales_ptr + expert * scale_expert_stride
     up_scales = gate_scales + intermediate * scale_row_stride
-    half = tl.arange(0, BLOCK_K // 2)
     gate = tl.zeros([BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for start in range(0, hidden_size, BLOCK_K):
-        x_even, x_odd = _row_inputs(row, half, start, hidden_size)
-        gate += _int4_row_products(x_even, x_odd, gate_rows, gate_scales, columns, inside, half, start, hidden_size,
-                                   weight_row_stride, scale_row_stride, BLOCK_K, GROUP)
-        up += _int4_row_products(x_even, x_odd, up_rows, up_scales, columns, inside, half, start, hidden_size,
-                                 weight_row_stride, scale_row_stride, BLOCK_K, GROUP)
+    for step in range(0, hidden_size, BLOCK_K):
+        for group in tl.static_range(BLOCK_K // GROUP):  # unrolled: the groups' loads all in flight
+            start = step + group * GROUP
+            gate += _int4_group_products(row, gate_rows, gate_scales, columns, inside, start, weight_row_stride,
+                                         scale_row_stride, GROUP)
+            up += _int4_group_products(row, up_rows, up_scales, columns, inside, start, weight_row_stride,
+                                       scale_row_stride, GROUP)
     activated = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(out_ptr + pair.to(tl.int64) * out_stride + columns, activated.to(out_ptr.dtype.element_ty), mask=inside)
 
@@ -96,12 +83,11 @@ def _down_pairs_kernel(inter_ptr, weight_ptr, scales_ptr, experts_ptr, routing_p
     row = inter_ptr + pair.to(tl.int64) * inter_stride
     weight_rows = weight_ptr + expert * weight_expert_stride
     scales = scales_ptr + expert * scale_expert_stride
-    half = tl.arange(0, BLOCK_K // 2)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for start in range(0, intermediate, BLOCK_K):
-        x_even, x_odd = _row_inputs(row, half, start, intermediate)
-        acc += _int4_row_products(x_even, x_odd, weight_rows, scales, columns, inside, half, start, intermediate,
-                                  weight_row_stride, scale_row_stride, BLOCK_K, GROUP)
+    for step in range(0, intermediate, BLOCK_K):
+        for group in tl.static_range(BLOCK_K // GROUP):  # unrolled: the groups' loads all in flight
+            acc += _int4_group_products(row, weight_rows, scales, columns, inside, step + group * GROUP,
+                                        weight_row_stride, scale_row_stride, GROUP)
     routing = tl.load(routing_ptr + pair).to(tl.float32)
     tl.store(out_ptr + pair.to(tl.int64) * out_stride + columns, acc * routing, mask=inside)
 
