@@ -61,3 +61,23 @@ def test_a_video_whose_sound_outlasts_its_frames_ends_on_its_sound_and_the_other
     assert tail.tolist() == [[4, 5, 6]] * 3  # the sound from the last frame's time on
     merged, tail = _interleaved(frames, torch.arange(3).expand(3, -1) + 0.0)
     assert tail.tolist() == frames[:, 2:].tolist()
+
+
+@with_video
+def test_the_talkers_own_prompt_of_a_chat_with_every_kind_gets_the_positions_of_transformers(speaking_app):
+    # The Talker's prompt keeps the user turns' tokens, its media renumbered, then its own rows.
+    from omni_local.engine.talker import user_positions
+
+    speaker = speaking_app.backend.engine.speaker
+    runner = speaker.runner
+    thinker = build_prompt(CASES["a chat with every kind, over two turns"].values[0](speaking_app),
+                           speaking_app.backend.loaded.processor)
+    users = user_positions(thinker.input_ids[0], speaker.im_start, speaker.user)
+    talker = runner.build_prompt(thinker, torch.zeros(len(users), 1), users, first_token=11,
+                                 voice=runner.voice_id("Chelsie")).prompt
+    assert len(talker.media) == 4 and talker.num_tokens > len(users)
+
+    positions, delta = mrope_positions(runner.talker, talker, torch.device("cpu"))
+
+    expected, expected_delta = transformers_positions(runner.talker, talker)
+    assert torch.equal(positions, expected) and delta == expected_delta
