@@ -80,11 +80,11 @@ class SeatSampler:
         self._limits_reasoning = [False] * seats
 
     @torch.inference_mode()
-    def start(self, seat: int, params: SamplingParams, seed: int, prompt_ids: torch.Tensor,
+    def start(self, seat: int, params: SamplingParams, seed: int, prompt_ids: torch.Tensor | None = None,
               reasoning_limit: int = 0) -> None:
-        """Give `seat`'s row to a new request: its parameters, its seed, its prompt's ids (on the host)
-        as seen, and how many tokens it may reason for (its prompt opened a reasoning block; 0: no
-        limit)."""
+        """Give `seat`'s row to a new request: its parameters, its seed, its prompt's ids (on the host;
+        None: no ids seen yet) as seen, and how many tokens it may reason for (its prompt opened a
+        reasoning block; 0: no limit)."""
         # Each value is a kernel's argument (fill_): assigned (`row[seat] = value`), it would be a copy
         # from the host's memory, which waits for all the work queued on the device.
         rows = self.rows
@@ -93,7 +93,7 @@ class SeatSampler:
         rows.top_p[seat].fill_(params.top_p)
         rows.penalty[seat].fill_(params.repetition_penalty)
         rows.seen[seat].zero_()
-        if len(prompt_ids):
+        if prompt_ids is not None:
             rows.seen[seat].index_fill_(0, to_device(prompt_ids, self.device), True)
         self.reasoning_left[seat].fill_(reasoning_limit if reasoning_limit > 0 else -1)
         self._limits_reasoning[seat] = reasoning_limit > 0
@@ -150,7 +150,8 @@ class Sampler:
     give the vocabulary)."""
 
     def __init__(
-        self, params: SamplingParams, seed: int, prompt_ids: torch.Tensor, suppressed: torch.Tensor | None = None
+        self, params: SamplingParams, seed: int, prompt_ids: torch.Tensor | None = None,
+        suppressed: torch.Tensor | None = None
     ) -> None:
         self._start = (params, seed, prompt_ids)
         self._suppressed = suppressed

@@ -120,9 +120,8 @@ class Speaker:
         rows = kv.read_talker_rows(table, to_device(torch.from_numpy(positions), kv.device))
         voice = self.runner.voice_id(params.voice)
         talker_prompt = self.runner.build_prompt(prompt, rows, positions, first_token, voice)
-        no_ids = torch.empty(0, dtype=torch.long)
         return SpokenReply(params, session, prompt, talker_prompt,
-                           Sampler(params.talker_sampling(), seed + 1, no_ids, self.runner.suppressed), seed + 2)
+                           Sampler(params.talker_sampling(), seed + 1, suppressed=self.runner.suppressed), seed + 2)
 
     @torch.inference_mode()
     def step(

@@ -116,7 +116,6 @@ class TalkerRunner:
         # each frame (spoken replies take turns), at fixed addresses the frame's graph reads.
         self.predictor_sampler = SeatSampler(1, self.predictor.config.vocab_size, self.device)
         self._row_zero = torch.zeros(1, dtype=torch.long, device=self.device)
-        self._no_ids = torch.empty(0, dtype=torch.long)
         # The Talker's and the code predictor's layers, as the Thinker's (on the GPU only).
         self.regions = LayerRegions(compiled=compiled_layers and self.device.type == "cuda", moe=moe)
         self.voices = {name.lower(): int(i) for name, i in talker_config.speaker_id.items()}
@@ -228,7 +227,7 @@ class TalkerRunner:
         input, before the text row is added). Nothing here waits for the device."""
         first = self.stack.codec_embedding(first_code.view(1, 1))
         table = self.predictor_sampler
-        table.start(0, params, seed, self._no_ids)
+        table.start(0, params, seed)
         groups = self.num_code_groups - 1
         batch = table.batch([0] * groups, [frame * groups + group for group in range(groups)])
         start = torch.cat([hidden, first], dim=1)

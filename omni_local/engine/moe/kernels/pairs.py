@@ -1,9 +1,10 @@
 """A decode step's int4 experts: one program per (token, k) pair and tile of output columns, no sort.
 
 At one to a few tokens each pair has its expert to itself, and the block kernels (gate_up.py,
-down.py) spend a tl.dot of BLOCK_M rows on one real row, their int4 tiles unpacked and moved into
-the dot's layout at every step: on the H200, a full-size decode step's int4 experts took 3.0 ms,
-against 1.1 ms for the same kernels reading bf16, four times the bytes (bench.profile_decode). Here
+down.py) spend a tl.dot of BLOCK_M rows on one real row, their int4 tiles unpacked into the dot's
+operands at every step: on the H200, a full-size decode step's int4 experts took 3.0 ms, against
+1.1 ms for the same kernels reading bf16, four times the bytes (bench.profile_decode; why, per
+instruction, was not profiled: the unpacking and the dot's layout are the likely cost). Here
 a program multiplies its pair's one row by its expert's rows as a GEMV does: for each int4 group it
 loads the packed bytes, splits them into the even-k and odd-k values in float32, multiplies them by
 the row's even and odd inputs and sums them, times the group's scale (the same for its whole run of
