@@ -8,6 +8,7 @@ import torch
 from omni_local.api import OmniLocal
 from omni_local.engine.moe import TORCH, mlp_output, moe_backend
 from omni_local.engine.moe.kernels import sorting
+from omni_local.engine.moe.kernels.expert_weights import kernel_weight
 from replies import send
 
 # torch's own float32 tolerance: the kernels sum each expert's 768 or 2,048 products in another order
@@ -82,3 +83,30 @@ def test_greedy_replies_spoken_and_not_with_the_triton_backend_are_the_torch_bac
             replies[backend] = written.token_ids, spoken.token_ids, frames
     assert replies["triton"] == replies["torch"]
     assert all(replies["torch"])  # tokens written, tokens spoken, and codec frames
+
+
+@pytest.mark.parametrize("block", ["thinker", "talker, with its shared expert"])
+def test_the_triton_backends_warm_up_runs_every_plan_its_block_takes_up_to_the_longest_forward(
+        speaking_app, block, monkeypatch):
+    from omni_local.engine.moe import routed_experts
+
+    mlp = moe_blocks(speaking_app.backend.loaded.model)[block]
+    triton = moe_backend("triton", mlp.gate.weight.device)
+    counts = []
+    monkeypatch.setattr(routed_experts, "weighted_expert_rows",
+                        _recording(routed_experts.weighted_expert_rows, lambda hidden, *_: counts.append(len(hidden))))
+    triton.warm_up(mlp, 300)
+
+    def plan(tokens):
+        weights = [kernel_weight(mlp.experts.gate_up_proj), kernel_weight(mlp.experts.down_proj)]
+        return routed_experts.kernel_plan(tokens, mlp.gate.top_k, *weights, mlp.gate.weight.device)
+
+    assert {plan(tokens) for tokens in counts} == {plan(tokens) for tokens in range(1, 301)}
+    assert len(counts) == len({plan(tokens) for tokens in counts}) > 2  # each plan once; sorts in chunks among them
+
+
+def _recording(function, record):
+    def recorded(*args, **kwargs):
+        record(*args, **kwargs)
+        return function(*args, **kwargs)
+    return recorded

@@ -122,3 +122,24 @@ def test_the_kernels_at_full_size_read_quantized_experts_as_their_dequantized_we
                                 down_scales=quantized.down_scales).sum(dim=1).float()
 
     assert ((ours - reference).norm() / reference.norm()).item() <= 0.01
+
+
+@torch.inference_mode()
+def test_after_the_warm_up_the_experts_compile_no_kernel_at_any_token_count(on_gpu):
+    from triton import knobs
+
+    mlp = on_gpu.backend.loaded.model.thinker.model.language_model.layers[0].mlp
+    triton = on_gpu.backend.engine.runner.regions.moe
+    triton.warm_up(mlp, 600)
+    compiled = []
+    hook, knobs.runtime.jit_post_compile_hook = knobs.runtime.jit_post_compile_hook, (
+        lambda *args, **kwargs: compiled.append(kwargs.get("repr", "a kernel")))
+    try:
+        # odd and even counts, ones that are multiples of 16 and ones that are not, in every plan
+        for tokens in (2, 3, 15, 31, 177, 255, 256, 333, 599):
+            triton.routed_experts(mlp, torch.randn((tokens, mlp.gate.weight.shape[1]), device="cuda",
+                                                   dtype=mlp.gate.weight.dtype))
+        torch.cuda.synchronize()
+    finally:
+        knobs.runtime.jit_post_compile_hook = hook
+    assert compiled == []

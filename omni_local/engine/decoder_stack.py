@@ -14,7 +14,7 @@ replays one kernel at a time.
 
 import sys
 import types
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -23,6 +23,7 @@ from omni_local.engine.fused_qkv import split_qkv
 from omni_local.engine.host_copies import to_device
 from omni_local.engine.kv_store import GraphedKVWriter, KVWriter
 from omni_local.engine.moe import TORCH, MoeBackend, mlp_output
+from omni_local.engine.moe.block import is_sparse_moe
 from omni_local.engine.rope_positions import rope_positions
 from omni_local.prompts import Prompt
 
@@ -85,6 +86,13 @@ class LayerRegions:
             attended, _ = kernel(attention, queries, keys, values, mask, dropout=0.0, scaling=attention.scaling,
                                  sliding_window=attention.sliding_window)
         return after(layer, hidden, attended, moe=self.moe)
+
+    def warm_up_experts(self, layers: Iterable[torch.nn.Module], most_tokens: int) -> None:
+        """Runs the MoE backend's warm-up (every kernel for 1 to `most_tokens` tokens) on the first
+        of `layers` with routed experts: the layers of a stack differ only in weights."""
+        mlp = next((layer.mlp for layer in layers if is_sparse_moe(layer.mlp)), None)
+        if mlp is not None:
+            self.moe.warm_up(mlp, most_tokens)
 
     def _regions_for(self, layer: torch.nn.Module) -> tuple[Callable, Callable]:
         if type(layer) not in self._regions:

@@ -136,9 +136,9 @@ class TalkerRunner:
 
     @torch.inference_mode()
     def warm_up(self) -> list[int]:
-        """A short prompt, one frame and one step in blocks nobody reads, so the first spoken reply
-        does not pay first-use costs, then the code predictor's and the step's graphs; returns the
-        frame's codes."""
+        """A short prompt, one frame and one step in blocks nobody reads, and the experts' kernels for
+        prompts of every length, so the first spoken reply does not pay first-use costs, then the
+        code predictor's and the step's graphs; returns the frame's codes."""
         table = self.kv.take(self.kv.shape.table_blocks)
         try:
             # contiguous, as a real prompt's embeddings are: the compiled layers would compile a
@@ -149,6 +149,8 @@ class TalkerRunner:
             frame, codec_sum = self.complete_frame(hidden, self._row_zero, SamplingParams(), seed=0, frame=0)
             codes = frame.tolist()
             self.step(table, 4, codec_sum + self.tts_pad, 0)
+            # A prompt's prefill runs eagerly at its own length, up to a whole sequence.
+            self.regions.warm_up_experts(self.stack.layers, self.kv.shape.max_tokens)
             if self._capture_predictor:
                 # Captured sampling: greedy rows still take the argmax, the graph serves both.
                 start, keys = hidden.new_zeros((1, 2, hidden.shape[-1])), self._row_zero.expand(len(codes) - 1)

@@ -103,6 +103,7 @@ class ThinkerRunner:
             prepared = self.prepare(prompt, 0, remember=False)
             token = int(self.prefill(table, prepared).argmax())
             self.decode([table], [token], [prompt.num_tokens], [prepared.rope_delta])
+            self.regions.warm_up_experts(self.text.layers, max(self.prefill_lengths))
             if self._capture_graphs:
                 self._capture(table)
         finally:

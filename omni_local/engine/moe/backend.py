@@ -20,6 +20,10 @@ class MoeBackend(ABC):
         """The routed experts' output [tokens, hidden] of MoE block `mlp` for `flat` [tokens, hidden]:
         the router's top-k experts of each token, weighted and summed."""
 
+    def warm_up(self, mlp: torch.nn.Module, most_tokens: int) -> None:
+        """Runs MoE block `mlp`'s experts once for each kernel (or tile) it will take for 1 to
+        `most_tokens` tokens, so none is compiled in someone's turn."""
+
     def capturable(self, stack_config: Any, dtype: torch.dtype) -> AbstractContextManager[None]:
         """A context in which the experts of a decoder stack with this config, in `dtype`, can be
         captured in a CUDA graph."""

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 
 from omni_local.engine.moe.backend import MoeBackend
 from omni_local.engine.moe.block import experts_use_silu, renormalizes
-from omni_local.engine.moe.routed_experts import routed_experts
+from omni_local.engine.moe.kernels.expert_weights import kernel_weight
+from omni_local.engine.moe.routed_experts import first_count_of_each_plan, routed_experts
 from omni_local.model.quantized import QuantizedExperts
 
 
@@ -27,16 +28,29 @@ class TritonMoe(MoeBackend):
             logits = torch.ops.omni_local.invariant_matmul(flat, mlp.gate.weight)
         else:
             logits = F.linear(flat, mlp.gate.weight)
-        experts = mlp.experts
-        pinned = self.batch_invariant
-        if isinstance(experts, QuantizedExperts):
-            rows = routed_experts(flat, logits, experts.gate_up_values, experts.down_values, mlp.gate.top_k,
-                                  renormalizes(mlp), experts.gate_up_scales, experts.down_scales, pinned)
-        else:
-            rows = routed_experts(flat, logits, experts.gate_up_proj, experts.down_proj, mlp.gate.top_k,
-                                  renormalizes(mlp), pinned=pinned)
+        gate_up, down, gate_up_scales, down_scales = _expert_weights(mlp.experts)
+        rows = routed_experts(flat, logits, gate_up, down, mlp.gate.top_k, renormalizes(mlp), gate_up_scales,
+                              down_scales, pinned=self.batch_invariant)
         return top_k_sum(rows).to(flat.dtype)
 
+    @torch.inference_mode()
+    def warm_up(self, mlp: torch.nn.Module, most_tokens: int) -> None:
+        gate_up, down, gate_up_scales, down_scales = _expert_weights(mlp.experts)
+        weights = kernel_weight(gate_up, gate_up_scales), kernel_weight(down, down_scales)
+        counts = first_count_of_each_plan(most_tokens, mlp.gate.top_k, *weights, gate_up.device,
+                                          pinned=self.batch_invariant)
+        hidden = torch.zeros((counts[-1], mlp.gate.weight.shape[1]), dtype=mlp.gate.weight.dtype,
+                             device=gate_up.device)
+        for tokens in counts:
+            self.routed_experts(mlp, hidden[:tokens])
+
+
+def _expert_weights(experts: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                                       torch.Tensor | None]:
+    """The experts' gate_up and down weights as the kernels read them, and their scales (None unquantized)."""
+    if isinstance(experts, QuantizedExperts):
+        return experts.gate_up_values, experts.down_values, experts.gate_up_scales, experts.down_scales
+    return experts.gate_up_proj, experts.down_proj, None, None
 
 def top_k_sum(rows: torch.Tensor) -> torch.Tensor:
     """[tokens, hidden]: each token's k rows of `rows` [tokens, top_k, hidden] added one after another,

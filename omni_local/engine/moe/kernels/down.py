@@ -19,7 +19,7 @@ from omni_local.engine.weight_tiles import (INT4_GROUPS, ROW_SCALED, group_scale
                                            weight_tile)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pairs"])
 def _down_kernel(inter_ptr, weight_ptr, scales_ptr, sorted_ptr, experts_ptr, routing_ptr, out_ptr, pairs,
                  hidden_size, intermediate, inter_stride, weight_expert_stride, weight_row_stride,
                  scale_expert_stride, scale_row_stride, out_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,

@@ -18,7 +18,7 @@ from omni_local.engine.weight_tiles import (INT4_GROUPS, ROW_SCALED, group_scale
                                            weight_tile)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pairs"])
 def _gate_up_kernel(hidden_ptr, weight_ptr, scales_ptr, sorted_ptr, experts_ptr, out_ptr, pairs, hidden_size,
                     intermediate, hidden_stride, weight_expert_stride, weight_row_stride, scale_expert_stride,
                     scale_row_stride, out_stride, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,

@@ -16,7 +16,7 @@ from omni_local.engine.moe.kernels.routing import TOKENS_PER_PROGRAM, route_toke
 from omni_local.engine.moe.kernels.sorting import CHUNK, sort_pairs, sorted_rows
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens", "rows"])
 def _route_and_sort_kernel(logits_ptr, weights_ptr, experts_ptr, sorted_ptr, tokens, num_experts, logits_stride,
                            rows, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
                            BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,

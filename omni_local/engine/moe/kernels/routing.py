@@ -51,7 +51,7 @@ def route_tokens(logits_ptr, weights_ptr, experts_ptr, first, tokens, num_expert
     tl.store(experts_ptr + out, top_experts, mask=kept)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens"])
 def _route_kernel(logits_ptr, weights_ptr, experts_ptr, tokens, num_experts, logits_stride, TOP_K: tl.constexpr,
                   RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     route_tokens(logits_ptr, weights_ptr, experts_ptr, tl.program_id(0) * BLOCK_T, tokens, num_experts,

@@ -32,7 +32,7 @@ CHUNK_PAIRS = 256
 CHUNK_ROWS = 32  # chunks one iteration of the offsets program handles: [CHUNK_ROWS, experts] tiles
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pairs", "rows"])
 def _sort_kernel(experts_ptr, sorted_ptr, pairs, rows, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
                  CHUNK: tl.constexpr):
     sort_pairs(experts_ptr, sorted_ptr, pairs, rows, BLOCK_M, BLOCK_E, CHUNK)
@@ -78,7 +78,7 @@ def _scatter(experts_ptr, sorted_ptr, start, pairs, next_row, BLOCK_E: tl.conste
     return next_row + tl.sum(hits, axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pairs", "rows"])
 def _count_kernel(experts_ptr, sorted_ptr, counts_ptr, pairs, rows,
                   BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, CHUNK_PAIRS: tl.constexpr):
     # Program c: the padding over rows [c * CHUNK_PAIRS, (c + 1) * CHUNK_PAIRS) (the grid covers
@@ -95,7 +95,7 @@ def _count_kernel(experts_ptr, sorted_ptr, counts_ptr, pairs, rows,
         tl.store(counts_ptr + tl.program_id(0) * BLOCK_E + expert_ids, counts)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunks"])
 def _offsets_kernel(counts_ptr, offsets_ptr, chunks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
                     CHUNK_ROWS: tl.constexpr):
     # One program: offsets[c, e], the row of chunk c's first pair of expert e, is expert e's run
@@ -116,7 +116,7 @@ def _offsets_kernel(counts_ptr, offsets_ptr, chunks, BLOCK_M: tl.constexpr, BLOC
         next_row += tl.sum(counts, axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pairs"])
 def _scatter_kernel(experts_ptr, sorted_ptr, offsets_ptr, pairs,
                     BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, CHUNK_PAIRS: tl.constexpr):
     # Program c: chunk c's pairs to their rows, from offsets[c] on.
@@ -144,10 +144,15 @@ def sorted_rows(pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(bound, block_m) * block_m
 
 
+def sorts_in_chunks(pairs: int) -> bool:
+    """Whether `sort_by_expert` sorts this many pairs in chunks (else in one program)."""
+    return pairs >= CHUNKED_FROM_PAIRS
+
+
 def sort_by_expert(experts: torch.Tensor, num_experts: int, block_m: int) -> torch.Tensor:
     """Pair indices [sorted_rows] int32, grouped by expert in blocks of `block_m` rows, for the
     experts [tokens, top_k] each token is routed to; padding rows hold the pair count."""
-    if experts.numel() >= CHUNKED_FROM_PAIRS:
+    if sorts_in_chunks(experts.numel()):
         return sort_in_chunks(experts, num_experts, block_m, CHUNK_PAIRS)
     return sort_in_one_program(experts, num_experts, block_m)
 
