@@ -125,7 +125,8 @@ def test_an_image_across_chunk_boundaries_is_encoded_once_and_its_deepstack_rows
     for level, whole in enumerate(prepared.deepstack):
         split = torch.cat([p.deepstack[level] for p in parts_of if p.deepstack is not None])
         assert torch.equal(split, whole)
-    masks = [p.visual_mask if p.visual_mask is not None else torch.zeros_like(p.ids, dtype=torch.bool)
+    device = prepared.visual_mask.device  # the ids stay on the host
+    masks = [p.visual_mask if p.visual_mask is not None else torch.zeros(p.ids.shape, dtype=torch.bool, device=device)
              for p in parts_of]
     assert torch.equal(torch.cat(masks, dim=1), prepared.visual_mask)
 
