@@ -141,23 +141,26 @@ def test_the_expert_kernels_read_quantized_experts_as_their_dequantized_weights(
     torch.testing.assert_close(rows.sum(dim=1).to(dtype), expected, **tolerance)
 
 
-# A decode step's sizes for the kernels by pair: 4 groups of 128 inputs a step into gate_up, 3 groups
-# of 64 (one a step) into down, column tiles with ragged ends.
+# A decode step's sizes for the kernels by pair: 4 groups of 128 inputs into gate_up, 3 groups of 64
+# into down, column tiles with ragged ends.
 PAIR_HIDDEN, PAIR_INTERMEDIATE = 512, 192
 
 
 @pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the interpreter tests run on the CPU run")
+@pytest.mark.parametrize("steps", [(512, 64), (128, 64)], ids=["4 groups a step", "a group a step"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
 @pytest.mark.parametrize("case", ["one token routed to its top-k", "an expert gets no token"])
-def test_a_decode_steps_int4_experts_run_by_pair_as_their_dequantized_weights(case, dtype, monkeypatch):
+def test_a_decode_steps_int4_experts_run_by_pair_as_their_dequantized_weights(case, dtype, steps, monkeypatch):
     from omni_local.engine.moe import routed_experts as routed
     from omni_local.engine.moe.kernels import pairs
 
+    groups_a_step = steps[0] // 128
+    monkeypatch.setattr(pairs, "GATE_UP_TILE", pairs.PairTile(16, groups_a_step, 4))
+    monkeypatch.setattr(pairs, "DOWN_TILE", pairs.PairTile(32, groups_a_step, 4))
     config = text_config(num_experts=4, top_k=2, hidden=PAIR_HIDDEN, intermediate=PAIR_INTERMEDIATE)
     quantized = QuantizedExperts.replacing(experts(config, torch.float32), "int4")
-    assert [pairs._step(routed.kernel_weight(v, s)) for v, s in [(quantized.gate_up_values, quantized.gate_up_scales),
-                                                                 (quantized.down_values, quantized.down_scales)]
-            ] == [512, 64]
+    assert (pairs._step(routed.kernel_weight(quantized.gate_up_values, quantized.gate_up_scales), pairs.GATE_UP_TILE),
+            pairs._step(routed.kernel_weight(quantized.down_values, quantized.down_scales), pairs.DOWN_TILE)) == steps
     logits = logits_choosing(ROUTES[case], num_experts=4)
     hidden = normal(len(logits), PAIR_HIDDEN, seed=5).to(dtype)
     _, weights, chosen = router_over_logits(config)(logits)

@@ -8,7 +8,7 @@ instruction, was not profiled: the unpacking and the dot's layout are the likely
 a program multiplies its pair's one row by its expert's rows as a GEMV does: for each int4 group it
 loads the packed bytes, splits them into the even-k and odd-k values in float32, multiplies them by
 the row's even and odd inputs and sums them, times the group's scale (the same for its whole run of
-k). A step's groups (up to four) are unrolled, so their loads are in flight together.
+k). A step's groups (as many as its PairTile says) are unrolled, so their loads are in flight together.
 
 gate_up: SiLU(gate) * up of the pair's token, written at the pair's row of [pairs, intermediate];
 down: the routing weight times the pair's intermediate row through its expert's down rows, float32,
@@ -17,6 +17,8 @@ different order from the block kernels', so the deterministic setting, whose row
 on how many tokens a forward holds, keeps those (routed_experts.py).
 """
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -24,12 +26,22 @@ import triton.language as tl
 from omni_local.engine.moe.kernels.expert_weights import KernelWeight
 from omni_local.engine.weight_tiles import int4_halves
 
-# Untuned first choices (to be timed on the H200): programs enough to fill its 132 SMs at one token
-# (8 pairs: 384 gate_up programs, 512 down), each step a few KiB of weight bytes per program.
-GATE_UP_BLOCK_N = 16
-DOWN_BLOCK_N = 32
-MOST_GROUPS_A_STEP = 4
-NUM_WARPS = 4
+
+
+@dataclass(frozen=True)
+class PairTile:
+    """A pair kernel's tile: BLOCK_N output columns a program, up to `most_groups_a_step` int4
+    groups a step (unrolled), `num_warps` warps. bench/pair_tiles.py times the choices."""
+
+    block_n: int
+    most_groups_a_step: int
+    num_warps: int
+
+
+# The fastest at one token of the Thinker's full-size int4 experts on an H200 (bench/pair_tiles.py,
+# 2026-12-02): gate_up 18.5 µs a layer (16 columns, 4 groups a step: 25.5), down 10.5 (12.0).
+GATE_UP_TILE = PairTile(block_n=8, most_groups_a_step=1, num_warps=4)
+DOWN_TILE = PairTile(block_n=8, most_groups_a_step=2, num_warps=1)
 
 
 @triton.jit
@@ -93,41 +105,44 @@ def _down_pairs_kernel(inter_ptr, weight_ptr, scales_ptr, experts_ptr, routing_p
     tl.store(out_ptr + pair.to(tl.int64) * out_stride + columns, acc * routing, mask=inside)
 
 
-def gate_up_silu_by_pair(hidden: torch.Tensor, gate_up: KernelWeight, experts: torch.Tensor) -> torch.Tensor:
+def gate_up_silu_by_pair(hidden: torch.Tensor, gate_up: KernelWeight, experts: torch.Tensor,
+                         tile: PairTile | None = None) -> torch.Tensor:
     """silu(x W_gate^T) * (x W_up^T) [pairs, intermediate] for every pair of `experts` [tokens, top_k]
     (contiguous), its token's `hidden` [tokens, hidden] row through its expert's int4 `gate_up`."""
     top_k, pairs = experts.shape[1], experts.numel()
     intermediate = gate_up.out_features // 2
     out = hidden.new_empty((pairs, intermediate))
-    grid = (pairs, triton.cdiv(intermediate, GATE_UP_BLOCK_N))
+    tile = tile or GATE_UP_TILE
+    grid = (pairs, triton.cdiv(intermediate, tile.block_n))
     values = gate_up.values
     _gate_up_pairs_kernel[grid](hidden, values, gate_up.scales, experts, out, gate_up.in_features, intermediate,
                                 hidden.stride(0), values.stride(0), values.stride(1), *gate_up.scale_strides,
-                                out.stride(0), TOP_K=top_k, BLOCK_N=GATE_UP_BLOCK_N,
-                                BLOCK_K=_step(gate_up), GROUP=gate_up.group, num_warps=NUM_WARPS)
+                                out.stride(0), TOP_K=top_k, BLOCK_N=tile.block_n,
+                                BLOCK_K=_step(gate_up, tile), GROUP=gate_up.group, num_warps=tile.num_warps)
     return out
 
 
 def weighted_down_by_pair(intermediate: torch.Tensor, down: KernelWeight, experts: torch.Tensor,
-                          routing: torch.Tensor) -> torch.Tensor:
+                          routing: torch.Tensor, tile: PairTile | None = None) -> torch.Tensor:
     """routing weight * (intermediate row W_down^T) [pairs, hidden] float32 for every pair of `experts`
     [tokens, top_k] (weights `routing`, same shape, both contiguous), through its expert's int4 `down`."""
     pairs, hidden_size = experts.numel(), down.out_features
     out = torch.empty((pairs, hidden_size), dtype=torch.float32, device=intermediate.device)
-    grid = (pairs, triton.cdiv(hidden_size, DOWN_BLOCK_N))
+    tile = tile or DOWN_TILE
+    grid = (pairs, triton.cdiv(hidden_size, tile.block_n))
     values = down.values
     _down_pairs_kernel[grid](intermediate, values, down.scales, experts, routing, out, hidden_size, down.in_features,
                              intermediate.stride(0), values.stride(0), values.stride(1), *down.scale_strides,
-                             out.stride(0), BLOCK_N=DOWN_BLOCK_N, BLOCK_K=_step(down), GROUP=down.group,
-                             num_warps=NUM_WARPS)
+                             out.stride(0), BLOCK_N=tile.block_n, BLOCK_K=_step(down, tile), GROUP=down.group,
+                             num_warps=tile.num_warps)
     return out
 
 
-def _step(weight: KernelWeight) -> int:
+def _step(weight: KernelWeight, tile: PairTile) -> int:
     """Inputs a step reads: whole groups, as many as divide the weight's groups evenly (a power of
-    two, up to MOST_GROUPS_A_STEP), so no step runs past the weight's last group."""
+    two, up to the tile's most a step), so no step runs past the weight's last group."""
     groups = weight.in_features // weight.group
-    per_step = MOST_GROUPS_A_STEP
+    per_step = tile.most_groups_a_step
     while groups % per_step:
         per_step //= 2
     return per_step * weight.group
