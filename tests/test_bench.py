@@ -262,6 +262,19 @@ def test_the_turn_profile_shows_each_engine_phase_of_a_spoken_first_send_once_an
     assert set(ops) <= set(CATEGORIES) and float(ops[DENSE][1]) > 0
 
 
+def test_the_turn_profile_of_a_first_use_profiles_the_first_run_since_start_up_alone(
+    demo_settings, demo_checkpoint, tmp_path
+):
+    done = run_part_bench("profile_turn", demo_settings, tmp_path, "--reading-seconds", "0", "--first-use",
+                          "--only", "text, first send")
+    assert done.returncode == 0, done.stderr
+    assert "## 'text, first send': where the time to first token goes\n\nIts first run since start-up, profiled" \
+        in done.stdout
+    phases = {row[0]: float(row[1]) for table in markdown_tables(done.stdout) if table[0][0] == "engine phase"
+              for row in table[2:]}
+    assert phases[BUILD_PROMPT] == 1 and phases[PREFILL] == 1  # one run, not a median of several
+
+
 def test_the_turn_profile_beside_a_decoding_chat_shows_what_filled_its_longest_wait_for_a_token(
     demo_settings, demo_checkpoint, tmp_path
 ):

@@ -12,7 +12,8 @@ earlier turns; for a `warm_cache` scenario, another chat's first look before; fo
 another chat decoding meanwhile), waits --reading-seconds, then sends the timed turn and profiles
 it until its first token (a spoken scenario's: its first audio). After a warm-up run, --runs runs
 unprofiled give the time to first token the bench would show, then --runs profiled ones the
-tables; each cell is a median over the profiled runs. With --whole-reply the profiles run on to the
+tables; each cell is a median over the profiled runs. --first-use profiles the first run alone,
+with no warm-up: what a first turn after start-up pays (the bench's `--no-warm-up --runs 1`). With --whole-reply the profiles run on to the
 reply's end: where a spoken reply's frames go once it speaks, the real-time factor's share.
 
 - The engine's phases (engine/phases.py): each one's summed time in the turn and how often it ran,
@@ -206,14 +207,19 @@ def profile_scenario(app: OmniLocal, scenario: Scenario, args: argparse.Namespac
                 return done
         raise SystemExit(f"'{scenario.name}': {3 * count + 3} replies, and fewer than {count} spoke")
 
-    turns(1, profiling=False)  # compiles, first uses
-    turns(1, profiling=True)  # the profiler's own first start
-    plain = [seconds * 1e3 for seconds, _ in turns(args.runs, profiling=False)]
-    profiled = turns(args.runs, profiling=True)
+    if args.first_use:  # what the first run pays that later ones do not: no warm-up
+        profiled = turns(1, profiling=True)
+        plain = [seconds * 1e3 for seconds, _ in profiled]
+    else:
+        turns(1, profiling=False)  # compiles, first uses
+        turns(1, profiling=True)  # the profiler's own first start
+        plain = [seconds * 1e3 for seconds, _ in turns(args.runs, profiling=False)]
+        profiled = turns(args.runs, profiling=True)
     runner = app.backend.engine.runner
     first = "first audio" if scenario.speak else "first token"
     caches = "on" if app.settings.prefix_cache else "off"
-    print(f"\n## '{scenario.name}': where the time to {first} goes\n\nMedians of {args.runs} profiled runs; "
+    runs = "Its first run since start-up, profiled" if args.first_use else f"Medians of {args.runs} profiled runs"
+    print(f"\n## '{scenario.name}': where the time to {first} goes\n\n{runs}; "
           f"{device_label(runner)}, caches {caches}, MoE backend "
           f"{runner.regions.moe.name}. Time to {first}: {statistics.median(plain):.2f} ms unprofiled, "
           f"{statistics.median(seconds * 1e3 for seconds, _ in profiled):.2f} ms profiled.")
@@ -250,6 +256,9 @@ def main() -> None:
     parser.add_argument("--whole-reply", action="store_true",
                         help="profile each timed turn to its reply's end, not to its first token or audio "
                              "(where a spoken reply's frames go once it speaks)")
+    parser.add_argument("--first-use", action="store_true",
+                        help="profile each scenario's first run instead, with no warm-up before it (the first "
+                             "--only: its app's first such request since start-up)")
     parser.add_argument("--trace", type=Path, metavar="FOLDER",
                         help="write each scenario's last profiled run there as a gzipped Chrome trace")
     args = parser.parse_args()
