@@ -24,7 +24,8 @@ from omni_local.engine.moe.kernels.pairs import (DOWN_TILE, GATE_UP_TILE, PairTi
 from omni_local.engine.moe.kernels.routing import route
 
 # Each tile compiles once per kernel (about a second): 48 tiles, a minute or two a kernel and shape.
-TILES = [PairTile(n, groups, warps) for n, groups, warps in itertools.product((8, 16, 32, 64), (1, 2, 4, 8), (1, 2, 4))]
+TILES = [PairTile(n, groups, warps)
+         for n, groups, warps in itertools.product((8, 16, 32, 64), (1, 2, 4, 8), (1, 2, 4))]
 
 
 def pair_bytes(weight: KernelWeight, pairs: int) -> int:
@@ -53,9 +54,11 @@ def main() -> None:
             weights, experts = route(logits, shape.top_k, True)
             activated = gate_up_silu_by_pair(hidden, gate_up, experts)
             cases.append((hidden, weights, experts, activated))
-        kernels = {
-            "gate_up": (GATE_UP_TILE, gate_up, lambda tile, case: gate_up_silu_by_pair(case[0], gate_up, case[2], tile)),
-            "down": (DOWN_TILE, down, lambda tile, case: weighted_down_by_pair(case[3], down, case[2], case[1], tile)),
+        kernels = {  # each: the tile it has now, its weight, and a call of it on a case with a tile
+            "gate_up": (GATE_UP_TILE, gate_up,
+                        lambda tile, case: gate_up_silu_by_pair(case[0], gate_up, case[2], tile)),
+            "down": (DOWN_TILE, down,
+                     lambda tile, case: weighted_down_by_pair(case[3], down, case[2], case[1], tile)),
         }
         for kernel, (current, weight, call) in kernels.items():
             timed = {tile: sum(median_cuda_ms(lambda: call(tile, case), args.runs) for case in cases) * 1e3

@@ -13,8 +13,9 @@ another chat decoding meanwhile), waits --reading-seconds, then sends the timed 
 it until its first token (a spoken scenario's: its first audio). After a warm-up run, --runs runs
 unprofiled give the time to first token the bench would show, then --runs profiled ones the
 tables; each cell is a median over the profiled runs. --first-use profiles the first run alone,
-with no warm-up: what a first turn after start-up pays (the bench's `--no-warm-up --runs 1`). With --whole-reply the profiles run on to the
-reply's end: where a spoken reply's frames go once it speaks, the real-time factor's share.
+with no warm-up: what a first turn after start-up pays (the bench's `--no-warm-up --runs 1`). With
+--whole-reply the profiles run on to the reply's end: where a spoken reply's frames go once it
+speaks, the real-time factor's share.
 
 - The engine's phases (engine/phases.py): each one's summed time in the turn and how often it ran,
   up to the end of the first token's phase (spoken, the whole profile). "prepare prompt" holds

@@ -27,7 +27,6 @@ from omni_local.engine.moe.kernels.expert_weights import KernelWeight
 from omni_local.engine.weight_tiles import int4_halves
 
 
-
 @dataclass(frozen=True)
 class PairTile:
     """A pair kernel's tile: BLOCK_N output columns a program, up to `most_groups_a_step` int4
@@ -39,7 +38,8 @@ class PairTile:
 
 
 # The fastest at one token of the Thinker's full-size int4 experts on an H200 (bench/pair_tiles.py,
-# 2026-12-02): gate_up 18.5 µs a layer (16 columns, 4 groups a step: 25.5), down 10.5 (12.0).
+# 2026-12-02): gate_up 18.5 µs a layer, down 10.5 (the first, untimed guesses: 16 columns and 4
+# groups a step, 25.5; 32 columns, 12.0). The Talker's shape was not timed.
 GATE_UP_TILE = PairTile(block_n=8, most_groups_a_step=1, num_warps=4)
 DOWN_TILE = PairTile(block_n=8, most_groups_a_step=2, num_warps=1)
 
