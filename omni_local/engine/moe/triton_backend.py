@@ -36,6 +36,8 @@ class TritonMoe(MoeBackend):
     @torch.inference_mode()
     def warm_up(self, mlp: torch.nn.Module, most_tokens: int) -> None:
         gate_up, down, gate_up_scales, down_scales = _expert_weights(mlp.experts)
+        if not compiles_kernels(gate_up.device):
+            return  # Triton's interpreter runs the kernels' Python: nothing to compile, only time to spend
         weights = kernel_weight(gate_up, gate_up_scales), kernel_weight(down, down_scales)
         counts = first_count_of_each_plan(most_tokens, mlp.gate.top_k, *weights, gate_up.device,
                                           pinned=self.batch_invariant)
@@ -43,6 +45,11 @@ class TritonMoe(MoeBackend):
                              device=gate_up.device)
         for tokens in counts:
             self.routed_experts(mlp, hidden[:tokens])
+
+
+def compiles_kernels(device: torch.device) -> bool:
+    """Whether Triton compiles the kernels on `device` (off CUDA, its interpreter runs them)."""
+    return device.type == "cuda"
 
 
 def _expert_weights(experts: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
