@@ -16,6 +16,7 @@ from transformers.utils import is_torchvision_available
 
 from omni_local.bench.__main__ import median_of
 from omni_local.bench.beside import longest_gap
+from omni_local.bench.compile_log import compile_log
 from omni_local.bench.profile_decode import (
     ATTENTION, CATEGORIES, DENSE, ELEMENTWISE, EXPERTS, KV, OTHER, ROUTING, category,
 )
@@ -273,6 +274,20 @@ def test_the_turn_profile_of_a_first_use_profiles_the_first_run_since_start_up_a
     phases = {row[0]: float(row[1]) for table in markdown_tables(done.stdout) if table[0][0] == "engine phase"
               for row in table[2:]}
     assert phases[BUILD_PROMPT] == 1 and phases[PREFILL] == 1  # one run, not a median of several
+    # on the CPU the engine compiles nothing (no compiled layers, no graphs, no Triton)
+    assert "Compiled or captured from the send to the reply's end:\n- run 0: nothing compiled or captured" \
+        in done.stdout
+
+
+def test_the_compile_log_counts_what_dynamo_compiles_inside_it_and_nothing_from_before():
+    doubled = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+    doubled(torch.ones(3))
+    with compile_log() as log:
+        doubled(torch.ones(3))  # compiled before: nothing new
+    assert log.dynamo_compiles == 0 and log.lines() == ["nothing compiled or captured"]
+    with compile_log() as log:
+        doubled(torch.ones(5))  # a new shape: compiled again
+    assert log.dynamo_compiles == 1 and log.lines()[0].startswith("dynamo compiled 1 graph(s) in ")
 
 
 def test_the_turn_profile_beside_a_decoding_chat_shows_what_filled_its_longest_wait_for_a_token(

@@ -40,6 +40,7 @@ import statistics
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,6 +49,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from omni_local.api import AudioChunk, Finished, OmniLocal, Reply, TextDelta
 from omni_local.bench.beside import beside_a_decoding_chat
+from omni_local.bench.compile_log import CompileLog, compile_log
 from omni_local.bench.common import bench_parser, settings_and_model
 from omni_local.bench.decode_steps import device_label
 from omni_local.bench.profile_decode import CATEGORIES, DEVICE_WORK, category, is_work
@@ -57,12 +59,20 @@ from omni_local.engine.phases import COLLECT, FIRST_TOKEN, PHASES
 Span = tuple[str, float, float]  # (name, start, end), µs on the profiler's clock
 
 
+@dataclass(frozen=True)
+class Profiled:
+    """A profiled run: its torch.profiler recording, and what compiled or was captured meanwhile."""
+
+    recorded: profile
+    compiled: CompileLog
+
+
 def profiled_turn(app: OmniLocal, scenario: Scenario, run: int, new_tokens: int, reading_s: float,
-                  profiling: bool, whole_reply: bool = False) -> tuple[float | None, profile | None]:
+                  profiling: bool, whole_reply: bool = False) -> tuple[float | None, Profiled | None]:
     """One run of `scenario`'s timed turn: its time to first token (to first audio where it speaks), in
-    seconds, and the profile from its send to then, or to the reply's end with `whole_reply` (None
-    unless `profiling`). A spoken reply that ended at its first token (random weights may say
-    end-of-turn first) has no first audio: None."""
+    seconds, and the profile from its send to then, or to the reply's end with `whole_reply`, with what
+    compiled meanwhile (None unless `profiling`). A spoken reply that ended at its first token (random
+    weights may say end-of-turn first) has no first audio: None."""
     if scenario.warm_cache:
         first_look(app, scenario, run, new_tokens)
     session = opened(app, scenario, run, 0, new_tokens, scenario.speak)
@@ -78,10 +88,12 @@ def profiled_turn(app: OmniLocal, scenario: Scenario, run: int, new_tokens: int,
             recorder.stop()
         return reply.result()
 
-    final = beside_a_decoding_chat(app, scenario.system, run, timed)[0] if scenario.beside else timed()
+    with compile_log() as compiled:
+        final = beside_a_decoding_chat(app, scenario.system, run, timed)[0] if scenario.beside else timed()
+    profiled = Profiled(recorder, compiled) if recorder is not None else None
     if not scenario.speak:
-        return final.timings.ttft_s, recorder
-    return (final.speech.first_audio_s if final.speech is not None else None), recorder
+        return final.timings.ttft_s, profiled
+    return (final.speech.first_audio_s if final.speech is not None else None), profiled
 
 
 def _profiler(app: OmniLocal) -> profile:
@@ -196,7 +208,7 @@ def profile_scenario(app: OmniLocal, scenario: Scenario, args: argparse.Namespac
     cuda = app.backend.engine.runner.device.type == "cuda"
     questions = itertools.count()  # each run asks a new one, as the bench's
 
-    def turns(count: int, profiling: bool) -> list[tuple[float, profile | None]]:
+    def turns(count: int, profiling: bool) -> list[tuple[float, Profiled | None]]:
         """`count` runs that reached their first token or audio; a spoken one that did not is asked again."""
         done = []
         for _ in range(3 * count + 3):
@@ -224,7 +236,10 @@ def profile_scenario(app: OmniLocal, scenario: Scenario, args: argparse.Namespac
           f"{device_label(runner)}, caches {caches}, MoE backend "
           f"{runner.regions.moe.name}. Time to {first}: {statistics.median(plain):.2f} ms unprofiled, "
           f"{statistics.median(seconds * 1e3 for seconds, _ in profiled):.2f} ms profiled.")
-    recorded = [r for _, r in profiled]
+    recorded = [p.recorded for _, p in profiled]
+    print("\nCompiled or captured from the send to the reply's end:")
+    for run, (_, p) in enumerate(profiled):
+        print("\n".join(f"- run {run}: {line}" if not line.startswith(" ") else line for line in p.compiled.lines()))
     phases = [phase_spans(r) for r in recorded]
     work = [device_work(r, cuda) for r in recorded]
     if args.whole_reply:
