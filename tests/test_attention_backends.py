@@ -3,6 +3,8 @@ in Triton's interpreter on CPU runs) gives the greedy replies, written and spoke
 (transformers' attention over the rows gathered from the blocks). (What the setting picks:
 test_triton_settings.py; the graphed prefills' kernel on a prefix: test_graph_writers.py.)"""
 
+import torch
+
 from omni_local.api import OmniLocal
 from omni_local.engine.attention import paged_attention
 from replies import send
@@ -25,3 +27,10 @@ def test_greedy_replies_spoken_and_not_with_the_triton_kernel_are_the_torch_back
             replies[backend] = written.token_ids, again.token_ids, spoken.token_ids, frames
     assert replies["triton"] == replies["torch"]
     assert all(replies["torch"])  # tokens written twice, tokens spoken, and codec frames
+
+
+def test_a_started_engine_keeps_sdpa_off_cudnns_attention_which_plans_each_new_shape_anew(demo_settings,
+                                                                                          demo_checkpoint):
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    with OmniLocal(demo_settings):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()

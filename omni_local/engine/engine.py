@@ -54,7 +54,7 @@ from omni_local.api.messages import Message
 from omni_local.api.params import SamplingParams, SpeechParams
 from omni_local.cache.encoder_cache import EncoderCache, encoder_namespace
 from omni_local.cache.folders import keep_compiled_code_in
-from omni_local.engine.attention import attention_kernels
+from omni_local.engine.attention import attention_kernels, without_cudnn_attention
 from omni_local.engine.batch_invariant import make_batch_invariant
 from omni_local.engine.context_window import fit_prompt
 from omni_local.engine.cuda_graphs import prefill_lengths
@@ -98,6 +98,7 @@ class Engine:
     def __init__(self, loaded: LoadedModel, settings: Settings) -> None:
         self.loaded = loaded
         self.settings = settings
+        without_cudnn_attention()  # before anything runs or is captured
         if settings.compile or (settings.compiled_layers and loaded.device.type == "cuda"):
             keep_compiled_code_in(settings.cache_path / "compiled")
         thinker = loaded.model.thinker

@@ -260,9 +260,10 @@ class TalkerRunner:
         hidden state and first code (rows 0 and 1) for group 0, else code `group` (row group + 1)."""
         row = 0 if group == 0 else group + 1
         positions = torch.arange(row, row + step_input.shape[1], device=self.device)[None]
-        last, _ = run_layers(self.predictor.model, self.predictor_kv.writer(self._predictor_table, row), step_input,
-                             positions,
-                             regions=self.regions)
+        # The decode kernel reads the frame's rows in place: one launch a layer, where transformers'
+        # attention would gather the rows, make a mask and attend (a frame is 15 steps of 5 layers)
+        cache = self.predictor_kv.writer(self._predictor_table, row, self.attention.decode)
+        last, _ = run_layers(self.predictor.model, cache, step_input, positions, regions=self.regions)
         return self.predictor.lm_head[group](last)[0, -1].float()
 
     def _forward(self, cache: KVWriter | GraphedKVWriter, embeds: torch.Tensor,

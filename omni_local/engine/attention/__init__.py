@@ -32,7 +32,7 @@ from omni_local.engine.triton_support import triton_refusal, uses_triton
 from omni_local.errors import SettingsError
 
 __all__ = ["AttentionKernels", "PagedAttention", "attention_kernels", "backend_kernel", "gathered_attention",
-           "paged_attention"]
+           "paged_attention", "without_cudnn_attention"]
 
 # (query, key_pool, value_pool, block_tables, query_rows, scaling) -> [B, L, heads, head_dim]
 PagedAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -85,6 +85,16 @@ def backend_kernel(setting: str, device: torch.device) -> PagedAttention | None:
     from omni_local.engine.attention.paged import paged_attention  # imports triton
 
     return paged_attention
+
+
+def without_cudnn_attention() -> None:
+    """Keep PyTorch's SDPA, in this process, off cuDNN's attention, which it prefers on Hopper GPUs:
+    cuDNN builds (and the first time, compiles) a plan for each kind and shape of attention it
+    meets, and the shapes of eager prefills, the encoders' media and a prompt's chunks are the
+    user's. On an H200 (torch 2.11) the first Talker prompt on a cached prefix spent 1.1 s in it,
+    between a voice chat's first token and its first audio. Flash and memory-efficient attention
+    have no per-shape start-up; SDPA takes them instead."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def __getattr__(name: str) -> Any:
