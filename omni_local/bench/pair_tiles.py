@@ -23,9 +23,9 @@ from omni_local.engine.moe.kernels.pairs import (DOWN_TILE, GATE_UP_TILE, PairTi
                                                  weighted_down_by_pair)
 from omni_local.engine.moe.kernels.routing import route
 
-# Each tile compiles once per kernel (about a second): 48 tiles, a minute or two a kernel and shape.
+# Each tile compiles once per kernel (about a second): 64 tiles, a minute or two a kernel and shape.
 TILES = [PairTile(n, groups, warps)
-         for n, groups, warps in itertools.product((8, 16, 32, 64), (1, 2, 4, 8), (1, 2, 4))]
+         for n, groups, warps in itertools.product((4, 8, 16, 32), (1, 2, 4, 8), (1, 2, 4, 8))]
 
 
 def pair_bytes(weight: KernelWeight, pairs: int) -> int:
