@@ -7,8 +7,9 @@ operands at every step: on the H200, a full-size decode step's int4 experts took
 instruction, was not profiled: the unpacking and the dot's layout are the likely cost). Here
 a program multiplies its pair's one row by its expert's rows as a GEMV does: for each int4 group it
 loads the packed bytes, splits them into the even-k and odd-k values in float32, multiplies them by
-the row's even and odd inputs and sums them, times the group's scale (the same for its whole run of
-k). A step's groups (as many as its PairTile says) are unrolled, so their loads are in flight together.
+the row's even and odd inputs, times the group's scale (the same for its whole run of k), and adds
+the products to its threads' terms, which it sums once, after the last group. A step's groups (as
+many as its PairTile says) are unrolled, so their loads are in flight together.
 
 gate_up: SiLU(gate) * up of the pair's token, written at the pair's row of [pairs, intermediate];
 down: the routing weight times the pair's intermediate row through its expert's down rows, float32,
@@ -38,10 +39,11 @@ class PairTile:
 
 
 # The fastest at one token of the Thinker's full-size int4 experts on an H200 (bench/pair_tiles.py,
-# 2026-12-02): gate_up 18.5 µs a layer, down 10.5 (the first, untimed guesses: 16 columns and 4
-# groups a step, 25.5; 32 columns, 12.0). The Talker's shape was not timed.
-GATE_UP_TILE = PairTile(block_n=8, most_groups_a_step=1, num_warps=4)
-DOWN_TILE = PairTile(block_n=8, most_groups_a_step=2, num_warps=1)
+# 2026-12-03, each group's terms summed once at the end): gate_up 15.1 µs a layer, down 10.5 (a
+# sum across threads per group before: 18.5 and 10.5 at their best tiles). The Talker's shape was
+# not timed.
+GATE_UP_TILE = PairTile(block_n=8, most_groups_a_step=2, num_warps=4)
+DOWN_TILE = PairTile(block_n=32, most_groups_a_step=2, num_warps=8)
 
 
 @triton.jit
@@ -53,8 +55,10 @@ def _int4_group_terms(row_ptr, rows_ptr, scales_ptr, columns, inside, start, row
     the end (a sum across threads per group made each group wait for every thread of the program,
     and a decode step's pairs read at about 700 GB/s)."""
     half = tl.arange(0, GROUP // 2)
-    x_even = tl.load(row_ptr + start + 2 * half).to(tl.float32)
-    x_odd = tl.load(row_ptr + start + 2 * half + 1).to(tl.float32)
+    # the group's inputs in one contiguous load, then split (two loads of every other input were
+    # one instruction per value)
+    x = tl.load(row_ptr + start + tl.arange(0, GROUP)).to(tl.float32)
+    x_even, x_odd = tl.split(tl.reshape(x, (GROUP // 2, 2)))
     low, high = int4_halves(rows_ptr, columns, half, start, row_stride, inside[None, :], tl.float32)
     scale = tl.load(scales_ptr + columns * scale_row_stride + start // GROUP, mask=inside, other=0.0)
     return (x_even[:, None] * low + x_odd[:, None] * high) * scale.to(tl.float32)[None, :]
