@@ -10,8 +10,9 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
 
+from conftest import TEST_DEVICE
 from omni_local.engine.sampling import (
-    Sampler, SamplingRows, SeatSampler, _filtered, _penalize_repeats, _uniform,
+    Sampler, SamplingRows, SeatSampler, _filtered, _hash32, _penalize_repeats, _uniform, uniform_numbers,
 )
 from omni_local.api.params import SamplingParams
 from omni_local.errors import RequestError
@@ -78,6 +79,28 @@ def test_suppressed_tokens_stay_out_whatever_a_rows_parameters_do_to_the_scores(
 def test_every_hash_gives_a_uniform_number_strictly_inside_0_and_1_so_the_noise_stays_finite():
     uniform = _uniform(torch.tensor([0, 1, 2**31, 2**32 - 2, 2**32 - 1]))
     assert ((uniform > 0) & (uniform < 1)).all() and torch.isfinite(-torch.log(-torch.log(uniform))).all()
+
+
+def test_the_gpus_one_kernel_gives_the_uniform_numbers_of_the_tensor_ops_bit_for_bit():
+    from omni_local.engine.uniform_noise import BLOCK, kernel_uniform_numbers  # the interpreter on a CPU run
+
+    vocab = BLOCK + 301  # a ragged last tile
+    token_keys = _hash32(torch.arange(vocab, device=TEST_DEVICE))
+    # 32-bit keys with the top bit set and not, in a slice at an odd offset (as a frame's are)
+    keys = torch.tensor([7, 2**32 - 1, 2**31 + 12345, 0, 987654321], device=TEST_DEVICE)[1:]
+    assert torch.equal(kernel_uniform_numbers(keys, token_keys), uniform_numbers(keys, token_keys))
+
+
+def test_the_uniform_numbers_kernel_compiles_for_an_h200_without_a_gpu():
+    from compile_for_h200 import compile_for_h200
+
+    done = compile_for_h200("""
+from omni_local.engine.uniform_noise import BLOCK, _uniform_kernel
+compiled(_uniform_kernel, dict(keys_ptr="*i64", token_keys_ptr="*i64", out_ptr="*fp32"), dict(BLOCK=BLOCK),
+         aligned=("token_keys_ptr", "out_ptr"), num_warps=4)
+""")
+
+    assert done.returncode == 0, done.stderr
 
 
 def test_filtered_out_tokens_are_never_drawn_in_many_draws():

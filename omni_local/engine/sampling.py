@@ -10,6 +10,7 @@ a value back from the device: the Thinker's decode steps hand their tokens to th
 and the engine reads them one step late.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import TypeVar
 
@@ -17,9 +18,15 @@ import torch
 
 from omni_local.api.params import SamplingParams
 from omni_local.engine.host_copies import to_device
+from omni_local.engine.triton_support import uses_triton
 
 _LOW32 = 0xFFFFFFFF
 T = TypeVar("T", int, torch.Tensor)
+# The hash ("lowbias32", from Chris Wellons' hash prospector): x ^= x >> 16, x *= 0x7FEB352D,
+# x ^= x >> 15, x *= 0x846CA68B, x ^= x >> 16, mod 2**32 (uniform_noise.py's kernel does the same)
+HASH_SHIFTS = (16, 15, 16)
+HASH_MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
+UNIFORM_BITS = 23  # of a hash, the top ones make a uniform number (see `_uniform`)
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,7 @@ class SeatSampler:
         # no limit, or not reasoning. Kept on the device, since the host reads each token a step late.
         self.reasoning_left = torch.full((seats,), -1, dtype=torch.long, device=device)
         self._token_keys = _hash32(torch.arange(vocab, device=device))  # what each id adds to a row's key
+        self._uniform_numbers = _uniform_numbers_on(device)
         # On the host, per seat: whether its request samples, and its seed.
         self._sampling, self._seeds = [False] * seats, [0] * seats
         self._limits_reasoning = [False] * seats
@@ -125,7 +133,8 @@ class SeatSampler:
             scores = scores.index_fill(1, self.suppressed, float("-inf"))
         tokens = scores.argmax(dim=-1)
         if batch.sampling:
-            drawn = (_filtered(scores, rows) + _gumbel(batch.keys, self._token_keys)).argmax(dim=-1)
+            noise = _gumbel(self._uniform_numbers(batch.keys, self._token_keys))
+            drawn = (_filtered(scores, rows) + noise).argmax(dim=-1)
             tokens = torch.where(rows.temperature > 0, drawn, tokens)
         if batch.limits_reasoning:
             tokens = self._end_reasoning_at_limit(tokens, batch.seats)
@@ -193,26 +202,47 @@ def _draw_key(seed: int, draw: int) -> int:
     return _hash32((seed & _LOW32) ^ _hash32(((seed >> 32) & _LOW32) ^ _hash32(draw & _LOW32)))
 
 
-def _gumbel(keys: torch.Tensor, token_keys: torch.Tensor) -> torch.Tensor:
-    """Gumbel noise [B, vocab], each value a function of its row's key [B] and its token's [vocab] only."""
-    return -torch.log(-torch.log(_uniform(_hash32(keys[:, None] ^ token_keys))))
+def _gumbel(uniform: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise from uniform numbers."""
+    return -torch.log(-torch.log(uniform))
+
+
+UniformNumbers = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def uniform_numbers(keys: torch.Tensor, token_keys: torch.Tensor) -> torch.Tensor:
+    """[B, vocab] float32 strictly inside (0, 1), each a function of its row's key [B] and its
+    token's [vocab] only."""
+    return _uniform(_hash32(keys[:, None] ^ token_keys))
+
+
+def _uniform_numbers_on(device: torch.device) -> UniformNumbers:
+    """`uniform_numbers` as `device` makes them fastest, the same bits: one Triton kernel on a GPU
+    that runs it (compiled here, not at a first sampled reply), tensor ops elsewhere."""
+    if not uses_triton("sampling", "auto", device):
+        return uniform_numbers
+    from omni_local.engine.uniform_noise import kernel_uniform_numbers  # imports triton
+
+    kernel_uniform_numbers(torch.zeros(1, dtype=torch.long, device=device),
+                           torch.zeros(1, dtype=torch.long, device=device))
+    return kernel_uniform_numbers
 
 
 def _uniform(bits: torch.Tensor) -> torch.Tensor:
     """float32 numbers strictly inside (0, 1) from 32-bit values: their top 23 bits, exactly. (With 24,
     the largest would round to 1, its Gumbel noise be infinite, and a filtered-out token's -inf
     plus it NaN, which argmax picks.)"""
-    return ((bits >> 9).float() + 0.5) / 2**23
+    return ((bits >> (32 - UNIFORM_BITS)).float() + 0.5) / 2**UNIFORM_BITS
 
 
 def _hash32(x: T) -> T:
-    """A bijective mix of 32-bit values, Python ints or int64 tensors ("lowbias32", from Chris
-    Wellons' hash prospector)."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
+    """A bijective mix of 32-bit values, Python ints or int64 tensors (HASH_SHIFTS, HASH_MULTIPLIERS)."""
+    first, second, third = HASH_SHIFTS
+    x = x ^ (x >> first)
+    x = _mul32(x, HASH_MULTIPLIERS[0])
+    x = x ^ (x >> second)
+    x = _mul32(x, HASH_MULTIPLIERS[1])
+    return x ^ (x >> third)
 
 
 def _mul32(x: T, c: int) -> T:

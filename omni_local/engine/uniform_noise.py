@@ -1,0 +1,47 @@
+"""The sampler's uniform numbers (sampling.py's `uniform_numbers`) as one Triton kernel, on a GPU.
+
+sampling.py hashes each (row key, token key) pair with int64 tensor ops that emulate 32-bit
+products: 23 kernels a draw, and a speech frame draws 15 codes in its graph (about 3 µs a kernel
+replayed). Here each program hashes a tile of a row's tokens in uint32 arithmetic, which wraps as
+the emulation does, and keeps the top 23 bits as a float32, an exact conversion: the same bits.
+The logarithms of the Gumbel noise stay torch's, whose rounding the CPU shares.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from omni_local.engine.sampling import HASH_MULTIPLIERS, HASH_SHIFTS, UNIFORM_BITS
+
+BLOCK = 1024  # tokens a program
+_FIRST_SHIFT, _SECOND_SHIFT, _THIRD_SHIFT = (tl.constexpr(shift) for shift in HASH_SHIFTS)
+_FIRST_MULTIPLIER, _SECOND_MULTIPLIER = (tl.constexpr(multiplier) for multiplier in HASH_MULTIPLIERS)
+_DROPPED_BITS = tl.constexpr(32 - UNIFORM_BITS)
+_SCALE = tl.constexpr(1.0 / 2**UNIFORM_BITS)
+
+
+# The vocabulary and the keys' address vary (a frame's keys are slices of one tensor): one compile
+# serves them all, made at start-up.
+@triton.jit(do_not_specialize=["vocab"], do_not_specialize_on_alignment=["keys_ptr"])
+def _uniform_kernel(keys_ptr, token_keys_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    tokens = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = tokens < vocab
+    key = tl.load(keys_ptr + row).to(tl.uint32)
+    x = tl.load(token_keys_ptr + tokens, mask=inside, other=0).to(tl.uint32) ^ key
+    x = x ^ (x >> _FIRST_SHIFT)
+    x = x * tl.full([BLOCK], _FIRST_MULTIPLIER, tl.uint32)
+    x = x ^ (x >> _SECOND_SHIFT)
+    x = x * tl.full([BLOCK], _SECOND_MULTIPLIER, tl.uint32)
+    x = x ^ (x >> _THIRD_SHIFT)
+    uniform = ((x >> _DROPPED_BITS).to(tl.float32) + 0.5) * _SCALE
+    tl.store(out_ptr + row.to(tl.int64) * vocab + tokens, uniform, mask=inside)
+
+
+def kernel_uniform_numbers(keys: torch.Tensor, token_keys: torch.Tensor) -> torch.Tensor:
+    """sampling.uniform_numbers(keys, token_keys), bit for bit: [B, vocab] float32."""
+    vocab = token_keys.shape[0]
+    out = torch.empty((keys.shape[0], vocab), dtype=torch.float32, device=keys.device)
+    _uniform_kernel[(keys.shape[0], triton.cdiv(vocab, BLOCK))](keys, token_keys, out, vocab, BLOCK=BLOCK,
+                                                                 num_warps=4)
+    return out
