@@ -12,6 +12,7 @@ and the engine reads them one step late.
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from functools import cache
 from typing import TypeVar
 
 import torch
@@ -216,6 +217,7 @@ def uniform_numbers(keys: torch.Tensor, token_keys: torch.Tensor) -> torch.Tenso
     return _uniform(_hash32(keys[:, None] ^ token_keys))
 
 
+@cache  # a spoken reply makes a sampler of its own: the kernel is compiled and run once a process
 def _uniform_numbers_on(device: torch.device) -> UniformNumbers:
     """`uniform_numbers` as `device` makes them fastest, the same bits: one Triton kernel on a GPU
     that runs it (compiled here, not at a first sampled reply), tensor ops elsewhere."""
