@@ -168,14 +168,16 @@ def run_layers(
     stack: torch.nn.Module,
     cache: KVWriter | GraphedKVWriter,
     embeds: torch.Tensor,
-    positions: torch.Tensor,
+    positions: torch.Tensor | None,
     visual_mask: torch.Tensor | None = None,
     deepstack: list[torch.Tensor] | None = None,
     keep_layer: int | None = None,
     regions: LayerRegions = EAGER,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run `embeds` [B, n, hidden] at `positions` [3, B, n] after the rows each sequence's blocks
-    already holds (B = 1 except in a graphed batch), each layer as `regions` runs it.
+    already holds (B = 1 except in a graphed batch), each layer as `regions` runs it. A caller whose
+    positions never change may pass their `rotary` embedding (cos, sin) instead, made once.
 
     Returns the normed hidden state [B, 1, hidden] of each sequence's last token (the one
     `cache.last_states` picks) and, if `keep_layer` is given, the hidden states [B, n, hidden]
@@ -185,7 +187,8 @@ def run_layers(
     """
     hidden = embeds
     kept = hidden if keep_layer == 0 else None
-    rotary = stack.rotary_emb(hidden, positions)
+    assert (positions is None) != (rotary is None), "positions or their rotary embedding, one of them"
+    rotary = rotary if rotary is not None else stack.rotary_emb(hidden, positions)
     mask = cache.attention_mask(stack.config._attn_implementation, hidden.shape[1], hidden)
     last = len(stack.layers)
     for index, layer in enumerate(stack.layers):

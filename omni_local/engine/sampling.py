@@ -124,7 +124,10 @@ class SeatSampler:
         """The tokens [B] chosen from `logits` [B, vocab] float32, on the device: repeats penalised,
         sampled rows over their temperature, suppressed ids out, then the best (greedy rows, exactly
         as argmax picks it, ties to the first) or a draw (the others)."""
-        rows = self.rows.select(batch.seats)
+        # A table of one row (a spoken reply's codes) samples one row of logits at a time: its rows are
+        # the table's own, with no copy of each (five kernels a code, 15 codes a speech frame)
+        one_row = self.rows.temperature.shape[0] == 1 and batch.seats.shape[0] == 1
+        rows = self.rows if one_row else self.rows.select(batch.seats)
         scores = _penalize_repeats(logits, rows.seen, rows.penalty)
         if batch.sampling:  # a greedy row's scores stay as they are (over 1)
             scores = scores / torch.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]

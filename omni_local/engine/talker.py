@@ -115,6 +115,10 @@ class TalkerRunner:
         # The code predictor's sampling row: a reply's parameters and seed are loaded into it at
         # each frame (spoken replies take turns), at fixed addresses the frame's graph reads.
         self.predictor_sampler = SeatSampler(1, self.predictor.config.vocab_size, self.device)
+        # Each step's rows are the same in every frame, so their rotary embedding is made once here,
+        # not by a few kernels at each of a frame's 15 steps
+        with torch.inference_mode():
+            self._predictor_rotary = [self._rotary_at(group) for group in range(self.num_code_groups - 1)]
         self._row_zero = torch.zeros(1, dtype=torch.long, device=self.device)
         # The Talker's and the code predictor's layers, as the Thinker's (on the GPU only).
         self.regions = LayerRegions(compiled=compiled_layers and self.device.type == "cuda", moe=moe)
@@ -258,13 +262,19 @@ class TalkerRunner:
     def _predict_step(self, group: int, step_input: torch.Tensor) -> torch.Tensor:
         """Logits [vocab] of the frame's code `group + 1`, from `step_input` [1, n, width]: the
         hidden state and first code (rows 0 and 1) for group 0, else code `group` (row group + 1)."""
-        row = 0 if group == 0 else group + 1
-        positions = torch.arange(row, row + step_input.shape[1], device=self.device)[None]
+        row = _predictor_row(group)
         # The decode kernel reads the frame's rows in place: one launch a layer, where transformers'
         # attention would gather the rows, make a mask and attend (a frame is 15 steps of 5 layers)
         cache = self.predictor_kv.writer(self._predictor_table, row, self.attention.decode)
-        last, _ = run_layers(self.predictor.model, cache, step_input, positions, regions=self.regions)
+        last, _ = run_layers(self.predictor.model, cache, step_input, None, regions=self.regions,
+                             rotary=self._predictor_rotary[group])
         return self.predictor.lm_head[group](last)[0, -1].float()
+
+    def _rotary_at(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The code predictor's rotary embedding (cos, sin) of the rows step `group` writes."""
+        row, rows = _predictor_row(group), 2 if group == 0 else 1
+        like = torch.empty((1, rows, self.predictor.config.hidden_size), dtype=self.dtype, device=self.device)
+        return self.predictor.model.rotary_emb(like, torch.arange(row, row + rows, device=self.device)[None])
 
     def _forward(self, cache: KVWriter | GraphedKVWriter, embeds: torch.Tensor,
                  positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -272,6 +282,12 @@ class TalkerRunner:
         at `positions` [3, 1, n]; with n = 1, what the step's graphs capture."""
         hidden, _ = run_layers(self.stack, cache, embeds, positions, regions=self.regions)
         return hidden, self.talker.codec_head(hidden)[:, -1].float()
+
+
+def _predictor_row(group: int) -> int:
+    """The first row of a frame the code predictor's step `group` writes: rows 0 and 1 (the Talker's
+    hidden state and the first code) for group 0, row group + 1 (code `group`) after."""
+    return 0 if group == 0 else group + 1
 
 
 def user_positions(ids: torch.Tensor, im_start: int, user: int) -> np.ndarray:
