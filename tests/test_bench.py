@@ -284,10 +284,10 @@ def test_the_compile_log_counts_what_dynamo_compiles_inside_it_and_nothing_from_
     doubled(torch.ones(3))
     with compile_log() as log:
         doubled(torch.ones(3))  # compiled before: nothing new
-    assert log.dynamo_compiles == 0 and log.lines() == ["nothing compiled or captured"]
+    assert log.dynamo_compiles == 0 and log.summary() == "nothing compiled or captured"
     with compile_log() as log:
         doubled(torch.ones(5))  # a new shape: compiled again
-    assert log.dynamo_compiles == 1 and log.lines()[0].startswith("dynamo compiled 1 graph(s) in ")
+    assert log.dynamo_compiles == 1 and log.summary().startswith("dynamo compiled 1 graph(s) in ")
 
 
 def test_the_turn_profile_beside_a_decoding_chat_shows_what_filled_its_longest_wait_for_a_token(

@@ -19,13 +19,15 @@ import torch._dynamo.utils as dynamo_utils
 
 @dataclass
 class CompileLog:
+    """What compiled or was captured while a `compile_log` block ran."""
+
     dynamo_compiles: int = 0
     dynamo_seconds: float = 0.0
     triton_kernels: list[str] = field(default_factory=list)  # each compile's kernel and specialization
     graph_captures: int = 0
 
-    def lines(self) -> list[str]:
-        """One line each for what happened; a single line when nothing did."""
+    def summary(self) -> str:
+        """One line: the counts, or that nothing compiled or was captured."""
         said = []
         if self.dynamo_compiles:
             said.append(f"dynamo compiled {self.dynamo_compiles} graph(s) in {self.dynamo_seconds:.2f} s")
@@ -33,10 +35,9 @@ class CompileLog:
             names = Counter(kernel.split("[", 1)[0] for kernel in self.triton_kernels)
             said.append(f"Triton compiled {len(self.triton_kernels)} kernel(s): "
                         + ", ".join(f"{name} {count}x" for name, count in names.most_common()))
-            said.extend(f"  - {kernel}" for kernel in self.triton_kernels)
         if self.graph_captures:
             said.append(f"{self.graph_captures} CUDA graph(s) captured")
-        return said or ["nothing compiled or captured"]
+        return "; ".join(said) or "nothing compiled or captured"
 
 
 _COMPILE = "_compile.compile_inner"  # one entry per frame dynamo compiles, its seconds

@@ -27,6 +27,8 @@ speaks, the real-time factor's share.
   On the CPU there are no kernels: ATen ops on every thread, by self time, and no busy time.
 - Beside a decoding chat: that chat's longest gap between two of the engine's reads of its tokens
   ("read decode step"), and what the engine did in it, for each profiled run.
+- What compiled or was captured in each profiled run, from its send to its reply's end
+  (compile_log.py): what a warm start-up should have paid, for --first-use.
 - With --trace FOLDER, each scenario's last profiled run as a gzipped Chrome trace, every thread and
   kernel on one timeline (chrome://tracing, or ui.perfetto.dev; gzipped, as the lent GPU machine
   sends back only files of limited size: a cold 2,123-token prompt's 2.5 MB of JSON is 121 KB).
@@ -239,7 +241,8 @@ def profile_scenario(app: OmniLocal, scenario: Scenario, args: argparse.Namespac
     recorded = [p.recorded for _, p in profiled]
     print("\nCompiled or captured from the send to the reply's end:")
     for run, (_, p) in enumerate(profiled):
-        print("\n".join(f"- run {run}: {line}" if not line.startswith(" ") else line for line in p.compiled.lines()))
+        print(f"- run {run}: {p.compiled.summary()}")
+        print("".join(f"  - {kernel}\n" for kernel in p.compiled.triton_kernels), end="")
     phases = [phase_spans(r) for r in recorded]
     work = [device_work(r, cuda) for r in recorded]
     if args.whole_reply:

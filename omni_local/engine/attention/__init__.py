@@ -88,12 +88,12 @@ def backend_kernel(setting: str, device: torch.device) -> PagedAttention | None:
 
 
 def without_cudnn_attention() -> None:
-    """Keep PyTorch's SDPA, in this process, off cuDNN's attention, which it prefers on Hopper GPUs:
-    cuDNN builds (and the first time, compiles) a plan for each kind and shape of attention it
-    meets, and the shapes of eager prefills, the encoders' media and a prompt's chunks are the
-    user's. On an H200 (torch 2.11) the first Talker prompt on a cached prefix spent 1.1 s in it,
-    between a voice chat's first token and its first audio. Flash and memory-efficient attention
-    have no per-shape start-up; SDPA takes them instead."""
+    """Keep PyTorch's SDPA, in this process, off cuDNN's attention, which it chose on an H200 (torch
+    2.11): cuDNN builds an execution plan for an attention it has not met, and the shapes of eager
+    prefills, the encoders' media and a prompt's chunks are the user's. There the first Talker
+    prompt on a cached prefix spent 1.1 s in it, between a voice chat's first token and its first
+    audio (later calls 0.1 ms). Flash and memory-efficient attention run precompiled kernels; SDPA
+    takes them instead."""
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 

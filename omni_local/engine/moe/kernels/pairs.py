@@ -39,9 +39,7 @@ class PairTile:
 
 
 # The fastest at one token of the Thinker's full-size int4 experts on an H200 (bench/pair_tiles.py,
-# 2026-12-03, each group's terms summed once at the end, nibbles made floats by their bits, inputs
-# in one load): gate_up 14.6 µs a layer, down 10.4 (a sum across threads per group before: 18.5
-# and 10.5 at their best tiles). The Talker's shape was not timed.
+# 2026-12-03): gate_up 14.6 µs a layer, down 10.4. The Talker's shape was not timed.
 GATE_UP_TILE = PairTile(block_n=16, most_groups_a_step=8, num_warps=8)
 DOWN_TILE = PairTile(block_n=32, most_groups_a_step=1, num_warps=8)
 
@@ -52,8 +50,7 @@ def _int4_group_terms(row_ptr, rows_ptr, scales_ptr, columns, inside, start, row
     """[GROUP / 2, BLOCK_N] float32: one int4 group's products of inputs [start, start + GROUP) of a
     row and the weight rows `columns` there, dequantized (times the group's scale), not yet summed
     over the group: the caller adds the groups up elementwise and sums across the threads once, at
-    the end (a sum across threads per group made each group wait for every thread of the program,
-    and a decode step's pairs read at about 700 GB/s)."""
+    the end, so no group waits for a reduction across the program's threads."""
     half = tl.arange(0, GROUP // 2)
     # the group's inputs in one contiguous load, then split (two loads of every other input were
     # one instruction per value)
