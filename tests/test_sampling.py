@@ -103,6 +103,66 @@ compiled(_uniform_kernel, dict(keys_ptr="*i64", token_keys_ptr="*i64", out_ptr="
     assert done.returncode == 0, done.stderr
 
 
+def fused_draws(table: SeatSampler, scores: torch.Tensor, seats: list[int], draw_index: int) -> list[int]:
+    """engine/fused_draw.py's kernel choosing for `seats` of `table` (a CPU table, its rows copied to
+    TEST_DEVICE and back): its tokens, with the table's seen and last rows updated as the kernel left them."""
+    from omni_local.engine.fused_draw import fused_draw  # the interpreter on a CPU run
+
+    batch = table.batch(seats, [draw_index] * len(seats))
+    rows = [t.to(TEST_DEVICE) for t in (table.rows.temperature, table.rows.top_k, table.rows.top_p,
+                                         table.rows.penalty, table.rows.seen)]
+    suppressed = None
+    if table.suppressed is not None:
+        suppressed = torch.zeros(scores.shape[1], dtype=torch.bool).index_fill_(0, table.suppressed, True)
+    last = table.last.to(TEST_DEVICE)
+    tokens = fused_draw(scores.to(TEST_DEVICE), batch.seats.to(TEST_DEVICE), batch.keys.to(TEST_DEVICE), *rows,
+                        None if suppressed is None else suppressed.to(TEST_DEVICE),
+                        table._token_keys.to(TEST_DEVICE), last, batch.sampling)
+    table.rows.seen.copy_(rows[-1].cpu())
+    table.last.copy_(last.cpu())
+    return tokens.tolist()
+
+
+MIXED = [SamplingParams(), SamplingParams(temperature=1.0, top_k=5, top_p=0.8, repetition_penalty=1.3),
+         SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_p=0.5), SamplingParams(temperature=1.0, top_k=3),
+         SamplingParams(repetition_penalty=2.0)]
+
+
+@pytest.mark.parametrize("sampled", [True, False])
+def test_the_gpus_one_kernel_draw_chooses_what_the_tensor_ops_choose(sampled):
+    params = MIXED if sampled else [p for p in MIXED if p.greedy]
+    vocab, seats = 50, list(range(len(params)))[::-1]
+    ours, reference = (started(params, prompt=(1, 2, 3, 7), suppressed=[5, 9], vocab=vocab) for _ in range(2))
+    for index in range(4):
+        scores = torch.stack([logits(10 * index + seat, vocab) for seat in seats])
+        scores[0, [11, 17]] = scores[0].max() + 1  # a greedy tie: the first wins
+        assert fused_draws(ours, scores, seats, index) == draw(reference, scores, seats, [index] * len(seats))
+    assert torch.equal(ours.rows.seen, reference.rows.seen) and torch.equal(ours.last, reference.last)
+
+
+def test_the_one_kernel_draw_keeps_top_ks_ties_and_never_picks_a_suppressed_token():
+    table = started([SamplingParams(temperature=1.0, top_k=2)], suppressed=[0], vocab=6)
+    scores = torch.tensor([[9.0, 4.0, 4.0, 4.0, 1.0, 0.0]])  # the 2nd best is tied three ways
+    picks = {fused_draws(table, scores, [0], index)[0] for index in range(40)}
+    assert picks == {1, 2, 3}
+
+
+def test_the_one_kernel_draw_compiles_for_an_h200_without_a_gpu():
+    from compile_for_h200 import compile_for_h200
+
+    done = compile_for_h200("""
+from omni_local.engine.fused_draw import _draw_kernel
+pointers = dict(logits_ptr="*fp32", seats_ptr="*i64", keys_ptr="*i64", temperature_ptr="*fp32", top_k_ptr="*i64",
+                top_p_ptr="*fp32", penalty_ptr="*fp32", seen_ptr="*u8", suppressed_ptr="*u8", token_keys_ptr="*i64",
+                last_ptr="*i64", tokens_ptr="*i64")
+for block, warps in ((2048, 4), (4096, 8)):
+    compiled(_draw_kernel, pointers, dict(SAMPLING=True, SUPPRESSED=True, BLOCK=block),
+             aligned=("logits_ptr", "token_keys_ptr", "seen_ptr"), num_warps=warps)
+""")
+
+    assert done.returncode == 0, done.stderr
+
+
 def test_filtered_out_tokens_are_never_drawn_in_many_draws():
     n, scores, temperature = 20_000, logits(3), 0.9
     table = started([SamplingParams(temperature=temperature, top_k=50, top_p=0.8)] * n,

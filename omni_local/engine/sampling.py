@@ -84,6 +84,9 @@ class SeatSampler:
         self.reasoning_left = torch.full((seats,), -1, dtype=torch.long, device=device)
         self._token_keys = _hash32(torch.arange(vocab, device=device))  # what each id adds to a row's key
         self._uniform_numbers = _uniform_numbers_on(device)
+        self._draw = _fused_draw_on(device, vocab)
+        if self._draw is not None and suppressed is not None:
+            self._suppressed_mask = torch.zeros(vocab, dtype=torch.bool, device=device).index_fill_(0, suppressed, True)
         # On the host, per seat: whether its request samples, and its seed.
         self._sampling, self._seeds = [False] * seats, [0] * seats
         self._limits_reasoning = [False] * seats
@@ -123,7 +126,13 @@ class SeatSampler:
     def sample(self, logits: torch.Tensor, batch: SampleBatch) -> torch.Tensor:
         """The tokens [B] chosen from `logits` [B, vocab] float32, on the device: repeats penalised,
         sampled rows over their temperature, suppressed ids out, then the best (greedy rows, exactly
-        as argmax picks it, ties to the first) or a draw (the others)."""
+        as argmax picks it, ties to the first) or a draw (the others). On a GPU a small vocabulary's
+        (the Talker's) is one kernel (engine/fused_draw.py), the rest tensor ops."""
+        if self._draw is not None and not batch.limits_reasoning:
+            rows = self.rows
+            return self._draw(logits, batch.seats, batch.keys, rows.temperature, rows.top_k, rows.top_p, rows.penalty,
+                              rows.seen, self._suppressed_mask if self.suppressed is not None else None,
+                              self._token_keys, self.last, batch.sampling)
         # A table of one row (a spoken reply's codes) samples one row of logits at a time: its rows are
         # the table's own, with no copy of each (five kernels a code, 15 codes a speech frame)
         one_row = self.rows.temperature.shape[0] == 1 and batch.seats.shape[0] == 1
@@ -231,6 +240,17 @@ def _uniform_numbers_on(device: torch.device) -> UniformNumbers:
     kernel_uniform_numbers(torch.zeros(1, dtype=torch.long, device=device),
                            torch.zeros(1, dtype=torch.long, device=device))
     return kernel_uniform_numbers
+
+
+def _fused_draw_on(device: torch.device, vocab: int) -> Callable[..., torch.Tensor] | None:
+    """engine/fused_draw.py's one-kernel draw where `device` runs our Triton kernels and one program
+    holds `vocab` (the Talker's and its code predictor's vocabularies, not the Thinker's); None: the
+    tensor ops."""
+    if not uses_triton("sampling", "auto", device):
+        return None
+    from omni_local.engine.fused_draw import MOST_VOCAB, fused_draw  # imports triton
+
+    return fused_draw if vocab <= MOST_VOCAB else None
 
 
 def _uniform(bits: torch.Tensor) -> torch.Tensor:

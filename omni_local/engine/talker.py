@@ -29,7 +29,7 @@ from omni_local.engine.fused_qkv import fuse_qkv
 from omni_local.engine.kv_store import BlockTable, GraphedKVWriter, KVShape, KVStore, KVWriter
 from omni_local.engine.host_copies import Readback, to_device
 from omni_local.engine.moe import TORCH, MoeBackend
-from omni_local.engine.sampling import SampleBatch, SeatSampler
+from omni_local.engine.sampling import SampleBatch, Sampler, SeatSampler
 from omni_local.errors import RequestError
 from omni_local.prompts import Prompt
 
@@ -140,8 +140,9 @@ class TalkerRunner:
 
     @torch.inference_mode()
     def warm_up(self) -> list[int]:
-        """A short prompt, one frame and one step in blocks nobody reads, and the experts' kernels for
-        prompts of every length, so the first spoken reply does not pay first-use costs, then the
+        """A short prompt, its first code drawn greedily and sampled, one frame and one step in blocks
+        nobody reads, and the experts' kernels for prompts of every length, so the first spoken reply
+        does not pay first-use costs (such as compiling the draw's kernel), then the
         code predictor's and the step's graphs; returns the frame's codes."""
         table = self.kv.take(self.kv.shape.table_blocks)
         try:
@@ -149,7 +150,9 @@ class TalkerRunner:
             # graph for the expanded view's zero strides that no real prefill uses
             prompt = self.tts_pad.expand(4, -1)[None].contiguous()
             positions = torch.arange(4, device=self.device).expand(3, 1, -1)
-            hidden, _ = self._forward(self.kv.writer(table, 0, self.attention.eager_prefill), prompt, positions)
+            hidden, logits = self._forward(self.kv.writer(table, 0, self.attention.eager_prefill), prompt, positions)
+            for params in (SamplingParams(), SamplingParams(temperature=1.0)):  # the first code's draw, both ways
+                Sampler(params, seed=0, suppressed=self.suppressed).next_token(logits[0])
             frame, codec_sum = self.complete_frame(hidden, self._row_zero, SamplingParams(), seed=0, frame=0)
             codes = frame.tolist()
             self.step(table, 4, codec_sum + self.tts_pad, 0)
