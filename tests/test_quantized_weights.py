@@ -147,24 +147,27 @@ PAIR_HIDDEN, PAIR_INTERMEDIATE = 512, 192
 
 
 @pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the interpreter tests run on the CPU run")
-@pytest.mark.parametrize("steps", [(512, 64), (128, 64)], ids=["4 groups a step", "a group a step"])
+@pytest.mark.parametrize("steps", [(512, 64), (128, 64)], ids=["the whole row a step", "a group a step"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
 @pytest.mark.parametrize("case", ["one token routed to its top-k", "an expert gets no token"])
-def test_a_decode_steps_int4_experts_run_by_pair_as_their_dequantized_weights(case, dtype, steps, monkeypatch):
+@pytest.mark.parametrize("weights", ["int4", "fp8"])
+def test_a_decode_steps_quantized_experts_run_by_pair_as_their_dequantized_weights(weights, case, dtype, steps,
+                                                                                   monkeypatch):
     from omni_local.engine.moe import routed_experts as routed
     from omni_local.engine.moe.kernels import pairs
 
-    groups_a_step = steps[0] // 128
-    monkeypatch.setattr(pairs, "GATE_UP_TILE", pairs.PairTile(16, groups_a_step, 4))
-    monkeypatch.setattr(pairs, "DOWN_TILE", pairs.PairTile(32, groups_a_step, 4))
+    monkeypatch.setitem(pairs.GATE_UP_TILES, weights, pairs.PairTile(16, steps[0], 4))
+    monkeypatch.setitem(pairs.DOWN_TILES, weights, pairs.PairTile(32, steps[0], 4))
     config = text_config(num_experts=4, top_k=2, hidden=PAIR_HIDDEN, intermediate=PAIR_INTERMEDIATE)
-    quantized = QuantizedExperts.replacing(experts(config, torch.float32), "int4")
-    assert (pairs._step(routed.kernel_weight(quantized.gate_up_values, quantized.gate_up_scales), pairs.GATE_UP_TILE),
-            pairs._step(routed.kernel_weight(quantized.down_values, quantized.down_scales), pairs.DOWN_TILE)) == steps
+    quantized = QuantizedExperts.replacing(experts(config, torch.float32), weights)
+    gate_up = routed.kernel_weight(quantized.gate_up_values, quantized.gate_up_scales)
+    down = routed.kernel_weight(quantized.down_values, quantized.down_scales)
+    assert (pairs._steps(gate_up, pairs.GATE_UP_TILES[weights])["STEP"],
+            pairs._steps(down, pairs.DOWN_TILES[weights])["STEP"]) == steps
     logits = logits_choosing(ROUTES[case], num_experts=4)
     hidden = normal(len(logits), PAIR_HIDDEN, seed=5).to(dtype)
-    _, weights, chosen = router_over_logits(config)(logits)
-    expected = quantized(hidden.float(), chosen, weights).to(dtype)
+    _, routing, chosen = router_over_logits(config)(logits)
+    expected = quantized(hidden.float(), chosen, routing).to(dtype)
     monkeypatch.setattr(routed, "gate_up_silu", None)  # the sorted blocks' kernels are not called
 
     rows = routed.weighted_expert_rows(hidden, logits.to(dtype), quantized.gate_up_values, quantized.down_values,
@@ -188,11 +191,14 @@ for format, weight in weights.items():
                                    experts_ptr="*i32", out_ptr="*bf16"), dict(TOP_K=8, **tiles), num_warps=4)
     compiled(_down_kernel, dict(inter_ptr="*bf16", weight_ptr=weight, scales_ptr="*bf16", sorted_ptr="*i32",
                                 experts_ptr="*i32", routing_ptr="*fp32", out_ptr="*fp32"), tiles, num_warps=4)
-compiled(_gate_up_pairs_kernel, dict(hidden_ptr="*bf16", weight_ptr="*u8", scales_ptr="*bf16", experts_ptr="*i32",
-                                     out_ptr="*bf16"), dict(TOP_K=8, BLOCK_N=16, BLOCK_K=512, GROUP=128), num_warps=4)
-compiled(_down_pairs_kernel, dict(inter_ptr="*bf16", weight_ptr="*u8", scales_ptr="*bf16", experts_ptr="*i32",
-                                  routing_ptr="*fp32", out_ptr="*fp32"), dict(BLOCK_N=32, BLOCK_K=256, GROUP=128),
-         num_warps=4)
+for format, weight, slots in ((INT4_GROUPS.value, "*u8", dict(SLOT=16, SLOTS=16)),
+                              (ROW_SCALED.value, "*fp8e4nv", dict(SLOT=16, SLOTS=32))):
+    compiled(_gate_up_pairs_kernel, dict(hidden_ptr="*bf16", weight_ptr=weight, scales_ptr="*bf16",
+                                         experts_ptr="*i32", out_ptr="*bf16"),
+             dict(TOP_K=8, BLOCK_N=16, FORMAT=format, GROUP=128, STEP=512, **slots), num_warps=4)
+    compiled(_down_pairs_kernel, dict(inter_ptr="*bf16", weight_ptr=weight, scales_ptr="*bf16", experts_ptr="*i32",
+                                      routing_ptr="*fp32", out_ptr="*fp32"),
+             dict(BLOCK_N=32, FORMAT=format, GROUP=128, STEP=512, **slots), num_warps=4)
 """
 
 

@@ -41,13 +41,19 @@ def int4_halves(rows_ptr, columns, half, start, row_stride, mask, dtype):
     [BLOCK_K / 2, BLOCK_N] in `dtype`, from one load of its bytes; `half` is arange(BLOCK_K / 2), row
     n of the weight begins at byte `rows_ptr + n * row_stride`. Masked bytes read as 0x88: zeros."""
     packed = tl.load(rows_ptr + columns[None, :] * row_stride + (start // 2 + half)[:, None], mask=mask, other=0x88)
-    packed = packed.to(tl.int32)
-    # A nibble v as the float32 whose bits are 2**23's with v in the low bits, 2**23 + v exactly, then
-    # less 2**23 + 8: bit operations and an addition, where converting v (an integer) to a float is
-    # an instruction NVIDIA GPUs run at a quarter of the rate or less, two a byte
+    low, high = int4_nibbles(packed.to(tl.int32))
+    return low.to(dtype), high.to(dtype)
+
+
+@triton.jit
+def int4_nibbles(packed):
+    """The float32 values of int4 bytes `packed` (int32, any shape): the low nibbles', the high ones'.
+    A nibble v as the float32 whose bits are 2**23's with v in the low bits, 2**23 + v exactly, then
+    less 2**23 + 8: bit operations and an addition, where converting v (an integer) to a float is
+    an instruction NVIDIA GPUs run at a quarter of the rate or less, two a byte."""
     low = ((packed & 0xF) | _FLOAT_2_POW_23_BITS).to(tl.float32, bitcast=True) - _2_POW_23_PLUS_8
     high = ((packed >> 4) | _FLOAT_2_POW_23_BITS).to(tl.float32, bitcast=True) - _2_POW_23_PLUS_8
-    return low.to(dtype), high.to(dtype)
+    return low, high
 
 
 @triton.jit

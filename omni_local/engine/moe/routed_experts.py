@@ -35,10 +35,10 @@ from omni_local.engine.moe.kernels.routing import route
 from omni_local.engine.moe.kernels.sorting import sort_by_expert, sorts_in_chunks
 from omni_local.engine.moe.kernels.expert_weights import KernelWeight, kernel_weight
 from omni_local.engine.moe.tile_configs import TileConfig, tile_config
-from omni_local.engine.weight_tiles import INT4_GROUPS
 
-# Up to this many tokens, int4 experts run by pair (kernels/pairs.py), each pair's expert rows read
-# as a GEMV reads them; more tokens share experts, which the sorted blocks read once for all of them.
+# Up to this many tokens, quantized (int4, fp8) experts run by pair (kernels/pairs.py), each pair's
+# expert rows read as a GEMV reads them; more tokens share experts, which the sorted blocks read once
+# for all of them.
 PAIR_KERNEL_TOKENS = 4
 
 
@@ -46,7 +46,7 @@ PAIR_KERNEL_TOKENS = 4
 class KernelPlan:
     """Which kernels run a forward's experts, with which tiles: what Triton compiles kernels for."""
 
-    by_pair: bool  # int4 experts at a few tokens: kernels/pairs.py, no sort
+    by_pair: bool  # quantized experts at a few tokens: kernels/pairs.py, no sort
     config: TileConfig | None  # the sorted blocks' tiles (None by pair)
     one_program: bool  # routing and sort in one launch (a decode batch)
     chunked_sort: bool  # the sort in three launches over chunks of pairs
@@ -55,7 +55,7 @@ class KernelPlan:
 def kernel_plan(tokens: int, top_k: int, gate_up: KernelWeight, down: KernelWeight, device: torch.device,
                 config: TileConfig | None = None, pinned: bool = False) -> KernelPlan:
     """The plan for `tokens` tokens (see `weighted_expert_rows`)."""
-    if config is None and not pinned and tokens <= PAIR_KERNEL_TOKENS and gate_up.format == INT4_GROUPS.value:
+    if config is None and not pinned and tokens <= PAIR_KERNEL_TOKENS and gate_up.quantized is not None:
         return KernelPlan(by_pair=True, config=None, one_program=False, chunked_sort=False)
     config = config or tile_config(gate_up.values.shape[0], gate_up.in_features, down.in_features,
                                    1 if pinned else tokens, device, gate_up.quantized)
@@ -80,7 +80,7 @@ def weighted_expert_rows(hidden: torch.Tensor, logits: torch.Tensor, gate_up: to
     float32, for `hidden` [tokens, hidden], router `logits` [tokens, E], and the experts' contiguous
     `gate_up` [E, 2I, hidden] and `down` [E, hidden, I] (each in the hidden dtype, or quantized
     values with their scales: model/quantized/formats.py); `config` None takes the tuned one for the
-    token count (int4 experts at up to PAIR_KERNEL_TOKENS tokens: the kernels by pair), or `pinned`,
+    token count (quantized experts at up to PAIR_KERNEL_TOKENS tokens: the kernels by pair), or `pinned`,
     a decode step's for any count (each pair's sums then run in one order whatever the batch: the
     deterministic setting)."""
     gate_up_weight, down_weight = kernel_weight(gate_up, gate_up_scales), kernel_weight(down, down_scales)
