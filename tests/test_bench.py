@@ -221,6 +221,7 @@ def test_the_decode_profile_smoke_run_prints_every_category_and_their_times_add_
 def test_the_decode_profile_puts_each_backends_kernels_and_the_compiled_layers_fusions_in_their_category():
     names = {
         "_gate_up_kernel": EXPERTS, "_down_kernel": EXPERTS,  # the triton backend's experts
+        "_gate_up_pairs_kernel": EXPERTS, "_down_pairs_kernel": EXPERTS,  # quantized, by pair
         "void cutlass::device_kernel<GemmUniversal<cutlass::gemm::GroupProblemShape<cute::tuple<int, int, int>>>>":
             EXPERTS,  # torch._grouped_mm
         "aten::_grouped_mm": EXPERTS,
