@@ -85,6 +85,7 @@ class SeatSampler:
         self._token_keys = _hash32(torch.arange(vocab, device=device))  # what each id adds to a row's key
         self._uniform_numbers = _uniform_numbers_on(device)
         self._draw = _fused_draw_on(device, vocab)
+        self._suppressed_mask = None  # the one-kernel draw's: [vocab] True where an id is suppressed
         if self._draw is not None and suppressed is not None:
             self._suppressed_mask = torch.zeros(vocab, dtype=torch.bool, device=device).index_fill_(0, suppressed, True)
         # On the host, per seat: whether its request samples, and its seed.
@@ -131,10 +132,9 @@ class SeatSampler:
         if self._draw is not None and not batch.limits_reasoning:
             rows = self.rows
             return self._draw(logits, batch.seats, batch.keys, rows.temperature, rows.top_k, rows.top_p, rows.penalty,
-                              rows.seen, self._suppressed_mask if self.suppressed is not None else None,
-                              self._token_keys, self.last, batch.sampling)
-        # A table of one row (a spoken reply's codes) samples one row of logits at a time: its rows are
-        # the table's own, with no copy of each (five kernels a code, 15 codes a speech frame)
+                              rows.seen, self._suppressed_mask, self._token_keys, self.last, batch.sampling)
+        # A table of one row (a spoken reply's codes, where the kernel does not run) samples one row of
+        # logits at a time: its rows are the table's own, with no copy of each (five kernels a code)
         one_row = self.rows.temperature.shape[0] == 1 and batch.seats.shape[0] == 1
         rows = self.rows if one_row else self.rows.select(batch.seats)
         scores = _penalize_repeats(logits, rows.seen, rows.penalty)
