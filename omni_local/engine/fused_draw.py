@@ -1,11 +1,10 @@
 """A whole draw of sampling.py's rule for a small vocabulary, one Triton program a row, on a GPU.
 
-A spoken reply draws 16 codes a frame (the Talker's first, then the code predictor's 15, all in one
-graph), each from a vocabulary of a few thousand. As tensor ops a draw is about 35 kernels
-(penalties, temperature, the sort, softmax and cumsum of top-k and top-p, a scatter back, the
-noise, two argmaxes, the seen and last writes), each a few µs in a replayed graph for a few KB of
-work: more than a frame's code predictor layers. Here one program holds its row's whole vocabulary
-in registers and does them all.
+A spoken reply draws 16 codes a frame (the Talker's first, then the code predictor's 15 in one
+graph), each from a vocabulary of a few thousand. As sampling.py's tensor ops a draw is about 35
+launches (penalties, temperature, the sort, softmax and cumsum of top-k and top-p, a scatter back,
+the noise, two argmaxes, the seen and last writes), each a few µs in a replayed graph for a few KB
+of work. Here one program holds its row's whole vocabulary in registers and does them all.
 
 The rule is the tensor ops' (SeatSampler.sample): the penalty, the temperature, the suppressed ids,
 the greedy choice, the uniform numbers and hence the Gumbel noise's inputs are the same bits (exact

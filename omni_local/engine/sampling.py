@@ -133,10 +133,7 @@ class SeatSampler:
             rows = self.rows
             return self._draw(logits, batch.seats, batch.keys, rows.temperature, rows.top_k, rows.top_p, rows.penalty,
                               rows.seen, self._suppressed_mask, self._token_keys, self.last, batch.sampling)
-        # A table of one row (a spoken reply's codes, where the kernel does not run) samples one row of
-        # logits at a time: its rows are the table's own, with no copy of each (five kernels a code)
-        one_row = self.rows.temperature.shape[0] == 1 and batch.seats.shape[0] == 1
-        rows = self.rows if one_row else self.rows.select(batch.seats)
+        rows = self.rows.select(batch.seats)
         scores = _penalize_repeats(logits, rows.seen, rows.penalty)
         if batch.sampling:  # a greedy row's scores stay as they are (over 1)
             scores = scores / torch.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]
