@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers.utils import is_torchvision_available
 
-from omni_local.bench.__main__ import median_of
+from omni_local.bench.__main__ import chosen_scenarios, median_of
 from omni_local.bench.beside import longest_gap
 from omni_local.bench.compile_log import compile_log
 from omni_local.bench.profile_decode import (
@@ -120,6 +120,17 @@ def run_part_bench(module: str, demo_settings, tmp_path: Path, *args: str) -> su
     )
 
 
+def test_only_picks_the_scenarios_whose_names_hold_its_texts_or_with_exact_equal_them():
+    from omni_local.bench.scenarios import Scenario
+
+    scenarios = [Scenario(name, "", [], None) for name in ("text, first send", "text, first send, c16", "video")]
+    names = lambda only, exact: [s.name for s in chosen_scenarios(scenarios, only, exact)]  # noqa: E731
+
+    assert names(["text, first send"], False) == ["text, first send", "text, first send, c16"]
+    assert names(["text, first send"], True) == ["text, first send"]
+    assert names([], True) == [s.name for s in scenarios]
+
+
 def test_a_row_times_its_runs_after_one_warm_up_run_unless_told_to_time_the_first_use():
     seen = []
 
@@ -163,6 +174,31 @@ def test_the_card_size_bench_with_the_memory_plan_prints_its_refusal_as_the_row_
     assert done.returncode == 1
     row = next(line for line in done.stdout.splitlines() if line.startswith("| int4 |"))
     assert "| refused by the memory plan: the model needs " in row and " is free: " in row
+
+
+def test_a_full_size_checkpoint_leaves_the_tensors_its_format_quantizes_as_holes_and_starts_from_them_then_its_store(
+    demo_settings, demo_checkpoint, tmp_path
+):
+    from safetensors import safe_open
+
+    from omni_local.bench.full_size_checkpoint import write_full_size_checkpoint
+
+    # The demo's own config stands for the full-size one: the same names, at the demo's size.
+    folder = tmp_path / "checkpoint"
+    sizes = write_full_size_checkpoint(demo_checkpoint / "config.json", folder, "int4", demo=demo_checkpoint)
+
+    shards = sorted(folder.glob("model-*.safetensors"))
+    assert sum(shard.stat().st_size for shard in shards) > sizes["files"] > sizes["written"] > 0
+    with safe_open(shards[0], "pt") as shard:
+        expert = shard.get_tensor("thinker.model.language_model.layers.0.mlp.experts.0.gate_proj.weight")
+        norm = shard.get_tensor("thinker.model.language_model.layers.0.input_layernorm.weight")
+    assert expert.dtype == torch.bfloat16 and not expert.any() and norm.all()
+    rows = [run_part_bench("start_up", demo_settings, tmp_path, "--model", str(folder), "--weights", "int4",
+                           "--speech", "true") for _ in range(2)]
+    assert all(done.returncode == 0 for done in rows), rows[-1].stderr
+    cells = [done.stdout.splitlines()[-1].strip("| ").split(" | ") for done in rows]
+    assert [row[:3] for row in cells] == [["int4", "on", "quantized on load"], ["int4", "on", "from their store"]]
+    assert all(float(cell) > 0 for row in cells for cell in row[3:])
 
 
 def test_the_encoder_bench_smoke_run_prints_preprocessing_on_the_cpu_and_on_the_device_for_an_image_and_a_video(

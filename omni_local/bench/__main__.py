@@ -153,6 +153,7 @@ def main() -> None:
                         help="time each row's first run too: with --runs 1, the first such request since start-up")
     parser.add_argument("--only", action="append", default=[], metavar="TEXT",
                         help="run only the scenarios whose name holds TEXT (repeatable)")
+    parser.add_argument("--exact", action="store_true", help="--only names whole scenario names")
     args = parser.parse_args()
     settings, loaded = settings_and_model(args)
     every_cache_off = settings.replace(prefix_cache=False, encoder_cache=False)
@@ -160,7 +161,7 @@ def main() -> None:
         engine = partial(engine_run, reading_s=args.reading_seconds)
         systems = (("omni_local, cache on", cached, engine), ("omni_local, cache off", cold, engine),
                    ("transformers", cold, transformers_run))
-        chosen = [s for s in available(cached) if not args.only or any(text in s.name for text in args.only)]
+        chosen = chosen_scenarios(available(cached), args.only, args.exact)
         _warn_if_few_seats(cached, chosen)
         environment = _environment(cached, args)
         print(_table_head(environment), flush=True)
@@ -170,6 +171,12 @@ def main() -> None:
             rows.append(row)
     if args.json:
         args.json.write_text(json.dumps({"environment": environment, "rows": rows}, indent=2))
+
+
+def chosen_scenarios(scenarios: list[Scenario], only: list[str], exact: bool) -> list[Scenario]:
+    """The scenarios `only` names (all where it names none): those whose names hold one of its texts,
+    or with `exact`, equal one."""
+    return [s for s in scenarios if not only or any(text == s.name if exact else text in s.name for text in only)]
 
 
 def _rows(scenario: Scenario, systems: tuple[System, ...], args: argparse.Namespace) -> Iterator[dict]:

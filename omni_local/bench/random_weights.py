@@ -26,8 +26,7 @@ def load_random_weights(config_path: Path, settings: Settings) -> LoadedModel:
     processor = load_processor(demo)
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
-    config = Qwen3OmniMoeConfig(**_remapped(json.loads(Path(config_path).read_text()), processor.tokenizer))
-    config.enable_audio_output = settings.speech
+    config = full_size_config(config_path, processor.tokenizer, settings.speech)
     with torch.device(device):
         model = Qwen3OmniMoeForConditionalGeneration._from_config(
             config, dtype=dtype, attn_implementation=settings.attn_implementation
@@ -39,6 +38,13 @@ def load_random_weights(config_path: Path, settings: Settings) -> LoadedModel:
     if device.type == "cuda":
         torch.cuda.empty_cache()  # give the freed full-precision layers back, for a cap on the process to measure
     return LoadedModel(model=model.eval(), processor=processor, path=Path(config_path), device=device, dtype=dtype)
+
+
+def full_size_config(config_path: Path, tokenizer, speech: bool) -> Qwen3OmniMoeConfig:
+    """The config at `config_path`, its token ids those of the demo's `tokenizer`."""
+    config = Qwen3OmniMoeConfig(**_remapped(json.loads(Path(config_path).read_text()), tokenizer))
+    config.enable_audio_output = speech
+    return config
 
 
 def _remapped(config: dict, tokenizer) -> dict:

@@ -74,7 +74,7 @@ def load_weights(
         model = Qwen3OmniMoeForConditionalGeneration._from_config(
             config, dtype=dtype, attn_implementation=attn_implementation
         )
-    expected = _expected_shapes(model)
+    expected = checkpoint_shapes(model)
     files = weight_files(path)
     headers = _read_headers(files)
     prequantized, dtypes = None, {}
@@ -132,7 +132,7 @@ def _parameters_on_meta() -> Iterator[None]:
         torch.nn.Module.register_parameter = register
 
 
-def _expected_shapes(model: torch.nn.Module) -> dict[str, torch.Size]:
+def checkpoint_shapes(model: torch.nn.Module) -> dict[str, torch.Size]:
     """Every tensor the files must hold, by its (renamed) checkpoint name: the model's parameters and
     persistent buffers, routed experts per expert, tied copies left out (they are tied again)."""
     tied = set(model.all_tied_weights_keys)
