@@ -229,6 +229,9 @@ def test_on_a_gpu_a_quantized_layer_takes_the_gemv_for_a_decode_batch_compiled_a
 
     linear = torch.nn.Linear(2048, 512, bias=False, device="cuda", dtype=torch.bfloat16)  # the Thinker's k_proj
     layer = QuantizedLinear.replacing(linear, format)
+    # Each format's layer is a new module for Dynamo, compiled again on the same code object: forget
+    # the earlier formats' compiles, or the third one passes Dynamo's limit of compiles.
+    torch._dynamo.reset()
     compiled = torch.compile(layer, fullgraph=True, dynamic=True)
     assert layer.gemv
     for rows in (1, 5, GEMV_MAX_ROWS, 64):

@@ -5,12 +5,15 @@ here (float32 and float16); tests/test_moe_on_gpu.py runs them at full size on a
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from conftest import TEST_DEVICE
 from moe_cases import ROUTES, experts, logits_choosing, router_over_logits, text_config
 from omni_local.model.quantized import (QuantizedEmbedding, QuantizedExperts, QuantizedLinear, Quantized, dequantize,
                                         quantize)
 from omni_local.model.quantized import linear as linear_module
+from omni_local.engine.weight_tiles import int4_nibbles
 from omni_local.model.quantized.formats import int4_values
 
 HIDDEN, INTERMEDIATE = 64, 32  # int4 groups of 64 and 32 inputs
@@ -43,6 +46,26 @@ def test_int4_packs_two_values_a_byte_the_even_one_low_each_plus_8_with_a_scale_
     assert torch.equal(stored.scales, torch.tensor([[0.5, 0.5], [0.25, 0.25]]))
     assert torch.equal(int4_values(stored.values)[0].float(), row)
     assert torch.equal(dequantize(stored, torch.float32), weight)
+
+
+@triton.jit
+def _unpacked_kernel(packed_ptr, low_ptr, high_ptr, BYTES: tl.constexpr):
+    at = tl.arange(0, BYTES)
+    low, high = int4_nibbles(tl.load(packed_ptr + at))
+    tl.store(low_ptr + at, low)
+    tl.store(high_ptr + at, high)
+
+
+def test_the_kernels_unpack_every_int4_byte_to_its_two_values_exactly():
+    # Compiled, the unpacking is PTX (four bytes a register, each nibble's place its own constant);
+    # in the interpreter, Triton's operations: both must give every byte's values, wherever it lies.
+    device = "cuda" if TEST_DEVICE == "cuda" else "cpu"
+    packed = torch.arange(256, dtype=torch.uint8, device=device).roll(37)
+    low, high = torch.empty(256, device=device), torch.empty(256, device=device)
+
+    _unpacked_kernel[(1,)](packed, low, high, BYTES=256, num_warps=2)
+
+    assert torch.equal(low, (packed & 0xF).float() - 8) and torch.equal(high, (packed >> 4).float() - 8)
 
 
 @pytest.mark.parametrize("format", ["fp8", "int8", "int4"])

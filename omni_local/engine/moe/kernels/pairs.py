@@ -43,11 +43,11 @@ class PairTile:
 
 
 # The fastest at one token of the Thinker's full-size experts on an H200 (bench/pair_tiles.py,
-# 2026-12-03), per weights format: int4 gate_up 14.7 µs a layer; fp8 gate_up 14.4, down 9.8. int4's
-# down tile was not timed with these kernels; the Talker's shape was not timed.
-GATE_UP_TILES = {"int4": PairTile(block_n=16, most_inputs_a_step=1024, num_warps=4),
+# 2026-12-03), per weights format: int4 gate_up 13.0 µs a layer, down 8.8 (int4 unpacked in PTX);
+# fp8 gate_up 14.4, down 9.8. The Talker's shape was not timed.
+GATE_UP_TILES = {"int4": PairTile(block_n=16, most_inputs_a_step=512, num_warps=4),
                  "fp8": PairTile(block_n=8, most_inputs_a_step=512, num_warps=8)}
-DOWN_TILES = {"int4": PairTile(block_n=32, most_inputs_a_step=128, num_warps=8),
+DOWN_TILES = {"int4": PairTile(block_n=8, most_inputs_a_step=512, num_warps=2),
               "fp8": PairTile(block_n=8, most_inputs_a_step=256, num_warps=2)}
 
 
@@ -64,7 +64,7 @@ def _step_terms(row_ptr, rows_ptr, scales_ptr, columns, inside, start, row_strid
     if FORMAT == INT4_GROUPS:
         offsets = start // 2 + slot[:, None, None] * SLOT + byte[None, :, None]
         packed = tl.load(rows_ptr + columns[None, None, :] * row_stride + offsets, mask=inside[None, None, :],
-                         other=0x88).to(tl.int32)
+                         other=0x88)
         low, high = int4_nibbles(packed)
         x_even, x_odd = tl.split(tl.reshape(x, (SLOTS, SLOT, 2)))  # each byte's two inputs
         sums = tl.sum(x_even[:, :, None] * low + x_odd[:, :, None] * high, axis=1)
