@@ -16,6 +16,7 @@ from omni_local.api.params import SamplingParams, SpeechParams
 from omni_local.engine.engine import Engine
 from omni_local.engine.memory_plan import MemoryPlan, engine_baseline, plan_memory, remember_engine_bytes
 from omni_local.engine.request import Failed, Request
+from omni_local.engine.start_up_steps import start_up_step
 from omni_local.errors import MediaError, RequestError
 from omni_local.media import SAMPLE_RATE, MediaLimits
 from omni_local.media.audio import check_samples
@@ -52,7 +53,10 @@ class LocalBackend:
         self.limits = MediaLimits.from_settings(settings)
         quiet_library_logs()  # transformers' load-time notes and progress bars are not for users
         self.memory: MemoryPlan | None = None
-        self.loaded = loaded or load_model(settings, before_loading=self._plan_memory)
+        if loaded is None:
+            with start_up_step("the model loaded"):
+                loaded = load_model(settings, before_loading=self._plan_memory)
+        self.loaded = loaded
         # The KV is what the plan leaves, up to gpu_cache_bytes.
         baseline = engine_baseline(self.loaded.device) if self.memory is not None else 0
         self.engine = Engine(self.loaded, settings if self.memory is None

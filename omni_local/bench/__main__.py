@@ -67,6 +67,7 @@ from omni_local.bench.beside import beside_a_decoding_chat
 from omni_local.bench.common import bench_parser, medians, settings_and_model, synced_now
 from omni_local.bench.scenarios import Scenario, available, first_look, opened, question, send
 from omni_local.bench.transformers_baseline import transformers_run
+from omni_local.engine.start_up_steps import show_start_up_steps
 
 # A row's label, the app it runs on, and how one run is timed (engine_run or transformers_run).
 System = tuple[str, OmniLocal, Callable[[OmniLocal, Scenario, int, int], dict[str, float]]]
@@ -156,6 +157,7 @@ def main() -> None:
     parser.add_argument("--exact", action="store_true", help="--only names whole scenario names")
     args = parser.parse_args()
     settings, loaded = settings_and_model(args)
+    show_start_up_steps()
     every_cache_off = settings.replace(prefix_cache=False, encoder_cache=False)
     with OmniLocal(settings, loaded=loaded) as cached, OmniLocal(every_cache_off, loaded) as cold:
         engine = partial(engine_run, reading_s=args.reading_seconds)

@@ -9,8 +9,9 @@ full-size checkpoint for it: bench/full_size_checkpoint.py.
 
 Columns: imports (torch, transformers and ours), start (`OmniLocal(settings)`: the memory plan, the
 load, and the engine's start: KV, warm-up, compiled layers, CUDA graphs), ready (the two, from this
-module's first line); whether the quantized layers came from their store. Host memory while loading
-is bench/load_memory.py's.
+module's first line); whether the quantized layers came from their store. The start's steps, each
+with its seconds, go to stderr (engine/start_up_steps.py). Host memory while loading is
+bench/load_memory.py's.
 """
 
 import time
@@ -23,6 +24,7 @@ import torch  # noqa: E402
 
 from omni_local.api import OmniLocal  # noqa: E402
 from omni_local.model.loader import quiet_library_logs  # noqa: E402
+from omni_local.engine.start_up_steps import show_start_up_steps  # noqa: E402
 from omni_local.model.quantized.stored import filled_from_disk  # noqa: E402
 from omni_local.settings import add_settings_arguments, settings_from_arguments  # noqa: E402
 
@@ -35,6 +37,7 @@ def main() -> None:
     add_settings_arguments(parser)
     settings = settings_from_arguments(parser.parse_args())
     quiet_library_logs()
+    show_start_up_steps()
     with OmniLocal(settings) as app:
         if app.backend.loaded.device.type == "cuda":
             torch.cuda.synchronize()

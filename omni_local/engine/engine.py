@@ -72,6 +72,7 @@ from omni_local.engine.request import Failed, Request
 from omni_local.engine.sampling import SeatSampler
 from omni_local.engine.seats import Seats
 from omni_local.engine.speech import Speaker
+from omni_local.engine.start_up_steps import start_up_step
 from omni_local.engine.talker import TalkerRows
 from omni_local.engine.thinker import ThinkerRunner
 from omni_local.errors import OmniLocalError, RequestError
@@ -617,7 +618,8 @@ def current_device(device: torch.device) -> AbstractContextManager:
 def _encoders(thinker_model: torch.nn.Module, processor: object, settings: Settings) -> Encoders:
     encoders = Encoders(thinker_model, compile=settings.compile)
     if settings.compile:
-        encoders.warm_up(processor)  # compiled now, so the first real image does not wait
+        with start_up_step("the encoders"):
+            encoders.warm_up(processor)  # compiled now, so the first real image does not wait
     return encoders
 
 

@@ -25,6 +25,7 @@ from omni_local.api.params import SamplingParams, SpeechParams
 from omni_local.engine.attention import AttentionKernels
 from omni_local.engine.host_copies import Readback, to_device
 from omni_local.engine.kv_store import BlockTable, KVStore
+from omni_local.engine.start_up_steps import start_up_step
 from omni_local.engine.moe import TORCH, MoeBackend
 from omni_local.engine.prefix_cache import Claim, Match, PrefixCache, common_prefix
 from omni_local.engine.sampling import Sampler
@@ -100,7 +101,10 @@ class Speaker:
     def warm_up(self) -> None:
         """The Talker, its code predictor and Code2Wav once each, caching nothing; on a GPU their
         graphs are captured."""
-        self.vocoder.warm_up(self.runner.warm_up())
+        with start_up_step("the Talker and its code predictor"):
+            frame = self.runner.warm_up()
+        with start_up_step("Code2Wav"):
+            self.vocoder.warm_up(frame)
 
     @property
     def voices(self) -> list[str]:

@@ -28,6 +28,7 @@ from omni_local.engine.media_encoder import MediaEncoder, deepstack_levels
 from omni_local.engine.moe import TORCH, MoeBackend
 from omni_local.engine.phases import ENCODE_MEDIA, phase
 from omni_local.engine.prefill_chunks import PreparedPrompt
+from omni_local.engine.start_up_steps import start_up_step
 from omni_local.errors import SettingsError
 from omni_local.engine.talker import TalkerRows
 from omni_local.prompts import Prompt, build_prompt
@@ -100,12 +101,15 @@ class ThinkerRunner:
         prompt = build_prompt([Message("user", parts)], self.encoder.processor)
         table = self.kv.take(self.kv.shape.table_blocks)
         try:
-            prepared = self.prepare(prompt, 0, remember=False)
-            token = int(self.prefill(table, prepared).argmax())
-            self.decode([table], [token], [prompt.num_tokens], [prepared.rope_delta])
-            self.regions.warm_up_experts(self.text.layers, max(self.prefill_lengths))
+            with start_up_step("the Thinker's first prefill and decode step"):
+                prepared = self.prepare(prompt, 0, remember=False)
+                token = int(self.prefill(table, prepared).argmax())
+                self.decode([table], [token], [prompt.num_tokens], [prepared.rope_delta])
+            with start_up_step("the Thinker's expert kernels at every token count"):
+                self.regions.warm_up_experts(self.text.layers, max(self.prefill_lengths))
             if self._capture_graphs:
-                self._capture(table)
+                with start_up_step("the Thinker's CUDA graphs"):
+                    self._capture(table)
         finally:
             self.kv.pool.release(table)
 
