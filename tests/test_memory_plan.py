@@ -72,6 +72,32 @@ def test_settings_that_cannot_fit_stop_start_up_before_any_weight_is_read_saying
     assert message.endswith("is free: try weights = 'fp8' or weights = 'int4' or speech = false")
 
 
+def test_a_refusal_where_a_smaller_encoder_cache_fits_suggests_the_largest_that_does(planned, monkeypatch):
+    monkeypatch.setattr(memory_plan, "LEAST_ENCODER_CACHE_BYTES", MiB)
+    monkeypatch.setattr(memory_plan, "ENCODER_CACHE_STEP", MiB)
+    model = load_model(planned).model
+    thinker_kv = kv_shape(model.thinker.model.language_model.config, planned.max_context_tokens,
+                          planned.kv_block_tokens, model.config.talker_config.text_config.hidden_size)
+    available = weights_bytes(model, "bf16") + ENGINE + least_kv_bytes(thinker_kv, torch.float32) + 2 * MiB + 1
+
+    with pytest.raises(SettingsError) as refusal:
+        memory_plan.plan_memory(model, planned.replace(encoder_cache_bytes=8 * MiB, gpu_memory_bytes=available),
+                                torch.device("cpu"))
+
+    assert str(refusal.value).endswith(" is free: try encoder_cache_bytes = 2097152 (2.0 MiB)")  # in steps of 1 MiB
+
+
+def test_with_the_encoder_cache_off_the_plan_keeps_no_room_for_encoder_outputs(planned):
+    model = load_model(planned).model
+    settings = planned.replace(encoder_cache_bytes=64 * MiB, gpu_memory_bytes=1 << 30, gpu_cache_bytes=1 << 30)
+
+    on = memory_plan.plan_memory(model, settings, torch.device("cpu"))
+    off = memory_plan.plan_memory(model, settings.replace(encoder_cache=False), torch.device("cpu"))
+
+    assert on.encoder_outputs == 64 * MiB and off.encoder_outputs == 0
+    assert off.kv == on.kv + 64 * MiB
+
+
 def test_no_plan_is_made_on_the_cpu_unless_gpu_memory_bytes_is_set(planned):
     with OmniLocal(planned) as app:
         assert app.backend.memory is None

@@ -39,6 +39,11 @@ MARGIN_BYTES = 1 * GiB
 # settings: 2.6 GiB on an H200 (README, run Q: fp8, allocated after start-up less weights and 4 GiB of
 # KV); rounded up for a first start.
 FIRST_START_ENGINE_BYTES = 3 * GiB
+# The smallest encoder_cache_bytes a refusal suggests, in steps of ENCODER_CACHE_STEP: a 480x640
+# image's outputs take about 6 MiB at full size (some 370 tokens, each its merged row and three
+# deepstack levels of 2,048 bfloat16 values: computed), so this keeps about 20 images.
+LEAST_ENCODER_CACHE_BYTES = 128 << 20
+ENCODER_CACHE_STEP = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -64,16 +69,17 @@ def plan_memory(model: torch.nn.Module, settings: Settings, device: torch.device
         return None
     key = _key(model, settings, device)
     engine = _measured(settings.cache_path).get(key, FIRST_START_ENGINE_BYTES)
-    fixed = engine + settings.encoder_cache_bytes
+    encoder_outputs = settings.encoder_cache_bytes if settings.encoder_cache else 0
+    fixed = engine + encoder_outputs
     talker_dim = model.config.talker_config.text_config.hidden_size if settings.speech else 0
     shape = kv_shape(model.thinker.model.language_model.config, settings.max_context_tokens, settings.kv_block_tokens,
                      talker_dim)
     least_kv = least_kv_bytes(shape, next(model.parameters()).dtype)
     weights = weights_bytes(model, settings.weights, settings.speech)
     if weights + fixed + least_kv > available:
-        raise SettingsError(_refusal(model, settings, device, available, fixed + least_kv, weights))
+        raise SettingsError(_refusal(model, settings, device, available, fixed + least_kv, weights, encoder_outputs))
     kv = min(settings.gpu_cache_bytes, available - weights - fixed)
-    return MemoryPlan(available, weights, engine, settings.encoder_cache_bytes, kv, key)
+    return MemoryPlan(available, weights, engine, encoder_outputs, kv, key)
 
 
 def size(count: int) -> str:
@@ -119,12 +125,16 @@ def remember_engine_bytes(plan: MemoryPlan, settings: Settings, device: torch.de
 
 
 def _refusal(model: torch.nn.Module, settings: Settings, device: torch.device, available: int, rest: int,
-             weights: int) -> str:
-    """One line: what the settings need, what is free, and the changes that would fit (the fewest)."""
+             weights: int, encoder_outputs: int) -> str:
+    """One line: what the settings need, what is free, and the changes that would fit (the fewest;
+    first a smaller encoder cache, which keeps the format and speech)."""
     formats = [f for f in ("bf16", "fp8", "int4") if f != "fp8" or _fp8_runs(device)]
     speech = [True, False] if settings.speech else [False]
     fits = [(f, s) for s in speech for f in formats if weights_bytes(model, f, s) + rest <= available]
     changes = [_change(settings, f, s) for f, s in fits]
+    room = (available - weights - (rest - encoder_outputs)) // ENCODER_CACHE_STEP * ENCODER_CACHE_STEP
+    if encoder_outputs and room >= LEAST_ENCODER_CACHE_BYTES:
+        changes.insert(0, f"encoder_cache_bytes = {room} ({size(room)})")
     fewest = [c for c in changes if c.count(" and ") == min(c.count(" and ") for c in changes)] if changes else []
     advice = (f": try {' or '.join(fewest)}" if fewest else
               ": no weights format fits; lower encoder_cache_bytes or max_context_tokens, or use a larger GPU")
