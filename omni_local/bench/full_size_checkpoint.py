@@ -1,8 +1,8 @@
 """A checkpoint at a config's full size, on disk, for timing start-ups from disk (bench/start_up.py):
-no real checkpoint can be downloaded on our machines, and the bf16 one (about 66 GB) would not fit
+no real checkpoint can be downloaded on our machines, and the bf16 one (65.7 GiB) would not fit
 beside its quantized store on a 64 GB disk.
 
-    python -m omni_local.bench.full_size_checkpoint CONFIG.json FOLDER --weights int4 [--speech false]
+    python -m omni_local.bench.full_size_checkpoint CONFIG.json FOLDER --weights int4
 
 The files hold the real checkpoint's tensors (named as transformers' model names them, which the
 loader reads as it reads the original names), shapes and sizes in bfloat16, beside the demo's tokenizer

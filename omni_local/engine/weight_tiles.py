@@ -95,6 +95,16 @@ def int4_nibbles(packed):
 
 
 @triton.jit
+def even_odd_columns(rows_ptr, rows_mask, depth, start):
+    """int4's activations: columns [start, start + BLOCK_K) of the rows whose first columns are at
+    `rows_ptr` ([BLOCK_M, 1]; `depth` is arange(BLOCK_K)), as their even and odd columns, each
+    [BLOCK_M, BLOCK_K / 2]. One contiguous load, split in registers: loading every other column
+    takes a 2-byte load per value."""
+    x = tl.load(rows_ptr + start + depth[None, :], mask=rows_mask, other=0.0)
+    return tl.split(tl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)))
+
+
+@triton.jit
 def int4_tile_dot(x_even, x_odd, rows_ptr, columns, half, start, row_stride, mask, DOT_PRECISION: tl.constexpr):
     """The float32 product [BLOCK_M, BLOCK_N] of the activations' columns [start, start + BLOCK_K)
     (`x_even` and `x_odd` [BLOCK_M, BLOCK_K / 2], their even and odd columns, loaded once by the

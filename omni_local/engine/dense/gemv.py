@@ -22,8 +22,8 @@ import triton.language as tl
 
 from omni_local.engine.dense.gemv_tiles import GemvTile, gemv_tile
 from omni_local.engine.triton_support import dot_precision
-from omni_local.engine.weight_tiles import (INT4_GROUPS, PLAIN, ROW_SCALED, group_scales, int4_tile_dot, row_scales,
-                                            weight_tile)
+from omni_local.engine.weight_tiles import (INT4_GROUPS, PLAIN, ROW_SCALED, even_odd_columns, group_scales,
+                                            int4_tile_dot, row_scales, weight_tile)
 
 SUM_BLOCK = 256  # outputs per program of the split sum
 # int4's BLOCK_K is at most a group (one scale a tile) and at least 32 (two dots of half of it, and
@@ -47,10 +47,9 @@ def _gemv_kernel(x_ptr, weight_ptr, scales_ptr, out_ptr, rows, out_features, in_
     first = split * split_depth
     if FORMAT == INT4_GROUPS:  # K is whole groups, so whole steps: no step passes it
         half = tl.arange(0, BLOCK_K // 2)
-        evens = x_ptr + row.to(tl.int64)[:, None] * x_row_stride + 2 * half[None, :]
+        rows_in = x_ptr + row.to(tl.int64)[:, None] * x_row_stride
         for start in range(first, tl.minimum(first + split_depth, in_features), BLOCK_K):
-            x_even = tl.load(evens + start, mask=real[:, None], other=0.0)
-            x_odd = tl.load(evens + start + 1, mask=real[:, None], other=0.0)
+            x_even, x_odd = even_odd_columns(rows_in, real[:, None], tl.arange(0, BLOCK_K), start)
             acc += int4_tile_dot(x_even, x_odd, weight_ptr, columns, half, start, weight_row_stride,
                                  inside[None, :], DOT_PRECISION) * group_scales(
                 scales_ptr, columns, start, scale_row_stride, inside, GROUP)[None, :]

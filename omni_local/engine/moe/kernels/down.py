@@ -15,8 +15,8 @@ from omni_local.engine.moe.kernels.sorting import sorted_block
 from omni_local.engine.moe.kernels.expert_weights import KernelWeight
 from omni_local.engine.moe.tile_configs import GemmTile
 from omni_local.engine.triton_support import dot_precision
-from omni_local.engine.weight_tiles import (INT4_GROUPS, ROW_SCALED, group_scales, int4_tile_dot, row_scales,
-                                           weight_tile)
+from omni_local.engine.weight_tiles import (INT4_GROUPS, ROW_SCALED, even_odd_columns, group_scales, int4_tile_dot,
+                                           row_scales, weight_tile)
 
 
 @triton.jit(do_not_specialize=["pairs"])
@@ -35,17 +35,14 @@ def _down_kernel(inter_ptr, weight_ptr, scales_ptr, sorted_ptr, experts_ptr, rou
     weight_rows = weight_ptr + expert * weight_expert_stride
     scales = scales_ptr + expert * scale_expert_stride
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if FORMAT == INT4_GROUPS:
+    if FORMAT == INT4_GROUPS:  # K is whole groups, so whole steps: no step passes it, no mask along it
         half = tl.arange(0, BLOCK_K // 2)
-        evens = inter_ptr + row[:, None] * inter_stride + 2 * half[None, :]
+        rows_in = inter_ptr + row[:, None] * inter_stride
         for start in range(0, intermediate, BLOCK_K):
-            within = start + 2 * half < intermediate
-            x_mask = real[:, None] & within[None, :]
-            x_even = tl.load(evens + start, mask=x_mask, other=0.0)
-            x_odd = tl.load(evens + start + 1, mask=x_mask, other=0.0)
-            acc += int4_tile_dot(x_even, x_odd, weight_rows, columns, half, start, weight_row_stride,
-                                 within[:, None] & inside[None, :], DOT_PRECISION) * group_scales(
-                scales, columns, start, scale_row_stride, inside, GROUP)[None, :]
+            x_even, x_odd = even_odd_columns(rows_in, real[:, None], tl.arange(0, BLOCK_K), start)
+            acc += int4_tile_dot(x_even, x_odd, weight_rows, columns, half, start, weight_row_stride, inside[None, :],
+                                 DOT_PRECISION) * group_scales(scales, columns, start, scale_row_stride, inside,
+                                                               GROUP)[None, :]
     else:
         depth = tl.arange(0, BLOCK_K)
         rows_in = inter_ptr + row[:, None] * inter_stride + depth[None, :]

@@ -33,11 +33,13 @@ class KernelWeight:
 
     def block_k(self, tile_block_k: int) -> int:
         """The tile's BLOCK_K, at most an int4 group (so one scale covers a tile's k); int4's at least
-        32, as its two dots take half of it each and tl.dot takes 16 at least."""
+        32, as its two dots take half of it each and tl.dot takes 16 at least. int4's steps never pass
+        K (its kernels load them unmasked along K)."""
         if self.format != INT4_GROUPS.value:
             return tile_block_k
-        assert tile_block_k >= 32 and self.group >= 32, (tile_block_k, self.group)
-        return min(tile_block_k, self.group)
+        block_k = min(tile_block_k, self.group)
+        assert block_k >= 32 and self.in_features % block_k == 0, (tile_block_k, self.group, self.in_features)
+        return block_k
 
 
 def kernel_weight(values: torch.Tensor, scales: torch.Tensor | None = None) -> KernelWeight:

@@ -14,8 +14,8 @@ from omni_local.engine.moe.kernels.sorting import sorted_block
 from omni_local.engine.moe.kernels.expert_weights import KernelWeight
 from omni_local.engine.moe.tile_configs import GemmTile
 from omni_local.engine.triton_support import dot_precision
-from omni_local.engine.weight_tiles import (INT4_GROUPS, ROW_SCALED, group_scales, int4_tile_dot, row_scales,
-                                           weight_tile)
+from omni_local.engine.weight_tiles import (INT4_GROUPS, ROW_SCALED, even_odd_columns, group_scales, int4_tile_dot,
+                                           row_scales, weight_tile)
 
 
 @triton.jit(do_not_specialize=["pairs"])
@@ -38,19 +38,15 @@ def _gate_up_kernel(hidden_ptr, weight_ptr, scales_ptr, sorted_ptr, experts_ptr,
     up_scales = gate_scales + intermediate * scale_row_stride
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if FORMAT == INT4_GROUPS:
+    if FORMAT == INT4_GROUPS:  # K is whole groups, so whole steps: no step passes it, no mask along it
         half = tl.arange(0, BLOCK_K // 2)
-        evens = hidden_ptr + token[:, None] * hidden_stride + 2 * half[None, :]
+        rows_in = hidden_ptr + token[:, None] * hidden_stride
         for start in range(0, hidden_size, BLOCK_K):
-            within = start + 2 * half < hidden_size
-            x_mask = real[:, None] & within[None, :]
-            x_even = tl.load(evens + start, mask=x_mask, other=0.0)
-            x_odd = tl.load(evens + start + 1, mask=x_mask, other=0.0)
-            mask = within[:, None] & inside[None, :]
-            gate += int4_tile_dot(x_even, x_odd, gate_rows, columns, half, start, weight_row_stride, mask,
-                                  DOT_PRECISION) * group_scales(gate_scales, columns, start, scale_row_stride,
-                                                                inside, GROUP)[None, :]
-            up += int4_tile_dot(x_even, x_odd, up_rows, columns, half, start, weight_row_stride, mask,
+            x_even, x_odd = even_odd_columns(rows_in, real[:, None], tl.arange(0, BLOCK_K), start)
+            gate += int4_tile_dot(x_even, x_odd, gate_rows, columns, half, start, weight_row_stride,
+                                  inside[None, :], DOT_PRECISION) * group_scales(
+                gate_scales, columns, start, scale_row_stride, inside, GROUP)[None, :]
+            up += int4_tile_dot(x_even, x_odd, up_rows, columns, half, start, weight_row_stride, inside[None, :],
                                 DOT_PRECISION) * group_scales(up_scales, columns, start, scale_row_stride, inside,
                                                               GROUP)[None, :]
     else:
