@@ -9,11 +9,13 @@ A tile is [BLOCK_K, BLOCK_N]: element (k, n) is W[n, start + k] of a weight W [N
 - INT4_GROUPS: two values a byte along K (the even k in the low nibble, each stored plus 8): a
   tile's bytes are loaded once as [BLOCK_K / 2, BLOCK_N], contiguous along K as a plain tile's
   values are (so the loads are as wide), and split into the even-k and the odd-k values
-  (`int4_halves`), which multiply the activations' even and odd columns: two dots of half the
-  depth, the same products as one over the unpacked tile, and no full-precision copy. (Loading each
-  k's byte apart, as a [BLOCK_K, BLOCK_N] gather of k // 2, reads every byte twice and defeats the
-  wide loads.) A group's scale is the same for every k of a tile (BLOCK_K divides the group), so it
-  multiplies the tile's partial sums (`group_scales`), in float32.
+  (`int4_halves`), which multiply the activations' even and odd columns (`even_odd_columns`): two
+  dots of half the depth, the same products as one over the unpacked tile, and no full-precision
+  copy. (Loading each k's byte apart, as a [BLOCK_K, BLOCK_N] gather of k // 2, reads every byte
+  twice and defeats the wide loads.) A group's scale is the same for every k of a tile (BLOCK_K
+  divides the group), so it multiplies the tile's partial sums (`group_scales`), in float32. K is
+  whole groups, so no tile passes it: int4 tiles are masked by column only (a mask along K, which
+  Triton cannot see is whole, made each byte a load of its own).
 """
 
 import os
