@@ -199,9 +199,14 @@ def test_a_full_size_checkpoint_leaves_the_tensors_its_format_quantizes_as_holes
     cells = [done.stdout.splitlines()[-1].strip("| ").split(" | ") for done in rows]
     assert [row[:3] for row in cells] == [["int4", "on", "quantized on load"], ["int4", "on", "from their store"]]
     assert all(float(cell) > 0 for row in cells for cell in row[3:])
-    steps = [line.split(", ")[0] for line in rows[-1].stderr.splitlines() if line.startswith("start-up: ")]
-    assert steps[:2] == ["start-up: the model loaded", "start-up: the Thinker's first prefill and decode step"]
-    assert "start-up: Code2Wav" in steps
+    steps = [[line.split(", ")[0] for line in done.stderr.splitlines() if line.startswith("start-up: ")]
+             for done in rows]
+    store = "start-up: the quantized layers' store"
+    assert [step for step in steps[0] if step.startswith(store)] == [
+        f"{store} looked up (the checkpoint's fingerprint) and read", f"{store} written"]
+    assert steps[1][:3] == [f"{store} looked up (the checkpoint's fingerprint) and read",
+                            "start-up: the model loaded", "start-up: the Thinker's first prefill and decode step"]
+    assert "start-up: Code2Wav" in steps[1]
 
 
 def test_the_encoder_bench_smoke_run_prints_preprocessing_on_the_cpu_and_on_the_device_for_an_image_and_a_video(

@@ -16,7 +16,6 @@ from omni_local.api.params import SamplingParams, SpeechParams
 from omni_local.engine.engine import Engine
 from omni_local.engine.memory_plan import MemoryPlan, engine_baseline, plan_memory, remember_engine_bytes
 from omni_local.engine.request import Failed, Request
-from omni_local.engine.start_up_steps import start_up_step
 from omni_local.errors import MediaError, RequestError
 from omni_local.media import SAMPLE_RATE, MediaLimits
 from omni_local.media.audio import check_samples
@@ -24,6 +23,7 @@ from omni_local.media.video import Video, load_video
 from omni_local.model.loader import LoadedModel, load_model, quiet_library_logs, resolve_device
 from omni_local.model.workarounds import video_refusal, video_supported
 from omni_local.settings import Settings
+from omni_local.start_up_steps import start_up_step
 
 log = logging.getLogger(__name__)
 

@@ -67,7 +67,7 @@ from omni_local.bench.beside import beside_a_decoding_chat
 from omni_local.bench.common import bench_parser, medians, settings_and_model, synced_now
 from omni_local.bench.scenarios import Scenario, available, first_look, opened, question, send
 from omni_local.bench.transformers_baseline import transformers_run
-from omni_local.engine.start_up_steps import show_start_up_steps
+from omni_local.start_up_steps import show_start_up_steps
 
 # A row's label, the app it runs on, and how one run is timed (engine_run or transformers_run).
 System = tuple[str, OmniLocal, Callable[[OmniLocal, Scenario, int, int], dict[str, float]]]

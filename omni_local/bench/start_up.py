@@ -10,7 +10,7 @@ full-size checkpoint for it: bench/full_size_checkpoint.py.
 Columns: imports (torch, transformers and ours), start (`OmniLocal(settings)`: the memory plan, the
 load, and the engine's start: KV, warm-up, compiled layers, CUDA graphs), ready (the two, from this
 module's first line); whether the quantized layers came from their store. The start's steps, each
-with its seconds, go to stderr (engine/start_up_steps.py). Host memory while loading is
+with its seconds, go to stderr (start_up_steps.py). Host memory while loading is
 bench/load_memory.py's.
 """
 
@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 from omni_local.api import OmniLocal  # noqa: E402
 from omni_local.model.loader import quiet_library_logs  # noqa: E402
-from omni_local.engine.start_up_steps import show_start_up_steps  # noqa: E402
+from omni_local.start_up_steps import show_start_up_steps  # noqa: E402
 from omni_local.model.quantized.stored import filled_from_disk  # noqa: E402
 from omni_local.settings import add_settings_arguments, settings_from_arguments  # noqa: E402
 

@@ -72,13 +72,13 @@ from omni_local.engine.request import Failed, Request
 from omni_local.engine.sampling import SeatSampler
 from omni_local.engine.seats import Seats
 from omni_local.engine.speech import Speaker
-from omni_local.engine.start_up_steps import start_up_step
 from omni_local.engine.talker import TalkerRows
 from omni_local.engine.thinker import ThinkerRunner
 from omni_local.errors import OmniLocalError, RequestError
 from omni_local.model.loader import LoadedModel, media_markup_token_ids, thinker_eos_token_ids
 from omni_local.model.reasoning import reasoning_marks
 from omni_local.settings import Settings
+from omni_local.start_up_steps import start_up_step
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -28,11 +28,11 @@ from omni_local.engine.kv_store import BlockTable, KVStore
 from omni_local.engine.moe import TORCH, MoeBackend
 from omni_local.engine.prefix_cache import Claim, Match, PrefixCache, common_prefix
 from omni_local.engine.sampling import Sampler
-from omni_local.engine.start_up_steps import start_up_step
 from omni_local.engine.talker import OPENING_ROWS, TalkerPrompt, TalkerRunner, user_positions
 from omni_local.engine.vocoder import AudioStream, Vocoder
 from omni_local.prompts import Prompt
 from omni_local.settings import Settings
+from omni_local.start_up_steps import start_up_step
 
 
 @dataclass(frozen=True)

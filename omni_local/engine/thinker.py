@@ -28,10 +28,10 @@ from omni_local.engine.media_encoder import MediaEncoder, deepstack_levels
 from omni_local.engine.moe import TORCH, MoeBackend
 from omni_local.engine.phases import ENCODE_MEDIA, phase
 from omni_local.engine.prefill_chunks import PreparedPrompt
-from omni_local.engine.start_up_steps import start_up_step
 from omni_local.errors import SettingsError
 from omni_local.engine.talker import TalkerRows
 from omni_local.prompts import Prompt, build_prompt
+from omni_local.start_up_steps import start_up_step
 
 
 def kv_shape(config, max_tokens: int, block_tokens: int, talker_dim: int) -> KVShape:

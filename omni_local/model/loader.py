@@ -35,6 +35,7 @@ from omni_local.model.reasoning import template_opens_reasoning
 from omni_local.model.weights import load_weights, weight_files
 from omni_local.model.workarounds import apply_workarounds, load_processor
 from omni_local.settings import Settings
+from omni_local.start_up_steps import start_up_step
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,8 @@ def load_model(settings: Settings, before_loading: Callable[[torch.nn.Module], N
                           before_loading=before_loading)
         model = load_weights(path, config, dtype, device, settings.attn_implementation, prepare=prepare)
         if formats and not filled_from_disk(model):
-            _stored_layers(settings, path, dtype).save(model)
+            with start_up_step("the quantized layers' store written"):
+                _stored_layers(settings, path, dtype).save(model)
         quantized = f"{settings.weights} weights" if formats else ""
     model.eval()
     apply_workarounds(model, end_of_turn_ids(processor), processor.tokenizer.pad_token_id)
@@ -182,7 +184,8 @@ def _prepare(model: torch.nn.Module, settings: Settings, path: Path, dtype: torc
         before_loading(model)
     quantize_layers(model, settings.weights)
     if settings.weights != "bf16":
-        _stored_layers(settings, path, dtype).fill(model, device)
+        with start_up_step("the quantized layers' store looked up (the checkpoint's fingerprint) and read"):
+            _stored_layers(settings, path, dtype).fill(model, device)
 
 
 def _stored_layers(settings: Settings, path: Path, dtype: torch.dtype) -> StoredLayers:

@@ -1,5 +1,6 @@
-"""Where a start-up's time goes: each step's seconds, logged as it ends ("start-up: Thinker's CUDA
-graphs, 12.3 s"). bench/start_up.py prints them; the app's log has them at INFO."""
+"""Where a start-up's time goes: each step's seconds, logged as it ends ("start-up: the Thinker's CUDA
+graphs, 12.3 s"), from the load (model/) to the engine's warm-up (engine/). bench/start_up.py prints
+them; the app's log has them at INFO."""
 
 import logging
 import sys
