@@ -56,7 +56,7 @@ def write_full_size_checkpoint(config_path: Path, folder: Path, weights: str, de
         name = f"model-{index:05d}.safetensors"
         written += _write_shard(folder / name, shard, holes, generator)
         weight_map |= dict.fromkeys(shard, name)
-    total = sum(_numel(shape) * 2 for shape in shapes.values())
+    total = sum(math.prod(shape) * 2 for shape in shapes.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2), encoding="utf-8")
     config.save_pretrained(folder)
@@ -76,7 +76,7 @@ def _shards(shapes: dict[str, torch.Size]) -> Iterator[dict[str, torch.Size]]:
     """The tensors in name order, cut into shards of up to SHARD_BYTES."""
     shard, size = {}, 0
     for name in sorted(shapes):
-        nbytes = _numel(shapes[name]) * 2
+        nbytes = math.prod(shapes[name]) * 2
         if shard and size + nbytes > SHARD_BYTES:
             yield shard
             shard, size = {}, 0
@@ -92,7 +92,7 @@ def _write_shard(path: Path, shard: dict[str, torch.Size], holes: tuple[str, ...
     sized to hold them: they read as zeros). Returns the bytes written."""
     header, offset = {}, 0
     for name, shape in shard.items():
-        nbytes = _numel(shape) * 2
+        nbytes = math.prod(shape) * 2
         header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -104,16 +104,12 @@ def _write_shard(path: Path, shard: dict[str, torch.Size], holes: tuple[str, ...
         for name, entry in header.items():
             if name.startswith(holes):
                 continue
-            tensor = torch.randn(_numel(shard[name]), generator=generator).mul_(_STD).to(torch.bfloat16)
+            tensor = torch.randn(math.prod(shard[name]), generator=generator).mul_(_STD).to(torch.bfloat16)
             file.seek(start + entry["data_offsets"][0])
             file.write(tensor.view(torch.uint8).numpy().tobytes())
             written += tensor.numel() * 2
         file.truncate(start + offset)
     return written
-
-
-def _numel(shape: torch.Size) -> int:
-    return math.prod(shape)
 
 
 def main() -> None:

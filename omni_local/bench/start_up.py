@@ -24,9 +24,9 @@ import torch  # noqa: E402
 
 from omni_local.api import OmniLocal  # noqa: E402
 from omni_local.model.loader import quiet_library_logs  # noqa: E402
-from omni_local.start_up_steps import show_start_up_steps  # noqa: E402
 from omni_local.model.quantized.stored import filled_from_disk  # noqa: E402
 from omni_local.settings import add_settings_arguments, settings_from_arguments  # noqa: E402
+from omni_local.start_up_steps import show_start_up_steps  # noqa: E402
 
 HEAD = "| weights | speech | quantized layers | imports s | start s | ready s |\n| --- | --- | --- | --- | --- | --- |"
 
