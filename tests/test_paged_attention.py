@@ -17,7 +17,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from compile_for_h200 import compile_for_h200
 from conftest import TEST_DEVICE
 from omni_local.engine.attention import gathered_attention, paged_attention
-from omni_local.engine.attention.paged import SPLIT_ROWS
+from omni_local.engine.attention.paged import DECODE_SPLIT_ROWS, MAX_DECODE_SPLITS, SPLIT_ROWS
 
 on_cpu = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the interpreter tests run on the CPU run")
 on_gpu = pytest.mark.skipif(TEST_DEVICE != "cuda", reason="the GPU tests run with OMNI_LOCAL_TEST_DEVICE=cuda")
@@ -98,6 +98,9 @@ def tail(start: int, length: int) -> list[int]:
     return list(range(start, start + length))
 
 
+# More rows than the most splits of the fewest rows hold: a decode step splits them in longer runs.
+LONG_DECODE_ROWS = DECODE_SPLIT_ROWS * MAX_DECODE_SPLITS + 77
+
 CASES = {  # (heads, kv_heads, each sequence's new tokens' rows)
     "one decode token, its sequence shorter than a block": (4, 2, [[4]]),
     "decode tokens of sequences of uneven lengths": (4, 2, [[2], [39], [16], [31]]),
@@ -105,6 +108,8 @@ CASES = {  # (heads, kv_heads, each sequence's new tokens' rows)
     "one query head per kv head": (2, 2, [[9], [33]]),
     "a group of 3 query heads per kv head, not a power of two": (6, 2, [[12], [40]]),
     "sequences on both sides of a split boundary": (4, 2, [[SPLIT_ROWS - 1], [SPLIT_ROWS], [SPLIT_ROWS + 40]]),
+    "a decode token whose rows need longer splits than the fewest, beside a short one": (
+        4, 2, [[LONG_DECODE_ROWS - 1], [DECODE_SPLIT_ROWS + 3]]),
     "causal tails of new tokens on cached prefixes, one empty": (4, 2, [tail(30, 5), tail(0, 5), tail(11, 5)]),
     "a short tail on a prefix longer than a split, beside a tail in one split": (4, 2, [tail(SPLIT_ROWS + 40, 5),
                                                                                    tail(3, 5)]),
@@ -170,8 +175,8 @@ def test_the_kernel_reads_int32_and_int64_block_tables_alike():
 
 
 @on_cpu
-@pytest.mark.parametrize("split_rows", [64, 128])
-def test_a_decode_step_split_every_fewer_rows_gives_the_same_attention(split_rows):
+@pytest.mark.parametrize("split_rows", [128, 256])
+def test_a_decode_step_split_in_longer_runs_gives_the_same_attention(split_rows):
     # What bench.paged_attention --split-rows times: other splits of the KV walk, merged in order.
     query, query_rows, kv = case_inputs("sequences on both sides of a split boundary", torch.float32)
     expected = contiguous_sdpa(query, paged_kv_in_float32(kv), query_rows)
@@ -232,6 +237,29 @@ def test_batch_invariant_attention_gives_a_token_the_same_bits_however_it_is_com
 
 
 @on_cpu
+def test_a_decode_steps_splits_follow_its_own_rows_so_it_gets_the_same_bits_beside_others_and_in_wider_tables():
+    # Its splits are chosen from its own rows, never from the batch or the graph's bucket of rows.
+    heads, kv_heads = 8, 2
+    kv = paged_kv([LONG_DECODE_ROWS, 100, 3 * SPLIT_ROWS], kv_heads, torch.float32)
+    generator = torch.Generator().manual_seed(3)
+    watched = [5, DECODE_SPLIT_ROWS, 2 * SPLIT_ROWS + 7, LONG_DECODE_ROWS - 1]
+    query = torch.randn((1, heads, 1, HEAD_DIM), generator=generator)
+
+    def attended(last: int, sequences: int = 1, width: int | None = None) -> torch.Tensor:
+        query_rows = torch.tensor([[last], [99], [3 * SPLIT_ROWS - 1]][:sequences])
+        table = kv.block_tables[:sequences]
+        if width:
+            table = torch.cat([table, table[:, -1:].expand(-1, width - table.shape[1])], dim=1)
+        queries = query.expand(sequences, -1, -1, -1).contiguous()
+        return paged_attention(queries, kv.key_pool, kv.value_pool, table.contiguous(), query_rows, SCALING)[0]
+
+    for last in watched:
+        alone = attended(last)
+        assert torch.equal(attended(last, sequences=3), alone), f"row {last} beside other sequences"
+        assert torch.equal(attended(last, width=kv.block_tables.shape[1] + 70), alone), f"row {last} in a wider table"
+
+
+@on_cpu
 def test_padded_queries_repeating_a_row_get_that_rows_output():
     query, query_rows, kv = case_inputs("a tail padded by repeating its last row, as a CUDA graph pads it",
                                         torch.float32)
@@ -268,8 +296,8 @@ def test_pools_of_different_layouts_are_refused():
                         kv.block_tables, query_rows, SCALING)
 
 
-# bfloat16 at the Thinker's group of 8 and head_dim 128: a decode step's split kernel and merge, and
-# a tail's kernel; each also batch-invariant (a tail's splits in its program, no fused multiply-adds).
+# bfloat16 at the Thinker's group of 8 and head_dim 128: a decode step's split kernel and merge (its
+# splits from its own rows), and a tail's kernel; each also batch-invariant (a tail's splits in its program, no fused multiply-adds).
 COMPILE_FOR_SM90 = """
 from omni_local.engine.attention.paged import _attention_kernel, _merge_kernel, query_tile
 
@@ -281,9 +309,11 @@ for invariant in (False, True):
                         stats_ptr=out, scale="fp32")
         compiled(_attention_kernel, pointers, dict(GROUP=8, BLOCK_G=block_g, BLOCK_L=block_l, HEAD_DIM=128,
                  BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=64, PARTIAL=partial, SPLIT_LOOP=invariant and length > 1,
-                 DOT_PRECISION=None), num_warps=4, num_stages=2, enable_fp_fusion=not invariant)
+                 QUERY_SPLITS=length == 1 and not invariant, DOT_PRECISION=None), num_warps=4, num_stages=2,
+                 enable_fp_fusion=not invariant)
     compiled(_merge_kernel, dict(acc_ptr="*fp32", stats_ptr="*fp32", rows_ptr="*i64", out_ptr="*bf16"),
-             dict(HEAD_DIM=128, BLOCK_D=128), num_warps=1, enable_fp_fusion=not invariant)
+             dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, QUERY_SPLITS=not invariant), num_warps=1,
+             enable_fp_fusion=not invariant)
 """
 
 

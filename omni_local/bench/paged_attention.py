@@ -4,10 +4,10 @@
   KV slot's first `context` rows copied out of [slots, kv_heads, max_tokens, head_dim] by
   index_select, then SDPA under a boolean mask;
 - gathered: `gathered_attention`, the blocks of a paged KV gathered, then the same SDPA;
-- paged: `paged_attention`, our Triton kernel reading the blocks in place, its KV walk split every
-  SPLIT_ROWS rows; with --split-rows N ..., also the kernel split every N rows instead, a column each
-  (a split is the rows one program walks: more programs for a short context, more partial results
-  to merge for a long one).
+- paged: `paged_attention`, our Triton kernel reading the blocks in place, its KV walk split in runs
+  of DECODE_SPLIT_ROWS rows or more (engine/attention/paged.py); with --split-rows N ..., also the
+  kernel with runs of N rows or more, a column each (a split is the rows one program walks: more
+  programs for a short context, more partial results to merge for a long one).
 
     python -m omni_local.bench.paged_attention                                     # on a GPU
     python -m omni_local.bench.paged_attention --split-rows 64 128                 # other splits too
@@ -109,11 +109,11 @@ WAYS = {"slots": slots, "gathered": gathered, "paged": paged}
 
 
 def ways(split_rows: list[int]) -> dict[str, Callable[[DecodeInputs, float], torch.Tensor]]:
-    """WAYS, then the kernel split every N rows for each N of `split_rows`."""
+    """WAYS, then the kernel with splits of N rows or more for each N of `split_rows`."""
     def split(n: int) -> Callable[[DecodeInputs, float], torch.Tensor]:
         return lambda x, scaling: paged_attention(x.query, x.key_pool, x.value_pool, x.block_tables, x.query_rows,
                                                   scaling, decode_split_rows=n)
-    return WAYS | {f"paged, split {n}": split(n) for n in split_rows}
+    return WAYS | {f"paged, splits of {n}+": split(n) for n in split_rows}
 
 
 def median_us(call: Callable[[], object], device: str, runs: int) -> float:
@@ -141,7 +141,7 @@ def main() -> None:
                         help=f"columns, multiples of 16 rows (default {CONTEXTS}; CPU: 32 272)")
     parser.add_argument("--runs", type=int, default=200, help="timed calls per cell")
     parser.add_argument("--split-rows", type=int, nargs="+", default=[],
-                        help=f"also time the kernel split every N rows (multiples of {BLOCK_N})")
+                        help=f"also time the kernel with splits of N rows or more (multiples of {BLOCK_N})")
     args = parser.parse_args()
     if any(n <= 0 or n % BLOCK_N for n in args.split_rows):
         parser.error(f"--split-rows: multiples of {BLOCK_N}")

@@ -8,11 +8,15 @@ past each query's own row are -inf before the exponential: whatever those rows h
 reaches the output. (In a tail, a query's tile also loads the rows of its later new tokens, masked:
 this forward's own rows, numbers unless the forward itself made NaN.)
 
-- A decode step (L = 1), the fast path: the KV walk is split into SPLIT_ROWS rows per program
-  (flash-decoding), so B = 1 with a long context still fills the GPU; each program writes its
-  partial (max, sum, unnormalised output) to a float32 scratch buffer, and a second kernel merges
-  a query's splits in split order. The split size is fixed, never chosen from the batch or the
-  context: a query's reduction order is the same however the batch looks.
+- A decode step (L = 1), the fast path: the KV walk is split among programs (flash-decoding), so
+  B = 1 with a long context still fills the GPU; each program writes its partial (max, sum,
+  unnormalised output) to a float32 scratch buffer, and a second kernel merges a query's splits in
+  split order. A query's splits are DECODE_SPLIT_ROWS rows each, or as many more (in whole BLOCK_N)
+  as keep them to MAX_DECODE_SPLITS: chosen on the device from the query's own rows, never from the
+  batch or the table's width, so its reduction order is the same however the batch looks. (On an
+  H200, 64-row splits took a 256-row context's attention from 13.9 to 10.9 µs a layer and a
+  1,024-row one's from 17.7 to 12.6; past 16 splits, their partials cost more than they save with
+  many chats: README, run AE.) The batch-invariant form splits every SPLIT_ROWS rows, as its tails.
 - A short tail of 1 < L <= SPLIT_TAIL_TOKENS new tokens on a cached prefix (a new question on a
   cached conversation): a few query tiles, so its rows are split too, into at most MAX_TAIL_SPLITS
   splits of SPLIT_ROWS rows or more, and merged as a decode step's are. (A 27-token question on a
@@ -34,7 +38,9 @@ import triton.language as tl
 
 from omni_local.engine.triton_support import dot_precision
 
-SPLIT_ROWS = 256  # KV rows per program of a decode step (SGLang's deterministic mode also fixes 256)
+DECODE_SPLIT_ROWS = 64  # the fewest KV rows a decode step's program walks (a multiple of BLOCK_N)
+MAX_DECODE_SPLITS = 16  # the most programs a decode step's query splits its rows among
+SPLIT_ROWS = 256  # KV rows per split of the batch-invariant walk, and the fewest of a short tail's (SGLang's deterministic mode also fixes 256)
 BLOCK_N = 64  # KV rows per loop iteration: a tile of the scores' columns
 TAIL_QUERIES = 64  # query rows (new tokens x the group's heads) per program of an L > 1 tail
 SPLIT_TAIL_TOKENS = 64  # the longest tail whose rows are split
@@ -45,12 +51,12 @@ LOG2E = tl.constexpr(1.4426950408889634)  # scores in base 2: exp2 is the GPU's 
 
 @triton.jit
 def _attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, out_ptr, stats_ptr, scale, length,
-                      heads, kv_heads, table_width, split_rows, num_splits, q_stride_b, q_stride_h,
+                      heads, kv_heads, table_width, split_rows, num_splits, max_splits, q_stride_b, q_stride_h,
                       q_stride_l, pool_stride_block, pool_stride_head, pool_stride_row, table_stride,
                       rows_stride, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_L: tl.constexpr,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                       BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr, SPLIT_LOOP: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr):
+                      QUERY_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     sequence = tl.program_id(0) // kv_heads
     kv_head = tl.program_id(0) % kv_heads
     # Query row m of the tile: new token `token`, query head `head` of this kv head's group.
@@ -81,6 +87,8 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, out_ptr, stats_p
             row_sum = tl.where(holds, merged_sum, row_sum)
             acc = tl.where(holds[:, None], merged_acc, acc)
     else:
+        if QUERY_SPLITS:  # a decode step: one token, its splits from its own rows (split_rows the fewest)
+            split_rows = _rows_per_split(tl.max(last, axis=0) + 1, split_rows, max_splits, BLOCK_N)
         first_row = tl.program_id(2) * split_rows
         end = tl.minimum(first_row + split_rows, tile_end)
         if first_row >= end:
@@ -133,6 +141,13 @@ def _walk(q, k_ptr, v_ptr, table_ptr, table_row, head_at, block_stride, row_stri
 
 
 @triton.jit
+def _rows_per_split(rows, fewest, max_splits, BLOCK_N: tl.constexpr):
+    """The rows each split of a query's `rows` rows walks: `fewest`, or as many more, in whole
+    BLOCK_N, as make at most `max_splits` splits."""
+    return tl.maximum(fewest, tl.cdiv(tl.cdiv(rows.to(tl.int32), max_splits), BLOCK_N) * BLOCK_N)
+
+
+@triton.jit
 def _merge(row_max, row_sum, acc, split_max, split_sum, split_acc):
     """Running (max [M], sum [M], output [M, BLOCK_D]) with one more split's (flash-decoding's merge)."""
     new_max = tl.maximum(row_max, split_max)
@@ -143,12 +158,15 @@ def _merge(row_max, row_sum, acc, split_max, split_sum, split_acc):
 
 
 @triton.jit
-def _merge_kernel(acc_ptr, stats_ptr, rows_ptr, out_ptr, length, heads, split_rows, num_splits,
-                  rows_stride, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+def _merge_kernel(acc_ptr, stats_ptr, rows_ptr, out_ptr, length, heads, split_rows, num_splits, max_splits,
+                  rows_stride, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  QUERY_SPLITS: tl.constexpr):
     out_row = tl.program_id(0)  # (b, l, head) of [B, L, heads]
     sequence = out_row // heads // length
     token = out_row // heads % length
     last = tl.load(rows_ptr + sequence * rows_stride + token)
+    if QUERY_SPLITS:  # as _attention_kernel split them
+        split_rows = _rows_per_split(last + 1, split_rows, max_splits, BLOCK_N)
     used = tl.minimum(last // split_rows + 1, num_splits)  # the splits holding rows 0..last, each some
     one = tl.arange(0, 1)  # the query as a tile of one row: _merge's shapes
     d = tl.arange(0, BLOCK_D)
@@ -171,12 +189,13 @@ def _merge_kernel(acc_ptr, stats_ptr, rows_ptr, out_ptr, length, heads, split_ro
 
 def paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
                     block_tables: torch.Tensor, query_rows: torch.Tensor, scaling: float,
-                    decode_split_rows: int = SPLIT_ROWS, batch_invariant: bool = False) -> torch.Tensor:
+                    decode_split_rows: int = DECODE_SPLIT_ROWS, batch_invariant: bool = False) -> torch.Tensor:
     """Attention [B, L, heads, head_dim] of `query` [B, heads, L, head_dim] over the pools
     [num_blocks, kv_heads, block_size, head_dim] through `block_tables` [B, max_blocks] (int32 or
     int64); new token (b, l) attends to rows 0..query_rows[b, l] of sequence b. Softmax and sums in
-    float32; the output in the query's dtype. `decode_split_rows` (a multiple of BLOCK_N) is for
-    bench.paged_attention to time other splits: the engine keeps SPLIT_ROWS.
+    float32; the output in the query's dtype. `decode_split_rows`, the fewest rows of a decode step's
+    split (a multiple of BLOCK_N), is for bench.paged_attention to time others: the engine keeps
+    DECODE_SPLIT_ROWS.
 
     `batch_invariant`: a token's output is the same bits whatever L, the batch and the prefix are (the
     deterministic setting): one query tile for every L, a tail's rows split as a decode step's and
@@ -188,8 +207,12 @@ def paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: tor
     group = heads // kv_heads
     rows = block_tables.shape[1] * block_size
     split_loop = batch_invariant and length > 1
-    split_rows = _split_rows(length, rows, decode_split_rows, split_loop)
-    num_splits = 1 if split_loop else triton.cdiv(rows, split_rows)
+    query_splits = length == 1 and not batch_invariant
+    if query_splits:  # the fewest rows a split walks; the most splits any query of these tables makes
+        split_rows, num_splits = decode_split_rows, min(triton.cdiv(rows, decode_split_rows), MAX_DECODE_SPLITS)
+    else:
+        split_rows = _split_rows(length, rows, split_loop)
+        num_splits = 1 if split_loop else triton.cdiv(rows, split_rows)
     block_l, block_g = query_tile(group, length, batch_invariant)
     out = query.new_empty((batch, length, heads, head_dim))
     if num_splits > 1:
@@ -201,28 +224,32 @@ def paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: tor
     grid = (batch * kv_heads, triton.cdiv(length, block_l), num_splits)
     fusion = {"enable_fp_fusion": False} if batch_invariant else {}
     _attention_kernel[grid](query, key_pool, value_pool, block_tables, query_rows, partial_out, stats, scaling,
-                            length, heads, kv_heads, block_tables.shape[1], split_rows, num_splits, query.stride(0),
+                            length, heads, kv_heads, block_tables.shape[1], split_rows, num_splits,
+                            MAX_DECODE_SPLITS, query.stride(0),
                             query.stride(1), query.stride(2), key_pool.stride(0), key_pool.stride(1),
                             key_pool.stride(2), block_tables.stride(0), query_rows.stride(0), GROUP=group,
                             BLOCK_G=block_g, BLOCK_L=block_l, HEAD_DIM=head_dim,
                             BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N,
-                            PARTIAL=num_splits > 1, SPLIT_LOOP=split_loop, DOT_PRECISION=dot_precision(query.dtype),
+                            PARTIAL=num_splits > 1, SPLIT_LOOP=split_loop, QUERY_SPLITS=query_splits,
+                            DOT_PRECISION=dot_precision(query.dtype),
                             num_warps=4, num_stages=2, **fusion)
     if num_splits > 1:
         _merge_kernel[(batch * length * heads,)](partial_out, stats, query_rows, out, length, heads, split_rows,
-                                                 num_splits, query_rows.stride(0), HEAD_DIM=head_dim,
-                                                 BLOCK_D=triton.next_power_of_2(head_dim), num_warps=1, **fusion)
+                                                 num_splits, MAX_DECODE_SPLITS, query_rows.stride(0),
+                                                 HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+                                                 BLOCK_N=BLOCK_N, QUERY_SPLITS=query_splits, num_warps=1, **fusion)
     return out
 
 
-def _split_rows(length: int, rows: int, decode_split_rows: int, split_loop: bool) -> int:
-    """KV rows per split for `length` new tokens over tables of `rows` rows: a decode step's (and a
-    batch-invariant tail's, looped in its program), a short tail's (as many, or more where the table
-    would make more than MAX_TAIL_SPLITS), or a long tail's whole table."""
+def _split_rows(length: int, rows: int, split_loop: bool) -> int:
+    """KV rows per split for `length` new tokens over tables of `rows` rows, but for a decode step's
+    own splits: the batch-invariant form's (a decode step's, and a tail's, looped in its program), a
+    short tail's (as many, or more where the table would make more than MAX_TAIL_SPLITS), or a long
+    tail's whole table."""
     if length == 1 or split_loop:
-        return decode_split_rows
+        return SPLIT_ROWS
     if length <= SPLIT_TAIL_TOKENS:
-        return max(decode_split_rows, triton.cdiv(rows, MAX_TAIL_SPLITS * BLOCK_N) * BLOCK_N)
+        return max(SPLIT_ROWS, triton.cdiv(rows, MAX_TAIL_SPLITS * BLOCK_N) * BLOCK_N)
     return rows
 
 
