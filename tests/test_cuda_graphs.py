@@ -14,6 +14,7 @@ import torch
 from replies import model_inputs, reference_tokens, send, transformers_speech
 from samples import picture
 from omni_local.api import OmniLocal
+from omni_local.engine.attention.paged import SPLIT_TAIL_TOKENS
 from omni_local.engine.cuda_graphs import SMALLEST_BUCKET, BatchGraphs, prefill_lengths
 from omni_local.engine.kv_store import NO_PREFIX
 from omni_local.engine.thinker import ThinkerRunner
@@ -224,6 +225,25 @@ def test_a_chats_second_turn_on_the_prefix_cache_matches_generate_with_graphs_on
             assert final.token_ids == reference_tokens(app, [*before, Message("user", [text])])
     assert final.tokens.reused_gpu > 0, "the second turn must continue the first turn's KV"
     assert prefills[-1] == (1, final.tokens.reused_gpu, final.tokens.computed), "its prefill must replay a graph"
+
+
+def test_a_long_second_turn_replays_the_one_graph_of_its_length_over_every_row_and_matches_generate(on_gpu):
+    app = on_gpu
+    graphs = app.backend.engine.runner.prefill_graphs
+    largest = app.backend.engine.runner.kv.shape.max_tokens
+    # Under our kernel a short tail's graphs are per bucket of rows; a longer one's walk only their rows.
+    assert graphs.bucket(1, 16, 1)[2] == SMALLEST_BUCKET
+    assert graphs.bucket(1, 2 * SPLIT_TAIL_TOKENS, 1)[2] == largest
+    question = " ".join(f"Ship {i} flies a flag of two colours." for i in range(12))  # about 130 tokens
+    with replays(graphs) as prefills:
+        session = app.session()
+        for text in ["Tell me about lighthouses.", question]:
+            before = list(session.history)
+            final = session.send(text, max_new_tokens=24).result()
+            assert final.token_ids == reference_tokens(app, [*before, Message("user", [text])])
+    n = final.tokens
+    assert n.reused_gpu > 0 and n.computed > SPLIT_TAIL_TOKENS, "the second turn's tail must be a long one on the first's KV"
+    assert prefills[-1] == (1, n.reused_gpu, n.computed), "its prefill must replay a graph"
 
 
 def test_an_image_question_prefilled_by_a_graph_matches_generate(on_gpu):

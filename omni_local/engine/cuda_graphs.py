@@ -8,7 +8,8 @@ H200); replaying the same kernels as a graph takes about 13, 19 and 5 ms. BatchG
 graph per shape bucket: the batch (chats decoding together), the new tokens per chat (a prefill's
 length, padded), and the attention length (each graph reads only the sequences' first `rows` rows, so
 a short chat does not attend over a whole context; a prefill that begins its sequence reads none but
-its own, in a graph of its own). Each batch row's block table, where its new rows go, its positions
+its own, in a graph of its own; a longer prefill under our kernel, which reads only its own tokens'
+rows, has one bucket). Each batch row's block table, where its new rows go, its positions
 and inputs are device tensors the graphs read when they replay: one graph serves every sequence and
 position. All graphs are captured at start-up, into one memory pool per owner
 (its graphs never replay at the same time), so the first request pays no capture.
@@ -103,18 +104,31 @@ class BatchGraphs:
         self._blocks.fill_(table[0])
         pool = pool or torch.cuda.graph_pool_handle()
         self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, Outputs]] = {}
+        self._rows = {length: self._rows_buckets(length, kernel) for length in self.lengths}
         with capturable:
             for batch in reversed(self.batches):  # largest first: the smaller ones reuse its pool memory
                 for length in reversed(self.lengths):
-                    # A prefill padded to `length` tokens is more than half new tokens: fewer rows never hold it.
                     no_prefix = self._no_prefix(length, kernel is not None and kernel_from_start)
-                    for rows in [*(r for r in reversed(self.buckets) if r >= length), *no_prefix]:
+                    for rows in [*reversed(self._rows[length]), *no_prefix]:
                         cache = GraphedKVWriter(store, self._tables[:batch], self._indices[:batch, :length],
                                                 self._blocks[:batch, :length], self._offsets[:batch, :length],
                                                 self._last[:batch], rows, None if rows == NO_PREFIX else kernel)
                         run = partial(forward, cache, self._input[:batch, :length],
                                       self._positions[:, :batch, :length])
                         self._graphs[batch, length, rows] = capture_graph(run, pool)
+
+    def _rows_buckets(self, length: int, kernel: PagedAttention | None) -> list[int]:
+        """The attention buckets graphs of `length` new tokens are captured for: each that holds them
+        (a prefill padded to `length` tokens is more than half new tokens: fewer rows never hold it)
+        where the rows a graph reads set its work, under transformers' attention (the bucket
+        gathered) and the kernel's split walks; else the largest alone, as the kernel's programs of a
+        longer tail walk only their own rows, and more graphs only take start-up time and memory."""
+        holding = [rows for rows in self.buckets if rows >= length]
+        if kernel is None:
+            return holding
+        from omni_local.engine.attention.paged import grid_follows_rows  # imports triton, as the kernel has
+
+        return holding if grid_follows_rows(length) else holding[-1:]
 
     @staticmethod
     def _no_prefix(length: int, kernel_attends_first: bool) -> list[int]:
@@ -138,7 +152,7 @@ class BatchGraphs:
         padded = next(n for n in self.lengths if length <= n)
         if start == 0 and (batch, padded, NO_PREFIX) in self._graphs:
             return batch, padded, NO_PREFIX
-        return batch, padded, next(r for r in self.buckets if start + length <= r)
+        return batch, padded, next(r for r in self._rows[padded] if start + length <= r)
 
     def replay(self, tables: list[BlockTable], x: torch.Tensor, starts: list[int], positions: torch.Tensor) -> Outputs:
         """The forward's outputs for input `x` ([B, n] or [B, n, hidden]) at `positions` [3, B, n],

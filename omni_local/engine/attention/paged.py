@@ -253,6 +253,14 @@ def _split_rows(length: int, rows: int, split_loop: bool) -> int:
     return rows
 
 
+def grid_follows_rows(length: int) -> bool:
+    """Whether a forward of `length` new tokens launches programs by its block tables' width (a
+    decode step's and a short tail's splits of the rows, a program each, those past a sequence's end
+    returning at once), so that a CUDA graph over fewer rows launches fewer. A longer tail's programs
+    each walk their own tokens' rows, however wide the tables."""
+    return length <= SPLIT_TAIL_TOKENS
+
+
 def query_tile(group: int, length: int, batch_invariant: bool = False) -> tuple[int, int]:
     """(new tokens, heads of the group) per program: a decode step's one token with its group's
     heads; a tail's tokens by TAIL_QUERIES query rows (`batch_invariant`: every L's, a decode step's
