@@ -154,17 +154,28 @@ def test_the_cache_folders_are_private_to_the_user(settings):
 
 def test_compiled_code_is_kept_in_a_private_folder_of_the_app_unless_the_user_chose_one(tmp_path, monkeypatch):
     ours = tmp_path / "app" / "compiled"
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        monkeypatch.setenv(name, "")  # so that whatever the test sets is undone afterwards
     for unchosen in (None, str(Path(tempfile.gettempdir()) / "torchinductor_someone")):  # unset, torch's default
         if unchosen is None:
-            monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # restored afterwards
+            monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
         else:
             monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", unchosen)
+        monkeypatch.delenv("TRITON_CACHE_DIR")
         keep_compiled_code_in(ours)
         assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(ours)
+        # Triton's from the first kernel on, not from whenever inductor first builds one of its own
+        assert os.environ["TRITON_CACHE_DIR"] == str(ours / "triton")
     assert ours.stat().st_mode & 0o777 == 0o700
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "theirs"))
+    monkeypatch.delenv("TRITON_CACHE_DIR")
     keep_compiled_code_in(ours)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "theirs")
+    assert "TRITON_CACHE_DIR" not in os.environ
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "their triton"))
+    keep_compiled_code_in(ours)
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "their triton")
 
 
 # Faults -----------------------------------------------------------------------------------------

@@ -64,13 +64,21 @@ def _nearest_existing(path: Path) -> Path:
 
 
 def keep_compiled_code_in(folder: Path) -> None:
-    """Have torch.compile keep its on-disk cache (inductor's compiled graphs, which it unpickles when
-    it loads them back, and Triton's kernels) in `folder`, made private; not in the temporary folder
-    torch picks by default (/tmp/torchinductor_<user>), which another user could create first and
-    fill. A folder the user chose (TORCHINDUCTOR_CACHE_DIR) stays theirs."""
+    """Have torch.compile and Triton keep their on-disk caches in `folder`, made private: inductor's
+    compiled graphs (which it unpickles when it loads them back), not in the temporary folder torch
+    picks by default (/tmp/torchinductor_<user>), which another user could create first and fill; and
+    Triton's kernels, ours and inductor's, in its `triton` folder from the first. (Inductor points
+    Triton at a folder of its own only once it first builds a kernel, which a start whose graphs are
+    cached does later than one that compiles them: our kernels compiled in between went to
+    ~/.triton on one start and were looked for in inductor's folder on the next, and all compiled
+    again, 40 s of a start of the full model.) A folder the user chose (TORCHINDUCTOR_CACHE_DIR, or
+    TRITON_CACHE_DIR) stays theirs, and so do Triton's kernels with it."""
     chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if chosen is None or _torch_default(Path(chosen)):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(private_folder(folder))  # read at each compile
+        if "TRITON_CACHE_DIR" not in os.environ:  # read at each compile
+            make_folders(folder / "triton")  # inside the private folder
+            os.environ["TRITON_CACHE_DIR"] = str(folder / "triton")
 
 
 def _torch_default(folder: Path) -> bool:

@@ -100,7 +100,7 @@ class Engine:
         self.loaded = loaded
         self.settings = settings
         without_cudnn_attention()  # before anything runs or is captured
-        if settings.compile or (settings.compiled_layers and loaded.device.type == "cuda"):
+        if settings.compile or loaded.device.type == "cuda":  # on a GPU our Triton kernels compile too
             keep_compiled_code_in(settings.cache_path / "compiled")
         thinker = loaded.model.thinker
         self.encoder_cache = _encoder_cache(thinker.model, loaded.processor, settings)
