@@ -242,7 +242,7 @@ def test_a_long_second_turn_replays_the_one_graph_of_its_length_over_every_row_a
             final = session.send(text, max_new_tokens=24).result()
             assert final.token_ids == reference_tokens(app, [*before, Message("user", [text])])
     n = final.tokens
-    assert n.reused_gpu > 0 and n.computed > SPLIT_TAIL_TOKENS, "the second turn's tail must be a long one on the first's KV"
+    assert n.reused_gpu > 0 and n.computed > SPLIT_TAIL_TOKENS, "the second turn must be a long tail on the first's KV"
     assert prefills[-1] == (1, n.reused_gpu, n.computed), "its prefill must replay a graph"
 
 

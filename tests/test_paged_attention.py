@@ -297,7 +297,8 @@ def test_pools_of_different_layouts_are_refused():
 
 
 # bfloat16 at the Thinker's group of 8 and head_dim 128: a decode step's split kernel and merge (its
-# splits from its own rows), and a tail's kernel; each also batch-invariant (a tail's splits in its program, no fused multiply-adds).
+# splits from its own rows), and a tail's kernel; each also batch-invariant (a tail's splits in its
+# program, no fused multiply-adds).
 COMPILE_FOR_SM90 = """
 from omni_local.engine.attention.paged import _attention_kernel, _merge_kernel, query_tile
 

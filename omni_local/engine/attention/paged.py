@@ -40,7 +40,9 @@ from omni_local.engine.triton_support import dot_precision
 
 DECODE_SPLIT_ROWS = 64  # the fewest KV rows a decode step's program walks (a multiple of BLOCK_N)
 MAX_DECODE_SPLITS = 16  # the most programs a decode step's query splits its rows among
-SPLIT_ROWS = 256  # KV rows per split of the batch-invariant walk, and the fewest of a short tail's (SGLang's deterministic mode also fixes 256)
+# KV rows per split of the batch-invariant walk, and the fewest of a short tail's split (SGLang's
+# deterministic mode also fixes 256)
+SPLIT_ROWS = 256
 BLOCK_N = 64  # KV rows per loop iteration: a tile of the scores' columns
 TAIL_QUERIES = 64  # query rows (new tokens x the group's heads) per program of an L > 1 tail
 SPLIT_TAIL_TOKENS = 64  # the longest tail whose rows are split
