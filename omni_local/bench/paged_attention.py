@@ -150,7 +150,7 @@ def main() -> None:
         parser.error("on the CPU the kernel runs in Triton's interpreter: set TRITON_INTERPRET=1")
     shape, dtype = (THINKER, torch.bfloat16) if on_gpu else (TINY, torch.float32)
     chats = args.chats or (BATCHES if on_gpu else [1, 2])
-    contexts = args.contexts or (CONTEXTS if on_gpu else [32, 272])  # 272: two of the kernel's splits
+    contexts = args.contexts or (CONTEXTS if on_gpu else [32, 272])  # 272: five 64-row splits, two of 256
     device_name = torch.cuda.get_device_name() if on_gpu else "cpu (smoke run: the times mean nothing)"
     print(f"decode attention, one layer: {shape.heads} heads, {shape.kv_heads} kv heads, head_dim "
           f"{shape.head_dim}, blocks of {shape.block_size}, {dtype}, {device_name}; median µs of {args.runs}"
