@@ -10,7 +10,7 @@
   programs for a short context, more partial results to merge for a long one).
 
     python -m omni_local.bench.paged_attention                                     # on a GPU
-    python -m omni_local.bench.paged_attention --split-rows 64 128                 # other splits too
+    python -m omni_local.bench.paged_attention --split-rows 128 256                # longer runs too
     TRITON_INTERPRET=1 python -m omni_local.bench.paged_attention --device cpu     # smoke run
 
 On a GPU: the Thinker's attention (32 heads, 4 kv heads, head_dim 128) in bfloat16, blocks of 16
