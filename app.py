@@ -28,7 +28,7 @@ def main() -> int:
         from omni_local.ui.chat import build_ui
         from omni_local.ui.layout import PAGE_CSS
 
-        app = OmniLocal(settings)
+        app = OmniLocal(settings, wait_for_graphs=False)
         print(f"omni_local: {app.info.describe()}", flush=True)
         ui = build_ui(app)
     except OmniLocalError as error:

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "speak", False) or args.command == "voice":
             settings = settings.replace(speech=True)
         sounddevice = load_sounddevice() if args.command == "voice" else None  # before the model loads
-        with OmniLocal(settings) as app:
+        with OmniLocal(settings, wait_for_graphs=False) as app:
             session = app.session(system_prompt=args.system)
             if args.command == "ask":
                 return _ask(session, args)

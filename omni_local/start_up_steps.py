@@ -20,7 +20,11 @@ def start_up_step(name: str) -> Iterator[None]:
     yield
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
-    log.info("start-up: %s, %.1f s", name, time.perf_counter() - began)
+    log_start_up_step(name, time.perf_counter() - began)
+
+
+def log_start_up_step(name: str, seconds: float) -> None:
+    log.info("start-up: %s, %.1f s", name, seconds)
 
 
 def show_start_up_steps() -> None:

@@ -5,6 +5,7 @@ Run with OMNI_LOCAL_TEST_DEVICE=cuda on a machine with a CUDA GPU; elsewhere eve
 """
 
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -269,6 +270,31 @@ def test_a_first_prompt_longer_than_a_chunk_is_one_graph_attending_over_its_own_
     # Its graph reads no rows but its own; the same tokens after a cached row read a bucket of rows.
     assert graphs.bucket(1, n.prompt, 0)[2] == NO_PREFIX and graphs.bucket(1, n.prompt, 1)[2] > n.prompt
     assert final.token_ids == reference_tokens(app, [Message("user", [text])])
+
+
+def test_an_app_serving_before_its_prefill_graphs_answers_eagerly_as_generate_then_replays_them_once_warm(
+    on_gpu, demo_settings, monkeypatch
+):
+    # The worker's first capture waits until the question is in its line: it captures that one (the
+    # largest) and then serves the question, eagerly, before the rest.
+    asked, capture = threading.Event(), ThinkerRunner.capture_a_prefill_graph
+    monkeypatch.setattr(ThinkerRunner, "capture_a_prefill_graph", lambda runner: asked.wait(60) and capture(runner))
+    text = "Tell me about lighthouses."
+    with OmniLocal(demo_settings, wait_for_graphs=False) as app:
+        engine = app.backend.engine
+        assert engine.runner.decode_graphs is not None and engine.runner.prefill_graphs_left > 1
+        with replays(engine.runner.prefill_graphs) as early_prefills:
+            early = app.session().send(text, max_new_tokens=24)
+            while engine._inbox.empty() and not engine._waiting and not engine._running:
+                time.sleep(0.01)
+            asked.set()
+            early = early.result()
+        assert engine.warm.wait(timeout=300) and engine.runner.prefill_graphs_left == 0
+        with replays(engine.runner.prefill_graphs) as late_prefills:
+            late = app.session().send(text, max_new_tokens=24).result()
+        n = late.tokens
+        assert early_prefills == [] and late_prefills == [(1, n.prompt - n.computed, n.computed)]
+        assert early.token_ids == late.token_ids == reference_tokens(app, [Message("user", [text])])
 
 
 @pytest.fixture(scope="module")

@@ -14,12 +14,15 @@ from omni_local.settings import Settings, load_settings
 class OmniLocal:
     """One per process: the settings and their backend."""
 
-    def __init__(self, settings: Settings | None = None, loaded: object = None) -> None:
+    def __init__(self, settings: Settings | None = None, loaded: object = None, wait_for_graphs: bool = True) -> None:
         """`loaded`: a model already in memory (the benchmark's random full-size weights) for the
-        local backend; by default the checkpoint the settings name is loaded."""
+        local backend; by default the checkpoint the settings name is loaded. `wait_for_graphs`: on
+        a GPU, return once every CUDA graph is captured (as a benchmark wants); False: once the
+        engine serves (as a person waiting for the page wants), its prefill graphs captured while it
+        is idle, a prompt meanwhile computed eagerly."""
         self.settings = settings or load_settings()
         self.limits = MediaLimits.from_settings(self.settings)
-        self.backend: Backend = _backend(self.settings, loaded)
+        self.backend: Backend = _backend(self.settings, loaded, wait_for_graphs)
 
     @property
     def info(self) -> BackendInfo:
@@ -59,13 +62,13 @@ class OmniLocal:
         self.close()
 
 
-def _backend(settings: Settings, loaded: object) -> Backend:
+def _backend(settings: Settings, loaded: object, wait_for_graphs: bool) -> Backend:
     # Imported here, not above: the local backend brings torch and transformers, which a page or CLI
     # on a remote backend never needs.
     if settings.backend == "local":
         from omni_local.backends.local import LocalBackend
 
-        return LocalBackend(settings, loaded)
+        return LocalBackend(settings, loaded, wait_for_graphs)
     from omni_local.backends.remote import RemoteBackend
 
     return RemoteBackend(settings)

@@ -3,6 +3,7 @@
 import logging
 from collections.abc import Iterator
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -48,7 +49,9 @@ class LocalReply:
 
 
 class LocalBackend:
-    def __init__(self, settings: Settings, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, settings: Settings, loaded: LoadedModel | None = None, wait_for_graphs: bool = True) -> None:
+        """`wait_for_graphs`: return once every CUDA graph is captured; else as soon as the engine
+        serves, its prefill graphs captured while it is idle (Engine's `warm`)."""
         self.settings = settings
         self.limits = MediaLimits.from_settings(settings)
         quiet_library_logs()  # transformers' load-time notes and progress bars are not for users
@@ -59,11 +62,12 @@ class LocalBackend:
         self.loaded = loaded
         # The KV is what the plan leaves, up to gpu_cache_bytes.
         baseline = engine_baseline(self.loaded.device) if self.memory is not None else 0
+        # Once every graph is captured the engine's take is whole: measured then, for the next plan.
         self.engine = Engine(self.loaded, settings if self.memory is None
-                             else settings.replace(gpu_cache_bytes=self.memory.kv))
-        if self.memory is not None:
-            remember_engine_bytes(self.memory, settings, self.loaded.device, baseline,
-                                  self.engine.runner.kv.allocated_bytes)
+                             else settings.replace(gpu_cache_bytes=self.memory.kv),
+                             warm_up_later=True, when_warm=partial(self._remember_engine_bytes, baseline))
+        if wait_for_graphs:
+            self.engine.warm.wait()
         self.info = BackendInfo(
             model_id=model_id(settings),
             model=model_name(settings),
@@ -78,6 +82,11 @@ class LocalBackend:
             video=video_supported(self.loaded.processor),
             kind=self.loaded.kind,
         )
+
+    def _remember_engine_bytes(self, baseline: int, engine: Engine) -> None:
+        if self.memory is not None:
+            remember_engine_bytes(self.memory, self.settings, self.loaded.device, baseline,
+                                  engine.runner.kv.allocated_bytes)
 
     def _plan_memory(self, model: torch.nn.Module) -> None:
         self.memory = plan_memory(model, self.settings, resolve_device(self.settings.device))

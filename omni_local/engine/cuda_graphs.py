@@ -11,8 +11,9 @@ a short chat does not attend over a whole context; a prefill that begins its seq
 its own, in a graph of its own; a longer prefill under our kernel, which reads only its own tokens'
 rows, has one bucket). Each batch row's block table, where its new rows go, its positions
 and inputs are device tensors the graphs read when they replay: one graph serves every sequence and
-position. All graphs are captured at start-up, into one memory pool per owner
-(its graphs never replay at the same time), so the first request pays no capture.
+position. The graphs go into one memory pool per owner (its graphs never replay at the same time),
+captured at start-up (`capture`), or some after it: the engine captures its prefill graphs once it
+serves, one at a time while it is idle (`capture(table, 1)`), a call with none yet running eagerly.
 """
 
 import gc
@@ -70,13 +71,13 @@ def graphable(stack_config: Any, device: torch.device) -> bool:
 
 
 class BatchGraphs:
-    """`forward` captured at construction for every (batch, length, rows) bucket, and replayed from
-    the smallest that holds a call. `input_like` is one token's input ([1, 1] ids or [1, 1, hidden]
-    embeddings); `table` is a block table the caller holds and nobody reads (the captures write
-    its first rows); the captures run inside `capturable`, where the stack's MoE experts can be
-    captured (`MoeBackend.capturable`). With a `kernel`, attention reads the blocks in place
-    (decode steps, prefills on a prefix), and prefills of new tokens that begin their sequences too
-    unless not `kernel_from_start`; else the bucket's rows are gathered for transformers' attention.
+    """`forward` captured for every (batch, length, rows) bucket (`capture`), and replayed from the
+    smallest that holds a call once captured. `input_like` is one token's input ([1, 1] ids or [1, 1,
+    hidden] embeddings); each capture runs inside a context `capturable()` makes, where the stack's
+    MoE experts can be captured (`MoeBackend.capturable`). With a `kernel`, attention reads the
+    blocks in place (decode steps, prefills on a prefix), and prefills of new tokens that begin their
+    sequences too unless not `kernel_from_start`; else the bucket's rows are gathered for
+    transformers' attention.
 
     A call with fewer sequences than its batch bucket is padded with copies of its first sequence
     (their writes are that sequence's own, the same values to the same rows); a shorter prefill with
@@ -84,8 +85,8 @@ class BatchGraphs:
     pad block), which later steps read only masked and the next write there replaces.
     """
 
-    def __init__(self, forward: BatchForward, store: KVStore, input_like: torch.Tensor, table: BlockTable,
-                 capturable: AbstractContextManager[None], batches: Sequence[int] = (1,),
+    def __init__(self, forward: BatchForward, store: KVStore, input_like: torch.Tensor,
+                 capturable: Callable[[], AbstractContextManager[None]], batches: Sequence[int] = (1,),
                  lengths: Sequence[int] = (1,), pool: tuple | None = None,
                  kernel: PagedAttention | None = None, kernel_from_start: bool = True) -> None:
         self.store, self.batches, self.lengths = store, list(batches), list(lengths)
@@ -100,22 +101,43 @@ class BatchGraphs:
         self._indices, self._blocks, self._offsets = self._layout[: 3 * b * n].view(3, b, n)
         self._tables = self._layout[3 * b * n : 3 * b * n + b * width].view(b, width)
         self._last = self._layout[3 * b * n + b * width :]
-        self._tables.copy_(self._filled_tables([table] * b))
-        self._blocks.fill_(table[0])
-        pool = pool or torch.cuda.graph_pool_handle()
+        self._forward, self._capturable, self._kernel = forward, capturable, kernel
+        self._pool = pool or torch.cuda.graph_pool_handle()
         self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, Outputs]] = {}
         self._rows = {length: self._rows_buckets(length, kernel) for length in self.lengths}
-        with capturable:
-            for batch in reversed(self.batches):  # largest first: the smaller ones reuse its pool memory
-                for length in reversed(self.lengths):
-                    no_prefix = self._no_prefix(length, kernel is not None and kernel_from_start)
-                    for rows in [*reversed(self._rows[length]), *no_prefix]:
-                        cache = GraphedKVWriter(store, self._tables[:batch], self._indices[:batch, :length],
-                                                self._blocks[:batch, :length], self._offsets[:batch, :length],
-                                                self._last[:batch], rows, None if rows == NO_PREFIX else kernel)
-                        run = partial(forward, cache, self._input[:batch, :length],
-                                      self._positions[:, :batch, :length])
-                        self._graphs[batch, length, rows] = capture_graph(run, pool)
+        self._from_start = kernel is not None and kernel_from_start
+        # Largest first: the smaller ones reuse its pool memory.
+        self._uncaptured = [(batch, length, rows) for batch in reversed(self.batches)
+                            for length in reversed(self.lengths)
+                            for rows in [*reversed(self._rows[length]), *self._no_prefix(length, self._from_start)]]
+
+    @property
+    def uncaptured(self) -> int:
+        """How many graphs are still to capture."""
+        return len(self._uncaptured)
+
+    def capture(self, table: BlockTable, count: int | None = None) -> None:
+        """Capture the next `count` graphs (all that are left by default), writing into the first
+        block of `table`, which the caller holds and nobody reads. The buffers are reset first: a
+        capture runs its forward once eagerly, and what the last replay left there (another chat's
+        blocks, a poisoned input's NaNs) must not reach it."""
+        self._input.zero_()
+        self._positions.zero_()
+        self._layout.zero_()
+        self._tables.copy_(self._filled_tables([table[:1]] * self._tables.shape[0]))
+        self._blocks.fill_(table[0])
+        with self._capturable():
+            for batch, length, rows in self._uncaptured[:count]:
+                cache = GraphedKVWriter(self.store, self._tables[:batch], self._indices[:batch, :length],
+                                        self._blocks[:batch, :length], self._offsets[:batch, :length],
+                                        self._last[:batch], rows, None if rows == NO_PREFIX else self._kernel)
+                run = partial(self._forward, cache, self._input[:batch, :length], self._positions[:, :batch, :length])
+                self._graphs[batch, length, rows] = capture_graph(run, self._pool)
+        del self._uncaptured[:count]
+
+    def give_up(self) -> None:
+        """Capture no more: calls whose graph is not captured run without one."""
+        self._uncaptured.clear()
 
     def _rows_buckets(self, length: int, kernel: PagedAttention | None) -> list[int]:
         """The attention buckets graphs of `length` new tokens are captured for: each that holds them
@@ -139,18 +161,23 @@ class BatchGraphs:
 
     def fits(self, batch: int, length: int, start: int) -> bool:
         """Whether a call of `batch` sequences of `length` new tokens after `start` rows has a graph
-        (its padded rows within a sequence's most)."""
-        padded = next((n for n in self.lengths if length <= n), None)
-        return batch <= self.batches[-1] and padded is not None and start + padded <= self.store.shape.max_tokens
+        (its padded rows within a sequence's most), captured."""
+        return self._bucket(batch, length, start) in self._graphs
 
     def bucket(self, count: int, length: int, start: int) -> tuple[int, int, int]:
         """The (batch, length, rows) of the graph that runs `count` sequences of `length` new tokens
         after `start` rows at most (rows NO_PREFIX where they begin their sequences)."""
-        if not self.fits(count, length, start):
+        key = self._bucket(count, length, start)
+        if key is None:
             raise IndexError(f"no graph for {count} sequences of {length} new tokens after row {start}")
+        return key
+
+    def _bucket(self, count: int, length: int, start: int) -> tuple[int, int, int] | None:
+        padded = next((n for n in self.lengths if length <= n), None)
+        if count > self.batches[-1] or padded is None or start + padded > self.store.shape.max_tokens:
+            return None
         batch = next(b for b in self.batches if count <= b)
-        padded = next(n for n in self.lengths if length <= n)
-        if start == 0 and (batch, padded, NO_PREFIX) in self._graphs:
+        if start == 0 and self._no_prefix(padded, self._from_start):
             return batch, padded, NO_PREFIX
         return batch, padded, next(r for r in self._rows[padded] if start + length <= r)
 

@@ -25,6 +25,10 @@ token, and a spoken reply's codes. A reply that ended at a token was computed on
 meanwhile: that step's token is dropped, and the KV row it wrote is not counted (`Request.written`).
 Max-new-tokens and the context's end are known in advance: no step is queued past them.
 
+On a GPU the engine serves once its decode steps' graphs are captured (`warm_up_later`); the
+prefill graphs follow one at a time while it is idle, a prompt meanwhile computed eagerly, and
+`warm` is set when none is left.
+
 A prompt's rows are published to the prefix cache once its last row is computed and its logits
 checked: a prefill cut short (cancelled, failed) leaves its session's entry as it found it.
 
@@ -78,7 +82,7 @@ from omni_local.errors import OmniLocalError, RequestError
 from omni_local.model.loader import LoadedModel, media_markup_token_ids, thinker_eos_token_ids
 from omni_local.model.reasoning import reasoning_marks
 from omni_local.settings import Settings
-from omni_local.start_up_steps import start_up_step
+from omni_local.start_up_steps import log_start_up_step, start_up_step
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -96,7 +100,10 @@ class DecodeStep:
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, settings: Settings) -> None:
+    def __init__(self, loaded: LoadedModel, settings: Settings, warm_up_later: bool = False,
+                 when_warm: Callable[["Engine"], None] = lambda engine: None) -> None:
+        """`warm_up_later`: serve before the prefill graphs are captured (by the worker, while idle);
+        `when_warm` runs once every graph is, on the thread that captured the last."""
         self.loaded = loaded
         self.settings = settings
         without_cudnn_attention()  # before anything runs or is captured
@@ -118,7 +125,7 @@ class Engine:
                                         settings.max_running_requests,
                                         settings.kv_block_tokens, talker_rows, cuda_graphs=settings.cuda_graphs,
                                         compiled_layers=settings.compiled_layers, moe=moe, attention=attention)
-            self.runner.warm_up()
+            self.runner.warm_up(prefill_graphs_later=warm_up_later)
             kv = self.runner.kv
             # The Talker's blocks hold as many of its longest sequences as the Thinker's hold of its own.
             sequences = kv.capacity_tokens // settings.max_context_tokens
@@ -151,6 +158,10 @@ class Engine:
         # First tokens chosen this turn, read once the turn's decode step is queued (`_read_first_tokens`)
         self._first_choices: list[tuple[Request, Readback]] = []
         self._short_of_blocks = False  # the first waiting request found too few blocks; a release clears it
+        self.warm, self._when_warm = threading.Event(), when_warm  # every graph captured
+        self._warming_up_since = time.perf_counter()
+        if not self.runner.prefill_graphs_left:
+            self._became_warm()
         self._worker = threading.Thread(target=self._loop, name="omni-engine", daemon=True)
         self._worker.start()
 
@@ -203,13 +214,34 @@ class Engine:
             idle = not (self._waiting or self._running or self._in_flight)
             if idle:
                 self.cache.make_room()  # while nobody waits, so the next request need not
-            if not self._take_inbox(block=idle):
+            if not self._take_inbox(block=idle and self.warm.is_set()):
                 self._shut_down()
                 return
+            if idle and not self._waiting and not self.warm.is_set():
+                self._capture_a_graph()  # one at a time: a request that comes waits for one capture at most
+                continue
             self.cache.settle()  # the blocks of moves to host memory that have run, back to the pool
             self._admit()
             if self._running or self._in_flight:
                 self._run_turn()
+
+    def _capture_a_graph(self) -> None:
+        try:
+            self.runner.capture_a_prefill_graph()
+        except Exception as error:  # noqa: BLE001 - serving goes on without the graphs left
+            log.warning("a prefill graph could not be captured (%s): prefills without one run eagerly", error)
+            self.runner.stop_capturing()
+        if not self.runner.prefill_graphs_left:
+            log_start_up_step("the Thinker's prefill graphs, after ready (while idle)",
+                              time.perf_counter() - self._warming_up_since)
+            self._became_warm()
+
+    def _became_warm(self) -> None:
+        try:
+            self._when_warm(self)
+        except Exception as error:  # noqa: BLE001 - what waits on `warm`, and serving, go on regardless
+            log.warning("after the graphs were captured: %s", error)
+        self.warm.set()
 
     def _shut_down(self) -> None:
         for request in [*self._running, *self._waiting]:

@@ -106,8 +106,10 @@ def engine_baseline(device: torch.device) -> int:
 
 def remember_engine_bytes(plan: MemoryPlan, settings: Settings, device: torch.device, baseline: int,
                           kv_bytes: int) -> None:
-    """After the engine's warm-up: its measured take at its peak since `baseline` (engine_baseline),
-    less the Thinker's KV, for the next start's plan."""
+    """After the engine's warm-up, every graph captured: its measured take at its peak since
+    `baseline` (engine_baseline), less the Thinker's KV, for the next start's plan. A request served
+    while the prefill graphs were captured counts too, its activations and encoder outputs: the
+    next plan keeps more for the engine than it needs, never less."""
     if device.type != "cuda":
         return
     engine = torch.cuda.max_memory_allocated(device) - baseline - kv_bytes

@@ -164,9 +164,9 @@ class TalkerRunner:
                 self.frame_graph = StaticGraph(partial(self._frame, sampling=True), [start, keys])
             if self._capture_steps:
                 row = self.tts_pad[None]  # [1, 1, width], shaped as a step's input
-                capturable = self.regions.moe.capturable(self.stack.config, self.dtype)
-                self.step_graphs = BatchGraphs(self._forward, self.kv, row, table, capturable,
-                                               kernel=self.attention.decode)
+                capturable = partial(self.regions.moe.capturable, self.stack.config, self.dtype)
+                self.step_graphs = BatchGraphs(self._forward, self.kv, row, capturable, kernel=self.attention.decode)
+                self.step_graphs.capture(table)
             return codes
         finally:
             self.kv.pool.release(table)

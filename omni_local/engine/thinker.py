@@ -6,11 +6,14 @@ of that tail after the cached rows (whole, or the part of it the engine asks for
 prefill_chunks.py), then one decode step per token, each writing its keys and values into the
 request's blocks of the KVStore. On a GPU, with graphs, the decode step of every chat decoding at the
 time runs as one batch, and a prefill of up to the longest of `prefill_lengths` (a chunk, a question,
-an image, a long prompt's forward) replays a CUDA graph too (BatchGraphs), all captured at start-up;
-longer prefills run eagerly. A decode step takes its token ids from the device (the engine's
+an image, a long prompt's forward) replays a CUDA graph too (BatchGraphs), captured at start-up or,
+in the engine, while it is idle after it serves; longer prefills, and any whose graph is not yet
+captured, run eagerly. A decode step takes its token ids from the device (the engine's
 sampler keeps each seat's last choice there) and its positions through pinned memory, so a graphed
 step never makes the host wait: the engine queues the next one before reading this one.
 """
+
+from functools import partial
 
 import numpy as np
 import torch
@@ -91,12 +94,14 @@ class ThinkerRunner:
         self.kv = KVStore.for_budget(shape, kv_budget_bytes, self.dtype, self.device, zeroed=reads_buckets)
         self.decode_graphs: BatchGraphs | None = None  # set once captured, by warm_up
         self.prefill_graphs: BatchGraphs | None = None
+        self._capture_block: BlockTable | None = None  # held while prefill graphs are left to capture
 
     @torch.inference_mode()
-    def warm_up(self) -> None:
+    def warm_up(self, prefill_graphs_later: bool = False) -> None:
         """A small prompt with an image and a clip through a prefill and a decode step, so the first
         request does not pay first-use costs (kernel loading, library heuristics: about 2 s for a
-        first image on an H200), and captures the graphs, in blocks nobody reads. Nothing is cached."""
+        first image on an H200), and captures the graphs, in blocks nobody reads. Nothing is cached.
+        `prefill_graphs_later`: the prefill graphs are left to `capture_a_prefill_graph`."""
         parts = [Image.new("RGB", (64, 64), (90, 140, 200)), np.zeros(16_000, np.float32), "Hello."]
         prompt = build_prompt([Message("user", parts)], self.encoder.processor)
         table = self.kv.take(self.kv.shape.table_blocks)
@@ -108,25 +113,46 @@ class ThinkerRunner:
             with start_up_step("the Thinker's expert kernels at every token count"):
                 self.regions.warm_up_experts(self.text.layers, max(self.prefill_lengths))
             if self._capture_graphs:
-                with start_up_step("the Thinker's CUDA graphs"):
-                    self._capture(table)
+                with start_up_step("the Thinker's CUDA graphs" + (" of decode steps" if prefill_graphs_later else "")):
+                    self._plan_graphs()
+                    self.decode_graphs.capture(table)
+                    if not prefill_graphs_later:
+                        self.prefill_graphs.capture(table)
         finally:
             self.kv.pool.release(table)
+        if self.prefill_graphs_left:
+            self._capture_block = self.kv.take(1)
 
-    def _capture(self, table: BlockTable) -> None:
+    @property
+    def prefill_graphs_left(self) -> int:
+        return self.prefill_graphs.uncaptured if self.prefill_graphs is not None else 0
+
+    @torch.inference_mode()
+    def capture_a_prefill_graph(self) -> None:
+        """One more of the prefill graphs that `warm_up` left, writing into a block held for them
+        (given back after the last); until a prefill's graph is captured, it runs eagerly."""
+        self.prefill_graphs.capture(self._capture_block, 1)
+        if not self.prefill_graphs_left:
+            self.kv.pool.release(self._capture_block)
+
+    def stop_capturing(self) -> None:
+        """No more prefill graphs: those left run eagerly."""
+        self.prefill_graphs.give_up()
+        self.kv.pool.release(self._capture_block)
+
+    def _plan_graphs(self) -> None:
         """The decode step for every batch of chats up to `max_batch`, and prefills of each of
         `prefill_lengths` new tokens, each for every attention length; in one memory pool."""
         pool, config = torch.cuda.graph_pool_handle(), self.text.config
         moe = self.regions.moe
         ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-        self.decode_graphs = BatchGraphs(self._decode_step, self.kv, ids, table,
-                                         moe.capturable(config, self.dtype),
+        capturable = partial(moe.capturable, config, self.dtype)
+        self.decode_graphs = BatchGraphs(self._decode_step, self.kv, ids, capturable,
                                          batches=size_buckets(1, self.max_batch), pool=pool,
                                          kernel=self.attention.decode)
         width = (1 + self._deepstack_levels) * config.hidden_size
         dense = torch.zeros((1, 1, width), dtype=self.dtype, device=self.device)
-        self.prefill_graphs = BatchGraphs(self._dense_prefill_step, self.kv, dense, table,
-                                          moe.capturable(config, self.dtype),
+        self.prefill_graphs = BatchGraphs(self._dense_prefill_step, self.kv, dense, capturable,
                                           lengths=self.prefill_lengths, pool=pool, kernel=self.attention.prefill,
                                           kernel_from_start=self.attention.everywhere)
 

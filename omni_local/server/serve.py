@@ -19,7 +19,7 @@ SHUTDOWN_GRACE_S = 5  # on Ctrl-C or SIGTERM, how long streams still open may ta
 def serve(settings: Settings) -> None:
     key = api_key(settings, "api_host")
     host, port = settings.api_host, settings.api_port
-    with _listening(host, port) as listening, OmniLocal(settings) as app:
+    with _listening(host, port) as listening, OmniLocal(settings, wait_for_graphs=False) as app:
         asgi = Starlette(routes=[api_mount(app, key)])
         # uvicorn's own start-up lines are left out: this one says where, and which model.
         config = uvicorn.Config(asgi, log_level="warning", timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
