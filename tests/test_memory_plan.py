@@ -100,7 +100,7 @@ def test_with_the_encoder_cache_off_the_plan_keeps_no_room_for_encoder_outputs(p
 
 
 def test_no_plan_is_made_on_the_cpu_unless_gpu_memory_bytes_is_set(planned):
-    with OmniLocal(planned) as app:
+    with OmniLocal(planned.replace(device="cpu")) as app:  # on the CPU, even where the tests run the demo on a GPU
         assert app.backend.memory is None
         assert app.backend.engine.settings.gpu_cache_bytes == planned.gpu_cache_bytes
 
