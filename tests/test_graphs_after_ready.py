@@ -33,7 +33,7 @@ class StandInGraphs:
         if not self.captured_after:
             self.first.wait(timeout=10)
         engine = self.engine
-        busy = engine is not None and bool(engine._running or engine._waiting or engine._in_flight)
+        busy = engine is not None and engine.busy
         self.busy_at_capture.append(busy)
         self.captured_after.append(sum(request.ended for request in self.requests))
         if self.fail:
@@ -51,7 +51,7 @@ def test_an_app_that_does_not_wait_answers_before_its_prefill_graphs_and_capture
         reply = app.session().send("Hello there.", max_new_tokens=6)
         graphs.requests.append(reply._stream.request)
         # The first capture waits until the question is in the engine's line: it is served next.
-        while engine._inbox.empty() and not engine._waiting and not engine._running:
+        while not engine.queued and not engine.busy:
             time.sleep(0.01)
         graphs.first.set()
         final = reply.result()

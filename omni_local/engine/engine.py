@@ -209,15 +209,25 @@ class Engine:
         with current_device(self.runner.device):
             self._serve()
 
+    @property
+    def busy(self) -> bool:
+        """A request waits for a turn or is in one, or a decode step is in flight."""
+        return bool(self._waiting or self._running or self._in_flight)
+
+    @property
+    def queued(self) -> int:
+        """Requests with their prompts built that the worker has yet to take in."""
+        return self._inbox.qsize()
+
     def _serve(self) -> None:
         while True:
-            idle = not (self._waiting or self._running or self._in_flight)
+            idle, warm = not self.busy, self.warm.is_set()
             if idle:
                 self.cache.make_room()  # while nobody waits, so the next request need not
-            if not self._take_inbox(block=idle and self.warm.is_set()):
+            if not self._take_inbox(block=idle and warm):
                 self._shut_down()
                 return
-            if idle and not self._waiting and not self.warm.is_set():
+            if idle and not self._waiting and not warm:
                 self._capture_a_graph()  # one at a time: a request that comes waits for one capture at most
                 continue
             self.cache.settle()  # the blocks of moves to host memory that have run, back to the pool

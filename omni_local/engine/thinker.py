@@ -133,12 +133,16 @@ class ThinkerRunner:
         (given back after the last); until a prefill's graph is captured, it runs eagerly."""
         self.prefill_graphs.capture(self._capture_block, 1)
         if not self.prefill_graphs_left:
-            self.kv.pool.release(self._capture_block)
+            self._release_capture_block()
 
     def stop_capturing(self) -> None:
         """No more prefill graphs: those left run eagerly."""
         self.prefill_graphs.give_up()
+        self._release_capture_block()
+
+    def _release_capture_block(self) -> None:
         self.kv.pool.release(self._capture_block)
+        self._capture_block = None
 
     def _plan_graphs(self) -> None:
         """The decode step for every batch of chats up to `max_batch`, and prefills of each of
