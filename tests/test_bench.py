@@ -282,7 +282,7 @@ def test_the_decode_profile_puts_each_backends_kernels_and_the_compiled_layers_f
         "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x64_4x1x1": ATTENTION,
         "nvjet_tst_64x8_64x16_4x1_v_bz_TNT": DENSE, "void gemv2T_kernel_val<int, int, __nv_bfloat16>": DENSE,
         "aten::addmm": DENSE,
-        "_gemv_kernel": DENSE, "_sum_splits_kernel": DENSE, "omni_local::quantized_gemv": DENSE,  # our GEMV
+        "_gemv_kernel": DENSE, "omni_local::quantized_gemv": DENSE,  # our GEMV
         "aten::expand": OTHER, "aten::div_": ELEMENTWISE,
         "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": ELEMENTWISE,
     }

@@ -296,25 +296,22 @@ def test_pools_of_different_layouts_are_refused():
                         kv.block_tables, query_rows, SCALING)
 
 
-# bfloat16 at the Thinker's group of 8 and head_dim 128: a decode step's split kernel and merge (its
-# splits from its own rows), and a tail's kernel; each also batch-invariant (a tail's splits in its
-# program, no fused multiply-adds).
+# bfloat16 at the Thinker's group of 8 and head_dim 128: a decode step's split kernel, merged by its
+# last split (its splits from its own rows), a short tail's split the same way, and a long tail's
+# kernel; each also batch-invariant (a tail's splits in its program, no fused multiply-adds).
 COMPILE_FOR_SM90 = """
-from omni_local.engine.attention.paged import _attention_kernel, _merge_kernel, query_tile
+from omni_local.engine.attention.paged import _attention_kernel, query_tile
 
 for invariant in (False, True):
-    for length, table, partial in ((1, "*i32", True), (64, "*i64", False)):
+    for length, table, partial in ((1, "*i32", True), (8, "*i64", not invariant), (64, "*i64", False)):
         block_l, block_g = query_tile(8, length, invariant)
-        out = "*fp32" if partial else "*bf16"
-        pointers = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", table_ptr=table, rows_ptr="*i64", out_ptr=out,
-                        stats_ptr=out, scale="fp32")
-        compiled(_attention_kernel, pointers, dict(GROUP=8, BLOCK_G=block_g, BLOCK_L=block_l, HEAD_DIM=128,
-                 BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=64, PARTIAL=partial, SPLIT_LOOP=invariant and length > 1,
-                 QUERY_SPLITS=length == 1 and not invariant, DOT_PRECISION=None), num_warps=4, num_stages=2,
-                 enable_fp_fusion=not invariant)
-    compiled(_merge_kernel, dict(acc_ptr="*fp32", stats_ptr="*fp32", rows_ptr="*i64", out_ptr="*bf16"),
-             dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, QUERY_SPLITS=not invariant), num_warps=1,
-             enable_fp_fusion=not invariant)
+        pointers = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", table_ptr=table, rows_ptr="*i64",
+                        out_ptr="*bf16", acc_ptr="*fp32", stats_ptr="*fp32", counters_ptr="*i32", scale="fp32")
+        kernel = compiled(_attention_kernel, pointers, dict(
+            GROUP=8, BLOCK_G=block_g, BLOCK_L=block_l, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=64,
+            PARTIAL=partial, SPLIT_LOOP=invariant and length > 1, QUERY_SPLITS=length == 1 and not invariant,
+            DOT_PRECISION=None), num_warps=4, num_stages=2, enable_fp_fusion=not invariant)
+        assert ("atom.global" in kernel.asm["ptx"]) == partial
 """
 
 
@@ -389,3 +386,16 @@ def test_the_kernel_replays_in_a_cuda_graph_with_the_eager_result():
     graph.replay()
 
     assert torch.equal(captured, run())
+
+
+@pytest.mark.cuda
+@on_gpu
+@pytest.mark.parametrize("length", [1, 27], ids=["a decode step", "a short tail"])
+@torch.inference_mode()
+def test_splits_merged_by_the_last_to_finish_give_the_same_bits_every_launch(length):
+    # Whichever of a tile's splits finishes last merges them all, in split order: a race in counting
+    # them (a merge before every part is written, or a counter left uncleared) would show in some launch.
+    query, query_rows, kv = full_size(16, 4096, length)
+    first = paged_call(paged_attention, query, kv, query_rows)
+
+    assert all(torch.equal(paged_call(paged_attention, query, kv, query_rows), first) for _ in range(200))

@@ -145,26 +145,31 @@ def test_on_the_cpu_a_quantized_layer_keeps_the_librarys_matmuls():
 
 
 COMPILE_GEMV_FOR_SM90 = """
-from omni_local.engine.dense.gemv import SUM_BLOCK, _gemv_kernel, _sum_splits_kernel
+from omni_local.engine.dense.gemv import _gemv_kernel
 from omni_local.engine.dense.gemv_tiles import DEFAULT, TUNED
 from omni_local.engine.weight_tiles import INT4_GROUPS, PLAIN, ROW_SCALED
 
-aligned = ("x_ptr", "weight_ptr", "scales_ptr", "out_ptr", "out_features", "in_features", "split_depth",
-           "x_row_stride", "weight_row_stride", "scale_row_stride", "out_split_stride", "out_row_stride")
+aligned = ("x_ptr", "weight_ptr", "scales_ptr", "out_ptr", "partials_ptr", "out_features", "in_features",
+           "split_depth", "x_row_stride", "weight_row_stride", "scale_row_stride", "out_row_stride",
+           "partial_split_stride")
 tiles = dict(BLOCK_M=DEFAULT.block_m, BLOCK_N=DEFAULT.block_n, BLOCK_K=DEFAULT.block_k)
 options = dict(num_warps=DEFAULT.num_warps, num_stages=DEFAULT.num_stages)
 formats = (("*fp8e4nv", "*fp32", ROW_SCALED.value, 0), ("*i8", "*bf16", ROW_SCALED.value, 0),
            ("*u8", "*bf16", INT4_GROUPS.value, 128))
+
+def pointers(weight, scales, rows="*bf16"):
+    return dict(x_ptr=rows, weight_ptr=weight, scales_ptr=scales, out_ptr=rows, partials_ptr="*fp32",
+                counters_ptr="*i32")
+
 for weight, scales, format, group in formats:
-    for split_k, out in ((1, "*bf16"), (4, "*fp32")):
-        compiled(_gemv_kernel, dict(x_ptr="*bf16", weight_ptr=weight, scales_ptr=scales, out_ptr=out),
-                 dict(SPLIT_K=split_k, FORMAT=format, GROUP=group, DOT_PRECISION=None, **tiles), **options)
-    compiled(_sum_splits_kernel, dict(partials_ptr="*fp32", scales_ptr=scales, out_ptr="*bf16"),
-             dict(SPLIT_K=4, ROW_SCALES=format == ROW_SCALED.value, BLOCK=SUM_BLOCK), num_warps=4)
+    for split_k in (1, 4):  # 4: the partials summed by the last split to finish, counted in with an atomic
+        kernel = compiled(_gemv_kernel, pointers(weight, scales),
+                          dict(SPLIT_K=split_k, FORMAT=format, GROUP=group, DOT_PRECISION=None, **tiles), **options)
+        assert ("atom.global" in kernel.asm["ptx"]) == (split_k > 1)
     # As launched at the projections' shapes: the loads pipelined through shared memory, which must fit
     # the 99 KiB a block of Ada, Ampere's sm86 and Blackwell's sm120 may take, float32 rows included.
     for rows, precision in (("*bf16", None), ("*fp32", "ieee")):
-        kernel = compiled(_gemv_kernel, dict(x_ptr=rows, weight_ptr=weight, scales_ptr=scales, out_ptr=rows),
+        kernel = compiled(_gemv_kernel, pointers(weight, scales, rows),
                           dict(SPLIT_K=1, FORMAT=format, GROUP=group, DOT_PRECISION=precision, **tiles), aligned,
                           **options)
         assert "async_copy_global_to_local" in kernel.asm["ttgir"], "the loads are not pipelined"
@@ -172,13 +177,11 @@ for weight, scales, format, group in formats:
 # A bfloat16 weight, unscaled (invariant_matmul), and int4, at the H200's tuned tiles too.
 for tile in (DEFAULT, *TUNED.values()):
     for weight, scales, format, group in (("*bf16", "*bf16", PLAIN.value, 0), formats[2]):
-        for split_k, out in ((tile.split_k, "*bf16"), (4, "*fp32")):
-            compiled(_gemv_kernel, dict(x_ptr="*bf16", weight_ptr=weight, scales_ptr=scales, out_ptr=out),
+        for split_k in {tile.split_k, 4}:
+            compiled(_gemv_kernel, pointers(weight, scales),
                      dict(SPLIT_K=split_k, FORMAT=format, GROUP=group, DOT_PRECISION=None, BLOCK_M=tile.block_m,
                           BLOCK_N=tile.block_n, BLOCK_K=min(tile.block_k, group or tile.block_k)), aligned,
                      num_warps=tile.num_warps, num_stages=tile.num_stages)
-compiled(_sum_splits_kernel, dict(partials_ptr="*fp32", scales_ptr="*bf16", out_ptr="*bf16"),
-         dict(SPLIT_K=8, ROW_SCALES=False, BLOCK=SUM_BLOCK), num_warps=4)
 """
 
 
@@ -263,3 +266,34 @@ def test_on_a_gpu_a_rows_output_has_the_same_bits_alone_and_in_a_decode_batch(fo
 
     assert all(torch.equal(out[0], outs[0][0]) for out in outs)
     assert torch.equal(outs[1][4], outs[2][4])
+
+
+@pytest.mark.cuda
+@on_a_gpu
+@pytest.mark.parametrize("format", ["fp8", "bf16"])
+@torch.inference_mode()
+def test_on_a_gpu_split_sums_added_by_the_last_split_to_finish_give_the_same_bits_every_launch_and_replay(format):
+    # Whichever split of a tile finishes last adds them all, in split order: a race in counting them (a
+    # sum before every part is written, or a counter left uncleared for the next launch) would show.
+    from omni_local.engine.cuda_graphs import capture_graph
+    from omni_local.engine.dense.gemv import gemv
+
+    generator = torch.Generator("cuda").manual_seed(9)
+    weight = torch.randn((2048, 4096), device="cuda", generator=generator)  # o_proj's shape
+    x = torch.randn((16, 4096), device="cuda", generator=generator).bfloat16()
+    if format == "bf16":
+        values, scales, dequantized = weight.bfloat16(), None, weight.bfloat16().float()
+    else:
+        stored = quantize(weight, format)
+        values, scales, dequantized = stored.values, stored.scales, dequantize(stored, torch.float32)
+    tile = GemvTile(block_n=32, block_k=128, split_k=8, num_stages=3)  # 64 tiles of 8 splits
+
+    first = gemv(x, values, scales, tile)
+    graph, graphed = capture_graph(lambda: gemv(x, values, scales, tile), torch.cuda.graph_pool_handle())
+
+    reference = x.float() @ dequantized.T
+    assert ((first.float() - reference).norm() / reference.norm()).item() <= 0.005
+    assert all(torch.equal(gemv(x, values, scales, tile), first) for _ in range(200))
+    for _ in range(50):
+        graph.replay()
+        assert torch.equal(graphed, first)

@@ -7,6 +7,9 @@
   dequantizes and multiplies as `linear` does);
 - int8 gemv: our GEMV over the int8 weight.
 
+Then the MoE routers' gates (bfloat16 in every format): F.linear against our GEMV, which the triton MoE
+backend takes for a decode batch (engine/moe/triton_backend.py).
+
     python -m omni_local.bench.dense_projections                    # on a GPU
     python -m omni_local.bench.dense_projections --sweep            # the GEMV's tiles, against the default
     TRITON_INTERPRET=1 python -m omni_local.bench.dense_projections --device cpu     # smoke run
@@ -36,10 +39,13 @@ from omni_local.model.quantized.linear import fp8_matmul
 # Qwen3-Omni-30B-A3B's Thinker: (in, out) of each projection, q, k and v fused (engine/fused_qkv.py).
 THINKER = {"qkv_proj": (2048, 5120), "o_proj": (4096, 2048)}
 TINY = {"qkv_proj": (64, 192), "o_proj": (128, 64)}  # the CPU smoke run's
+# The routers' gates, (in, out): the Thinker's 128 experts over its hidden 2,048, the Talker's over 1,024.
+ROUTERS = {"router": (2048, 128), "talker router": (1024, 128)}
+TINY_ROUTERS = {"router": (64, 16)}
 LAYERS = 48
 ROWS = [1, 16]
 WAYS = ["linear", "fp8 scaled_mm", "fp8 gemv", "int8 pack_mm", "int8 gemv"]
-SWEEP = dict(block_n=(16, 32, 64), block_k=(64, 128, 256), split_k=(1, 2, 4, 8), num_stages=(3, 4))
+SWEEP = dict(block_n=(16, 32, 64), block_k=(64, 128, 256), split_k=(1, 2, 4, 8, 16), num_stages=(3, 4))
 
 
 def quantized(weight: torch.Tensor, format: str) -> Quantized:
@@ -100,6 +106,21 @@ def print_table(shapes: dict[str, tuple[int, int]], row_counts: list[int], dtype
         print(f"| {rows} | {' | '.join(f'{t:.3f}' for t in totals)} |")
 
 
+def print_router_table(shapes: dict[str, tuple[int, int]], row_counts: list[int], dtype: torch.dtype, device: str,
+                       runs: int) -> None:
+    from omni_local.engine.dense.gemv import invariant_matmul  # imports triton
+
+    print("\n| router | rows | linear (µs) | gemv (µs) |")
+    print("| --- | --- | --- | --- |")
+    for rows in row_counts:
+        for name, shape in shapes.items():
+            x, weight = inputs(shape, rows, dtype, device)
+            torch.testing.assert_close(invariant_matmul(x, weight), F.linear(x, weight), rtol=2e-2, atol=2e-2)
+            times = [median_us(lambda: F.linear(x, weight), device, runs),
+                     median_us(lambda: invariant_matmul(x, weight), device, runs)]
+            print(f"| {name} {shape[0]}->{shape[1]} | {rows} | {' | '.join(f'{t:.2f}' for t in times)} |", flush=True)
+
+
 def print_sweep(shapes: dict[str, tuple[int, int]], row_counts: list[int], dtype: torch.dtype, runs: int) -> None:
     """Each shape's GEMV tiles timed at every row count, both formats; the best by the sum of them all
     (one tile a shape: the reduction order may not change with the rows), against the default."""
@@ -110,13 +131,16 @@ def print_sweep(shapes: dict[str, tuple[int, int]], row_counts: list[int], dtype
     print("| projection | default (µs) | best (µs) | block_n | block_k | split_k | stages | best per case (µs) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, shape in shapes.items():
-        cases = []
+        cases = []  # (rows, values, scales)
         for rows in row_counts:
             x, weight = inputs(shape, rows, dtype, "cuda")
-            cases += [(x, quantized(weight, format)) for format in ("fp8", "int8")]
+            if name in ROUTERS:
+                cases.append((x, weight, None))
+            else:
+                cases += [(x, w.values, w.scales) for w in (quantized(weight, format) for format in ("fp8", "int8"))]
 
         def total_us(tile) -> tuple[float, list[float]]:
-            times = [timed(lambda x=x, w=w: gemv(x, w.values, w.scales, tile), runs) for x, w in cases]
+            times = [timed(lambda case=case: gemv(*case, tile), runs) for case in cases]
             return sum(times), times
 
         tiles = [replace(DEFAULT, **dict(zip(SWEEP, values))) for values in itertools.product(*SWEEP.values())]
@@ -127,7 +151,7 @@ def print_sweep(shapes: dict[str, tuple[int, int]], row_counts: list[int], dtype
         print(f"| {name} {shape[0]}->{shape[1]} | {default_us:.2f} | {best_us:.2f} | {tile.block_n} | {tile.block_k} "
               f"| {tile.split_k} | {tile.num_stages} | {', '.join(f'{t:.2f}' for t in per_case)} |", flush=True)
         print(f"    TUNED[({device_name!r}, {shape[1]}, {shape[0]})] = {tile}", flush=True)
-    print(f"\n(sums over rows {row_counts} x fp8, int8; the cases in that order)")
+    print(f"\n(sums over rows {row_counts} x fp8, int8, a router's over rows in bf16; the cases in that order)")
 
 
 def timed(call: Callable[[], object], runs: int) -> float:
@@ -147,20 +171,25 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=ROWS, help="rows a call (the decode batch)")
     parser.add_argument("--runs", type=int, default=200, help="timed calls per cell")
     parser.add_argument("--sweep", action="store_true", help="time the GEMV's tiles instead (GPU only)")
+    parser.add_argument("--shapes", nargs="+", help="these projections and routers only (by name)")
     args = parser.parse_args()
     on_gpu = args.device == "cuda"
     if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
         parser.error("on the CPU the GEMV runs in Triton's interpreter: set TRITON_INTERPRET=1")
     if args.sweep and not on_gpu:
         parser.error("--sweep times tiles on a GPU")
-    shapes, dtype = (THINKER, torch.bfloat16) if on_gpu else (TINY, torch.float32)
+    shapes, routers, dtype = (THINKER, ROUTERS, torch.bfloat16) if on_gpu else (TINY, TINY_ROUTERS, torch.float32)
+    if args.shapes:
+        shapes, routers = ({name: shape for name, shape in named.items() if name in args.shapes}
+                           for named in (shapes, routers))
     device_name = torch.cuda.get_device_name() if on_gpu else "cpu (smoke run: the times mean nothing)"
     print(f"the Thinker's attention projections, {dtype}, {device_name}; median µs of {args.runs}"
           f"{', CUDA graphs, L2 flushed' if on_gpu else ''}\n")
     if args.sweep:
-        print_sweep(shapes, args.rows, dtype, args.runs)
+        print_sweep(shapes | routers, args.rows, dtype, args.runs)
     else:
         print_table(shapes, args.rows, dtype, args.device, args.runs)
+        print_router_table(routers, args.rows, dtype, args.device, args.runs)
 
 
 if __name__ == "__main__":

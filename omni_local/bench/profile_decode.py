@@ -65,8 +65,8 @@ PATTERNS = [
     (r"memcpy|memset|copy|index", KV),  # copies; aten::index's gathers
     (r"attention|attn|sdpa|flash|fmha", ATTENTION),  # cuDNN's, flash and memory-efficient SDPA (before cutlass)
     # the attention projections, the router and lm_head: cuBLAS (nvjet, gemv, xmma) or CUTLASS; our
-    # GEMV for quantized projections (_gemv_kernel, and _sum_splits_kernel where its K is split)
-    (r"gemm|gemv|_sum_splits_kernel|nvjet|splitkreduce|cublas|cutlass|xmma|aten::(addmm|mm|matmul|linear)$", DENSE),
+    # GEMV (_gemv_kernel) for quantized projections and a decode batch's routers
+    (r"gemm|gemv|nvjet|splitkreduce|cublas|cutlass|xmma|aten::(addmm|mm|matmul|linear)$", DENSE),
     (r"elementwise|reduce_kernel|softmax|norm|rotary"
      r"|aten::(add|sub|mul|div|neg|pow|rsqrt|mean|sum|silu|sigmoid|exp|cos|sin|where|masked_fill|cat)_?$", ELEMENTWISE),
 ]

@@ -10,14 +10,14 @@ this forward's own rows, numbers unless the forward itself made NaN.)
 
 - A decode step (L = 1), the fast path: the KV walk is split among programs (flash-decoding), so
   B = 1 with a long context still fills the GPU; each program writes its partial (max, sum,
-  unnormalised output) to a float32 scratch buffer, and a second kernel merges a query's splits in
-  split order. A query's splits are DECODE_SPLIT_ROWS rows each, or as many more (in whole BLOCK_N)
-  as keep them to MAX_DECODE_SPLITS: chosen on the device from the query's own rows, never from the
-  batch or the table's width, so its reduction order is the same however the batch looks. (On an
-  H200, 64-row splits took a 256-row context's attention from 13.9 to 10.9 µs a layer and a
-  1,024-row one's from 17.7 to 12.6, but fixed 64-row splits (64 of them at 4,096 rows) took 16
-  chats' from 54.2 to 66.7: README, run AE.) The batch-invariant form splits every SPLIT_ROWS rows,
-  as its tails.
+  unnormalised output) to a float32 scratch buffer, and the last of a tile's splits to finish
+  (engine/last_arrival.py) merges each query's splits in split order. A query's splits are
+  DECODE_SPLIT_ROWS rows each, or as many more (in whole BLOCK_N) as keep them to MAX_DECODE_SPLITS:
+  chosen on the device from the query's own rows, never from the batch or the table's width, so its
+  reduction order is the same however the batch looks. (On an H200, 64-row splits took a 256-row
+  context's attention from 13.9 to 10.9 µs a layer and a 1,024-row one's from 17.7 to 12.6, but
+  fixed 64-row splits (64 of them at 4,096 rows) took 16 chats' from 54.2 to 66.7: README, run AE.)
+  The batch-invariant form splits every SPLIT_ROWS rows, as its tails.
 - A short tail of 1 < L <= SPLIT_TAIL_TOKENS new tokens on a cached prefix (a new question on a
   cached conversation): a few query tiles, so its rows are split too, into at most MAX_TAIL_SPLITS
   splits of SPLIT_ROWS rows or more, and merged as a decode step's are. (A 27-token question on a
@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from omni_local.engine.last_arrival import arrival_counters, last_to_arrive
 from omni_local.engine.triton_support import dot_precision
 
 DECODE_SPLIT_ROWS = 64  # the fewest KV rows a decode step's program walks (a multiple of BLOCK_N)
@@ -53,7 +54,8 @@ LOG2E = tl.constexpr(1.4426950408889634)  # scores in base 2: exp2 is the GPU's 
 
 
 @triton.jit
-def _attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, out_ptr, stats_ptr, scale, length,
+def _attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, out_ptr, acc_ptr, stats_ptr, counters_ptr, scale,
+                      length,
                       heads, kv_heads, table_width, split_rows, num_splits, max_splits, q_stride_b, q_stride_h,
                       q_stride_l, pool_stride_block, pool_stride_head, pool_stride_row, table_stride,
                       rows_stride, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_L: tl.constexpr,
@@ -75,7 +77,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, out_ptr, stats_p
     q = tl.load(q_ptr + q_at + d[None, :], mask=real[:, None] & in_dim[None, :], other=0.0)
     if SPLIT_LOOP:
         # Every split of the tile's rows in turn, each walked as a decode step's program walks it and
-        # merged in split order as _merge_kernel merges a decode step's: the same sums, in one program.
+        # merged in split order as a decode step's last split merges them: the same sums, in one program.
         row_max, row_sum, acc = _walk(q, k_ptr, v_ptr, table_ptr, sequence * table_stride, kv_head * pool_stride_head,
                                       pool_stride_block, pool_stride_row, last, 0, tl.minimum(split_rows, tile_end),
                                       scale, d, in_dim, BLOCK_L * BLOCK_G, BLOCK_D, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
@@ -85,7 +87,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, out_ptr, stats_p
                 pool_stride_row, last, split_start, tl.minimum(split_start + split_rows, tile_end), scale, d, in_dim,
                 BLOCK_L * BLOCK_G, BLOCK_D, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
             merged_max, merged_sum, merged_acc = _merge(row_max, row_sum, acc, split_max, split_sum, split_acc)
-            holds = split_start <= last  # a query merges the splits holding its rows, as _merge_kernel does
+            holds = split_start <= last  # a query merges the splits holding its rows, as _merged_splits does
             row_max = tl.where(holds, merged_max, row_max)
             row_sum = tl.where(holds, merged_sum, row_sum)
             acc = tl.where(holds[:, None], merged_acc, acc)
@@ -101,14 +103,21 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, out_ptr, stats_p
                                       BLOCK_L * BLOCK_G, BLOCK_D, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
     out_row = (sequence.to(tl.int64) * length + token) * heads + head  # (b, l, head) of [B, L, heads]
     keep = real[:, None] & in_dim[None, :]
-    if PARTIAL:  # out_ptr is the float32 scratch [B * L * heads, num_splits, HEAD_DIM]
+    if PARTIAL:  # scratch [B * L * heads, num_splits, HEAD_DIM] and its stats [.., num_splits, 2], float32
         at = out_row * num_splits + tl.program_id(2)
-        tl.store(out_ptr + at[:, None] * HEAD_DIM + d[None, :], acc, mask=keep)
+        tl.store(acc_ptr + at[:, None] * HEAD_DIM + d[None, :], acc, mask=keep)
         tl.store(stats_ptr + at * 2, row_max, mask=real)
         tl.store(stats_ptr + at * 2 + 1, row_sum, mask=real)
-    else:  # every real query has row 0 allowed: its sum is > 0
-        out = acc / tl.where(real, row_sum, 1.0)[:, None]
-        tl.store(out_ptr + out_row[:, None] * HEAD_DIM + d[None, :], out.to(out_ptr.dtype.element_ty), mask=keep)
+        # The tile's splits that walk rows (first_row < tile_end) count in; the last merges them all.
+        arrivals = tl.minimum(tl.cdiv(tile_end, split_rows), num_splits)
+        counter = counters_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        if not last_to_arrive(counter, arrivals):
+            return
+        row_max, row_sum, acc = _merged_splits(acc_ptr, stats_ptr, out_row * num_splits, arrivals, split_rows,
+                                               last, real, d, in_dim, HEAD_DIM)
+    # Every real query has row 0 allowed: its sum is > 0.
+    out = acc / tl.where(real, row_sum, 1.0)[:, None]
+    tl.store(out_ptr + out_row[:, None] * HEAD_DIM + d[None, :], out.to(out_ptr.dtype.element_ty), mask=keep)
 
 
 @triton.jit
@@ -161,33 +170,26 @@ def _merge(row_max, row_sum, acc, split_max, split_sum, split_acc):
 
 
 @triton.jit
-def _merge_kernel(acc_ptr, stats_ptr, rows_ptr, out_ptr, length, heads, split_rows, num_splits, max_splits,
-                  rows_stride, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                  QUERY_SPLITS: tl.constexpr):
-    out_row = tl.program_id(0)  # (b, l, head) of [B, L, heads]
-    sequence = out_row // heads // length
-    token = out_row // heads % length
-    last = tl.load(rows_ptr + sequence * rows_stride + token)
-    if QUERY_SPLITS:  # as _attention_kernel split them
-        split_rows = _rows_per_split(last + 1, split_rows, max_splits, BLOCK_N)
-    used = tl.minimum(last // split_rows + 1, num_splits)  # the splits holding rows 0..last, each some
-    one = tl.arange(0, 1)  # the query as a tile of one row: _merge's shapes
-    d = tl.arange(0, BLOCK_D)
-    in_dim = d < HEAD_DIM
-    at = out_row.to(tl.int64) * num_splits
-    # Split 0 always holds row 0: start from it, so no max is ever -inf.
-    row_max = tl.load(stats_ptr + at * 2 + one)
-    row_sum = tl.load(stats_ptr + at * 2 + 1 + one)
-    acc = tl.load(acc_ptr + at * HEAD_DIM + one[:, None] + d[None, :], mask=in_dim[None, :], other=0.0)
-    for split in range(1, used):  # in split order: the same sum however the batch looks
-        split_at = at + split
-        row_max, row_sum, acc = _merge(row_max, row_sum, acc, tl.load(stats_ptr + split_at * 2 + one),
-                                       tl.load(stats_ptr + split_at * 2 + 1 + one),
-                                       tl.load(acc_ptr + split_at * HEAD_DIM + one[:, None] + d[None, :],
-                                               mask=in_dim[None, :], other=0.0))
-    out = acc / row_sum[:, None]
-    tl.store(out_ptr + out_row.to(tl.int64) * HEAD_DIM + one[:, None] + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=in_dim[None, :])
+def _merged_splits(acc_ptr, stats_ptr, first, splits, split_rows, last, real, d, in_dim, HEAD_DIM: tl.constexpr):
+    """Each query row's (max, sum, unnormalised output) over the first `splits` splits' partials in
+    the scratch (its splits at `first` [M] on), merged in split order; a query merges only the
+    splits holding its rows (0..last), so its sums are the same whatever its tile's other rows."""
+    keep = real[:, None] & in_dim[None, :]
+    # Split 0 always holds row 0: start from it, so a real query's max is never -inf.
+    row_max = tl.load(stats_ptr + first * 2, mask=real, other=0.0, cache_modifier=".cg")
+    row_sum = tl.load(stats_ptr + first * 2 + 1, mask=real, other=0.0, cache_modifier=".cg")
+    acc = tl.load(acc_ptr + first[:, None] * HEAD_DIM + d[None, :], mask=keep, other=0.0, cache_modifier=".cg")
+    for split in range(1, splits):  # in split order: the same sums however the batch looks
+        at = first + split
+        merged_max, merged_sum, merged_acc = _merge(
+            row_max, row_sum, acc, tl.load(stats_ptr + at * 2, mask=real, other=0.0, cache_modifier=".cg"),
+            tl.load(stats_ptr + at * 2 + 1, mask=real, other=0.0, cache_modifier=".cg"),
+            tl.load(acc_ptr + at[:, None] * HEAD_DIM + d[None, :], mask=keep, other=0.0, cache_modifier=".cg"))
+        holds = split * split_rows <= last
+        row_max = tl.where(holds, merged_max, row_max)
+        row_sum = tl.where(holds, merged_sum, row_sum)
+        acc = tl.where(holds[:, None], merged_acc, acc)
+    return row_max, row_sum, acc
 
 
 def paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
@@ -218,16 +220,17 @@ def paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: tor
         num_splits = 1 if split_loop else triton.cdiv(rows, split_rows)
     block_l, block_g = query_tile(group, length, batch_invariant)
     out = query.new_empty((batch, length, heads, head_dim))
+    grid = (batch * kv_heads, triton.cdiv(length, block_l), num_splits)
     if num_splits > 1:
         partial_out = torch.empty((batch * length * heads, num_splits, head_dim), dtype=torch.float32,
                                   device=query.device)
         stats = torch.empty((batch * length * heads, num_splits, 2), dtype=torch.float32, device=query.device)
+        counters = arrival_counters(query.device, grid[0] * grid[1])
     else:
-        partial_out, stats = out, out  # one split writes the output itself; no stats
-    grid = (batch * kv_heads, triton.cdiv(length, block_l), num_splits)
+        partial_out = stats = counters = out  # one split writes the output itself; none is read
     fusion = {"enable_fp_fusion": False} if batch_invariant else {}
-    _attention_kernel[grid](query, key_pool, value_pool, block_tables, query_rows, partial_out, stats, scaling,
-                            length, heads, kv_heads, block_tables.shape[1], split_rows, num_splits,
+    _attention_kernel[grid](query, key_pool, value_pool, block_tables, query_rows, out, partial_out, stats, counters,
+                            scaling, length, heads, kv_heads, block_tables.shape[1], split_rows, num_splits,
                             MAX_DECODE_SPLITS, query.stride(0),
                             query.stride(1), query.stride(2), key_pool.stride(0), key_pool.stride(1),
                             key_pool.stride(2), block_tables.stride(0), query_rows.stride(0), GROUP=group,
@@ -236,11 +239,6 @@ def paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: tor
                             PARTIAL=num_splits > 1, SPLIT_LOOP=split_loop, QUERY_SPLITS=query_splits,
                             DOT_PRECISION=dot_precision(query.dtype),
                             num_warps=4, num_stages=2, **fusion)
-    if num_splits > 1:
-        _merge_kernel[(batch * length * heads,)](partial_out, stats, query_rows, out, length, heads, split_rows,
-                                                 num_splits, MAX_DECODE_SPLITS, query_rows.stride(0),
-                                                 HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-                                                 BLOCK_N=BLOCK_N, QUERY_SPLITS=query_splits, num_warps=1, **fusion)
     return out
 
 

@@ -11,9 +11,10 @@ product for any M: batch_invariant.py).
 
 Programs: (N tiles, M blocks, K splits). With one split (the default), a program walks all of K in
 BLOCK_K steps and writes out directly. With SPLIT_K splits, split s walks its own run of whole
-BLOCK_K steps and writes its float32 sums to partials [SPLIT_K, M, N]; `_sum_splits_kernel` adds
-them in split order, then scales and rounds. No atomics: a row's reduction order depends on K and
-the tile alone (gemv_tiles.py picks the tile from the weight's shape), not on M or the run.
+BLOCK_K steps and writes its float32 sums to partials [SPLIT_K, M, N]; the tile's last split to
+finish (engine/last_arrival.py) adds them in split order, then scales and rounds. A row's reduction
+order depends on K and the tile alone (gemv_tiles.py picks the tile from the weight's shape), not on
+M, the run, or which split came last.
 """
 
 import torch
@@ -21,19 +22,20 @@ import triton
 import triton.language as tl
 
 from omni_local.engine.dense.gemv_tiles import GemvTile, gemv_tile
+from omni_local.engine.last_arrival import arrival_counters, last_to_arrive
 from omni_local.engine.triton_support import dot_precision
 from omni_local.engine.weight_tiles import (INT4_GROUPS, PLAIN, ROW_SCALED, even_odd_columns, group_scales,
                                             int4_tile_dot, row_scales, weight_tile)
 
-SUM_BLOCK = 256  # outputs per program of the split sum
 # int4's BLOCK_K is at most a group (one scale a tile) and at least 32 (two dots of half of it, and
 # tl.dot takes 16 at least): smaller groups are not read here.
 MIN_INT4_GROUP = 32
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, weight_ptr, scales_ptr, out_ptr, rows, out_features, in_features, split_depth,
-                 x_row_stride, weight_row_stride, scale_row_stride, out_split_stride, out_row_stride,
+def _gemv_kernel(x_ptr, weight_ptr, scales_ptr, out_ptr, partials_ptr, counters_ptr, rows, out_features,
+                 in_features, split_depth, x_row_stride, weight_row_stride, scale_row_stride, out_row_stride,
+                 partial_split_stride,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                  FORMAT: tl.constexpr, GROUP: tl.constexpr, DOT_PRECISION: tl.constexpr):
     columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -63,28 +65,20 @@ def _gemv_kernel(x_ptr, weight_ptr, scales_ptr, out_ptr, rows, out_features, in_
                             dtype)
             acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
     written = real[:, None] & inside[None, :]
-    at = row[:, None] * out_row_stride + columns[None, :]
-    if SPLIT_K == 1:
-        if FORMAT == ROW_SCALED:
-            acc *= row_scales(scales_ptr, columns, 1, inside)[None, :]
-        tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=written)
-    else:
-        tl.store(out_ptr + split * out_split_stride + at, acc, mask=written)  # an empty split writes its zeros
-
-
-@triton.jit
-def _sum_splits_kernel(partials_ptr, scales_ptr, out_ptr, out_features, split_stride, partial_row_stride,
-                       out_row_stride, SPLIT_K: tl.constexpr, ROW_SCALES: tl.constexpr, BLOCK: tl.constexpr):
-    # Program (c, m): row m's outputs [c * BLOCK, (c + 1) * BLOCK), the splits added in order.
-    columns = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    inside = columns < out_features
-    partials = partials_ptr + tl.program_id(1) * partial_row_stride + columns
-    acc = tl.load(partials, mask=inside, other=0.0)
-    for split in tl.static_range(1, SPLIT_K):
-        acc += tl.load(partials + split * split_stride, mask=inside, other=0.0)
-    if ROW_SCALES:
-        acc *= row_scales(scales_ptr, columns, 1, inside)
-    tl.store(out_ptr + tl.program_id(1) * out_row_stride + columns, acc.to(out_ptr.dtype.element_ty), mask=inside)
+    if SPLIT_K > 1:
+        # Partials [SPLIT_K, M, N]: an empty split writes its zeros. The tile's last split adds them.
+        partials = partials_ptr + row[:, None] * out_features + columns[None, :]
+        tl.store(partials + split * partial_split_stride, acc, mask=written)
+        counter = counters_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        if not last_to_arrive(counter, SPLIT_K):
+            return
+        acc = tl.load(partials, mask=written, other=0.0, cache_modifier=".cg")
+        for other in tl.static_range(1, SPLIT_K):
+            acc += tl.load(partials + other * partial_split_stride, mask=written, other=0.0, cache_modifier=".cg")
+    if FORMAT == ROW_SCALED:
+        acc *= row_scales(scales_ptr, columns, 1, inside)[None, :]
+    tl.store(out_ptr + row[:, None] * out_row_stride + columns[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=written)
 
 
 def gemv_into(out: torch.Tensor, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor | None,
@@ -105,23 +99,20 @@ def gemv_into(out: torch.Tensor, x: torch.Tensor, values: torch.Tensor, scales: 
         x = x.contiguous()
     steps = triton.cdiv(in_features, block_k)
     split_depth = triton.cdiv(steps, tile.split_k) * block_k
+    grid = (triton.cdiv(out_features, tile.block_n), triton.cdiv(rows, tile.block_m), tile.split_k)
     if tile.split_k == 1:
-        target, split_stride = out, 0
+        partials = counters = out  # neither is read
     else:
         if partials is None:
             partials = torch.empty((tile.split_k, rows, out_features), dtype=torch.float32, device=x.device)
         assert partials.shape == (tile.split_k, rows, out_features) and partials.is_contiguous(), partials.shape
-        target, split_stride = partials, partials.stride(0)
+        counters = arrival_counters(x.device, grid[0] * grid[1])
     scales = values if scales is None else scales  # never read where there are none
-    grid = (triton.cdiv(out_features, tile.block_n), triton.cdiv(rows, tile.block_m), tile.split_k)
-    _gemv_kernel[grid](x, values, scales, target, rows, out_features, in_features, split_depth, x.stride(0),
-                       values.stride(0), scales.stride(0), split_stride, target.stride(-2), BLOCK_M=tile.block_m,
-                       BLOCK_N=tile.block_n, BLOCK_K=block_k, SPLIT_K=tile.split_k, FORMAT=format, GROUP=group,
-                       DOT_PRECISION=dot_precision(x.dtype), num_warps=tile.num_warps, num_stages=tile.num_stages)
-    if tile.split_k > 1:
-        _sum_splits_kernel[(triton.cdiv(out_features, SUM_BLOCK), rows)](
-            partials, scales, out, out_features, partials.stride(0), partials.stride(1), out.stride(0),
-            SPLIT_K=tile.split_k, ROW_SCALES=format == ROW_SCALED.value, BLOCK=SUM_BLOCK, num_warps=4)
+    _gemv_kernel[grid](x, values, scales, out, partials, counters, rows, out_features, in_features, split_depth,
+                       x.stride(0), values.stride(0), scales.stride(0), out.stride(0), partials.stride(0),
+                       BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k, SPLIT_K=tile.split_k,
+                       FORMAT=format, GROUP=group, DOT_PRECISION=dot_precision(x.dtype), num_warps=tile.num_warps,
+                       num_stages=tile.num_stages)
     return out
 
 
