@@ -48,10 +48,11 @@ def test_a_split_layer_is_transformers_own_layer_bit_for_bit(speaking_app, name)
     for length in (7, 1, 1):  # a prefill with the causal rule, then decode steps reading the cache
         hidden = hidden_states(stack, length, seed=start)
         rotary = stack.rotary_emb(hidden, positions_for(stack, start, length))
-        for layer in stack.layers:
+        for layer, next_norm in zip(stack.layers, [layer.input_layernorm for layer in stack.layers[1:]] + [stack.norm]):
             expected = layer(hidden, attention_mask=None, cache=theirs, position_embeddings=rotary)
-            got = regions.run(layer, hidden, None, ours.writer(table, start), rotary)
-            assert torch.equal(got, expected)
+            got, normed = regions.run(layer, hidden, layer.input_layernorm(hidden), None, ours.writer(table, start),
+                                      rotary, next_norm)
+            assert torch.equal(got, expected) and torch.equal(normed, next_norm(expected))
             hidden = expected
         start += length
 

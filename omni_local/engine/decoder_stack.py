@@ -4,12 +4,12 @@ predictor's) over a sequence's blocks of a KVStore.
 The layers' modules, rotary embedding and norm are transformers' own; we pass the cache (a
 KVWriter, or in a CUDA graph a GraphedKVWriter), its mask and the 3D positions ourselves. Each
 decoder layer runs as transformers' forward does, the same operations in the same order, but split
-in three around attention: the work before it (norm, projections, rotary embedding, the new rows'
-write into the cache), attention, and the work after (output projection, norm, MLP or MoE, the
-MoE's routed experts run by a MoeBackend). `LayerRegions(compiled=True)` runs the halves before and
-after as compiled regions: inductor fuses their elementwise work (each RMSNorm is six kernels eager,
-the rotary embedding a dozen, the MoE router several, the cache write two), which a CUDA graph alone
-replays one kernel at a time.
+in three around attention: the work before it (projections, rotary embedding, the new rows' write
+into the cache), attention, and the work after (output projection, norm, MLP or MoE, the MoE's
+routed experts run by a MoeBackend, and the next layer's input norm of the output).
+`LayerRegions(compiled=True)` runs the halves before and after as compiled regions: inductor fuses
+their elementwise work (each RMSNorm is six kernels eager, the rotary embedding a dozen, the MoE
+router several, the cache write two), which a CUDA graph alone replays one kernel at a time.
 """
 
 import sys
@@ -28,17 +28,18 @@ from omni_local.engine.rope_positions import rope_positions
 from omni_local.prompts import Prompt
 
 
-def attention_inputs(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def attention_inputs(layer: torch.nn.Module, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      blocks: torch.Tensor, offsets: torch.Tensor, *, key_pool: torch.Tensor,
                      value_pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A decoder layer's queries, keys and values [B, heads, n, head_dim] for `hidden` [B, n, hidden]:
-    its forward up to the cache write, the three projections as one (`fuse_qkv` made it), and the
-    write: token (b, l)'s key and value into row `offsets[i]` of block `blocks[i]` of the pools, i = b
-    * n + l. Compiled, the write is stored by the kernel that makes the keys (no launch of its own).
+    """A decoder layer's queries, keys and values [B, heads, n, head_dim] for `normed` [B, n, hidden],
+    its input through its input_layernorm (made with the layer before's output:
+    `attention_output_and_mlp`): its forward from there up to the cache write, the three projections
+    as one (`fuse_qkv` made it), and the write: token (b, l)'s key and value into row `offsets[i]` of
+    block `blocks[i]` of the pools, i = b * n + l. Compiled, the write is stored by the kernel that
+    makes the keys (no launch of its own).
     The places come flat: [B * n] tensors have one stride whatever view of a graph's buffer they were
     (a strided [B, n] view would be a guard of its own, and so another compiled graph)."""
     attention = layer.self_attn
-    normed = layer.input_layernorm(hidden)
     shape = (*normed.shape[:-1], -1, attention.head_dim)
     queries, keys, values = split_qkv(attention, normed)
     queries = attention.q_norm(queries.reshape(shape)).transpose(1, 2)
@@ -51,12 +52,16 @@ def attention_inputs(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Te
     return queries, keys, values
 
 
-def attention_output_and_mlp(layer: torch.nn.Module, hidden: torch.Tensor, attended: torch.Tensor,
-                             moe: MoeBackend = TORCH) -> torch.Tensor:
+def attention_output_and_mlp(layer: torch.nn.Module, hidden: torch.Tensor, attended: torch.Tensor, *,
+                             next_norm: torch.nn.Module, moe: MoeBackend = TORCH) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer's output [B, n, hidden] from its input `hidden` and the attention kernel's output
-    `attended` [B, n, heads, head_dim]: its forward after the attention, a MoE's experts run by `moe`."""
+    `attended` [B, n, heads, head_dim] (its forward after the attention, a MoE's experts run by
+    `moe`), and that output through `next_norm`, the next layer's input_layernorm. Compiled, the norm
+    and the last residual add are one kernel, where the next layer's region would launch the norm
+    alone (48 launches a Thinker step)."""
     hidden = hidden + layer.self_attn.o_proj(attended.reshape(*hidden.shape[:-1], -1).contiguous())
-    return hidden + mlp_output(layer.mlp, layer.post_attention_layernorm(hidden), moe)
+    hidden = hidden + mlp_output(layer.mlp, layer.post_attention_layernorm(hidden), moe)
+    return hidden, next_norm(hidden)
 
 
 class LayerRegions:
@@ -69,13 +74,15 @@ class LayerRegions:
         self.compiled = compiled
         self._regions: dict[type, tuple[Callable, Callable]] = {}  # by layer class: the Thinker's, the Talker's, ...
 
-    def run(self, layer: torch.nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None,
-            cache: KVWriter | GraphedKVWriter, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """`layer`'s output for `hidden` [B, n, hidden], its keys and values written to `cache`."""
+    def run(self, layer: torch.nn.Module, hidden: torch.Tensor, normed: torch.Tensor, mask: torch.Tensor | None,
+            cache: KVWriter | GraphedKVWriter, rotary: tuple[torch.Tensor, torch.Tensor], next_norm: torch.nn.Module
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`layer`'s output for `hidden` [B, n, hidden] (`normed`: `hidden` through the layer's
+        input_layernorm), its keys and values written to `cache`, and the output through `next_norm`."""
         before, after = self._regions_for(layer)
         attention = layer.self_attn
         key_pool, value_pool = cache.pools(attention.layer_idx)
-        queries, keys, values = before(layer, hidden, *rotary, *cache.places(hidden.shape[1]),
+        queries, keys, values = before(layer, normed, *rotary, *cache.places(hidden.shape[1]),
                                        key_pool=key_pool, value_pool=value_pool)
         if cache.attends_in_place:  # our kernel over the blocks (Qwen3-Omni's layers have no sliding window)
             attended = cache.attend(queries, attention.layer_idx, attention.scaling)
@@ -85,7 +92,7 @@ class LayerRegions:
                                                            _modeling(attention).eager_attention_forward)
             attended, _ = kernel(attention, queries, keys, values, mask, dropout=0.0, scaling=attention.scaling,
                                  sliding_window=attention.sliding_window)
-        return after(layer, hidden, attended, moe=self.moe)
+        return after(layer, hidden, attended, next_norm=next_norm, moe=self.moe)
 
     def warm_up_experts(self, layers: Iterable[torch.nn.Module], most_tokens: int) -> None:
         """Runs the MoE backend's warm-up (every kernel for 1 to `most_tokens` tokens) on the first
@@ -191,16 +198,21 @@ def run_layers(
     rotary = rotary if rotary is not None else stack.rotary_emb(hidden, positions)
     mask = cache.attention_mask(stack.config._attn_implementation, hidden.shape[1], hidden)
     last = len(stack.layers)
-    for index, layer in enumerate(stack.layers):
-        hidden = regions.run(layer, hidden, mask, cache, rotary)
+    # Each layer norms its output for the next one. The last one's is never read (the stack's norm
+    # follows), but a norm of another class there (the stack's own) would compile the region again.
+    next_norms = [layer.input_layernorm for layer in stack.layers[1:]] + [stack.layers[-1].input_layernorm]
+    normed = stack.layers[0].input_layernorm(hidden)
+    for index, (layer, next_norm) in enumerate(zip(stack.layers, next_norms)):
+        hidden, normed = regions.run(layer, hidden, normed, mask, cache, rotary, next_norm)
         if keep_layer == index + 1 and keep_layer < last:
             kept = hidden
         # DeepStack: the vision encoder's intermediate features join the first decoder layers, at the
         # visual tokens (`visual_mask`), or given dense ([B, n, hidden], zero elsewhere: adding zero
-        # changes nothing) where a graph cannot pick rows by a mask.
+        # changes nothing) where a graph cannot pick rows by a mask. The next layer norms the sum.
         if deepstack is not None and index < len(deepstack):
             level = deepstack[index]
             hidden = stack._deepstack_process(hidden, visual_mask, level) if visual_mask is not None else hidden + level
+            normed = next_norm(hidden)
     if keep_layer == last:
         kept = stack.norm(hidden)
         return cache.last_states(kept), kept
