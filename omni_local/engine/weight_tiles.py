@@ -125,3 +125,62 @@ def group_scales(scales_ptr, columns, start, scale_row_stride, inside, GROUP: tl
 def row_scales(scales_ptr, columns, scale_row_stride, inside):
     """fp8 or int8: the row scales [BLOCK_N] float32."""
     return tl.load(scales_ptr + columns * scale_row_stride, mask=inside, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def row_step_terms(row_ptr, rows_ptr, scales_ptr, columns, inside, start, row_stride, scale_row_stride,
+                   FORMAT: tl.constexpr, GROUP: tl.constexpr, STEP: tl.constexpr, SLOT: tl.constexpr,
+                   SLOTS: tl.constexpr):
+    """One row times a weight without tl.dot (a GEMV's step: engine/moe/kernels/pairs.py,
+    engine/dense/row_gemv.py): [SLOTS, BLOCK_N] float32, the products of inputs [start, start +
+    STEP) of the row at `row_ptr` and the weight rows `columns` there, each slot's (SLOT values of
+    a weight row, one load; int4: SLOT bytes) summed (int4: times its group's scale), not yet summed
+    over the slots."""
+    slot = tl.arange(0, SLOTS)
+    byte = tl.arange(0, SLOT)
+    x = tl.load(row_ptr + start + tl.arange(0, STEP)).to(tl.float32)  # the step's inputs, one load
+    if FORMAT == INT4_GROUPS:
+        offsets = start // 2 + slot[:, None, None] * SLOT + byte[None, :, None]
+        packed = tl.load(rows_ptr + columns[None, None, :] * row_stride + offsets, mask=inside[None, None, :],
+                         other=0x88)
+        low, high = int4_nibbles(packed)
+        x_even, x_odd = tl.split(tl.reshape(x, (SLOTS, SLOT, 2)))  # each byte's two inputs
+        sums = tl.sum(x_even[:, :, None] * low + x_odd[:, :, None] * high, axis=1)
+        groups = (start + slot * 2 * SLOT) // GROUP
+        scales = tl.load(scales_ptr + columns[None, :] * scale_row_stride + groups[:, None], mask=inside[None, :],
+                         other=0.0)
+        return sums * scales.to(tl.float32)
+    else:
+        offsets = start + slot[:, None, None] * SLOT + byte[None, :, None]
+        values = tl.load(rows_ptr + columns[None, None, :] * row_stride + offsets, mask=inside[None, None, :],
+                         other=0.0).to(tl.float32)
+        return tl.sum(tl.reshape(x, (SLOTS, SLOT))[:, :, None] * values, axis=1)
+
+
+@triton.jit
+def row_sums(terms, scales_ptr, columns, scale_row_stride, inside, FORMAT: tl.constexpr):
+    """[BLOCK_N] float32: the row's sums, from its steps' `terms` (fp8: times each row's scale)."""
+    sums = tl.sum(terms, axis=0)
+    if FORMAT == ROW_SCALED:
+        sums *= row_scales(scales_ptr, columns, scale_row_stride, inside)
+    return sums
+
+
+SLOT_BYTES = 16  # a thread's load of a weight row in `row_step_terms`: the widest one instruction makes
+
+
+def row_steps(format: int, group: int, in_features: int, value_bytes: int, most_inputs_a_step: int
+              ) -> dict[str, int]:
+    """`row_step_terms`' format and step constants for a weight of `in_features` inputs, its values
+    `value_bytes` each (int4: the packed bytes'): inputs a step reads (STEP: the largest power of
+    two up to `most_inputs_a_step` that divides the inputs, so no step runs past them), values a
+    slot (SLOT: 16 bytes' worth; int4: 16 bytes, or a group's bytes where that is fewer) and slots a
+    step (SLOTS)."""
+    int4 = format == INT4_GROUPS.value
+    slot = min(SLOT_BYTES, group // 2) if int4 else SLOT_BYTES // value_bytes
+    slot_inputs = 2 * slot if int4 else slot
+    step = most_inputs_a_step
+    while in_features % step:
+        step //= 2
+    assert step >= slot_inputs, (in_features, slot_inputs)
+    return dict(FORMAT=format, GROUP=group, STEP=step, SLOT=slot, SLOTS=step // slot_inputs)
