@@ -5,16 +5,13 @@
 - fp8 gemv: our GEMV (engine/dense/gemv.py) over the fp8 weight;
 - int8 pack_mm: torch._weight_int8pack_mm (the int8 layer's path on the CPU; on a GPU, past the GEMV, it
   dequantizes and multiplies as `linear` does);
-- int8 gemv: our GEMV over the int8 weight;
-- fp8 row gemv, int8 row gemv: our row GEMV (engine/dense/row_gemv.py: no tl.dot, each row its own
-  programs) over the fp8 and int8 weights.
+- int8 gemv: our GEMV over the int8 weight.
 
 Then the MoE routers' gates (bfloat16 in every format): F.linear against our GEMV, which the triton MoE
 backend takes for a decode batch (engine/moe/triton_backend.py).
 
     python -m omni_local.bench.dense_projections                    # on a GPU
     python -m omni_local.bench.dense_projections --sweep            # the GEMV's tiles, against the default
-    python -m omni_local.bench.dense_projections --sweep-rows       # the row GEMV's (int8; routers bf16)
     TRITON_INTERPRET=1 python -m omni_local.bench.dense_projections --device cpu     # smoke run
 
 On a GPU: bfloat16 rows, each call captured in a CUDA graph and replayed, the median of --runs
@@ -45,12 +42,10 @@ TINY = {"qkv_proj": (64, 192), "o_proj": (128, 64)}  # the CPU smoke run's
 # The routers' gates, (in, out): the Thinker's 128 experts over its hidden 2,048, the Talker's over 1,024.
 ROUTERS = {"router": (2048, 128), "talker router": (1024, 128)}
 TINY_ROUTERS = {"router": (64, 16)}
-LM_HEAD = {"lm_head": (2048, 151936)}  # int8 in the int4 setting; timed when --shapes names it
 LAYERS = 48
 ROWS = [1, 16]
-WAYS = ["linear", "fp8 scaled_mm", "fp8 gemv", "fp8 row gemv", "int8 pack_mm", "int8 gemv", "int8 row gemv"]
+WAYS = ["linear", "fp8 scaled_mm", "fp8 gemv", "int8 pack_mm", "int8 gemv"]
 SWEEP = dict(block_n=(16, 32, 64), block_k=(64, 128, 256), split_k=(1, 2, 4, 8, 16), num_stages=(3, 4))
-ROW_SWEEP = dict(block_n=(8, 16, 32), most_inputs_a_step=(512, 1024), num_warps=(4, 8), split_k=(1, 2, 4))
 
 
 def quantized(weight: torch.Tensor, format: str) -> Quantized:
@@ -62,23 +57,19 @@ def quantized(weight: torch.Tensor, format: str) -> Quantized:
 def calls(x: torch.Tensor, weight: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
     """Each way's call for rows `x` through `weight` [N, K] (the GEMV's checked on the way)."""
     from omni_local.engine.dense.gemv import quantized_gemv  # imports triton
-    from omni_local.engine.dense.row_gemv import row_gemv
 
     fp8, int8 = quantized(weight, "fp8"), quantized(weight, "int8")
     for stored in (fp8, int8):
         reference = x.float() @ dequantize(stored, torch.float32).T
-        for name, gemv in (("GEMV", quantized_gemv), ("row GEMV", row_gemv)):
-            error = (gemv(x, stored.values, stored.scales).float() - reference).norm() / reference.norm()
-            if error > 0.01:
-                raise AssertionError(f"the {stored.format} {name} is off by {error:.2%} of the output's norm")
+        error = (quantized_gemv(x, stored.values, stored.scales).float() - reference).norm() / reference.norm()
+        if error > 0.01:
+            raise AssertionError(f"the {stored.format} GEMV is off by {error:.2%} of the output's norm")
     return {
         "linear": lambda: F.linear(x, weight),
         "fp8 scaled_mm": lambda: fp8_matmul(x, fp8.values, fp8.scales),
         "fp8 gemv": lambda: quantized_gemv(x, fp8.values, fp8.scales),
-        "fp8 row gemv": lambda: row_gemv(x, fp8.values, fp8.scales),
         "int8 pack_mm": lambda: torch._weight_int8pack_mm(x, int8.values, int8.scales),
         "int8 gemv": lambda: quantized_gemv(x, int8.values, int8.scales),
-        "int8 row gemv": lambda: row_gemv(x, int8.values, int8.scales),
     }
 
 
@@ -118,34 +109,27 @@ def print_table(shapes: dict[str, tuple[int, int]], row_counts: list[int], dtype
 def print_router_table(shapes: dict[str, tuple[int, int]], row_counts: list[int], dtype: torch.dtype, device: str,
                        runs: int) -> None:
     from omni_local.engine.dense.gemv import invariant_matmul  # imports triton
-    from omni_local.engine.dense.row_gemv import row_gemv
 
-    print("\n| router | rows | linear (µs) | gemv (µs) | row gemv (µs) |")
-    print("| --- | --- | --- | --- | --- |")
+    print("\n| router | rows | linear (µs) | gemv (µs) |")
+    print("| --- | --- | --- | --- |")
     for rows in row_counts:
         for name, shape in shapes.items():
             x, weight = inputs(shape, rows, dtype, device)
-            for out in (invariant_matmul(x, weight), row_gemv(x, weight, None)):
-                torch.testing.assert_close(out, F.linear(x, weight), rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(invariant_matmul(x, weight), F.linear(x, weight), rtol=2e-2, atol=2e-2)
             times = [median_us(lambda: F.linear(x, weight), device, runs),
-                     median_us(lambda: invariant_matmul(x, weight), device, runs),
-                     median_us(lambda: row_gemv(x, weight, None), device, runs)]
+                     median_us(lambda: invariant_matmul(x, weight), device, runs)]
             print(f"| {name} {shape[0]}->{shape[1]} | {rows} | {' | '.join(f'{t:.2f}' for t in times)} |", flush=True)
 
 
-def print_sweep(shapes: dict[str, tuple[int, int]], row_counts: list[int], dtype: torch.dtype, runs: int,
-                formats: list[str], rows_kernel: bool) -> None:
-    """Each shape's tiles of the GEMV (`rows_kernel`: the row GEMV's) timed at every row count and
-    format (a router's in bf16); the best by the sum of them all (one tile a shape: the reduction
-    order may not change with the rows), against the default."""
-    from omni_local.engine.dense import gemv_tiles, row_gemv
+def print_sweep(shapes: dict[str, tuple[int, int]], row_counts: list[int], dtype: torch.dtype, runs: int) -> None:
+    """Each shape's GEMV tiles timed at every row count, both formats; the best by the sum of them all
+    (one tile a shape: the reduction order may not change with the rows), against the default."""
     from omni_local.engine.dense.gemv import gemv
+    from omni_local.engine.dense.gemv_tiles import DEFAULT
 
-    multiply, default, space = ((row_gemv.row_gemv, row_gemv.DEFAULT, ROW_SWEEP) if rows_kernel
-                                else (gemv, gemv_tiles.DEFAULT, SWEEP))
     device_name = torch.cuda.get_device_name()
-    print("| projection | default (µs) | best (µs) | best tile | best per case (µs) |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| projection | default (µs) | best (µs) | block_n | block_k | split_k | stages | best per case (µs) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, shape in shapes.items():
         cases = []  # (rows, values, scales)
         for rows in row_counts:
@@ -153,22 +137,21 @@ def print_sweep(shapes: dict[str, tuple[int, int]], row_counts: list[int], dtype
             if name in ROUTERS:
                 cases.append((x, weight, None))
             else:
-                cases += [(x, w.values, w.scales) for w in (quantized(weight, format) for format in formats)]
+                cases += [(x, w.values, w.scales) for w in (quantized(weight, format) for format in ("fp8", "int8"))]
 
         def total_us(tile) -> tuple[float, list[float]]:
-            times = [timed(lambda case=case: multiply(*case, tile), runs) for case in cases]
+            times = [timed(lambda case=case: gemv(*case, tile), runs) for case in cases]
             return sum(times), times
 
-        tiles = [replace(default, **dict(zip(space, values))) for values in itertools.product(*space.values())]
-        if not rows_kernel:
-            tiles = [t for t in tiles if -(-shape[0] // t.block_k) >= t.split_k]  # no split without a K step
-        default_us, _ = total_us(default)
-        (best_us, per_case), tile = min(((total_us(tile), tile) for tile in tiles), key=lambda pair: pair[0][0])
-        print(f"| {name} {shape[0]}->{shape[1]} | {default_us:.2f} | {best_us:.2f} | {tile} "
-              f"| {', '.join(f'{t:.2f}' for t in per_case)} |", flush=True)
+        tiles = [replace(DEFAULT, **dict(zip(SWEEP, values))) for values in itertools.product(*SWEEP.values())]
+        tiles = [t for t in tiles if -(-shape[0] // t.block_k) >= t.split_k]  # no split without a K step
+        default_us, _ = total_us(DEFAULT)
+        best = min(((total_us(tile), tile) for tile in tiles), key=lambda pair: pair[0][0])
+        (best_us, per_case), tile = best
+        print(f"| {name} {shape[0]}->{shape[1]} | {default_us:.2f} | {best_us:.2f} | {tile.block_n} | {tile.block_k} "
+              f"| {tile.split_k} | {tile.num_stages} | {', '.join(f'{t:.2f}' for t in per_case)} |", flush=True)
         print(f"    TUNED[({device_name!r}, {shape[1]}, {shape[0]})] = {tile}", flush=True)
-    print(f"\n(sums over rows {row_counts} x {', '.join(formats)}, a router's over rows in bf16; "
-          "the cases in that order)")
+    print(f"\n(sums over rows {row_counts} x fp8, int8, a router's over rows in bf16; the cases in that order)")
 
 
 def timed(call: Callable[[], object], runs: int) -> float:
@@ -188,25 +171,22 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=ROWS, help="rows a call (the decode batch)")
     parser.add_argument("--runs", type=int, default=200, help="timed calls per cell")
     parser.add_argument("--sweep", action="store_true", help="time the GEMV's tiles instead (GPU only)")
-    parser.add_argument("--sweep-rows", action="store_true", help="time the row GEMV's tiles instead (GPU only)")
-    parser.add_argument("--formats", nargs="+", choices=["fp8", "int8"], default=["fp8", "int8"],
-                        help="the projections' formats a sweep times")
-    parser.add_argument("--shapes", nargs="+", help="these projections, routers and lm_head only (by name)")
+    parser.add_argument("--shapes", nargs="+", help="these projections and routers only (by name)")
     args = parser.parse_args()
     on_gpu = args.device == "cuda"
     if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
         parser.error("on the CPU the GEMV runs in Triton's interpreter: set TRITON_INTERPRET=1")
-    if (args.sweep or args.sweep_rows) and not on_gpu:
-        parser.error("a sweep times tiles on a GPU")
+    if args.sweep and not on_gpu:
+        parser.error("--sweep times tiles on a GPU")
     shapes, routers, dtype = (THINKER, ROUTERS, torch.bfloat16) if on_gpu else (TINY, TINY_ROUTERS, torch.float32)
     if args.shapes:
         shapes, routers = ({name: shape for name, shape in named.items() if name in args.shapes}
-                           for named in (shapes | LM_HEAD, routers))
+                           for named in (shapes, routers))
     device_name = torch.cuda.get_device_name() if on_gpu else "cpu (smoke run: the times mean nothing)"
     print(f"the Thinker's attention projections, {dtype}, {device_name}; median µs of {args.runs}"
           f"{', CUDA graphs, L2 flushed' if on_gpu else ''}\n")
-    if args.sweep or args.sweep_rows:
-        print_sweep(shapes | routers, args.rows, dtype, args.runs, args.formats, rows_kernel=args.sweep_rows)
+    if args.sweep:
+        print_sweep(shapes | routers, args.rows, dtype, args.runs)
     else:
         print_table(shapes, args.rows, dtype, args.device, args.runs)
         print_router_table(routers, args.rows, dtype, args.device, args.runs)

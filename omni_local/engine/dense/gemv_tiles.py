@@ -50,9 +50,9 @@ TUNED: dict[tuple[str, int, int], GemvTile] = {
 
 
 def gemv_tile(out_features: int, in_features: int, device: torch.device) -> GemvTile:
-    return TUNED.get((device_name(device), out_features, in_features), DEFAULT)
+    return TUNED.get((_device_name(device), out_features, in_features), DEFAULT)
 
 
 @cache
-def device_name(device: torch.device) -> str:
+def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

@@ -27,7 +27,10 @@ import triton
 import triton.language as tl
 
 from omni_local.engine.moe.kernels.expert_weights import KernelWeight
-from omni_local.engine.weight_tiles import row_step_terms, row_steps, row_sums
+from omni_local.engine.weight_tiles import INT4_GROUPS, ROW_SCALED, int4_nibbles, row_scales
+
+SLOT_BYTES = 16  # a thread's load of a weight row: the widest one instruction makes
+
 
 @dataclass(frozen=True)
 class PairTile:
@@ -49,6 +52,43 @@ DOWN_TILES = {"int4": PairTile(block_n=8, most_inputs_a_step=512, num_warps=2),
 
 
 @triton.jit
+def _step_terms(row_ptr, rows_ptr, scales_ptr, columns, inside, start, row_stride, scale_row_stride,
+                FORMAT: tl.constexpr, GROUP: tl.constexpr, STEP: tl.constexpr, SLOT: tl.constexpr,
+                SLOTS: tl.constexpr):
+    """[slots, BLOCK_N] float32: the products of inputs [start, start + STEP) of a row and the weight
+    rows `columns` there, each slot's (SLOT bytes of a row) summed (int4: times its group's scale),
+    not yet summed over the slots."""
+    slot = tl.arange(0, SLOTS)
+    byte = tl.arange(0, SLOT)
+    x = tl.load(row_ptr + start + tl.arange(0, STEP)).to(tl.float32)  # the step's inputs, one load
+    if FORMAT == INT4_GROUPS:
+        offsets = start // 2 + slot[:, None, None] * SLOT + byte[None, :, None]
+        packed = tl.load(rows_ptr + columns[None, None, :] * row_stride + offsets, mask=inside[None, None, :],
+                         other=0x88)
+        low, high = int4_nibbles(packed)
+        x_even, x_odd = tl.split(tl.reshape(x, (SLOTS, SLOT, 2)))  # each byte's two inputs
+        sums = tl.sum(x_even[:, :, None] * low + x_odd[:, :, None] * high, axis=1)
+        groups = (start + slot * 2 * SLOT) // GROUP
+        scales = tl.load(scales_ptr + columns[None, :] * scale_row_stride + groups[:, None], mask=inside[None, :],
+                         other=0.0)
+        return sums * scales.to(tl.float32)
+    else:
+        offsets = start + slot[:, None, None] * SLOT + byte[None, :, None]
+        values = tl.load(rows_ptr + columns[None, None, :] * row_stride + offsets, mask=inside[None, None, :],
+                         other=0.0).to(tl.float32)
+        return tl.sum(tl.reshape(x, (SLOTS, SLOT))[:, :, None] * values, axis=1)
+
+
+@triton.jit
+def _finished(terms, scales_ptr, columns, scale_row_stride, inside, FORMAT: tl.constexpr):
+    """[BLOCK_N] float32: the row's sums, from its steps' `terms` (fp8: times each row's scale)."""
+    sums = tl.sum(terms, axis=0)
+    if FORMAT == ROW_SCALED:
+        sums *= row_scales(scales_ptr, columns, scale_row_stride, inside)
+    return sums
+
+
+@triton.jit
 def _gate_up_pairs_kernel(hidden_ptr, weight_ptr, scales_ptr, experts_ptr, out_ptr, hidden_size, intermediate,
                           hidden_stride, weight_expert_stride, weight_row_stride, scale_expert_stride,
                           scale_row_stride, out_stride, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -66,12 +106,12 @@ def _gate_up_pairs_kernel(hidden_ptr, weight_ptr, scales_ptr, experts_ptr, out_p
     gate_terms = tl.zeros([SLOTS, BLOCK_N], dtype=tl.float32)
     up_terms = tl.zeros([SLOTS, BLOCK_N], dtype=tl.float32)
     for start in range(0, hidden_size, STEP):  # gate's and up's loads of a step in flight together
-        gate_terms += row_step_terms(row, gate_rows, gate_scales, columns, inside, start, weight_row_stride,
+        gate_terms += _step_terms(row, gate_rows, gate_scales, columns, inside, start, weight_row_stride,
                                   scale_row_stride, FORMAT, GROUP, STEP, SLOT, SLOTS)
-        up_terms += row_step_terms(row, up_rows, up_scales, columns, inside, start, weight_row_stride,
+        up_terms += _step_terms(row, up_rows, up_scales, columns, inside, start, weight_row_stride,
                                 scale_row_stride, FORMAT, GROUP, STEP, SLOT, SLOTS)
-    gate = row_sums(gate_terms, gate_scales, columns, scale_row_stride, inside, FORMAT)
-    activated = gate / (1.0 + tl.exp(-gate)) * row_sums(up_terms, up_scales, columns, scale_row_stride, inside,
+    gate = _finished(gate_terms, gate_scales, columns, scale_row_stride, inside, FORMAT)
+    activated = gate / (1.0 + tl.exp(-gate)) * _finished(up_terms, up_scales, columns, scale_row_stride, inside,
                                                          FORMAT)
     tl.store(out_ptr + pair.to(tl.int64) * out_stride + columns, activated.to(out_ptr.dtype.element_ty), mask=inside)
 
@@ -90,10 +130,10 @@ def _down_pairs_kernel(inter_ptr, weight_ptr, scales_ptr, experts_ptr, routing_p
     scales = scales_ptr + expert * scale_expert_stride
     terms = tl.zeros([SLOTS, BLOCK_N], dtype=tl.float32)
     for start in range(0, intermediate, STEP):
-        terms += row_step_terms(row, weight_rows, scales, columns, inside, start, weight_row_stride, scale_row_stride,
+        terms += _step_terms(row, weight_rows, scales, columns, inside, start, weight_row_stride, scale_row_stride,
                              FORMAT, GROUP, STEP, SLOT, SLOTS)
     routing = tl.load(routing_ptr + pair).to(tl.float32)
-    sums = row_sums(terms, scales, columns, scale_row_stride, inside, FORMAT)
+    sums = _finished(terms, scales, columns, scale_row_stride, inside, FORMAT)
     tl.store(out_ptr + pair.to(tl.int64) * out_stride + columns, sums * routing, mask=inside)
 
 
@@ -131,5 +171,14 @@ def weighted_down_by_pair(intermediate: torch.Tensor, down: KernelWeight, expert
 
 
 def _steps(weight: KernelWeight, tile: PairTile) -> dict[str, int]:
-    """`row_step_terms`' constants for an expert weight (a byte a value: fp8's, or int4's two)."""
-    return row_steps(weight.format, weight.group, weight.in_features, 1, tile.most_inputs_a_step)
+    """The kernels' format and step constants: inputs a step reads (STEP: the largest power of two up
+    to the tile's that divides the weight's inputs, so no step runs past them), bytes a slot (SLOT:
+    16, or an int4 group's bytes where that is fewer) and slots a step (SLOTS)."""
+    int4 = weight.format == INT4_GROUPS.value
+    slot = min(SLOT_BYTES, weight.group // 2) if int4 else SLOT_BYTES
+    slot_inputs = 2 * slot if int4 else slot
+    step = tile.most_inputs_a_step
+    while weight.in_features % step:
+        step //= 2
+    assert step >= slot_inputs, (weight.in_features, slot_inputs)
+    return dict(FORMAT=weight.format, GROUP=weight.group, STEP=step, SLOT=slot, SLOTS=step // slot_inputs)
