@@ -43,8 +43,10 @@ TUNED: dict[tuple[str, int, int], GemvTile] = {
     ("NVIDIA H200", 5120, 2048): _H200_Q,
     ("NVIDIA H200", 512, 2048): GemvTile(block_n=32, block_k=256, split_k=8, num_stages=3),
     ("NVIDIA H200", 2048, 4096): GemvTile(block_n=32, block_k=128, split_k=8, num_stages=3),
-    # The routers' gates (bfloat16, N 128): chosen, not swept yet, for about 64 programs.
-    ("NVIDIA H200", 128, 2048): GemvTile(block_n=16, block_k=128, split_k=8, num_stages=3),
+    # The routers' gates (bfloat16, N 128). The Thinker's swept (`--sweep --shapes router`, 2026-12-04:
+    # 6.61 us at one row); the Talker's chosen for 32 programs, not swept (7.15 us at one row, against
+    # 7.31 for F.linear: README, run AG).
+    ("NVIDIA H200", 128, 2048): GemvTile(block_n=16, block_k=256, split_k=8, num_stages=4),
     ("NVIDIA H200", 128, 1024): GemvTile(block_n=16, block_k=128, split_k=4, num_stages=3),
 }
 
