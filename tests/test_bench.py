@@ -414,7 +414,8 @@ def test_the_dense_projection_bench_smoke_run_times_each_way_for_each_projection
     ways = ["linear", "fp8 scaled_mm", "fp8 gemv", "int8 pack_mm", "int8 gemv"]
     assert f"| projection | rows | {' | '.join(f'{way} (µs)' for way in ways)} |" in done.stdout
     assert f"| rows | {' | '.join(ways)} |" in done.stdout
-    table = [line.strip("| ").split(" | ") for line in done.stdout.splitlines() if line.startswith("| ")
+    projections_part, _, routers_part = done.stdout.partition("| router | rows | linear (µs) | gemv (µs) |")
+    table = [line.strip("| ").split(" | ") for line in projections_part.splitlines() if line.startswith("| ")
              and line[2].isalnum() and not line.startswith(("| projection", "| rows"))]
     calls, steps = table[:-2], table[-2:]  # each projection's call, then a decode step's 96 of them
     projections = ["qkv_proj 64->192", "o_proj 128->64"]
@@ -422,6 +423,10 @@ def test_the_dense_projection_bench_smoke_run_times_each_way_for_each_projection
     assert [row[0] for row in steps] == ["1", "16"]
     assert all(len(row) == 2 + len(ways) and all(float(cell) > 0 for cell in row[2:]) for row in calls)
     assert all(len(row) == 1 + len(ways) and all(float(cell) > 0 for cell in row[1:]) for row in steps)
+    # Then the router's gate, by F.linear and by the GEMV
+    routers = [line.strip("| ").split(" | ") for line in routers_part.splitlines() if line.startswith("| router ")]
+    assert [row[:2] for row in routers] == [["router 64->16", rows] for rows in ("1", "16")]
+    assert all(len(row) == 4 and all(float(cell) > 0 for cell in row[2:]) for row in routers)
 
 
 def test_the_determinism_bench_smoke_run_counts_differing_replies_for_each_case(demo_settings, demo_checkpoint,
