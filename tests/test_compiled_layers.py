@@ -97,6 +97,29 @@ def test_compiled_layers_match_eager_and_one_graph_serves_every_prefill_length_a
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+@pytest.mark.parametrize("name", ["thinker", "talker"])
+@torch.inference_mode()
+def test_compiled_layers_over_our_attention_kernel_leave_it_the_queries_norm_and_rotation(speaking_app, name):
+    from omni_local.engine.attention import paged_attention
+
+    stack = stacks(speaking_app.backend.loaded.model)[name]
+    config, weight = stack.config, stack.norm.weight
+    shape = KVShape(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, max_tokens=32)
+    stores = {c: KVStore(shape, shape.table_blocks + 1, weight.dtype, weight.device) for c in (False, True)}
+    tables = {c: stores[c].take(shape.table_blocks) for c in (False, True)}
+    regions = {c: LayerRegions(c) for c in (False, True)}
+    start = 0
+    for length in (9, 1, 1):  # a prefill over the kernel, then decode steps
+        embeds = hidden_states(stack, length, seed=200 + start)
+        positions = positions_for(stack, start, length)
+        eager, compiled = (run_layers(stack, stores[c].writer(tables[c], start, paged_attention), embeds, positions,
+                                      regions=regions[c])[0] for c in (False, True))
+        torch.testing.assert_close(compiled, eager, **TOLERANCE)
+        start += length
+    torch.testing.assert_close(stores[True].to_host(tables[True], start).kv,
+                               stores[False].to_host(tables[False], start).kv, **TOLERANCE)
+
+
 def padded_prefill(store: KVStore, table: list[int], length: int, longest: int) -> GraphedKVWriter:
     """The writer of a prefill graph of `length` new tokens at the start of `table`, its indices,
     blocks and offsets [1, length] views of [1, longest] buffers, as BatchGraphs holds them."""

@@ -16,7 +16,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from compile_for_h200 import compile_for_h200
 from conftest import TEST_DEVICE
-from omni_local.engine.attention import gathered_attention, paged_attention
+from omni_local.engine.attention import QueryNormRope, gathered_attention, paged_attention
+from omni_local.engine.attention.reference import normed_and_rotated
 from omni_local.engine.attention.paged import DECODE_SPLIT_ROWS, MAX_DECODE_SPLITS, SPLIT_ROWS
 
 on_cpu = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the interpreter tests run on the CPU run")
@@ -163,6 +164,65 @@ def test_nan_in_rows_no_query_may_read_never_reaches_the_output(case):
     assert ours.isfinite().all() and reference.isfinite().all()
 
 
+def query_norm_rope(query: torch.Tensor, shared_rotary: bool = False) -> QueryNormRope:
+    """A q_norm's weight and eps and a rotary embedding's cos and sin [B, L, head_dim] for `query`
+    [B, heads, L, head_dim] (with `shared_rotary`, [1, L, head_dim] for every sequence)."""
+    batch, _, length, head_dim = query.shape
+    generator = torch.Generator().manual_seed(2)
+    weight = 1 + torch.rand(head_dim, generator=generator)
+    angles = torch.rand((1 if shared_rotary else batch, length, head_dim // 2), generator=generator) * 6.3
+    angles = torch.cat((angles, angles), dim=-1)  # rotary's pairs (d, d + head_dim / 2) share an angle
+    return QueryNormRope(weight.to(query.dtype), 1e-6, angles.cos().to(query.dtype), angles.sin().to(query.dtype))
+
+
+@on_cpu
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "batch-invariant"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize("case", ["decode tokens of sequences of uneven lengths",
+                                  "a group of 3 query heads per kv head, not a power of two",
+                                  "a decode token whose rows need longer splits than the fewest, beside a short one",
+                                  "a short tail on a prefix longer than a split, beside a tail in one split",
+                                  "a tail of two query tiles in the Thinker's group of 8"])
+def test_the_kernel_norms_and_rotates_the_projections_queries_as_the_layer_would(case, dtype, batch_invariant):
+    raw, query_rows, kv = case_inputs(case, dtype)
+    norm_rope = query_norm_rope(raw)
+    prepared = normed_and_rotated(raw, norm_rope)  # transformers' q_norm and apply_rotary_pos_emb, restated
+    tolerance = FLOAT32 if dtype == torch.float32 else FLOAT16
+
+    ours = paged_call(paged_attention, raw, kv, query_rows, batch_invariant=batch_invariant, norm_rope=norm_rope)
+    reference = paged_call(gathered_attention, raw, kv, query_rows, norm_rope=norm_rope)
+
+    expected = paged_call(paged_attention, prepared, kv, query_rows, batch_invariant=batch_invariant)
+    torch.testing.assert_close(ours, expected, **tolerance)
+    torch.testing.assert_close(reference, paged_call(gathered_attention, prepared, kv, query_rows))
+    assert not torch.allclose(ours, paged_call(paged_attention, raw, kv, query_rows), **tolerance)
+
+
+@on_cpu
+def test_one_rotary_embedding_serves_a_whole_batch_as_transformers_broadcasts_it():
+    raw, query_rows, kv = case_inputs("decode tokens of sequences of uneven lengths", torch.float32)
+    shared = query_norm_rope(raw, shared_rotary=True)
+    per_sequence = QueryNormRope(shared.weight, shared.eps, *(t.expand(raw.shape[0], -1, -1).contiguous()
+                                                               for t in (shared.cos, shared.sin)))
+
+    assert torch.equal(paged_call(paged_attention, raw, kv, query_rows, norm_rope=shared),
+                       paged_call(paged_attention, raw, kv, query_rows, norm_rope=per_sequence))
+
+
+def test_the_reference_norm_and_rotation_is_transformers_own():
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (Qwen3OmniMoeThinkerTextRMSNorm,
+                                                                            apply_rotary_pos_emb)
+
+    raw, _ = new_tokens(4, [[3, 4, 5]], torch.bfloat16)
+    norm_rope = query_norm_rope(raw)
+    q_norm = Qwen3OmniMoeThinkerTextRMSNorm(HEAD_DIM, eps=norm_rope.eps).to(torch.bfloat16)
+    q_norm.weight.data.copy_(norm_rope.weight)
+
+    theirs, _ = apply_rotary_pos_emb(q_norm(raw.transpose(1, 2)).transpose(1, 2), raw, norm_rope.cos, norm_rope.sin)
+
+    assert torch.equal(normed_and_rotated(raw, norm_rope), theirs)
+
+
 @on_cpu
 def test_the_kernel_reads_int32_and_int64_block_tables_alike():
     case = "sequences on both sides of a split boundary"
@@ -298,20 +358,24 @@ def test_pools_of_different_layouts_are_refused():
 
 # bfloat16 at the Thinker's group of 8 and head_dim 128: a decode step's split kernel, merged by its
 # last split (its splits from its own rows), a short tail's split the same way, and a long tail's
-# kernel; each also batch-invariant (a tail's splits in its program, no fused multiply-adds).
+# kernel; each also batch-invariant (a tail's splits in its program, no fused multiply-adds), and
+# each with the queries normed and rotated as it loads them.
 COMPILE_FOR_SM90 = """
 from omni_local.engine.attention.paged import _attention_kernel, query_tile
 
 for invariant in (False, True):
     for length, table, partial in ((1, "*i32", True), (8, "*i64", not invariant), (64, "*i64", False)):
-        block_l, block_g = query_tile(8, length, invariant)
-        pointers = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", table_ptr=table, rows_ptr="*i64",
-                        out_ptr="*bf16", acc_ptr="*fp32", stats_ptr="*fp32", counters_ptr="*i32", scale="fp32")
-        kernel = compiled(_attention_kernel, pointers, dict(
-            GROUP=8, BLOCK_G=block_g, BLOCK_L=block_l, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=64,
-            PARTIAL=partial, SPLIT_LOOP=invariant and length > 1, QUERY_SPLITS=length == 1 and not invariant,
-            DOT_PRECISION=None), num_warps=4, num_stages=2, enable_fp_fusion=not invariant)
-        assert ("atom.global" in kernel.asm["ptx"]) == partial
+        for norm_rope in (False, True):
+            block_l, block_g = query_tile(8, length, invariant)
+            pointers = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", table_ptr=table, rows_ptr="*i64",
+                            out_ptr="*bf16", acc_ptr="*fp32", stats_ptr="*fp32", counters_ptr="*i32",
+                            norm_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", scale="fp32", eps="fp32")
+            kernel = compiled(_attention_kernel, pointers, dict(
+                GROUP=8, BLOCK_G=block_g, BLOCK_L=block_l, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=64,
+                PARTIAL=partial, SPLIT_LOOP=invariant and length > 1, QUERY_SPLITS=length == 1 and not invariant,
+                NORM_ROPE=norm_rope, DOT_PRECISION=None), num_warps=4, num_stages=2, enable_fp_fusion=not invariant)
+            assert ("atom.global" in kernel.asm["ptx"]) == partial
+            assert ("rsqrt" in kernel.asm["ptx"]) == norm_rope
 """
 
 

@@ -9,7 +9,10 @@ into the cache), attention, and the work after (output projection, norm, MLP or 
 routed experts run by a MoeBackend, and the next layer's input norm of the output).
 `LayerRegions(compiled=True)` runs the halves before and after as compiled regions: inductor fuses
 their elementwise work (each RMSNorm is six kernels eager, the rotary embedding a dozen, the MoE
-router several, the cache write two), which a CUDA graph alone replays one kernel at a time.
+router several, the cache write two), which a CUDA graph alone replays one kernel at a time. Over our
+attention kernel, the queries' norm and rotary embedding are done by that kernel as it loads them
+(one launch a layer fewer), and the norms outside the layers (the first layer's input, the stack's
+last) by our one-kernel RMSNorm.
 """
 
 import sys
@@ -19,6 +22,7 @@ from collections.abc import Callable, Hashable, Iterable
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from omni_local.engine.attention import QueryNormRope
 from omni_local.engine.fused_qkv import split_qkv
 from omni_local.engine.host_copies import to_device
 from omni_local.engine.kv_store import GraphedKVWriter, KVWriter
@@ -29,23 +33,30 @@ from omni_local.prompts import Prompt
 
 
 def attention_inputs(layer: torch.nn.Module, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     blocks: torch.Tensor, offsets: torch.Tensor, *, key_pool: torch.Tensor,
-                     value_pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     blocks: torch.Tensor, offsets: torch.Tensor, *, key_pool: torch.Tensor, value_pool: torch.Tensor,
+                     kernel_prepares_queries: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A decoder layer's queries, keys and values [B, heads, n, head_dim] for `normed` [B, n, hidden],
     its input through its input_layernorm (made with the layer before's output:
     `attention_output_and_mlp`): its forward from there up to the cache write, the three projections
     as one (`fuse_qkv` made it), and the write: token (b, l)'s key and value into row `offsets[i]` of
     block `blocks[i]` of the pools, i = b * n + l. Compiled, the write is stored by the kernel that
-    makes the keys (no launch of its own).
+    makes the keys (no launch of its own). With `kernel_prepares_queries`, the queries are the
+    projection's alone: the attention kernel norms and rotates them as it loads them (`LayerRegions.run`).
     The places come flat: [B * n] tensors have one stride whatever view of a graph's buffer they were
     (a strided [B, n] view would be a guard of its own, and so another compiled graph)."""
     attention = layer.self_attn
     shape = (*normed.shape[:-1], -1, attention.head_dim)
     queries, keys, values = split_qkv(attention, normed)
-    queries = attention.q_norm(queries.reshape(shape)).transpose(1, 2)
+    queries = queries.reshape(shape)
     keys = attention.k_norm(keys.reshape(shape)).transpose(1, 2)
     values = values.reshape(shape).transpose(1, 2)
-    queries, keys = _modeling(attention).apply_rotary_pos_emb(queries, keys, cos, sin)
+    if kernel_prepares_queries:
+        # Rotates the keys alone: compiled, nothing computes the query half it returns, which is unused.
+        queries = queries.transpose(1, 2)
+        _, keys = _modeling(attention).apply_rotary_pos_emb(keys, keys, cos, sin)
+    else:
+        queries = attention.q_norm(queries).transpose(1, 2)
+        queries, keys = _modeling(attention).apply_rotary_pos_emb(queries, keys, cos, sin)
     # pool[blocks, :, offsets] is [B * n, kv_heads, head_dim]: each new token's row
     key_pool[blocks, :, offsets] = keys.transpose(1, 2).flatten(0, 1)
     value_pool[blocks, :, offsets] = values.transpose(1, 2).flatten(0, 1)
@@ -72,6 +83,8 @@ class LayerRegions:
     def __init__(self, compiled: bool = False, moe: MoeBackend = TORCH) -> None:
         self.moe = moe
         self.compiled = compiled
+        if compiled:
+            import omni_local.engine.rms_norm  # noqa: F401 (registers omni_local::rms_norm; imports Triton)
         self._regions: dict[type, tuple[Callable, Callable]] = {}  # by layer class: the Thinker's, the Talker's, ...
 
     def run(self, layer: torch.nn.Module, hidden: torch.Tensor, normed: torch.Tensor, mask: torch.Tensor | None,
@@ -82,10 +95,16 @@ class LayerRegions:
         before, after = self._regions_for(layer)
         attention = layer.self_attn
         key_pool, value_pool = cache.pools(attention.layer_idx)
+        # Compiled, the queries' norm and rotary embedding are a kernel of their own (the keys', with
+        # the cache write, another): the attention kernel does them as it loads the queries instead.
+        kernel_prepares_queries = self.compiled and cache.attends_in_place
         queries, keys, values = before(layer, normed, *rotary, *cache.places(hidden.shape[1]),
-                                       key_pool=key_pool, value_pool=value_pool)
+                                       key_pool=key_pool, value_pool=value_pool,
+                                       kernel_prepares_queries=kernel_prepares_queries)
         if cache.attends_in_place:  # our kernel over the blocks (Qwen3-Omni's layers have no sliding window)
-            attended = cache.attend(queries, attention.layer_idx, attention.scaling)
+            norm_rope = (QueryNormRope(attention.q_norm.weight, attention.q_norm.variance_epsilon, *rotary)
+                         if kernel_prepares_queries else None)
+            attended = cache.attend(queries, attention.layer_idx, attention.scaling, norm_rope)
         else:
             keys, values = cache.attended_rows(keys, values, attention.layer_idx)
             kernel = ALL_ATTENTION_FUNCTIONS.get_interface(attention.config._attn_implementation,
@@ -93,6 +112,15 @@ class LayerRegions:
             attended, _ = kernel(attention, queries, keys, values, mask, dropout=0.0, scaling=attention.scaling,
                                  sliding_window=attention.sliding_window)
         return after(layer, hidden, attended, next_norm=next_norm, moe=self.moe)
+
+    def norm(self, norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """`hidden` through `norm`, a transformers RMSNorm outside the layers' regions (a stack's first
+        input norm, its final norm). Compiled, by our one-kernel RMSNorm (engine/rms_norm.py), where
+        transformers' is six kernels eager; not a compiled region of its own, which dynamo would trace
+        at start-up for every stack and batch shape."""
+        if not self.compiled:
+            return norm(hidden)
+        return torch.ops.omni_local.rms_norm(hidden, norm.weight, norm.variance_epsilon)
 
     def warm_up_experts(self, layers: Iterable[torch.nn.Module], most_tokens: int) -> None:
         """Runs the MoE backend's warm-up (every kernel for 1 to `most_tokens` tokens) on the first
@@ -201,7 +229,7 @@ def run_layers(
     # Each layer norms its output for the next one. The last one's is never read (the stack's norm
     # follows), but a norm of another class there (the stack's own) would compile the region again.
     next_norms = [layer.input_layernorm for layer in stack.layers[1:]] + [stack.layers[-1].input_layernorm]
-    normed = stack.layers[0].input_layernorm(hidden)
+    normed = regions.norm(stack.layers[0].input_layernorm, hidden)
     for index, (layer, next_norm) in enumerate(zip(stack.layers, next_norms)):
         hidden, normed = regions.run(layer, hidden, normed, mask, cache, rotary, next_norm)
         if keep_layer == index + 1 and keep_layer < last:
@@ -212,11 +240,11 @@ def run_layers(
         if deepstack is not None and index < len(deepstack):
             level = deepstack[index]
             hidden = stack._deepstack_process(hidden, visual_mask, level) if visual_mask is not None else hidden + level
-            normed = next_norm(hidden)
+            normed = regions.norm(next_norm, hidden)
     if keep_layer == last:
-        kept = stack.norm(hidden)
+        kept = regions.norm(stack.norm, hidden)
         return cache.last_states(kept), kept
-    return stack.norm(cache.last_states(hidden)), kept
+    return regions.norm(stack.norm, cache.last_states(hidden)), kept
 
 
 def mrope_positions(owner: torch.nn.Module, prompt: Prompt, device: torch.device) -> tuple[torch.Tensor, int]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from omni_local.engine.attention import PagedAttention
+from omni_local.engine.attention import PagedAttention, QueryNormRope
 from omni_local.engine.attention.reference import gathered
 from omni_local.engine.host_copies import to_device
 from omni_local.engine.kv_blocks import BlockPool
@@ -251,10 +251,13 @@ class KVWriter(_Writer):
         table, end = self._placed.table[None], self._placed.end
         return gathered(keys, table)[:, :, :end], gathered(values, table)[:, :, :end]
 
-    def attend(self, queries: torch.Tensor, layer_idx: int, scaling: float) -> torch.Tensor:
-        """The attention [1, n, heads, head_dim] of `queries` [1, heads, n, head_dim], its rows written already."""
+    def attend(self, queries: torch.Tensor, layer_idx: int, scaling: float, norm_rope: QueryNormRope | None = None
+               ) -> torch.Tensor:
+        """The attention [1, n, heads, head_dim] of `queries` [1, heads, n, head_dim] (to be normed and
+        rotated by `norm_rope` where given), its rows written already."""
         placed = self._placed
-        return self.kernel(queries, *self.pools(layer_idx), placed.table[None], placed.rows[None], scaling)
+        return self.kernel(queries, *self.pools(layer_idx), placed.table[None], placed.rows[None], scaling,
+                           norm_rope=norm_rope)
 
     def _place(self, length: int) -> "_Placed":
         """Where this forward's `length` new rows go, worked out once for all its layers."""
@@ -338,9 +341,11 @@ class GraphedKVWriter(_Writer):
         keys, values = self.pools(layer_idx)
         return gathered(keys, self.tables), gathered(values, self.tables)
 
-    def attend(self, queries: torch.Tensor, layer_idx: int, scaling: float) -> torch.Tensor:
-        """The attention [B, L, heads, head_dim] of `queries` [B, heads, L, head_dim], its rows written already."""
-        return self.kernel(queries, *self.pools(layer_idx), self.tables, self.indices, scaling)
+    def attend(self, queries: torch.Tensor, layer_idx: int, scaling: float, norm_rope: QueryNormRope | None = None
+               ) -> torch.Tensor:
+        """The attention [B, L, heads, head_dim] of `queries` [B, heads, L, head_dim] (to be normed and
+        rotated by `norm_rope` where given), its rows written already."""
+        return self.kernel(queries, *self.pools(layer_idx), self.tables, self.indices, scaling, norm_rope=norm_rope)
 
     def attention_mask(self, implementation: str, length: int, like: torch.Tensor) -> torch.Tensor | None:
         if self.kernel is not None or self.rows == NO_PREFIX:

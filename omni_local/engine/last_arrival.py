@@ -1,15 +1,20 @@
 """One launch for a reduction split among programs: the last program to finish adds the parts.
 
-A split-K GEMV's partial sums and a split decode attention's partial softmaxes used to be added by a
-second kernel. In a decode step that is 96 more launches, each with its gap on the GPU (an H200's
-int4 step: 708 kernels in 3.69 ms of wall time, 2.69 ms of it in kernels). Instead, each program
-writes its part, then counts itself in on its output tile's counter; the one that reads the count
-before last knows every other part is written, and adds them all in a fixed order (split 0, 1, ...),
-so the result does not depend on which program came last: the same bits every run.
+A split-K GEMV's partial sums and a split decode attention's partial softmaxes need adding once
+every split is done. A second kernel to add them would be one more launch, and one more gap on the
+GPU, for every split product in a decode step (two a layer). Instead, each program writes its part,
+then counts itself in on its output tile's counter; the one that reads the count before last knows
+every other part is written, and adds them all in a fixed order (split 0, 1, ...), so the result
+does not depend on which program came last: the same bits every run.
 
 The counters are int32 and zero between launches: the last program sets its tile's back to zero,
-so the next launch, or the next replay of a CUDA graph holding this one, starts from zero. Kernels
-on one stream run one after another, so a stream's launches share one set; each stream has its own.
+so the next launch, or the next replay of a CUDA graph holding this one, starts from zero. That
+holds while the launches holding one set run one after another, which is why a set belongs to one
+stream (kernels on a stream run in order). A CUDA graph keeps the set of the stream it was captured
+on and replays on the stream current at replay: the engine captures and replays its graphs one at a
+time (at start-up, then on its worker thread), so no two of them ever run at once. Torch hands out pooled side
+streams by id, so two graphs captured on side streams of one id share a set: the same rule covers
+them.
 """
 
 import torch

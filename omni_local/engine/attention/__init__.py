@@ -17,13 +17,15 @@ kernel: no mask, nothing gathered).
 
 Both take (query [B, heads, L, head_dim], key_pool, value_pool, block_tables [B, max_blocks],
 query_rows [B, L], scaling) and return [B, L, heads, head_dim] in the query's dtype: new token
-(b, l) attends to rows 0..query_rows[b, l] of its own sequence.
+(b, l) attends to rows 0..query_rows[b, l] of its own sequence. `paged_attention` also takes the
+query as the layer's projection made it, with the layer's `QueryNormRope` to apply as it loads it:
+in a decode step that is one launch a layer fewer than a kernel of their own (the compiled layers'
+way: decoder_stack.py).
 """
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -31,11 +33,29 @@ from omni_local.engine.attention.reference import gathered_attention
 from omni_local.engine.triton_support import triton_refusal, uses_triton
 from omni_local.errors import SettingsError
 
-__all__ = ["AttentionKernels", "PagedAttention", "attention_kernels", "backend_kernel", "gathered_attention",
-           "paged_attention", "without_cudnn_attention"]
+__all__ = ["AttentionKernels", "PagedAttention", "QueryNormRope", "attention_kernels", "backend_kernel",
+           "gathered_attention", "paged_attention", "without_cudnn_attention"]
 
-# (query, key_pool, value_pool, block_tables, query_rows, scaling) -> [B, L, heads, head_dim]
-PagedAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class QueryNormRope:
+    """What a Qwen3-style layer does to its queries before attention: its q_norm, an RMSNorm over
+    head_dim (`weight` [head_dim], `eps`), then the rotary embedding (`cos`, `sin` [B or 1, L,
+    head_dim], as transformers' apply_rotary_pos_emb takes them)."""
+
+    weight: torch.Tensor
+    eps: float
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+class PagedAttention(Protocol):
+    """(query, key_pool, value_pool, block_tables, query_rows, scaling, norm_rope=None) -> [B, L, heads, head_dim]"""
+
+    def __call__(self, query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
+                 block_tables: torch.Tensor, query_rows: torch.Tensor, scaling: float, *,
+                 norm_rope: QueryNormRope | None = None) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from omni_local.engine.attention import QueryNormRope
 from omni_local.engine.last_arrival import arrival_counters, last_to_arrive
 from omni_local.engine.triton_support import dot_precision
 
@@ -54,14 +55,15 @@ LOG2E = tl.constexpr(1.4426950408889634)  # scores in base 2: exp2 is the GPU's 
 
 
 @triton.jit
-def _attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, out_ptr, acc_ptr, stats_ptr, counters_ptr, scale,
-                      length,
+def _attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, out_ptr, acc_ptr, stats_ptr, counters_ptr,
+                      norm_ptr, cos_ptr, sin_ptr, scale, eps, length,
                       heads, kv_heads, table_width, split_rows, num_splits, max_splits, q_stride_b, q_stride_h,
                       q_stride_l, pool_stride_block, pool_stride_head, pool_stride_row, table_stride,
-                      rows_stride, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_L: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                      BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr, SPLIT_LOOP: tl.constexpr,
-                      QUERY_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                      rows_stride, rotary_stride_b, rotary_stride_l, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                      BLOCK_L: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                      BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr,
+                      SPLIT_LOOP: tl.constexpr, QUERY_SPLITS: tl.constexpr, NORM_ROPE: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):
     sequence = tl.program_id(0) // kv_heads
     kv_head = tl.program_id(0) % kv_heads
     # Query row m of the tile: new token `token`, query head `head` of this kv head's group.
@@ -75,6 +77,10 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, out_ptr, acc_ptr
     tile_end = tl.minimum(tl.max(last, axis=0) + 1, table_width * BLOCK_SIZE)  # past the tile's last row
     q_at = sequence.to(tl.int64) * q_stride_b + head[:, None] * q_stride_h + token[:, None] * q_stride_l
     q = tl.load(q_ptr + q_at + d[None, :], mask=real[:, None] & in_dim[None, :], other=0.0)
+    if NORM_ROPE:
+        rotary_at = sequence.to(tl.int64) * rotary_stride_b + token[:, None] * rotary_stride_l
+        q = _normed_and_rotated(q, q_ptr + q_at, norm_ptr, cos_ptr + rotary_at, sin_ptr + rotary_at, eps, d,
+                                real[:, None] & in_dim[None, :], HEAD_DIM)
     if SPLIT_LOOP:
         # Every split of the tile's rows in turn, each walked as a decode step's program walks it and
         # merged in split order as a decode step's last split merges them: the same sums, in one program.
@@ -118,6 +124,30 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, out_ptr, acc_ptr
     # Every real query has row 0 allowed: its sum is > 0.
     out = acc / tl.where(real, row_sum, 1.0)[:, None]
     tl.store(out_ptr + out_row[:, None] * HEAD_DIM + d[None, :], out.to(out_ptr.dtype.element_ty), mask=keep)
+
+
+@triton.jit
+def _normed_and_rotated(q, q_rows, norm_ptr, cos_rows, sin_rows, eps, d, keep, HEAD_DIM: tl.constexpr):
+    """The query rows `q` [M, BLOCK_D] (at `q_rows` [M, 1]) through the layer's q_norm, an RMSNorm
+    over head_dim with weight `norm_ptr` [HEAD_DIM] and `eps`, then the rotary embedding (each row's
+    cos and sin [HEAD_DIM] at `cos_rows`, `sin_rows` [M, 1]): what transformers' layer does to its
+    queries, rounded to their dtype where its modules return. rotate_half's half of a row is the
+    other half of the same row, loaded again where it pairs."""
+    half: tl.constexpr = HEAD_DIM // 2
+    partner = tl.where(d < half, d + half, d - half)
+    in_dim = d < HEAD_DIM
+    dtype = q.dtype
+    value = q.to(tl.float32)
+    partner_value = tl.load(q_rows + partner[None, :], mask=keep, other=0.0).to(tl.float32)
+    inverse_rms = tl.rsqrt(tl.sum(value * value, axis=1) / HEAD_DIM + eps)[:, None]
+    weight = tl.load(norm_ptr + d, mask=in_dim, other=0.0)[None, :]
+    partner_weight = tl.load(norm_ptr + partner, mask=in_dim, other=0.0)[None, :]
+    normed = (weight * (value * inverse_rms).to(dtype)).to(dtype)
+    partner_normed = (partner_weight * (partner_value * inverse_rms).to(dtype)).to(dtype)
+    rotated = tl.where(d[None, :] < half, -partner_normed, partner_normed)  # rotate_half's row
+    cos = tl.load(cos_rows + d[None, :], mask=keep, other=0.0)
+    sin = tl.load(sin_rows + d[None, :], mask=keep, other=0.0)
+    return ((normed * cos).to(dtype) + (rotated * sin).to(dtype)).to(dtype)
 
 
 @triton.jit
@@ -194,7 +224,8 @@ def _merged_splits(acc_ptr, stats_ptr, first, splits, split_rows, last, real, d,
 
 def paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
                     block_tables: torch.Tensor, query_rows: torch.Tensor, scaling: float,
-                    decode_split_rows: int = DECODE_SPLIT_ROWS, batch_invariant: bool = False) -> torch.Tensor:
+                    decode_split_rows: int = DECODE_SPLIT_ROWS, batch_invariant: bool = False,
+                    norm_rope: QueryNormRope | None = None) -> torch.Tensor:
     """Attention [B, L, heads, head_dim] of `query` [B, heads, L, head_dim] over the pools
     [num_blocks, kv_heads, block_size, head_dim] through `block_tables` [B, max_blocks] (int32 or
     int64); new token (b, l) attends to rows 0..query_rows[b, l] of sequence b. Softmax and sums in
@@ -204,7 +235,10 @@ def paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: tor
 
     `batch_invariant`: a token's output is the same bits whatever L, the batch and the prefix are (the
     deterministic setting): one query tile for every L, a tail's rows split as a decode step's and
-    merged in the same order (in its program), and no multiply-add fused where the other would not."""
+    merged in the same order (in its program), and no multiply-add fused where the other would not.
+
+    `norm_rope`: `query` is the layer's projection alone; each program norms and rotates its query
+    rows as it loads them (a split's programs each for themselves: a few hundred multiply-adds)."""
     batch, heads, length, head_dim = query.shape
     _, kv_heads, block_size, _ = key_pool.shape
     check_layout(query, key_pool, value_pool, block_tables, query_rows)
@@ -229,17 +263,34 @@ def paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: tor
     else:
         partial_out = stats = counters = out  # one split writes the output itself; none is read
     fusion = {"enable_fp_fusion": False} if batch_invariant else {}
+    norm, cos, sin, eps, rotary_strides = _norm_rope_arguments(norm_rope, query)
     _attention_kernel[grid](query, key_pool, value_pool, block_tables, query_rows, out, partial_out, stats, counters,
-                            scaling, length, heads, kv_heads, block_tables.shape[1], split_rows, num_splits,
-                            MAX_DECODE_SPLITS, query.stride(0),
+                            norm, cos, sin, scaling, eps, length, heads, kv_heads, block_tables.shape[1], split_rows,
+                            num_splits, MAX_DECODE_SPLITS, query.stride(0),
                             query.stride(1), query.stride(2), key_pool.stride(0), key_pool.stride(1),
-                            key_pool.stride(2), block_tables.stride(0), query_rows.stride(0), GROUP=group,
-                            BLOCK_G=block_g, BLOCK_L=block_l, HEAD_DIM=head_dim,
+                            key_pool.stride(2), block_tables.stride(0), query_rows.stride(0), *rotary_strides,
+                            GROUP=group, BLOCK_G=block_g, BLOCK_L=block_l, HEAD_DIM=head_dim,
                             BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N,
                             PARTIAL=num_splits > 1, SPLIT_LOOP=split_loop, QUERY_SPLITS=query_splits,
-                            DOT_PRECISION=dot_precision(query.dtype),
+                            NORM_ROPE=norm_rope is not None, DOT_PRECISION=dot_precision(query.dtype),
                             num_warps=4, num_stages=2, **fusion)
     return out
+
+
+def _norm_rope_arguments(norm_rope: QueryNormRope | None, query: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, tuple[int, int]]:
+    """The kernel's (norm weight, cos, sin, eps, (cos's and sin's batch and token strides)); with
+    no `norm_rope`, the query in their place, never read."""
+    if norm_rope is None:
+        return query, query, query, 0.0, (0, 0)
+    batch, _, length, head_dim = query.shape
+    cos, sin = norm_rope.cos, norm_rope.sin
+    assert norm_rope.weight.shape == (head_dim,) and norm_rope.weight.is_contiguous(), norm_rope.weight.shape
+    assert cos.shape == sin.shape and cos.stride() == sin.stride() and cos.stride(-1) == 1, (cos.shape, sin.shape)
+    assert cos.shape[0] in (1, batch) and cos.shape[1:] == (length, head_dim), (cos.shape, query.shape)
+    assert head_dim % 2 == 0, head_dim
+    batch_stride = cos.stride(0) if cos.shape[0] == batch else 0  # one sequence's rotary for all: broadcast
+    return norm_rope.weight, cos, sin, norm_rope.eps, (batch_stride, cos.stride(1))
 
 
 def _split_rows(length: int, rows: int, split_loop: bool) -> int:

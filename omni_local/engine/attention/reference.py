@@ -6,16 +6,24 @@ It reads a fixed number of blocks per sequence (`blocks`, default the table's wi
 sequences' lengths: a CUDA graph captured for a bucket of rows replays it unchanged.
 """
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from omni_local.engine.attention import QueryNormRope
 
 
 def gathered_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
                        block_tables: torch.Tensor, query_rows: torch.Tensor, scaling: float,
-                       blocks: int | None = None) -> torch.Tensor:
-    """Attention [B, L, heads, head_dim] of `query` [B, heads, L, head_dim] over the first `blocks`
-    blocks of each sequence's `block_tables` row [B, max_blocks] in the pools [num_blocks, kv_heads,
-    block_size, head_dim]; new token (b, l) attends to rows 0..query_rows[b, l] of sequence b."""
+                       blocks: int | None = None, norm_rope: "QueryNormRope | None" = None) -> torch.Tensor:
+    """Attention [B, L, heads, head_dim] of `query` [B, heads, L, head_dim] (first through
+    `norm_rope`, where given) over the first `blocks` blocks of each sequence's `block_tables` row
+    [B, max_blocks] in the pools [num_blocks, kv_heads, block_size, head_dim]; new token (b, l)
+    attends to rows 0..query_rows[b, l] of sequence b."""
+    if norm_rope is not None:
+        query = normed_and_rotated(query, norm_rope)
     table = block_tables[:, : blocks or block_tables.shape[1]]
     keys, values = gathered(key_pool, table), gathered(value_pool, table)
     rows = torch.arange(keys.shape[2], device=query.device)
@@ -25,6 +33,18 @@ def gathered_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: 
     keys, values = keys.masked_fill(~own, 0), values.masked_fill(~own, 0)
     allowed = rows[None, None, None, :] <= query_rows[:, None, :, None]  # [B, 1, L, rows]
     return grouped_sdpa(query, keys, values, allowed, scaling)
+
+
+def normed_and_rotated(query: torch.Tensor, norm_rope: "QueryNormRope") -> torch.Tensor:
+    """`query` [B, heads, L, head_dim] through a layer's q_norm and rotary embedding, as transformers'
+    RMSNorm and apply_rotary_pos_emb compute them."""
+    dtype = query.dtype
+    value = query.float()
+    inverse_rms = torch.rsqrt(value.pow(2).mean(-1, keepdim=True) + norm_rope.eps)
+    normed = norm_rope.weight * (value * inverse_rms).to(dtype)
+    half = query.shape[-1] // 2
+    rotated = torch.cat((-normed[..., half:], normed[..., :half]), dim=-1)
+    return normed * norm_rope.cos[:, None] + rotated * norm_rope.sin[:, None]
 
 
 def gathered(pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
