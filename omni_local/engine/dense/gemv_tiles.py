@@ -34,13 +34,12 @@ DEFAULT = GemvTile()
 
 # Tuned tiles by (GPU name, N, K). A tile tuned on one GPU may not fit another's shared memory, so
 # each GPU has its own. The H200's: `python -m omni_local.bench.dense_projections --sweep --runs 30`
-# (2026-12-02, torch 2.11, Triton 3.6; the best sum over 1 and 16 rows, fp8 and int8) for the
-# Thinker's q_proj, k_proj and o_proj before q, k and v were fused; the fused qkv_proj (N 5,120)
-# takes q_proj's tile, not swept itself: 160 programs, as q_proj's 128 about one per SM.
-_H200_Q = GemvTile(block_n=32, block_k=256, split_k=1, num_stages=4)
+# (torch 2.11, Triton 3.6; the best sum over 1 and 16 rows, fp8 and int8) for the Thinker's q_proj
+# and k_proj before q, k and v were fused (2026-12-02), and for the fused qkv_proj (N 5,120) and
+# o_proj once a split's sums cost no launch of their own (2026-12-04: README, run AH).
 TUNED: dict[tuple[str, int, int], GemvTile] = {
-    ("NVIDIA H200", 4096, 2048): _H200_Q,
-    ("NVIDIA H200", 5120, 2048): _H200_Q,
+    ("NVIDIA H200", 4096, 2048): GemvTile(block_n=32, block_k=256, split_k=1, num_stages=4),
+    ("NVIDIA H200", 5120, 2048): GemvTile(block_n=32, block_k=128, split_k=4, num_stages=3),
     ("NVIDIA H200", 512, 2048): GemvTile(block_n=32, block_k=256, split_k=8, num_stages=3),
     ("NVIDIA H200", 2048, 4096): GemvTile(block_n=32, block_k=128, split_k=8, num_stages=3),
     # The routers' gates (bfloat16, N 128). The Thinker's swept (`--sweep --shapes router`, 2026-12-04:
