@@ -143,11 +143,13 @@ def test_a_row_times_its_runs_after_one_warm_up_run_unless_told_to_time_the_firs
     assert median_of(1, measure, warm_up=False) == {"ttft_ms": 20.0} and seen == [0]
 
 
+@pytest.mark.parametrize("timing", [[], ["--queued"]], ids=["each step alone", "steps queued back to back"])
 def test_the_decode_step_bench_smoke_run_prints_a_step_time_for_each_batch_and_context(
-    demo_settings, demo_checkpoint, tmp_path
+    demo_settings, demo_checkpoint, tmp_path, timing
 ):
-    done = run_part_bench("decode_steps", demo_settings, tmp_path, "--runs", "1")
+    done = run_part_bench("decode_steps", demo_settings, tmp_path, "--runs", "1", *timing)
     assert done.returncode == 0, done.stderr
+    assert ("queued back to back" in done.stdout) == bool(timing)
     table = [line for line in done.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [line.split(" | ")[0] for line in table] == ["| 1", "| 2", "| 4", "| 8", "| 16"][: len(table)]
     assert len(table) >= 2 and all(float(cell) > 0 for line in table for cell in line.strip("| ").split(" | ")[1:])

@@ -13,6 +13,13 @@ per token each chat sees. Each chat decodes at row `context - 1` of its own bloc
 the rows before it as they are (their values do not change the time); the step is timed as the
 median of --runs after a warm-up step. B chats of C rows need B x C rows of KV: pass
 --gpu-cache-bytes for the largest (16 chats of 4,096 rows: 6 GiB at full size).
+
+Each step is timed alone by default: the host's work before it (the step's inputs, the graph's
+launch) is in its time, then the host waits for the device. The engine does not wait: it queues a
+step, then reads the step before, so with graphs the device runs step after step while the host
+prepares the next. `--queued` times steps that way: --runs steps queued back to back between two
+waits, their mean; the median of five such rounds. That is the time per token a chat sees while
+the host keeps ahead of the device, without the host's jitter in it.
 """
 
 from collections.abc import Callable, Iterator
@@ -28,6 +35,7 @@ from omni_local.engine.thinker import ThinkerRunner
 
 BATCHES = [1, 2, 4, 8, 16]
 CONTEXTS = [256, 1024, 4096]
+QUEUED_ROUNDS = 5  # --queued: rounds of --runs steps each
 
 
 @contextmanager
@@ -58,15 +66,20 @@ def device_label(runner: ThinkerRunner) -> str:
     return f"device {torch.cuda.get_device_name() if runner.device.type == 'cuda' else 'cpu'}, dtype {runner.dtype}"
 
 
-def step_ms(runner: ThinkerRunner, batch: int, context: int, runs: int) -> float:
+def step_ms(runner: ThinkerRunner, batch: int, context: int, runs: int, queued: bool = False) -> float:
     with held_tables(runner, batch, context) as tables:
-        return median_wall_ms(decode_step(runner, tables, context), runs)
+        step = decode_step(runner, tables, context)
+        if not queued:
+            return median_wall_ms(step, runs)
+        return median_wall_ms(lambda: [step() for _ in range(runs)], QUEUED_ROUNDS) / runs
+
 
 
 def main() -> None:
     parser = bench_parser("python -m omni_local.bench.decode_steps")
     parser.add_argument("--chats", type=int, nargs="+", default=BATCHES, help="chats decoding together (rows)")
     parser.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS, help="rows of context (columns)")
+    parser.add_argument("--queued", action="store_true", help="steps queued back to back, as the engine runs them")
     args = parser.parse_args()
     settings, loaded = settings_and_model(args)
     with OmniLocal(settings, loaded=loaded) as app:
@@ -75,12 +88,14 @@ def main() -> None:
         batches = [b for b in args.chats if fits(runner, b, max(contexts))]
         graphed = "graphed" if runner.decode_graphs is not None else "eager"
         deterministic = ", deterministic" if settings.deterministic else ""
+        timing = (f"mean of {args.runs} queued back to back, median of {QUEUED_ROUNDS} rounds" if args.queued
+                  else f"median of {args.runs}")
         print(f"Thinker decode step ({graphed}, MoE backend {runner.regions.moe.name}{deterministic}), ms per step, "
-              f"median of {args.runs}; {device_label(runner)}\n")
+              f"{timing}; {device_label(runner)}\n")
         print("| chats | " + " | ".join(f"context {c}" for c in contexts) + " |")
         print("| --- |" + " --- |" * len(contexts))
         for batch in batches:
-            cells = [f"{step_ms(runner, batch, context, args.runs):.2f}" for context in contexts]
+            cells = [f"{step_ms(runner, batch, context, args.runs, args.queued):.2f}" for context in contexts]
             print(f"| {batch} | " + " | ".join(cells) + " |", flush=True)
 
 
