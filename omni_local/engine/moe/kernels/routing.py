@@ -32,23 +32,17 @@ def route_tokens(logits_ptr, weights_ptr, experts_ptr, first, tokens, num_expert
     sums = tl.sum(exps, axis=1)
     probabilities = exps / tl.where(real, sums, 1.0)[:, None]
     # Top-k by k rounds of argmax: the best left, the lowest index among equals (as torch.topk on
-    # the GPU), then struck out. One reduction a round, not a max then a min over its ties: each
-    # expert's key is its probability's bits above its index, reversed, so the largest key is the
-    # best probability's lowest index. Probabilities are >= 0, whose float32 bits order as int32;
-    # -1's are negative as an int32, below any of them: a struck or absent expert's.
+    # the GPU), then struck out. Probabilities are >= 0, so -1 is below any of them.
     left = tl.where(present[None, :], probabilities, -1.0)
-    keys = (left.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - offsets)[None, :]
-    struck = (tl.full([], -1.0, tl.float32).to(tl.int32, bitcast=True).to(tl.int64) << 32)
     slots = tl.arange(0, BLOCK_K)
     top_weights = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
     top_experts = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
     for k in tl.static_range(TOP_K):
-        best = tl.max(keys, axis=1)
-        chosen = (BLOCK_E - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
-        weight = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-        top_weights = tl.where(slots[None, :] == k, weight[:, None], top_weights)
+        best = tl.max(left, axis=1)
+        chosen = tl.min(tl.where(left == best[:, None], offsets[None, :], BLOCK_E), axis=1)
+        top_weights = tl.where(slots[None, :] == k, best[:, None], top_weights)
         top_experts = tl.where(slots[None, :] == k, chosen[:, None], top_experts)
-        keys = tl.where(offsets[None, :] == chosen[:, None], struck, keys)
+        left = tl.where(offsets[None, :] == chosen[:, None], -1.0, left)
     if RENORMALIZE:
         top_weights = top_weights / tl.where(real, tl.sum(top_weights, axis=1), 1.0)[:, None]  # past TOP_K: 0
     kept = real[:, None] & (slots[None, :] < TOP_K)
