@@ -74,7 +74,6 @@ def step_ms(runner: ThinkerRunner, batch: int, context: int, runs: int, queued: 
         return median_wall_ms(lambda: [step() for _ in range(runs)], QUEUED_ROUNDS) / runs
 
 
-
 def main() -> None:
     parser = bench_parser("python -m omni_local.bench.decode_steps")
     parser.add_argument("--chats", type=int, nargs="+", default=BATCHES, help="chats decoding together (rows)")

@@ -37,7 +37,6 @@ __all__ = ["AttentionKernels", "PagedAttention", "QueryNormRope", "attention_ker
            "gathered_attention", "paged_attention", "without_cudnn_attention"]
 
 
-
 @dataclass(frozen=True)
 class QueryNormRope:
     """What a Qwen3-style layer does to its queries before attention: its q_norm, an RMSNorm over
