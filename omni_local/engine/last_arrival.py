@@ -2,10 +2,10 @@
 
 A split-K GEMV's partial sums and a split decode attention's partial softmaxes need adding once
 every split is done. A second kernel to add them would be one more launch, and one more gap on the
-GPU, for every split product in a decode step (two a layer). Instead, each program writes its part,
-then counts itself in on its output tile's counter; the one that reads the count before last knows
-every other part is written, and adds them all in a fixed order (split 0, 1, ...), so the result
-does not depend on which program came last: the same bits every run.
+GPU, for every split product in a decode step (a layer's GEMVs and its attention). Instead, each
+program writes its part, then counts itself in on its output tile's counter; the one that reads the
+count before last knows every other part is written, and adds them all in a fixed order (split 0,
+1, ...), so the result does not depend on which program came last: the same bits every run.
 
 The counters are int32 and zero between launches: the last program sets its tile's back to zero,
 so the next launch, or the next replay of a CUDA graph holding this one, starts from zero. That
