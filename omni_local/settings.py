@@ -47,7 +47,8 @@ class Settings:
     model_kind: Literal["auto", "instruct", "thinking", "captioner"] = setting(
         "model", "auto",
         "which Qwen3-Omni checkpoint it is; 'auto': one with a Talker is Instruct, one whose chat template opens a"
-        " reasoning block is Thinking, another is the Captioner",
+        " reasoning block is Thinking, one whose folder is named for the Captioner is the Captioner, another is"
+        " Instruct without speech",
     )
     demo_dir: str = setting("model", "", "where the demo model is written; '' is <cache_dir>/demo")
     # [engine]

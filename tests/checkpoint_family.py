@@ -10,7 +10,8 @@ weights, so deterministic), its tokenizer and processor. What tells them apart i
   generation prompt opens the block (`<|im_start|>assistant\\n<think>\\n`), so a reply starts
   reasoning and holds only `</think>`.
 - The Captioner's is Instruct's own (it is Instruct fine-tuned to caption a clip; a user turn of
-  one audio clip renders as it would there).
+  one audio clip renders as it would there). Its files are then what Instruct exported without its
+  Talker holds (`write_thinker_only`): only its name, Qwen's "...-Captioner", tells it apart.
 """
 
 import json
@@ -75,14 +76,16 @@ THINKING_TEMPLATE = _thinking_template()
 
 
 def write_thinking(demo: Path, target: Path) -> Path:
-    return _write_thinker_only(demo, target, THINKING_TEMPLATE)
+    return write_thinker_only(demo, target, THINKING_TEMPLATE)
 
 
 def write_captioner(demo: Path, target: Path) -> Path:
-    return _write_thinker_only(demo, target, CHAT_TEMPLATE)
+    """The Captioner, at `target`: a path whose name (or, in the Hugging Face cache, whose
+    repository's) names the Captioner."""
+    return write_thinker_only(demo, target)
 
 
-def _write_thinker_only(demo: Path, target: Path, template: str) -> Path:
+def write_thinker_only(demo: Path, target: Path, template: str = CHAT_TEMPLATE) -> Path:
     """The demo without its Talker and Code2Wav, with `template` as its chat template."""
     shutil.copytree(demo, target)
     config = json.loads((target / "config.json").read_text(encoding="utf-8"))

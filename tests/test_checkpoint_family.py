@@ -9,6 +9,7 @@ import pytest
 import soundfile
 import torch
 
+from checkpoint_family import write_captioner, write_thinker_only
 from replies import NEW_TOKENS, model_inputs, reference_tokens
 from samples import clip, picture
 from omni_local.api import OmniLocal, ReasoningDelta, TextDelta
@@ -60,9 +61,27 @@ def test_each_member_is_recognised_from_its_talker_and_chat_template(
     assert load_model(demo_settings.replace(model=str(captioner_checkpoint))).kind == "captioner"
 
 
-def test_the_model_kind_setting_overrides_the_recognition(demo_settings, captioner_checkpoint):
+def test_the_model_kind_setting_overrides_the_recognition(
+        demo_settings, demo_checkpoint, captioner_checkpoint, tmp_path):
     settings = demo_settings.replace(model=str(captioner_checkpoint), model_kind="instruct")
     assert load_model(settings).kind == "instruct"
+    text_only = write_thinker_only(demo_checkpoint, tmp_path / "Qwen3-Omni-text-only")
+    assert load_model(demo_settings.replace(model=str(text_only), model_kind="captioner")).kind == "captioner"
+
+
+def test_an_instruct_checkpoint_exported_without_its_talker_is_instruct_and_answers_typed_text(
+        demo_settings, demo_checkpoint, tmp_path):
+    # Its files are the Captioner's (the Thinker alone, Instruct's template): only the name differs.
+    text_only = write_thinker_only(demo_checkpoint, tmp_path / "Qwen3-Omni-30B-A3B-Instruct-text-only")
+    with OmniLocal(demo_settings.replace(model=str(text_only))) as app:
+        assert (app.info.kind, app.info.speech) == ("instruct", False)
+        assert app.session().send(QUESTION, max_new_tokens=2).result().token_ids
+
+
+def test_the_captioner_is_recognised_in_the_hugging_face_cache_by_its_repository_name(
+        demo_settings, demo_checkpoint, tmp_path):
+    snapshot = tmp_path / "models--Qwen--Qwen3-Omni-30B-A3B-Captioner" / "snapshots" / "a2bd106cbf52"
+    assert load_model(demo_settings.replace(model=str(write_captioner(demo_checkpoint, snapshot)))).kind == "captioner"
 
 
 def test_speech_on_a_checkpoint_without_a_talker_is_a_clear_error(demo_settings, thinking_checkpoint):

@@ -76,7 +76,7 @@ def load_model(settings: Settings, before_loading: Callable[[torch.nn.Module], N
         processor = load_processor(path)
     except (OSError, ValueError, TypeError, KeyError) as error:
         raise CheckpointError(f"could not load the processor files in '{path}': {error}") from None
-    kind = recognise_kind(settings.model_kind, talker, processor)
+    kind = recognise_kind(settings.model_kind, talker, processor, path)
     # Without speech the Talker and Code2Wav are never built, so their weights are skipped on load.
     config.enable_audio_output = settings.speech
     if quantization is not None:
@@ -102,14 +102,28 @@ def load_model(settings: Settings, before_loading: Callable[[torch.nn.Module], N
                        quantized=quantized)
 
 
-def recognise_kind(setting: str, talker: bool, processor: Qwen3OmniMoeProcessor) -> ModelKind:
+def recognise_kind(setting: str, talker: bool, processor: Qwen3OmniMoeProcessor, path: Path) -> ModelKind:
     """Which member of the family a checkpoint is: the `model_kind` setting's, unless 'auto'. Only
-    Instruct has a Talker; of the two without, Thinking's chat template opens a reasoning block."""
+    Instruct has a Talker; of the two without, Thinking's chat template opens a reasoning block.
+    The Captioner's files are what Instruct exported without its Talker holds (it is Instruct
+    fine-tuned, with Instruct's template), so only its name tells it: one that is not named so is
+    taken for Instruct without speech, which answers typed text."""
     if setting != "auto":
         return setting
     if talker:
         return "instruct"
-    return "thinking" if template_opens_reasoning(processor) else "captioner"
+    if template_opens_reasoning(processor):
+        return "thinking"
+    return "captioner" if _named_captioner(path) else "instruct"
+
+
+def _named_captioner(path: Path) -> bool:
+    """Whether the checkpoint's folder is named for the Captioner (Qwen's "Qwen3-Omni-30B-A3B-Captioner",
+    or a name made from it); in the Hugging Face cache, .../models--Qwen--<name>/snapshots/<commit>."""
+    names = [path.name]
+    if path.parent.name == "snapshots":
+        names.append(path.parent.parent.name)
+    return any("captioner" in name.lower() for name in names)
 
 
 def quiet_library_logs() -> None:
