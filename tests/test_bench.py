@@ -14,15 +14,19 @@ import pytest
 import torch
 from transformers.utils import is_torchvision_available
 
+from omni_local.api.messages import Message
 from omni_local.bench.__main__ import chosen_scenarios, median_of
 from omni_local.bench.beside import longest_gap
 from omni_local.bench.compile_log import compile_log
+from omni_local.bench.decode_steps import chat_contexts, chat_tokens, decode_step, held_tables
 from omni_local.bench.profile_decode import (
     ATTENTION, CATEGORIES, DENSE, ELEMENTWISE, EXPERTS, KV, OTHER, ROUTING, category,
 )
 from omni_local.bench.profile_turn import busy_ms, longest_read_gap, within
+from omni_local.bench.scenarios import QUESTION, SYSTEM, Scenario, noise_image, question, scenarios
 from omni_local.engine.phases import (BEGIN_SPEECH, BUILD_PROMPT, CLAIM_KV, COLLECT, DECODE, ENCODE_MEDIA, FIRST_TOKEN,
                                       PREFILL, PREPARE, SPEECH_FRAME, phase)
+from omni_local.prompts import build_prompt
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE_ON, CACHE_OFF = "omni_local, cache on", "omni_local, cache off"
@@ -153,6 +157,36 @@ def test_the_decode_step_bench_smoke_run_prints_a_step_time_for_each_batch_and_c
     table = [line for line in done.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [line.split(" | ")[0] for line in table] == ["| 1", "| 2", "| 4", "| 8", "| 16"][: len(table)]
     assert len(table) >= 2 and all(float(cell) > 0 for line in table for cell in line.strip("| ").split(" | ")[1:])
+
+
+def test_each_chat_of_a_decode_step_bench_row_decodes_its_own_token_at_its_own_row(app):
+    runner = app.backend.engine.runner
+    vocab = runner.model.get_input_embeddings().num_embeddings
+    assert chat_contexts(1, 256) == [256], "one chat decodes at the column's row"
+    contexts, tokens = chat_contexts(16, 256), chat_tokens(16, vocab)
+    assert len(set(contexts)) == 16 and min(contexts) == 224 and max(contexts) == 288
+    assert len(set(tokens)) == 16 and all(0 <= t < vocab for t in tokens)
+    with held_tables(runner, contexts[:4]) as tables:
+        logits = decode_step(runner, tables, contexts[:4])()
+    assert all(not torch.equal(logits[i], logits[j]) for i in range(4) for j in range(i + 1, 4))
+
+
+def test_every_chat_of_a_concurrent_scenario_computes_a_prompt_of_its_own(app):
+    processor = app.backend.loaded.processor
+    concurrent = [s for s in scenarios(processor.tokenizer) if s.concurrency > 1]
+    assert concurrent, "the bench has concurrent rows"
+    for scenario in concurrent:
+        prompts = [tuple(build_prompt([Message("system", [scenario.system]), question(scenario, 0, chat)],
+                                      processor).input_ids[0].tolist()) for chat in range(scenario.concurrency)]
+        assert len(set(prompts)) == scenario.concurrency, scenario.name
+
+
+def test_the_other_chats_of_a_concurrent_image_row_ask_about_images_of_their_own():
+    scenario = Scenario("image c2", SYSTEM, [], Message("user", [noise_image((32, 48)), QUESTION]), concurrency=2)
+    first, second = (question(scenario, 0, chat) for chat in range(2))
+    assert first.text != second.text
+    assert first.images()[0].size == second.images()[0].size == (48, 32)
+    assert first.images()[0].tobytes() != second.images()[0].tobytes()
 
 
 @pytest.mark.parametrize("weights", ["bf16", "int4"])

@@ -17,7 +17,9 @@ reads a reply before the next question. The engine uses such idle time to keep b
 of need (moving the least recently used chats to host memory, a copy of their whole KV); a request
 sent back to back with the one before would wait for that move.
 
-Concurrent rows (c8, c16): that many sessions send their timed turn at once; the row is the median
+Concurrent rows (c8, c16): that many sessions send their timed turn at once, each its own question
+(scenarios.py), as that many users would (identical chats would compute identical tokens, routed to
+the same experts: a figure about half what 16 users see); the row is the median
 over the requests of each one's TTFT and ITL (the engine's own timings). Give the engine a seat
 per session (--max-running-requests, 16 by default) and room for their KV (--gpu-cache-bytes),
 or the rows include waiting for them. transformers runs those
@@ -106,7 +108,8 @@ def _timed_turn(app: OmniLocal, scenario: Scenario, run: int, new_tokens: int, r
     """The median over `scenario.concurrency` sessions that send their timed turn at the same time."""
     sessions = [opened(app, scenario, run, chat, new_tokens, scenario.speak) for chat in range(scenario.concurrency)]
     time.sleep(reading_s)
-    replies = [send(session, question(scenario, run), new_tokens, scenario.speak) for session in sessions]
+    replies = [send(session, question(scenario, run, chat), new_tokens, scenario.speak)
+               for chat, session in enumerate(sessions)]
     # Every request is submitted before any is read; each reply's stream is read on its own thread,
     # as concurrent clients would. The times are the engine's own (Finished.timings).
     with ThreadPoolExecutor(len(replies)) as pool:
@@ -122,7 +125,8 @@ def _in_turn(app: OmniLocal, scenario: Scenario, run: int, new_tokens: int) -> d
         _IN_TURN_CHATS[key] = [opened(app, scenario, run, chat, new_tokens, scenario.speak)
                                for chat in range(scenario.in_turn)]
     sessions = _IN_TURN_CHATS[key]
-    return _over_requests([send(s, question(scenario, run), new_tokens, scenario.speak).result() for s in sessions])
+    return _over_requests([send(s, question(scenario, run, chat), new_tokens, scenario.speak).result()
+                           for chat, s in enumerate(sessions)])
 
 
 def _over_requests(finals: list[Finished]) -> dict[str, float]:

@@ -11,8 +11,13 @@ The main bench's ITL at c8 or c16 also holds the other chats' prefills, which st
 while the chats start; this is the steady state after that, when nothing but decoding runs: the time
 per token each chat sees. Each chat decodes at row `context - 1` of its own blocks, attending over
 the rows before it as they are (their values do not change the time); the step is timed as the
-median of --runs after a warm-up step. B chats of C rows need B x C rows of KV: pass
+median of --runs after a warm-up step. B chats of C rows need about B x C rows of KV: pass
 --gpu-cache-bytes for the largest (16 chats of 4,096 rows: 6 GiB at full size).
+
+The chats are distinct, as real users' are: each decodes its own token (spread over the vocabulary)
+at its own row (spread evenly over C x 7/8 to C x 9/8; one chat decodes at row C - 1). Identical
+rows would route to the same experts, so a step of 16 identical chats reads the experts of one
+(8 a layer) where 16 real chats read about 82 of the 128: a figure no user sees.
 
 Each step is timed alone by default: the host's work before it (the step's inputs, the graph's
 launch) is in its time, then the host waits for the device. The engine does not wait: it queues a
@@ -26,6 +31,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 
+import numpy as np
 import torch
 
 from omni_local.api import OmniLocal
@@ -36,13 +42,27 @@ from omni_local.engine.thinker import ThinkerRunner
 BATCHES = [1, 2, 4, 8, 16]
 CONTEXTS = [256, 1024, 4096]
 QUEUED_ROUNDS = 5  # --queued: rounds of --runs steps each
+SPREAD = 8  # chats' contexts lie within context / SPREAD of the column's
+
+
+def chat_contexts(batch: int, context: int) -> list[int]:
+    """The rows of context each of `batch` chats has: spread evenly around `context`, `context` itself
+    for one chat."""
+    if batch == 1:
+        return [context]
+    return [round(c) for c in np.linspace(context - context / SPREAD, context + context / SPREAD, batch)]
+
+
+def chat_tokens(batch: int, vocab: int) -> list[int]:
+    """A distinct token for each of `batch` chats, drawn over the whole vocabulary (the same every run)."""
+    return np.random.default_rng(batch).choice(vocab, batch, replace=False).tolist()
 
 
 @contextmanager
-def held_tables(runner: ThinkerRunner, batch: int, context: int) -> Iterator[list[BlockTable]]:
-    """Block tables of `context` rows for `batch` chats, from the runner's free blocks, given back
+def held_tables(runner: ThinkerRunner, contexts: list[int]) -> Iterator[list[BlockTable]]:
+    """A block table for each chat, of its context's rows, from the runner's free blocks, given back
     after. The engine's worker is idle: the blocks it does not hold are ours for the steps."""
-    tables = [runner.kv.take(runner.kv.shape.blocks_for(context)) for _ in range(batch)]
+    tables = [runner.kv.take(runner.kv.shape.blocks_for(context)) for context in contexts]
     try:
         yield tables
     finally:
@@ -50,16 +70,21 @@ def held_tables(runner: ThinkerRunner, batch: int, context: int) -> Iterator[lis
             runner.kv.pool.release(table)
 
 
+def within_context(runner: ThinkerRunner, context: int) -> bool:
+    """Whether the chats spread around `context` stay within a sequence's rows."""
+    return context + context / SPREAD <= runner.kv.shape.max_tokens
+
+
 def fits(runner: ThinkerRunner, batch: int, context: int) -> bool:
-    """Whether `batch` chats of `context` rows fit the free blocks and the decode step's batch."""
+    """Whether `batch` chats around `context` rows fit the free blocks and the decode step's batch."""
     kv = runner.kv
-    return batch <= runner.max_batch and batch * kv.shape.blocks_for(context) <= kv.pool.free
+    return batch <= runner.max_batch and sum(map(kv.shape.blocks_for, chat_contexts(batch, context))) <= kv.pool.free
 
 
-def decode_step(runner: ThinkerRunner, tables: list[BlockTable], context: int) -> Callable[[], object]:
-    """The step timed here: each chat decodes token 0 at row `context - 1` of its blocks."""
-    batch = len(tables)
-    return partial(runner.decode, tables, [0] * batch, [context - 1] * batch, [0] * batch)
+def decode_step(runner: ThinkerRunner, tables: list[BlockTable], contexts: list[int]) -> Callable[[], object]:
+    """The step timed here: each chat decodes its own token at the last row of its context."""
+    tokens = chat_tokens(len(tables), runner.model.get_input_embeddings().num_embeddings)
+    return partial(runner.decode, tables, tokens, [c - 1 for c in contexts], [0] * len(tables))
 
 
 def device_label(runner: ThinkerRunner) -> str:
@@ -67,8 +92,9 @@ def device_label(runner: ThinkerRunner) -> str:
 
 
 def step_ms(runner: ThinkerRunner, batch: int, context: int, runs: int, queued: bool = False) -> float:
-    with held_tables(runner, batch, context) as tables:
-        step = decode_step(runner, tables, context)
+    contexts = chat_contexts(batch, context)
+    with held_tables(runner, contexts) as tables:
+        step = decode_step(runner, tables, contexts)
         if not queued:
             return median_wall_ms(step, runs)
         return median_wall_ms(lambda: [step() for _ in range(runs)], QUEUED_ROUNDS) / runs
@@ -83,14 +109,14 @@ def main() -> None:
     settings, loaded = settings_and_model(args)
     with OmniLocal(settings, loaded=loaded) as app:
         runner = app.backend.engine.runner
-        contexts = [c for c in args.contexts if c <= runner.kv.shape.max_tokens]
+        contexts = [c for c in args.contexts if within_context(runner, c)]
         batches = [b for b in args.chats if fits(runner, b, max(contexts))]
         graphed = "graphed" if runner.decode_graphs is not None else "eager"
         deterministic = ", deterministic" if settings.deterministic else ""
         timing = (f"mean of {args.runs} queued back to back, median of {QUEUED_ROUNDS} rounds" if args.queued
                   else f"median of {args.runs}")
         print(f"Thinker decode step ({graphed}, MoE backend {runner.regions.moe.name}{deterministic}), ms per step, "
-              f"{timing}; {device_label(runner)}\n")
+              f"{timing}; distinct chats, contexts within 1/{SPREAD} of the column's; {device_label(runner)}\n")
         print("| chats | " + " | ".join(f"context {c}" for c in contexts) + " |")
         print("| --- |" + " --- |" * len(contexts))
         for batch in batches:

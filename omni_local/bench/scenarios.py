@@ -11,7 +11,7 @@ from PIL import Image
 
 from omni_local.api import OmniLocal, Reply, Session
 from omni_local.media.video import Video
-from omni_local.api.messages import Message
+from omni_local.api.messages import Message, Part
 from omni_local.model.workarounds import video_supported
 
 SYSTEM = (
@@ -24,6 +24,18 @@ VIDEO_QUESTION = "What happens in this video, and what do you hear?"
 # Spoken rows ask something else, so they never reuse a text row's conversation.
 SPOKEN_QUESTION = "Tell me in two sentences what you can do for me today."
 HELLO = "Hello! Who are you?"
+# What the other chats of a concurrent row ask instead of the row's question, one each: distinct
+# users' prompts differ, so their replies and the experts they route to differ too.
+OTHER_QUESTIONS = (
+    "Which birds sing before sunrise, and why so early?", "How long does bread dough need to rise?",
+    "What makes a violin sound different from a viola?", "Why is the sea salty but rivers are not?",
+    "How do I keep basil alive on a windowsill?", "What is the difference between weather and climate?",
+    "Which chess opening suits a beginner best?", "How far away is the moon, roughly, in kilometres?",
+    "Why do cats purr when they are content?", "What should I pack for a two-day hike in autumn?",
+    "How does a bicycle stay upright while moving?", "What was the first novel ever written?",
+    "Why does ice float on water?", "How many languages are spoken in India?",
+    "What is a good stretch for a stiff lower back?", "Why do leaves change colour in autumn?",
+)
 
 IMAGE_SIZES = ((224, 224), (480, 640), (1200, 1600))  # (height, width)
 TURN_2_SIZES = ((480, 640), (1200, 1600))
@@ -139,9 +151,20 @@ def _cut(tokenizer, text: str, tokens: int) -> str:
     return tokenizer.decode(ids[:tokens])
 
 
-def question(scenario: Scenario, run: int) -> Message:
-    """The timed turn, its text made new each run so no run is answered from an earlier one's cache."""
-    return _tagged(scenario.last, f"Take {run}")
+def question(scenario: Scenario, run: int, chat: int = 0) -> Message:
+    """The timed turn of `chat` (0 asks the scenario's own question; another chat of a concurrent row
+    asks its own, about its own image), its text made new each run so no run is answered from an
+    earlier one's cache."""
+    last = scenario.last if chat == 0 else Message("user", [_chats_own(part, chat) for part in scenario.last.parts])
+    return _tagged(last, f"Take {run}")
+
+
+def _chats_own(part: Part, chat: int) -> Part:
+    if isinstance(part, str):
+        return OTHER_QUESTIONS[(chat - 1) % len(OTHER_QUESTIONS)]
+    if isinstance(part, Image.Image):
+        return noise_image((part.height, part.width), seed=chat)
+    return part
 
 
 def _tagged(message: Message, tag: str) -> Message:
@@ -173,8 +196,8 @@ def _as_send(message: Message) -> dict:
     return {"text": message.text, "images": message.images(), "audio": message.audios(), "videos": message.videos()}
 
 
-def noise_image(size: tuple[int, int]) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(0).integers(0, 256, (*size, 3), dtype=np.uint8))
+def noise_image(size: tuple[int, int], seed: int = 0) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8))
 
 
 def noise_clip(seconds: float) -> np.ndarray:

@@ -18,7 +18,8 @@ def transformers_run(app: OmniLocal, scenario: Scenario, run: int, new_tokens: i
     requests run one after another, each waiting for the whole replies before it."""
     histories = [opened(app, scenario, run, chat, new_tokens, speak=False).history
                  for chat in range(scenario.concurrency)]
-    prompts = [build_prompt([*history, question(scenario, run)], app.backend.loaded.processor) for history in histories]
+    prompts = [build_prompt([*history, question(scenario, run, chat)], app.backend.loaded.processor)
+               for chat, history in enumerate(histories)]
     if scenario.speak:
         return _transformers_speech(app, _inputs(app, prompts[0]), prompts[0].num_tokens, new_tokens)
     samples, queued_s = [], 0.0
