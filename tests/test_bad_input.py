@@ -4,6 +4,7 @@ and text that holds control tokens reaches the model as the plain text it is."""
 import math
 import re
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -11,6 +12,7 @@ from bad_files import BAD_FILES, MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS, good_image
 from samples import TYPED_CONTROL_TOKENS
 from omni_local.api import OmniLocal
 from omni_local.errors import MediaError, RequestError, SettingsError
+from omni_local.media import SAMPLE_RATE
 from omni_local.settings import load_settings
 
 
@@ -47,8 +49,35 @@ def test_an_empty_message_is_refused(app):
 
 
 def test_an_image_passed_in_memory_is_held_to_the_same_pixel_limit(strict_app):
-    with pytest.raises(MediaError, match="image: 400×400 pixels is over the limit"):
+    with pytest.raises(MediaError, match="images\\[0\\]: 400×400 pixels is over the limit"):
         strict_app.session().send("What is this?", images=[Image.new("RGB", (400, 400))])
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "message"),
+    [
+        (dict(images=[123]), RequestError, "images[0]: expected a path, bytes or PIL image, got int"),
+        (dict(images="cat.jpg"), RequestError, "images: expected a list of paths, bytes or PIL images, got str"),
+        (dict(audio=[b"RIFF", None]), RequestError, "audio[1]: expected a path, bytes or numpy array, got NoneType"),
+        (dict(audio=np.zeros(SAMPLE_RATE, np.float32)), RequestError,
+         "audio: expected a list of paths, bytes or numpy arrays, got ndarray"),
+        (dict(audio=[np.array([0.0] * SAMPLE_RATE, dtype=object)]), MediaError,
+         "audio[0]: expected an array of numbers (samples), got an array of object"),
+        (dict(audio=[np.full(SAMPLE_RATE, "0")]), MediaError,
+         "audio[0]: expected an array of numbers (samples), got an array of <U1"),
+        (dict(videos=[2.5]), RequestError, "videos[0]: expected a path, bytes or Video, got float"),
+        (dict(videos=iter([None])), RequestError, "videos[0]: expected a path, bytes or Video, got NoneType"),
+        (dict(images=5), RequestError, "images: expected a list of paths, bytes or PIL images, got int"),
+    ],
+    ids=["an int as an image", "a lone path", "None among clips", "samples not in a list", "an object array",
+         "an array of text", "a float as a video", "None from an iterator", "an int for the list"],
+)
+def test_an_argument_of_the_wrong_type_is_refused_naming_it_and_the_session_serves_on(app, arguments, error, message):
+    session = app.session()
+    with pytest.raises(error, match=f"^{re.escape(message)}$"):
+        session.send("What is this?", **arguments)
+    assert session.history == []
+    assert session.send("Hello", max_new_tokens=2).result().token_ids
 
 
 @pytest.mark.parametrize("text", ["Hi \ud800", "caf\udce9"], ids=["a lone surrogate", "bytes not UTF-8"])

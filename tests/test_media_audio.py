@@ -230,10 +230,10 @@ def test_a_videos_clean_float_sound_track_is_read():
     ("samples", "message"),
     [
         (np.full(SAMPLE_RATE, np.nan, np.float32),
-         "audio: the clip holds NaN or infinite samples (corrupt audio)"),
+         "audio[0]: the clip holds NaN or infinite samples (corrupt audio)"),
         ((sine(SAMPLE_RATE, 1)[:, 0] * 65_534).astype(np.int16),
-         "audio: the clip's samples reach 32,767, far outside [-1, 1] (corrupt or wrongly scaled audio)"),
-        (np.zeros(100, np.float32), "audio: the clip is too short for the model (100 samples, under 13 ms)"),
+         "audio[0]: the clip's samples reach 32,767, far outside [-1, 1] (corrupt or wrongly scaled audio)"),
+        (np.zeros(100, np.float32), "audio[0]: the clip is too short for the model (100 samples, under 13 ms)"),
     ],
     ids=["NaN", "16-bit values", "too short"],
 )
@@ -245,11 +245,41 @@ def test_samples_given_to_the_api_are_held_to_the_same_checks_as_a_file(app, sam
     assert session.history == []
 
 
+@pytest.mark.parametrize("layout", ["(samples, channels)", "(channels, samples)"])
+def test_a_two_channel_array_given_to_the_api_is_mixed_down_to_one_channel(app, layout):
+    rng = np.random.default_rng(3)
+    left, right = (rng.uniform(-0.5, 0.5, SAMPLE_RATE).astype(np.float32) for _ in range(2))
+    stereo = np.stack([left, right], axis=1 if layout == "(samples, channels)" else 0)
+    session = app.session()
+    session.send("What do you hear?", audio=[stereo], max_new_tokens=1).result()
+    (mono,) = session.history[0].audios()
+    np.testing.assert_array_equal(mono, (left + right) / 2)  # one second, not two
+
+
+@pytest.mark.parametrize(
+    ("shape", "message"),
+    [
+        ((SAMPLE_RATE, 16), "audio[0]: an array of shape (16000, 16) is not (samples, channels) or (channels, "
+                            "samples) with at most 8 channels"),
+        ((6, 8), "audio[0]: an array of shape (6, 8) is not (samples, channels) or (channels, samples) with at "
+                 "most 8 channels"),
+        ((2, SAMPLE_RATE, 1), "audio[0]: an array of 3 dimensions is not samples (one dimension, or two with "
+                              "channels)"),
+    ],
+    ids=["16 channels", "which axis", "3 dimensions"],
+)
+def test_an_array_whose_channels_cannot_be_told_is_refused_saying_which_layouts_are_taken(app, shape, message):
+    session = app.session()
+    with pytest.raises(MediaError, match=exactly(message)):
+        session.send("What do you hear?", audio=[np.zeros(shape, np.float32)])
+    assert session.history == []
+
+
 @pytest.mark.torchvision
 def test_a_video_given_to_the_api_in_memory_has_its_sound_track_checked_as_a_files(app):
     video = Video(np.zeros((4, 64, 64, 3), np.uint8), fps=2.0, audio=np.full(32_000, np.nan, np.float32))
     session = app.session()
-    with pytest.raises(MediaError, match=exactly("video: the sound track holds NaN or infinite samples (corrupt audio)")):
+    with pytest.raises(MediaError, match=exactly("videos[0]: the sound track holds NaN or infinite samples (corrupt audio)")):
         session.send("What happens here?", videos=[video])
     assert session.history == []
 

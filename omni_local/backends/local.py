@@ -109,7 +109,7 @@ class LocalBackend:
             fps = getattr(processor, "fps", None) or self.settings.video_fps
             video = load_video(video, self.limits, fps, processor.min_frames, processor.max_frames)
         elif video.audio is not None:
-            check_samples("video", video.audio, "the sound track")  # as a file's is
+            check_samples(video.name, video.audio, "the sound track")  # as a file's is
         if not self.settings.use_audio_in_video:
             return replace(video, audio=None)
         if video.audio is None:

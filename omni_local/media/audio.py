@@ -17,6 +17,9 @@ ACCEPTED_FORMATS = ("WAV", "WAVEX", "RF64", "FLAC", "OGG", "MP3")
 _EXPECTED = "WAV, FLAC, OGG or MP3 expected"
 # The audio encoder's mel window (400 samples, centred on each hop) needs more than half its width.
 MIN_SAMPLES = 201
+# The most channels an array given in memory may have (7.1 sound): the channel axis of a 2-D array is
+# the one this short, which tells soundfile's (samples, channels) from torchaudio's (channels, samples).
+MAX_CHANNELS = 8
 # Sound at full scale is within [-1, 1]; a float file may peak above it (float formats keep what an
 # integer one would clip), but not 16 times over (+24 dB): such numbers are corrupt data or the wrong
 # scale (16-bit values saved as floats reach 32,768), not sound the encoder was made for.
@@ -51,6 +54,37 @@ def load_audio(source: str | Path | bytes, limits: MediaLimits, name: str | None
     # Checked after resampling: a clip of a few samples at a high rate can come out empty.
     check_samples(upload.name, mono)
     return np.ascontiguousarray(mono, dtype=np.float32)
+
+
+def samples_from_array(name: str, array: np.ndarray, limits: MediaLimits) -> np.ndarray:
+    """Samples given in memory (16 kHz) as the audio encoder takes them: float32, mono, checked as a
+    file's are. One dimension is one channel; two are (samples, channels), as soundfile reads them,
+    or (channels, samples), as torchaudio does: the channel axis is the one of at most MAX_CHANNELS,
+    and the channels are averaged into one, as a file's are. Any other shape is refused."""
+    if not (np.issubdtype(array.dtype, np.integer) or np.issubdtype(array.dtype, np.floating)):
+        raise MediaError(f"{name}: expected an array of numbers (samples), got an array of {array.dtype}")
+    channel_axis = _channel_axis(name, array.shape)
+    frames = array.shape[1 - channel_axis] if channel_axis is not None else len(array)
+    check_duration(name, frames / SAMPLE_RATE, limits)  # before any copy is made of a long array
+    samples = array.astype(np.float32)
+    if channel_axis is not None:
+        samples = samples.mean(axis=channel_axis)
+    check_samples(name, samples)  # a NaN would make every output of the model NaN
+    return np.ascontiguousarray(samples)
+
+
+def _channel_axis(name: str, shape: tuple[int, ...]) -> int | None:
+    """Which axis of an array of `shape` holds its channels; None for one dimension, one channel."""
+    if len(shape) == 1:
+        return None
+    if len(shape) != 2:
+        raise MediaError(f"{name}: an array of {len(shape)} dimensions is not samples (one dimension, or two "
+                         "with channels)")
+    short = [axis for axis, size in enumerate(shape) if size <= MAX_CHANNELS]
+    if len(short) != 1:
+        raise MediaError(f"{name}: an array of shape {shape} is not (samples, channels) or (channels, samples) "
+                         f"with at most {MAX_CHANNELS} channels")
+    return short[0]
 
 
 def check_samples(name: str, samples: np.ndarray, what: str = "the clip") -> None:

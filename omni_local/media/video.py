@@ -29,6 +29,7 @@ class Video:
     frames: np.ndarray  # [T, H, W, 3] uint8 RGB, T even
     fps: float  # frames per second of `frames`
     audio: np.ndarray | None  # the sound track: 16 kHz mono float32, or None for a silent clip
+    name: str = "video"  # what errors call it: the Python API names the argument ("videos[0]")
 
     @property
     def seconds(self) -> float:
