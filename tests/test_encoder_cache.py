@@ -5,9 +5,11 @@ import json
 import logging
 import os
 import pickle
+import sqlite3
 import subprocess
 import sys
 import tempfile
+from contextlib import closing
 from pathlib import Path
 
 import diskcache
@@ -245,17 +247,57 @@ def test_a_size_limit_smaller_than_one_entry_warns_once_and_answers_stay_right(s
     assert len([w for w in warnings_from(caplog) if "over disk_cache_bytes" in w]) == 1
 
 
-def test_a_corrupt_database_file_turns_the_disk_tier_off_with_one_warning(settings, caplog):
+NOT_A_DATABASE = b"this is not an SQLite database" * 100
+
+
+def test_a_corrupt_database_at_start_is_deleted_with_one_warning_and_the_rebuilt_one_used_at_the_next_start(
+        settings, caplog, counted):
     folder = Path(settings.cache_dir) / "encoders"
     folder.mkdir(mode=0o700, parents=True)  # private, as the app's own folders must be
-    (folder / "cache.db").write_bytes(b"this is not an SQLite database" * 100)
+    (folder / "cache.db").write_bytes(NOT_A_DATABASE)
     with OmniLocal(settings.replace(encoder_cache=False)) as off:
         expected = ask(off, "What?", images=[picture(15)])
     with OmniLocal(settings) as app:
-        assert not app.backend.engine.encoder_cache.disk_enabled
+        assert app.backend.engine.encoder_cache.disk_enabled
         assert ask(app, "What?", images=[picture(15)]) == expected
-        assert ask(app, "What?", images=[picture(15)]) == expected
-    assert len([w for w in warnings_from(caplog) if "turned off" in w]) == 1
+    with OmniLocal(settings) as restarted:
+        counts = counted(restarted)
+        assert ask(restarted, "What?", images=[picture(15)]) == expected
+        assert counts["vision"] == 0  # read from the rebuilt database's entry
+    assert [w for w in warnings_from(caplog)] == [
+        f"encoder disk cache: the database in {folder} is damaged (file is not a database): deleted it and its "
+        "entries; the disk cache starts again empty"]
+
+
+def damage_the_entries_table(database: Path) -> None:
+    """Overwrite the page at the root of diskcache's table of entries: the database still opens, and
+    the first read of an entry finds it malformed."""
+    with closing(sqlite3.connect(database)) as connection:
+        (root,) = connection.execute("SELECT rootpage FROM sqlite_master WHERE name = 'Cache'").fetchone()
+        (page_size,) = connection.execute("PRAGMA page_size").fetchone()
+    with open(database, "r+b") as file:
+        file.seek((root - 1) * page_size)
+        file.write(b"\xff" * page_size)
+
+
+def test_a_database_found_damaged_while_serving_is_rebuilt_with_one_warning_and_used_at_the_next_start(
+        settings, caplog, counted):
+    with OmniLocal(settings.replace(encoder_cache=False)) as off:
+        expected = [ask(off, "What?", images=[picture(s)]) for s in (21, 22)]
+    with OmniLocal(settings) as app:
+        ask(app, "What?", images=[picture(21)])
+    folder = Path(settings.cache_dir) / "encoders"
+    damage_the_entries_table(folder / "cache.db")
+    with OmniLocal(settings) as app:
+        assert [ask(app, "What?", images=[picture(s)]) for s in (21, 22)] == expected
+        assert app.backend.engine.encoder_cache.disk_enabled
+    with OmniLocal(settings) as restarted:
+        counts = counted(restarted)
+        assert [ask(restarted, "What?", images=[picture(s)]) for s in (21, 22)] == expected
+        assert counts["vision"] == 0  # both from the rebuilt database
+    assert [w for w in warnings_from(caplog)] == [
+        f"encoder disk cache: the database in {folder} is damaged (database disk image is malformed): deleted it "
+        "and its entries; the disk cache starts again empty"]
 
 
 def test_a_disk_that_fills_up_turns_the_disk_tier_off_with_one_warning(settings, mountable, caplog):

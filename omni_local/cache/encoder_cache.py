@@ -6,11 +6,14 @@ and preprocessing settings (`encoder_namespace`), so a changed model never reads
 
 The disk tier is a diskcache folder that holds only bytes: each entry is a safetensors blob
 (tensors, no code), and the storage class refuses any pickled value, so nothing on disk is ever
-unpickled. A damaged entry is dropped and recomputed; a disk that cannot be used (read-only,
-full, a corrupt database) turns the disk tier off with one warning, and serving goes on.
+unpickled. A damaged entry is dropped and recomputed. A damaged database (found so on opening it
+or on any read or write) is deleted with its entries and made again empty, saying so: left in place,
+it would turn the disk tier off at every start. A disk that cannot be used otherwise (read-only,
+full) turns the disk tier off with one warning, and serving goes on.
 """
 
 import logging
+import shutil
 import sqlite3
 from collections import OrderedDict
 from pathlib import Path
@@ -27,6 +30,8 @@ from omni_local.errors import SettingsError
 log = logging.getLogger(__name__)
 
 EncoderOutput = dict[str, torch.Tensor]  # image: "embeds", "deepstack.0", ...; audio: "embeds"
+# SQLite's (primary) result codes for a file that is damaged, or no database at all.
+_DAMAGED_CODES = (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
 
 
 class BytesOnlyDisk(diskcache.Disk):
@@ -53,6 +58,7 @@ class EncoderCache:
         self._memory: OrderedDict[bytes, EncoderOutput] = OrderedDict()
         self._memory_bytes = 0
         self.disk_bytes = disk_bytes
+        self._disk_dir = disk_dir
         self._disk = _open_disk(disk_dir, disk_bytes) if disk_dir is not None else None
         self._warned_too_small = False
 
@@ -114,7 +120,7 @@ class EncoderCache:
         try:
             blob = self._disk.get(name)
         except (OSError, sqlite3.Error) as error:
-            self._disable_disk(f"reading it failed ({error})")
+            self._disk_failed("reading it", error)
             return None
         except ValueError as error:  # a value this cache never writes: treat it as damage
             return self._drop_damaged(name, error)
@@ -141,7 +147,7 @@ class EncoderCache:
         try:
             self._disk.set(key.hex(), blob)
         except (OSError, sqlite3.Error) as error:
-            self._disable_disk(f"writing to it failed ({error})")
+            self._disk_failed("writing to it", error)
 
     def _drop_damaged(self, name: str, error: Exception) -> None:
         log.warning("encoder disk cache: dropped a damaged entry (%s); it is computed again", error)
@@ -152,10 +158,19 @@ class EncoderCache:
         try:
             self._disk.delete(name)
         except (OSError, sqlite3.Error) as error:
-            self._disable_disk(f"removing an entry failed ({error})")
+            self._disk_failed("removing an entry", error)
 
-    def _disable_disk(self, why: str) -> None:
-        log.warning("encoder disk cache turned off: %s; encoder outputs are kept in memory only", why)
+    def _disk_failed(self, doing: str, error: OSError | sqlite3.Error) -> None:
+        """After an error from the disk tier: one that says its database is damaged has it made again
+        empty; any other turns the tier off."""
+        self._close_disk()
+        if _damaged(error):
+            self._disk = _open_disk(self._disk_dir, self.disk_bytes, damaged=error)
+        else:
+            log.warning("encoder disk cache turned off: %s failed (%s); encoder outputs are kept in memory only",
+                        doing, error)
+
+    def _close_disk(self) -> None:
         try:
             self._disk.close()
         except (OSError, sqlite3.Error):
@@ -167,16 +182,34 @@ def _size(output: EncoderOutput) -> int:
     return sum(t.numel() * t.element_size() for t in output.values())
 
 
-def _open_disk(folder: Path, size_limit: int) -> diskcache.Cache | None:
+def _open_disk(folder: Path, size_limit: int, damaged: sqlite3.Error | None = None) -> diskcache.Cache | None:
+    """The disk tier in `folder`, made again empty where its database is `damaged` (the error that
+    said so) or found so on opening; None, saying so, where it cannot be used."""
     try:
+        if damaged is not None:
+            _delete_damaged(folder, damaged)
         private_folder(folder)
         return diskcache.Cache(
             str(folder), disk=BytesOnlyDisk, size_limit=size_limit, eviction_policy="least-recently-used"
         )
     except (OSError, sqlite3.Error, SettingsError) as error:  # SettingsError: no folder, or not the user's alone
+        if damaged is None and _damaged(error):
+            return _open_disk(folder, size_limit, damaged=error)
         log.warning("encoder disk cache turned off: cannot open %s (%s); encoder outputs are kept in memory only",
                     folder, error)
         return None
+
+
+def _delete_damaged(folder: Path, error: sqlite3.Error) -> None:
+    """Delete the folder of a disk tier whose database is damaged: its entries' files are named only
+    there, and every entry is an encoder output that can be computed again."""
+    log.warning("encoder disk cache: the database in %s is damaged (%s): deleted it and its entries; the disk cache "
+                "starts again empty", folder, error)
+    shutil.rmtree(folder)
+
+
+def _damaged(error: Exception) -> bool:
+    return isinstance(error, sqlite3.Error) and (getattr(error, "sqlite_errorcode", 0) & 0xFF) in _DAMAGED_CODES
 
 
 def encoder_namespace(thinker_model: torch.nn.Module, processor: object) -> bytes:
