@@ -1,7 +1,8 @@
 """Quantized layers kept on disk (model/quantized/stored.py): the first start with quantized weights
 writes them under <cache_dir>/quantized/<fingerprint>-<format>/, and later starts read them back
 instead of quantizing again, the same tensors; the store is found by the weights' contents, and a
-damaged or foreign one is made again, as is none where the disk refuses it: the model loads either way."""
+damaged one (its shards' digests checked at each load) or a foreign one is made again, as is none where
+the disk refuses it: the model loads either way."""
 
 import json
 import shutil
@@ -12,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from omni_local.api import OmniLocal
 from omni_local.model import load_model
 from omni_local.model.quantized import QUANTIZED_LAYERS, QuantizedEmbedding, QuantizedExperts, QuantizedLinear
 from omni_local.model.quantized import stored as stored_module
@@ -74,13 +76,16 @@ def test_the_store_is_found_by_the_weights_contents_not_their_path(int4_settings
     assert checkpoint_fingerprint(root, weight_files(copy)) != same
 
 
-@pytest.mark.parametrize("damage", ["a truncated shard", "a missing tensor", "another version"])
+@pytest.mark.parametrize("damage", ["a truncated shard", "bytes overwritten inside a shard", "a missing tensor",
+                                    "another version"])
 def test_a_damaged_or_foreign_store_is_made_again_and_the_model_is_the_same(int4_settings, damage):
     expected = quantized_tensors(int4_settings)
     [store] = stores(int4_settings)
     shard = next(store.glob("*.safetensors"))
     if damage == "a truncated shard":
         shard.write_bytes(shard.read_bytes()[:-100])
+    elif damage == "bytes overwritten inside a shard":
+        overwrite_inside(shard)
     elif damage == "a missing tensor":
         tensors = load_file(shard)
         tensors.pop(next(iter(tensors)))
@@ -94,6 +99,37 @@ def test_a_damaged_or_foreign_store_is_made_again_and_the_model_is_the_same(int4
     assert not filled_from_disk(model)
     assert all(torch.equal(t, model.state_dict()[name]) for name, t in expected.items())
     assert filled_from_disk(load_model(int4_settings).model), "the store was written again"
+
+
+def overwrite_inside(shard: Path, count: int = 4096) -> None:
+    """`count` bytes amid `shard`'s tensors made others, its size and header as they were."""
+    data = bytearray(shard.read_bytes())
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    middle = (header_end + len(data)) // 2
+    assert middle - header_end > count and len(data) - middle > count
+    data[middle : middle + count] = bytes(byte ^ 0xFF for byte in data[middle : middle + count])
+    shard.write_bytes(bytes(data))
+
+
+def test_a_store_with_bytes_overwritten_inside_a_shard_is_quantized_again_saying_so_and_replies_as_before(
+    int4_settings, caplog
+):
+    settings = int4_settings.replace(speech=False)
+    with OmniLocal(settings) as first:  # quantizes, and writes the store
+        expected = first.session().send("Hello there", max_new_tokens=12).result().token_ids
+    [store] = stores(settings)
+    shard = store / "layers-00000.safetensors"
+    size = shard.stat().st_size
+    overwrite_inside(shard)
+    assert shard.stat().st_size == size
+
+    with OmniLocal(settings) as second:
+        assert not filled_from_disk(second.backend.loaded.model)
+        assert second.session().send("Hello there", max_new_tokens=12).result().token_ids == expected
+
+    assert (f"the quantized layers in '{store}' cannot be read (layers-00000.safetensors is not as it was written: "
+            "its BLAKE3 digest differs): quantizing the checkpoint again") in caplog.text
+    assert filled_from_disk(load_model(settings).model), "the store was written again"
 
 
 def test_a_store_made_before_int4_kept_the_thinkers_heads_and_encoders_in_int8_is_made_again_not_misread(
