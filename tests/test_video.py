@@ -2,8 +2,11 @@
 `generate` read them, a resent video is answered from the cache with the same tokens, and a bad
 file is a clear error."""
 
+import io
 import re
+import struct
 
+import av
 import numpy as np
 import pytest
 import torch
@@ -15,7 +18,7 @@ from omni_local.metrics_line import metrics_line
 from omni_local.api import OmniLocal
 from omni_local.errors import MediaError
 from omni_local.media.limits import MediaLimits
-from omni_local.media.video import Video, load_video
+from omni_local.media.video import DECODING_SLACK_SECONDS, Video, load_video
 from omni_local.model import workarounds
 from omni_local.api.messages import Message
 from omni_local.prompts import build_prompt, video_grid
@@ -155,6 +158,76 @@ LIMITS = MediaLimits(max_upload_bytes=50 << 20, max_image_pixels=96 * 64, max_au
 def test_a_bad_video_is_read_as_a_clear_media_error(data, phrase):
     with pytest.raises(MediaError, match=re.escape(phrase)):
         load_video(data(), LIMITS, fps=2.0, name="clip.mp4")
+
+
+def long_clip_with_a_lying_header(frame_seconds: int, sound_seconds: int, claimed: int) -> bytes:
+    """An MP4 of 32×32 black frames at 10 fps and silence at 16 kHz whose headers (the movie's, each
+    track's) say it lasts `claimed` seconds; its sample tables, which FFmpeg reads, hold it all."""
+    out = io.BytesIO()
+    with av.open(out, "w", format="mp4") as file:
+        video, audio = file.add_stream("mpeg4", rate=10), file.add_stream("aac", rate=16_000)
+        video.width, video.height, video.pix_fmt = 32, 32, "yuv420p"
+        black = av.VideoFrame.from_ndarray(np.zeros((32, 32, 3), np.uint8), format="rgb24")
+        for _ in range(frame_seconds * 10):
+            file.mux(video.encode(black))
+        file.mux(video.encode())
+        for second in range(sound_seconds):
+            silence = av.AudioFrame.from_ndarray(np.zeros((1, 16_000), np.float32), format="fltp", layout="mono")
+            silence.sample_rate, silence.pts = 16_000, second * 16_000
+            file.mux(audio.encode(silence))
+        file.mux(audio.encode())
+    data = bytearray(out.getvalue())
+    # Version 0 boxes: mvhd and mdhd hold their timescale at +16 and duration at +20 (from the box's
+    # name); tkhd its duration at +24, in the movie's timescale (FFmpeg's, 1000).
+    for box, duration_at, timescale_at in ((b"mvhd", 20, 16), (b"mdhd", 20, 16), (b"tkhd", 24, None)):
+        at = data.find(box)
+        while at >= 0:
+            timescale = struct.unpack(">I", data[at + timescale_at:at + timescale_at + 4])[0] if timescale_at else 1000
+            data[at + duration_at:at + duration_at + 4] = struct.pack(">I", claimed * timescale)
+            at = data.find(box, at + 4)
+    return bytes(data)
+
+
+class CountingContainer:
+    """An open container that counts the seconds decoded from each kind of stream."""
+
+    def __init__(self, container: av.container.InputContainer) -> None:
+        self._container = container
+        self.seconds = {"video": 0.0, "audio": 0.0}
+
+    def __getattr__(self, name: str):
+        return getattr(self._container, name)
+
+    def __enter__(self) -> "CountingContainer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._container.close()
+
+    def decode(self, stream):
+        for frame in self._container.decode(stream):
+            self.seconds[stream.type] += frame.samples / frame.sample_rate if stream.type == "audio" else 0.1
+            yield frame
+
+
+@pytest.mark.parametrize(
+    ("frame_seconds", "message"),
+    [(2, "clip.mp4: the sound track runs past the limit of 3 s (max_video_seconds), though the file says it "
+         "lasts 2.0 s"),
+     (60, "clip.mp4: the video stream runs past the limit of 3 s (max_video_seconds), though the file says it "
+          "lasts 2.0 s")],
+    ids=["sound", "frames and sound"],
+)
+def test_a_clip_whose_header_says_less_than_it_holds_stops_decoding_at_the_limit(monkeypatch, frame_seconds, message):
+    data = long_clip_with_a_lying_header(frame_seconds, sound_seconds=60, claimed=2)
+    opened: list[CountingContainer] = []
+    real_open = av.open
+    monkeypatch.setattr(av, "open", lambda *args, **kwargs: opened.append(CountingContainer(real_open(*args, **kwargs)))
+                        or opened[-1])
+    with pytest.raises(MediaError, match=f"^{re.escape(message)}$"):
+        load_video(data, LIMITS, fps=2.0, name="clip.mp4")
+    most = LIMITS.max_video_seconds + DECODING_SLACK_SECONDS + 1  # a packet beyond what the check allows
+    assert opened[0].seconds["video"] <= most and opened[0].seconds["audio"] <= most, opened[0].seconds
 
 
 @pytest.mark.torchvision
