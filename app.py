@@ -12,6 +12,7 @@ import sys
 from omni_local.access import api_key
 from omni_local.cache.folders import keep_new_files_private
 from omni_local.errors import OmniLocalError
+from omni_local.listening import listening
 from omni_local.settings import add_settings_arguments, settings_from_arguments
 from omni_local.ui.access import keep_uploads_private, launch_options
 
@@ -22,6 +23,9 @@ def main() -> int:
     try:
         settings = settings_from_arguments(parser.parse_args())
         options = launch_options(settings)  # refused before the model loads
+        # A port in use is refused before the model loads too, and held while it loads, so a second
+        # app started meanwhile is refused at once; Gradio binds it itself, once it is let go.
+        reserved = listening(settings.ui_host, settings.ui_port, "ui_host, ui_port")
         key = api_key(settings, "ui_host") if settings.ui_serves_api else None
         keep_uploads_private(settings)
         from omni_local.api import OmniLocal
@@ -40,6 +44,7 @@ def main() -> int:
         # Gradio's app is made by launch(); routes given to it first are matched before Gradio's own, and
         # Gradio's auth (its routes' dependencies) and upload limit stay on the page's routes alone.
         options["app_kwargs"]["routes"] = [api_mount(app, key)]
+    reserved.close()
     ui.launch(**options, css=PAGE_CSS)
     return 0
 
