@@ -138,13 +138,16 @@ class Settings:
     )
     gpu_cache_bytes: int = setting(
         "cache", 4 << 30, "most device memory for the Thinker's KV, in blocks shared by every chat (less where the"
-        " memory plan leaves less)"
+        " memory plan leaves less; on the CPU, where the host memory plan does)"
     )
     kv_block_tokens: int = setting(
         "cache", 16, "tokens per KV block: what chats share of a common prefix, and the least a chat holds"
     )
     host_cache_bytes: int = setting(
-        "cache", 8 << 30, "host memory for KV moved off the device, allocated at start-up (page-locked on a GPU)"
+        "cache", -1,
+        "host memory for KV moved off the device, allocated at start-up (page-locked on a GPU); -1: sized from the"
+        " machine's memory (a quarter of what the weights held there leave, less the KV blocks on the CPU, at most"
+        " 8 GiB); 0: none",
     )
     encoder_cache: bool = setting("cache", True, "keep encoder outputs by image or clip content")
     encoder_cache_bytes: int = setting("cache", 1 << 30, "device memory for encoder outputs")
@@ -159,11 +162,24 @@ class Settings:
     ui_serves_api: bool = setting(
         "ui", False, "the page's port also serves the OpenAI-compatible API (/v1), on the page's engine"
     )
+    ui_save_every_s: float = setting(
+        "ui", 1.0, "most seconds between saves of a streaming reply's text (it is also saved every 16 tokens)"
+    )
     # [server]
     api_host: str = setting(
         "server", "127.0.0.1", "address `python -m omni_local serve` binds to; beyond 127.0.0.1 only with api_key_file"
     )
     api_port: int = setting("server", 8000, "port the API listens on")
+    allowed_hosts: str = setting(
+        "server", "",
+        "more names the page and the API answer to, comma-separated (a reverse proxy's, e.g. 'chat.example.com'); "
+        "they always answer to 127.0.0.1, localhost, [::1] and their own host (on 0.0.0.0 or ::, this machine's name "
+        "and addresses)",
+    )
+    shutdown_grace_s: float = setting(
+        "server", 5.0,
+        "on Ctrl-C or SIGTERM, seconds `serve` lets replies still streaming go on; the rest end with an error event",
+    )
     api_key_file: str = setting(
         "server", "", "private file holding the key API clients must send (Authorization: Bearer KEY)"
     )
@@ -172,6 +188,16 @@ class Settings:
     )
     api_local_files: bool = setting(
         "server", False, "API messages may name files on this machine (file:// URLs) instead of sending them"
+    )
+    header_timeout_s: float = setting(
+        "server", 10.0, "seconds a client has to send a request's headers, to the API or the page; then it is cut off"
+    )
+    api_body_timeout_s: float = setting(
+        "server", 60.0, "seconds an API request's body has to come, whole, after its headers; then 408, cut off"
+    )
+    api_body_budget_bytes: int = setting(
+        "server", 512 << 20,
+        "API request bodies held at once, all requests together; past it 429 (one body alone is always let in)",
     )
     # [backend]
     backend: Literal["local", "openai"] = setting(
@@ -201,13 +227,17 @@ class Settings:
             "gpu_cache_bytes", "encoder_cache_bytes", "disk_cache_bytes", "max_context_tokens", "max_new_tokens",
             "max_upload_bytes", "max_image_pixels", "max_prompt_tokens", "ui_port", "max_audio_seconds",
             "first_audio_frames", "audio_chunk_frames", "audio_left_context_frames", "max_speech_seconds",
-            "video_fps", "max_video_seconds", "api_port", "api_max_requests", "prefill_chunk_tokens",
-            "prefill_forward_tokens", "max_running_requests", "kv_block_tokens",
+            "video_fps", "max_video_seconds", "api_port", "api_max_requests", "header_timeout_s",
+            "api_body_timeout_s", "api_body_budget_bytes", "prefill_chunk_tokens",
+            "prefill_forward_tokens", "max_running_requests", "kv_block_tokens", "ui_save_every_s",
         )
         for name in positive:
             if getattr(self, name) <= 0:
                 raise SettingsError(f"setting '{name}' must be positive, got {getattr(self, name)!r}")
-        for name in ("host_cache_bytes", "max_reasoning_tokens", "gpu_memory_bytes"):
+        if self.host_cache_bytes < -1:
+            raise SettingsError("setting 'host_cache_bytes' must be -1 (sized from the machine's memory), 0 (none) or "
+                                f"more, got {self.host_cache_bytes!r}")
+        for name in ("max_reasoning_tokens", "gpu_memory_bytes", "shutdown_grace_s"):
             if getattr(self, name) < 0:
                 raise SettingsError(f"setting '{name}' must be 0 or more, got {getattr(self, name)!r}")
         if self.max_prompt_tokens >= self.max_context_tokens:

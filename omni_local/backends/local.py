@@ -14,6 +14,7 @@ from omni_local.api.events import Event, Finished
 from omni_local.api.kinds import conversation_for
 from omni_local.api.messages import Message
 from omni_local.api.params import SamplingParams, SpeechParams
+from omni_local.engine import host_memory
 from omni_local.engine.engine import Engine
 from omni_local.engine.memory_plan import MemoryPlan, engine_baseline, plan_memory, remember_engine_bytes
 from omni_local.engine.request import Failed, Request
@@ -61,10 +62,13 @@ class LocalBackend:
                 loaded = load_model(settings, before_loading=self._plan_memory)
         self.loaded = loaded
         # The KV is what the plan leaves, up to gpu_cache_bytes.
+        sized = settings if self.memory is None else settings.replace(gpu_cache_bytes=self.memory.kv)
+        # In host memory (and on the CPU, all of it) as much as the machine's memory allows.
+        self.host_memory = host_memory.plan_for(self.loaded, sized)
+        log.info("%s", self.host_memory.line())
         baseline = engine_baseline(self.loaded.device) if self.memory is not None else 0
         # Once every graph is captured the engine's take is whole: measured then, for the next plan.
-        self.engine = Engine(self.loaded, settings if self.memory is None
-                             else settings.replace(gpu_cache_bytes=self.memory.kv),
+        self.engine = Engine(self.loaded, self.host_memory.applied(sized),
                              warm_up_later=True, when_warm=partial(self._remember_engine_bytes, baseline))
         if wait_for_graphs:
             self.engine.warm.wait()

@@ -71,15 +71,20 @@ def plan_memory(model: torch.nn.Module, settings: Settings, device: torch.device
     engine = _measured(settings.cache_path).get(key, FIRST_START_ENGINE_BYTES)
     encoder_outputs = settings.encoder_cache_bytes if settings.encoder_cache else 0
     fixed = engine + encoder_outputs
-    talker_dim = model.config.talker_config.text_config.hidden_size if settings.speech else 0
-    shape = kv_shape(model.thinker.model.language_model.config, settings.max_context_tokens, settings.kv_block_tokens,
-                     talker_dim)
-    least_kv = least_kv_bytes(shape, next(model.parameters()).dtype)
+    least_kv = least_conversation_kv_bytes(model, settings, next(model.parameters()).dtype)
     weights = weights_bytes(model, settings.weights, settings.speech)
     if weights + fixed + least_kv > available:
         raise SettingsError(_refusal(model, settings, device, available, fixed + least_kv, weights, encoder_outputs))
     kv = min(settings.gpu_cache_bytes, available - weights - fixed)
     return MemoryPlan(available, weights, engine, encoder_outputs, kv, key)
+
+
+def least_conversation_kv_bytes(model: torch.nn.Module, settings: Settings, dtype: torch.dtype) -> int:
+    """The Thinker's KV blocks for one conversation of `max_context_tokens` (and the pad block)."""
+    talker_dim = model.config.talker_config.text_config.hidden_size if settings.speech else 0
+    shape = kv_shape(model.thinker.model.language_model.config, settings.max_context_tokens, settings.kv_block_tokens,
+                     talker_dim)
+    return least_kv_bytes(shape, dtype)
 
 
 def size(count: int) -> str:
