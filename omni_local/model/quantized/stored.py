@@ -66,11 +66,11 @@ class StoredLayers:
             return False
         layers = _quantized_layers(model)
         try:
-            _check_digests(self.folder, shards)
             # The names first (the shards' headers alone): a store of other layers is never read whole.
             stored = {name: set(parts) for name, parts in _by_layer(_keys(self.folder, shards)).items()}
             if stored != {name: _tensor_names(layer) for name, layer in layers.items()}:
                 raise ValueError("its tensors are not this model's quantized layers'")
+            _check_digests(self.folder, shards)
             held = _by_layer(_read(self.folder, shards, device))
         except (OSError, SafetensorError, ValueError) as error:
             log.warning("the quantized layers in '%s' cannot be read (%s): quantizing the checkpoint again",
