@@ -264,7 +264,7 @@ def test_a_corrupt_database_at_start_is_deleted_with_one_warning_and_the_rebuilt
         counts = counted(restarted)
         assert ask(restarted, "What?", images=[picture(15)]) == expected
         assert counts["vision"] == 0  # read from the rebuilt database's entry
-    assert [w for w in warnings_from(caplog)] == [
+    assert warnings_from(caplog) == [
         f"encoder disk cache: the database in {folder} is damaged (file is not a database): deleted it and its "
         "entries; the disk cache starts again empty"]
 
@@ -295,7 +295,7 @@ def test_a_database_found_damaged_while_serving_is_rebuilt_with_one_warning_and_
         counts = counted(restarted)
         assert [ask(restarted, "What?", images=[picture(s)]) for s in (21, 22)] == expected
         assert counts["vision"] == 0  # both from the rebuilt database
-    assert [w for w in warnings_from(caplog)] == [
+    assert warnings_from(caplog) == [
         f"encoder disk cache: the database in {folder} is damaged (database disk image is malformed): deleted it "
         "and its entries; the disk cache starts again empty"]
 
