@@ -13,6 +13,7 @@ from omni_local.access import api_key
 from omni_local.cache.folders import keep_new_files_private
 from omni_local.errors import OmniLocalError
 from omni_local.listening import listening
+from omni_local.server.header_timeout import use_for_the_page
 from omni_local.settings import add_settings_arguments, settings_from_arguments
 from omni_local.ui.access import keep_uploads_private, launch_options
 
@@ -44,6 +45,7 @@ def main() -> int:
         # Gradio's app is made by launch(); routes given to it first are matched before Gradio's own, and
         # Gradio's auth (its routes' dependencies) and upload limit stay on the page's routes alone.
         options["app_kwargs"]["routes"] = [api_mount(app, key)]
+    use_for_the_page(settings.header_timeout_s)  # Gradio starts the page's server itself
     reserved.close()
     ui.launch(**options, css=PAGE_CSS)
     return 0

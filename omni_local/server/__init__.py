@@ -4,7 +4,9 @@ talks to the app's backend through it, and omni_local's own remote backend reads
 a local reply has.
 
     routes.py         the ASGI app: /v1/chat/completions and /v1/models
-    admission.py      key (401), body size (413) and requests held (429), before a route runs
+    admission.py      key (401), body size (413), a body too slow (408), bodies and requests held
+                      (429), before a route runs
+    header_timeout.py connections closed whose request headers do not come in time
     schemas.py        the request's fields
     content.py        message content (text, data URLs of media) into omni_local's messages
     conversations.py  what a stateless API keeps so that requests still hit the prefix cache

@@ -1,6 +1,7 @@
 """Failures as OpenAI's error objects, `{"error": {"message", "type", "param", "code"}}`, with the
-status OpenAI gives them: 400 bad input, 401 a missing or wrong key, 404 an unknown model, 413 too
-large, 429 too many requests held, 500 a fault of the server (logged, its details kept back).
+status OpenAI gives them: 400 bad input, 401 a missing or wrong key, 404 an unknown model, 408 a
+body too slow to come, 413 too large, 429 too many requests (or bodies) held, 500 a fault of the
+server (logged, its details kept back).
 
 omni_local's own errors (`OmniLocalError`) are written for the person who sent the request, so
 their message is passed on as it is.
@@ -74,7 +75,7 @@ def add_error_handlers(api: FastAPI) -> None:
         return api_error(error).response()
 
     async def http(request: Request, error: HTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(error.status_code)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
         return ApiError(error.status_code, str(error.detail), code).response()
 
     async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:

@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from starlette.routing import Mount
 
 from omni_local.api import OmniLocal
-from omni_local.server.admission import MAX_BODY_UPLOADS, Admission
+from omni_local.server.admission import Admission
 from omni_local.server.completions import ChatCompletions
 from omni_local.server.errors import add_error_handlers, unknown_model
 
@@ -28,11 +28,9 @@ def api_mount(app: OmniLocal, key: str | None) -> Mount:
 
 
 def api_app(app: OmniLocal, key: str | None) -> FastAPI:
-    settings = app.settings
     api = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
     add_error_handlers(api)
-    api.add_middleware(Admission, key=key, max_body_bytes=MAX_BODY_UPLOADS * settings.max_upload_bytes,
-                       max_requests=settings.api_max_requests)
+    api.add_middleware(Admission, key=key, settings=app.settings)
     api.post("/chat/completions")(ChatCompletions(app).create)
     started = int(time.time())
 

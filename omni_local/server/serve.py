@@ -8,6 +8,7 @@ from starlette.applications import Starlette
 from omni_local.access import api_key
 from omni_local.api import OmniLocal
 from omni_local.listening import listening
+from omni_local.server.header_timeout import timing_out_headers
 from omni_local.server.routes import API_PATH, api_mount
 from omni_local.settings import Settings
 
@@ -20,7 +21,8 @@ def serve(settings: Settings) -> None:
     with listening(host, port, "api_host, api_port") as bound, OmniLocal(settings, wait_for_graphs=False) as app:
         asgi = Starlette(routes=[api_mount(app, key)])
         # uvicorn's own start-up lines are left out: this one says where, and which model.
-        config = uvicorn.Config(asgi, log_level="warning", timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+        config = uvicorn.Config(asgi, log_level="warning", timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+                                http=timing_out_headers(settings.header_timeout_s))
         shown = f"[{host}]" if ":" in host else host
         print(f"omni_local serves the model '{app.info.model_id}' ({app.info.describe()}) at "
               f"http://{shown}:{port}{API_PATH}", flush=True)
