@@ -2,8 +2,9 @@
 
     python -m omni_local ask "What is this?" --image cat.png [--audio q.wav] [--video clip.mp4] [--system ...] [--json]
     python -m omni_local ask --audio sound.wav --model /path/to/Qwen3-Omni-30B-A3B-Captioner   # a caption
-    python -m omni_local ask "Say hello." --speak [--voice Chelsie] [--wav reply.wav]
-    python -m omni_local chat [--system ...]
+    python -m omni_local ask "Say hello." --speak [--voice Chelsie]   # played on the speakers
+    python -m omni_local ask "Say hello." --wav reply.wav              # saved instead
+    python -m omni_local chat [--system ...]                           # /help lists its commands
     python -m omni_local voice [--system ...] [--voice Chelsie]   # microphone and speakers
     python -m omni_local serve [--api-host ADDRESS --api-key-file FILE]   # the OpenAI-compatible API
 
@@ -18,21 +19,33 @@ import dataclasses
 import json
 import sys
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import soundfile
 
 from omni_local.api import OmniLocal, Reply, Session
-from omni_local.audio_devices import Microphone, Speakers, load_sounddevice
-from omni_local.api.events import SPEECH_SAMPLE_RATE, Finished, ReasoningDelta, TextDelta
+from omni_local.audio_devices import AudioDeviceError, Microphone, Speakers, load_sounddevice
+from omni_local.api.events import SPEECH_SAMPLE_RATE, AudioChunk, Finished, ReasoningDelta, TextDelta
 from omni_local.errors import OmniLocalError
+from omni_local.media import load_audio, load_image
+from omni_local.media.video import Video
 from omni_local.metrics_line import metrics_line
 from omni_local.settings import add_settings_arguments, settings_from_arguments
 from omni_local.voice import VoiceConversation
 
 EXIT_BAD_INPUT = 2
 DIM, PLAIN = "\x1b[2m", "\x1b[0m"
+CHAT_HELP = """\
+/image PATH   attach an image to the next message
+/audio PATH   attach an audio file (WAV, FLAC, OGG, MP3) to the next message
+/video PATH   attach a video (MP4, WebM, MOV) to the next message
+/help         this list
+Ctrl-C stops a reply; Ctrl-D quits."""
+_ATTACH = {"/image": "images", "/audio": "audio", "/video": "videos"}  # chat's command -> send()'s argument
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,8 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--video", type=Path, action="append", default=[],
                      help="a video file, MP4, WebM or MOV (repeatable)")
     ask.add_argument("--json", action="store_true", help="print only the final event, as one JSON object")
-    ask.add_argument("--speak", action="store_true", help="a spoken reply too (loads the Talker: --speech true)")
-    ask.add_argument("--wav", type=Path, default=None, help="write the spoken reply to this WAV file (implies --speak)")
+    ask.add_argument("--speak", action="store_true",
+                     help="a spoken reply too, played on the speakers (loads the Talker: --speech true)")
+    ask.add_argument("--wav", type=Path, default=None,
+                     help="write the spoken reply to this WAV file instead of playing it (implies --speak)")
     chat = commands.add_parser("chat", help="a multi-turn conversation in the terminal")
     voice = commands.add_parser("voice", help="a spoken conversation through the microphone and speakers")
     for sub in (ask, chat):
@@ -74,29 +89,57 @@ def main(argv: list[str] | None = None) -> int:
             args.speak = True
         if getattr(args, "speak", False) or args.command == "voice":
             settings = settings.replace(speech=True)
-        sounddevice = load_sounddevice() if args.command == "voice" else None  # before the model loads
+        # Before the model loads: no device is refused before anything is computed.
+        sounddevice = load_sounddevice() if args.command == "voice" else None
+        speakers = _speakers_for_ask(args)
         with OmniLocal(settings, wait_for_graphs=False) as app:
             session = app.session(system_prompt=args.system)
             if args.command == "ask":
-                return _ask(session, args)
+                return _ask(session, args, speakers)
             if args.command == "voice":
                 return _voice(session, sounddevice, args)
-            return _chat(session, args)
+            return _chat(app, session, args)
     except OmniLocalError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
 
-def _ask(session: Session, args: argparse.Namespace) -> int:
+def _speakers_for_ask(args: argparse.Namespace) -> Speakers | None:
+    """The speakers `ask --speak` plays its reply on, where no `--wav` saves it instead."""
+    if args.command != "ask" or not args.speak or args.wav is not None:
+        return None
+    try:
+        return Speakers(load_sounddevice())
+    except AudioDeviceError as error:
+        raise AudioDeviceError(f"{error}, or add --wav FILE to save the spoken reply") from None
+
+
+def _ask(session: Session, args: argparse.Namespace, speakers: Speakers | None) -> int:
     # The voice is the `voice` setting, so `--voice NAME` picks it like any other setting.
     reply = session.send(args.question, images=args.image, audio=args.audio, videos=args.video, seed=args.seed,
                          speak=args.speak)
-    final = _stream(reply, show_text=not args.json, show_reasoning=args.show_reasoning)
+    if speakers is None:
+        final = _stream(reply, show_text=not args.json, show_reasoning=args.show_reasoning)
+    else:
+        with speakers:
+            final = _stream(reply, show_text=not args.json, show_reasoning=args.show_reasoning,
+                            on_audio=speakers.play)
+            _play_to_the_end(speakers)
     if args.wav is not None:
         _write_wav(args.wav, reply)
     if args.json:
         print(json.dumps(dataclasses.asdict(final)))
     return 0
+
+
+def _play_to_the_end(speakers: Speakers) -> None:
+    """Let the speakers play what they hold (Ctrl-C stops them)."""
+    speakers.finish()
+    try:
+        while speakers.playing:
+            time.sleep(0.02)
+    except KeyboardInterrupt:
+        speakers.stop()
 
 
 def _write_wav(path: Path, reply: Reply) -> None:
@@ -106,29 +149,52 @@ def _write_wav(path: Path, reply: Reply) -> None:
         raise OmniLocalError(f"cannot write '{path}': {error}") from None
 
 
-def _chat(session: Session, args: argparse.Namespace) -> int:
+def _chat(app: OmniLocal, session: Session, args: argparse.Namespace) -> int:
     print("Type a message; '/image PATH', '/audio PATH' or '/video PATH' attaches a file to the next one; "
-          "Ctrl-D quits.")
-    attached: dict[str, list[Path]] = {"images": [], "audio": [], "videos": []}
-    commands = {"/image ": "images", "/audio ": "audio", "/video ": "videos"}
+          "/help lists the commands; Ctrl-D quits.")
+    attached: dict[str, list] = {kind: [] for kind in _ATTACH.values()}
     while True:
         try:
             line = input("> ").strip()
         except EOFError:
             print()
             return 0
-        command = next((c for c in commands if line.startswith(c)), None)
-        if command is not None:
-            attached[commands[command]].append(Path(line[len(command):].strip()))
-            continue
-        if not line and not any(attached.values()):
-            continue
-        try:
-            reply = session.send(line, **attached, seed=args.seed)
-            _stream(reply, show_text=True, show_reasoning=args.show_reasoning)
-        except OmniLocalError as error:
-            print(f"error: {error}", file=sys.stderr)  # the conversation goes on
-        attached = {kind: [] for kind in attached}
+        command, _, path = line.partition(" ")
+        if command == "/help":
+            print(CHAT_HELP)
+        elif command in _ATTACH:
+            _attach(app, command, path.strip(), attached[_ATTACH[command]])
+        elif line or any(attached.values()):
+            try:
+                reply = session.send(line, **attached, seed=args.seed)
+                _stream(reply, show_text=True, show_reasoning=args.show_reasoning)
+            except OmniLocalError as error:
+                print(f"error: {error}", file=sys.stderr)  # the conversation goes on
+            attached = {kind: [] for kind in attached}
+
+
+def _attach(app: OmniLocal, command: str, path: str, attached: list) -> None:
+    """The file read and checked now, as the message will take it: a bad one is refused here, with
+    nothing attached, rather than failing the next message."""
+    if not path:
+        print(f"error: {command} needs a file: {command} PATH", file=sys.stderr)
+        return
+    try:
+        attached.append(_read_attachment(app, _ATTACH[command], Path(path).expanduser()))
+    except OmniLocalError as error:
+        print(f"error: {error}; nothing attached", file=sys.stderr)
+        return
+    print(f"{Path(path).name} attached to the next message")
+
+
+def _read_attachment(app: OmniLocal, kind: str, path: Path) -> object:
+    if kind == "images":
+        return load_image(path, app.limits)
+    if kind == "audio":
+        return load_audio(path, app.limits)
+    video = app.read_video(path)
+    # A remote backend checks the file's header only; the file itself goes with the message.
+    return video if isinstance(video, Video) else path
 
 
 def _voice(session: Session, sounddevice: Any, args: argparse.Namespace) -> int:
@@ -161,8 +227,10 @@ def _show_voice_event(event: TextDelta | Finished | OmniLocalError) -> None:
         print(f"error: {event}", file=sys.stderr)
 
 
-def _stream(reply: Reply, show_text: bool, show_reasoning: bool = False) -> Finished:
-    """Print deltas as they come; Ctrl-C cancels the reply instead of killing the program."""
+def _stream(reply: Reply, show_text: bool, show_reasoning: bool = False,
+            on_audio: Callable[[np.ndarray], None] | None = None) -> Finished:
+    """Print deltas as they come (and hand a spoken reply's samples to `on_audio`); Ctrl-C cancels
+    the reply instead of killing the program."""
     final = None
     terminal = sys.stdout.isatty()
     reasoning = ReasoningPrinter(shown=show_text and (show_reasoning or terminal), dim=terminal)
@@ -173,6 +241,8 @@ def _stream(reply: Reply, show_text: bool, show_reasoning: bool = False) -> Fini
             elif isinstance(event, TextDelta) and show_text:
                 reasoning.end()
                 print(event.text, end="", flush=True)
+            elif isinstance(event, AudioChunk) and on_audio is not None:
+                on_audio(event.samples)
             elif isinstance(event, Finished):
                 final = event
     except KeyboardInterrupt:

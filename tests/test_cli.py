@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import soundfile
 
-from samples import TYPED_CONTROL_TOKENS, video_file
+from samples import TYPED_CONTROL_TOKENS, clip, video_file
 from bad_files import BAD_FILES, MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS, good_image
 from omni_local.cli import main
 
@@ -53,8 +53,8 @@ def test_ask_speak_writes_the_spoken_reply_to_a_wav_file(flags, tmp_path, capsys
     assert f"{samples.size / rate:.1f} s of speech (Chelsie)" in last
 
 
-def test_ask_with_an_unknown_voice_ends_with_one_line_listing_the_voices(flags, capsys):
-    status = main(["ask", "Hi", "--speak", "--voice", "Nobody", *flags])
+def test_ask_with_an_unknown_voice_ends_with_one_line_listing_the_voices(flags, tmp_path, capsys):
+    status = main(["ask", "Hi", "--wav", str(tmp_path / "reply.wav"), "--voice", "Nobody", *flags])
     assert status == 2
     expected = "error: unknown voice 'Nobody': this model speaks as Aiden, Chelsie, Ethan"
     assert capsys.readouterr().err.strip() == expected
@@ -96,8 +96,53 @@ def test_chat_holds_a_conversation_with_attachments_and_survives_a_bad_file(flag
         cwd=REPO, input=script, capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0
-    assert done.stdout.count("prompt tokens") == 2  # the good turns got replies
-    assert "empty.png: the file is empty" in done.stderr
+    assert done.stdout.count("prompt tokens") == 3  # every message: the bad file was refused when attached
+    assert "empty.png: the file is empty; nothing attached" in done.stderr
+
+
+def chat(flags: list[str], script: str) -> subprocess.CompletedProcess:
+    """`chat` as a person at a terminal runs it, typing `script`."""
+    return subprocess.run([sys.executable, "-m", "omni_local", "chat", "--max-new-tokens", "4", *flags],
+                          cwd=REPO, input=script, capture_output=True, text=True, timeout=300)
+
+
+def test_chat_checks_a_file_when_it_is_attached_and_the_next_message_is_answered(flags, tmp_path):
+    noise, notes = tmp_path / "noise.wav", tmp_path / "notes.wav"
+    soundfile.write(noise, clip(1), 16_000)
+    notes.write_text("not a sound")
+    done = chat(flags, f"/image {tmp_path / 'missing.png'}\nHello\n/audio {notes}\n/audio\nAnd now?\n"
+                       f"/audio {noise}\nWhat do you hear?\n")
+    assert done.returncode == 0
+    assert [line for line in done.stderr.splitlines() if line.startswith("error")] == [
+        "error: missing.png: file not found; nothing attached",
+        "error: notes.wav: not an audio file (WAV, FLAC, OGG or MP3 expected); nothing attached",
+        "error: /audio needs a file: /audio PATH",
+    ]
+    assert "noise.wav attached to the next message" in done.stdout
+    assert done.stdout.count("prompt tokens") == 3  # each message was answered
+
+
+def test_chat_help_lists_its_commands(flags):
+    done = chat(flags, "/help\n")
+    assert done.returncode == 0
+    assert ("/image PATH   attach an image to the next message\n"
+            "/audio PATH   attach an audio file (WAV, FLAC, OGG, MP3) to the next message\n"
+            "/video PATH   attach a video (MP4, WebM, MOV) to the next message\n"
+            "/help         this list\n"
+            "Ctrl-C stops a reply; Ctrl-D quits.\n") in done.stdout
+    assert "prompt tokens" not in done.stdout  # /help is no message to the model
+
+
+def test_ask_speak_without_wav_and_without_an_audio_device_is_refused_before_the_model_loads(flags, tmp_path):
+    # sounddevice as a machine without PortAudio has it, whatever this machine has.
+    (tmp_path / "sounddevice.py").write_text("raise OSError('PortAudio library not found')\n")
+    done = subprocess.run([sys.executable, "-m", "omni_local", "ask", "Say hello.", "--speak", *flags],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"})
+    assert (done.returncode, done.stdout) == (2, "")  # no reply: nothing was computed
+    assert done.stderr == ("error: no audio devices: the PortAudio library is missing (PortAudio library not "
+                           "found); install it (Debian: libportaudio2), or add --wav FILE to save the spoken "
+                           "reply\n")
 
 
 def test_app_py_refuses_an_unknown_settings_key_with_one_line_and_status_2(tmp_path):

@@ -161,6 +161,19 @@ def test_no_audio_device_is_a_clear_error():
         Speakers(device)
 
 
+def test_ask_speak_without_wav_plays_the_whole_reply_on_the_speakers(demo_settings, demo_checkpoint, monkeypatch,
+                                                                     capsys):
+    device = FakeSoundDevice(SILENCE)
+    monkeypatch.setattr("omni_local.cli.load_sounddevice", lambda: device)
+    status = main(["ask", "Say hello.", "--speak", "--max-new-tokens", "6", "--max-speech-seconds", "1",
+                   "--demo-dir", str(demo_settings.demo_path), "--cache-dir", demo_settings.cache_dir,
+                   "--device", "cpu"])
+    spoken = float(capsys.readouterr().out.rsplit(" s of speech", 1)[0].rsplit(" ", 1)[1])  # "0.8 s of speech"
+    played = np.count_nonzero(np.concatenate(device.played)) / 44_100  # the speakers' rate; silence between chunks
+    assert status == 0 and spoken > 0
+    assert abs(played - spoken) <= 0.05 + 0.01  # all of it, before the command ended (0.05: the line's rounding)
+
+
 def test_voice_without_portaudio_ends_with_one_line_and_status_2(monkeypatch, capsys):
     real_import = builtins.__import__
 
