@@ -181,7 +181,9 @@ class Settings:
         "on Ctrl-C or SIGTERM, seconds `serve` lets replies still streaming go on; the rest end with an error event",
     )
     api_key_file: str = setting(
-        "server", "", "private file holding the key API clients must send (Authorization: Bearer KEY)"
+        "server", "",
+        "private file of the keys API clients may send (Authorization: Bearer KEY), one a line, 'KEY' or 'NAME: KEY', "
+        "one per person",
     )
     api_max_requests: int = setting(
         "server", 32, "API requests held at once, streaming or waiting; one more is refused at once (429)"

@@ -8,6 +8,7 @@ single request, for the queue's bound and for clients that leave.
 
 import base64
 import io
+import signal
 import subprocess
 import sys
 import time
@@ -336,6 +337,41 @@ def _until_served(api: openai.OpenAI) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
+
+
+# Stopping the server -----------------------------------------------------------------------------
+
+
+def stopped_while_streaming(demo_settings, root, grace_s: float, max_tokens: int) -> tuple[list, Exception | None]:
+    """A stream's chunks, and what the client raised, when the server is sent SIGTERM after its first
+    chunk with `shutdown_grace_s` of `grace_s`; the server must then exit, as uvicorn does, by the signal."""
+    chunks, raised = [], None
+    with served_api(demo_settings, root, "--shutdown-grace-s", str(grace_s)) as served:
+        with ask(client(served.url), LONG_QUESTION, max_tokens=max_tokens, stream=True) as reply:
+            stream = iter(reply)
+            chunks.append(next(stream))
+            served.process.send_signal(signal.SIGTERM)
+            try:
+                chunks.extend(stream)
+            except openai.APIError as error:
+                raised = error
+        assert served.process.wait(timeout=60) == -signal.SIGTERM
+    return chunks, raised
+
+
+def test_a_stream_longer_than_the_shutdown_grace_ends_with_a_finish_reason_and_an_error_the_client_raises(
+        demo_settings, demo_checkpoint, tmp_path):
+    chunks, raised = stopped_while_streaming(demo_settings, tmp_path, grace_s=0.5, max_tokens=900)
+    assert isinstance(raised, openai.APIError) and "the server is shutting down" in raised.message
+    assert raised.code == "server_shutting_down"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["abort"]
+    assert chunks[-1].choices[0].finish_reason == "abort" and len(chunks) < 900
+
+
+def test_a_stream_that_ends_within_the_shutdown_grace_is_sent_whole(demo_settings, demo_checkpoint, tmp_path):
+    chunks, raised = stopped_while_streaming(demo_settings, tmp_path, grace_s=120, max_tokens=60)
+    assert raised is None
+    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].omni_local["tokens"]["generated"] == 60
 
 
 def test_serve_refuses_to_listen_beyond_this_machine_without_a_key_before_loading_a_model():

@@ -4,11 +4,13 @@ streamed back (server-sent events) or answered whole. The shapes are in shapes.p
 A failure is known before the response starts wherever it can be: the reply's first event (its
 first text, or its failure: an over-long prompt, a corrupt image) is waited for before the headers
 go, so such failures get their real status. Only a failure after that is an event in the stream.
-A client that goes away, streaming or not, cancels its reply.
+A client that goes away, streaming or not, cancels its reply. A stream the server's shutdown cuts
+ends with an error event (shutdown.py).
 """
 
 import json
 from collections.abc import AsyncIterator, Awaitable
+from functools import partial
 from typing import TypeVar
 
 import anyio
@@ -16,7 +18,6 @@ import numpy as np
 from anyio import to_thread
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from sse_starlette import EventSourceResponse
 
 from omni_local.api import OmniLocal
 from omni_local.api.events import AudioChunk, Event, Finished
@@ -25,9 +26,11 @@ from omni_local.api.params import SpeechParams
 from omni_local.server.content import ContentReader
 from omni_local.server.conversations import Conversations
 from omni_local.server.errors import ApiError, api_error, unknown_model
+from omni_local.server.races import unless
 from omni_local.server.reply import ApiReply
 from omni_local.server.schemas import ChatRequest
 from omni_local.server.shapes import ReplyShapes
+from omni_local.server.shutdown import Draining, ShuttingDown
 
 T = TypeVar("T")
 CLIENT_GONE = 499  # nginx's status for a client that closed the connection: nobody reads it
@@ -42,6 +45,7 @@ class ChatCompletions:
         self.conversations = Conversations()
         # Each request held waits in at most one thread at a time (decoding its media, or for its next event).
         self.threads = anyio.CapacityLimiter(app.settings.api_max_requests)
+        self.draining = Draining(app.settings.shutdown_grace_s)
 
     async def create(self, body: ChatRequest, request: Request) -> Response:
         self._check(body)
@@ -67,7 +71,7 @@ class ChatCompletions:
         if first is None:
             await events.aclose()
             return Response(status_code=CLIENT_GONE)
-        return EventSourceResponse(self._sse(first, events, shapes, session, messages))
+        return self.draining.respond(partial(self._sse, first, events, shapes, session, messages))
 
     def _check(self, body: ChatRequest) -> None:
         model = self.app.info.model_id
@@ -93,14 +97,17 @@ class ChatCompletions:
         return SpeechParams(given or self.app.settings.voice, temperature=temperature)
 
     async def _sse(self, first: Event, events: AsyncIterator[Event], shapes: ReplyShapes, session: str,
-                   messages: list[Message]) -> AsyncIterator[str]:
+                   messages: list[Message], shutdown: anyio.Event) -> AsyncIterator[str]:
         try:
-            async for event in _after(first, events):
+            async for event in self.draining.until_over(_after(first, events), shutdown):
                 for chunk in _chunks(event, shapes):
                     yield json.dumps(chunk)
                 if isinstance(event, Finished):
                     await self._remember(session, messages, event)
             yield "[DONE]"
+        except ShuttingDown as cut:
+            yield json.dumps(shapes.cut_chunk())
+            yield json.dumps(cut.body())
         except Exception as error:  # noqa: BLE001 - the stream has begun: the error goes in it
             yield json.dumps(api_error(error).body())
         finally:
@@ -125,19 +132,8 @@ async def _whole_speech(events: AsyncIterator[Event]) -> np.ndarray:
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     """`work`'s result, or None (`work` cancelled) once the client has closed the connection."""
-    result, failure = None, None
-    async with anyio.create_task_group() as group:
-        async def watch() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            group.cancel_scope.cancel()
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
 
-        group.start_soon(watch)
-        try:
-            result = await work
-        except Exception as error:  # noqa: BLE001 - raised as it is below, not in a task group's ExceptionGroup
-            failure = error
-        group.cancel_scope.cancel()
-    if failure is not None:
-        raise failure
-    return result
+    return await unless(work, disconnected)

@@ -1,7 +1,7 @@
 """Failures as OpenAI's error objects, `{"error": {"message", "type", "param", "code"}}`, with the
 status OpenAI gives them: 400 bad input, 401 a missing or wrong key, 404 an unknown model, 408 a
 body too slow to come, 413 too large, 429 too many requests (or bodies) held, 500 a fault of the
-server (logged, its details kept back).
+server (logged, its details kept back), 503 a stream the server's shutdown cut (shutdown.py).
 
 omni_local's own errors (`OmniLocalError`) are written for the person who sent the request, so
 their message is passed on as it is.
@@ -19,7 +19,7 @@ from omni_local.errors import OmniLocalError, UploadTooLarge
 log = logging.getLogger(__name__)
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict"}
-_TYPES = {429: "rate_limit_error", 500: "server_error"}  # the rest are "invalid_request_error"
+_TYPES = {429: "rate_limit_error", 500: "server_error", 503: "server_error"}  # the rest: "invalid_request_error"
 
 
 class ApiError(Exception):

@@ -12,7 +12,8 @@ Streamed (server-sent events, each `data:` one JSON chunk; the first delta carri
 - with `stream_options.include_usage`, then a chunk of no choices with `usage` (the chunks before
   carry `"usage": null`, as OpenAI's do);
 - then `data: [DONE]`. A failure after the stream began is one event `{"error": {...}}`, and the
-  stream ends.
+  stream ends; a reply the server's shutdown cuts (shutdown.py) sends a chunk with `finish_reason`
+  "abort" before it.
 
 Not streamed: `choices[0].message` holds the text as `content` (and any reasoning as
 `reasoning_content`); with audio, `content` is null and
@@ -62,6 +63,10 @@ class ReplyShapes:
         if not self.include_usage:
             return [ending]
         return [ending, {**self._chunk([]), "usage": usage(final)}]
+
+    def cut_chunk(self) -> dict:
+        """The last chunk of a reply the server cut short, as vLLM ends an aborted one."""
+        return self._chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "abort"}])
 
     def completion(self, final: Finished, speech: np.ndarray | None, audio_format: str) -> dict:
         message: dict = {"role": "assistant", "content": final.text, "refusal": None}

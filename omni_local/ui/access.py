@@ -4,15 +4,20 @@ By default the UI listens on 127.0.0.1 only. Serving beyond this machine is an e
 `ui_host` set to another address, and `ui_credentials_file` naming a private file (mode 0600) of
 `user:password` lines, which Gradio then asks for. Uploads are kept in the app's own private
 folder (`<cache_dir>/uploads`, mode 0700), not the system's shared temporary folder; an upload the
-disk has no room for is refused in words, and leaves nothing behind.
+disk has no room for is refused in words, and leaves nothing behind. Every request's Host and Origin
+are checked first of all (omni_local/hosts.py).
 """
 
+import contextlib
 import errno
 import logging
 import os
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
+from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.responses import PlainTextResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -20,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from omni_local.access import is_loopback, read_private_text
 from omni_local.cache.folders import private_folder
 from omni_local.errors import SettingsError
+from omni_local.hosts import HostCheck, ServedNames
 from omni_local.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -37,11 +43,13 @@ def upload_folder(settings: Settings) -> Path:
 
 
 def launch_options(settings: Settings) -> dict[str, Any]:
-    """`launch()` arguments: the address, port and upload limit, credentials when needed, and the
-    handling of failed uploads."""
+    """`launch()` arguments: the address, port and upload limit, credentials when needed, the check of
+    Host and Origin, and the handling of failed uploads."""
+    names = ServedNames(settings.ui_host, settings.allowed_hosts)
     options: dict[str, Any] = {
         "server_name": settings.ui_host, "server_port": settings.ui_port, "max_file_size": settings.max_upload_bytes,
-        "app_kwargs": {"middleware": [Middleware(UploadFaults, folder=upload_folder(settings))]},
+        "app_kwargs": {"middleware": [Middleware(UploadFaults, folder=upload_folder(settings))],
+                       "lifespan": checked_first(names)},
     }
     if settings.ui_credentials_file:
         options["auth"] = read_credentials(Path(settings.ui_credentials_file).expanduser())
@@ -51,6 +59,20 @@ def launch_options(settings: Settings) -> dict[str, Any]:
             "ui_credentials_file to a private file (chmod 600) of 'user:password' lines"
         )
     return options
+
+
+def checked_first(names: ServedNames) -> Callable[[Starlette], AbstractAsyncContextManager[None]]:
+    """A lifespan for Gradio's app that puts the Host and Origin check around all of it. launch() adds
+    Gradio's CORS middleware outside any middleware given to it, and that one answers preflights
+    itself and grants a page's origin whenever the Host is not named like localhost. uvicorn runs the
+    lifespan before it serves a request, and the app has built its middleware by then."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        app.middleware_stack = HostCheck(app.middleware_stack, names)
+        yield
+
+    return lifespan
 
 
 def read_credentials(path: Path) -> list[tuple[str, str]]:
