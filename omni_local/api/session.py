@@ -1,0 +1,165 @@
+"""A conversation (`Session`) and one reply as it streams (`Reply`), on any backend."""
+
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+from PIL import Image
+
+from omni_local.api.arguments import AUDIO, IMAGES, VIDEOS, listed
+from omni_local.api.backend import ReplyStream
+from omni_local.api.events import AudioChunk, Finished, TextDelta
+from omni_local.api.messages import Message, Part, check_text
+from omni_local.api.params import SpeechParams
+from omni_local.errors import OmniLocalError, RequestError
+from omni_local.media import MediaLimits, load_audio, load_image, prepare_image
+from omni_local.media.audio import samples_from_array
+from omni_local.media.video import Video
+
+if TYPE_CHECKING:
+    from omni_local.api.app import OmniLocal
+
+ImageInput = str | Path | bytes | Image.Image
+# An ndarray is 16 kHz samples: (samples,), or (samples, channels) / (channels, samples) with at most
+# 8 channels, averaged into one (media.audio.samples_from_array).
+AudioInput = str | Path | bytes | np.ndarray
+VideoInput = str | Path | bytes | Video
+
+
+class Reply:
+    """One reply as it streams. Iterate it, or call `result()`; `cancel()` from any thread."""
+
+    def __init__(self, stream: ReplyStream, on_done: Callable[[Finished], None]) -> None:
+        self._stream = stream
+        self._events = stream.events()
+        self._on_done = on_done
+        self._final: Finished | None = None
+        self._error: OmniLocalError | None = None
+        self._cancelled = False
+        self._audio: list[np.ndarray] = []
+
+    def __iter__(self) -> Iterator[TextDelta | AudioChunk | Finished]:
+        if self._error is not None:
+            raise self._error
+        try:
+            for event in self._events:
+                if isinstance(event, Finished):
+                    self._final = event
+                    self._on_done(event)
+                elif isinstance(event, AudioChunk):
+                    self._audio.append(event.samples)
+                yield event
+        except OmniLocalError as error:
+            self._error = error
+            raise
+
+    def result(self) -> Finished:
+        """The final event, once the reply is done; raises `RequestError` if it failed."""
+        for _ in self:
+            pass
+        return self._final
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._stream.cancel()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    @property
+    def audio(self) -> np.ndarray:
+        """The spoken reply's samples so far (float32 mono at 24 kHz, as each `AudioChunk`); empty if none."""
+        return np.concatenate(self._audio) if self._audio else np.zeros(0, np.float32)
+
+    @property
+    def done(self) -> bool:
+        return self._final is not None or self._error is not None
+
+
+class Session:
+    """A conversation: its system prompt and history; each reply is added when it finishes."""
+
+    def __init__(self, app: "OmniLocal", system_prompt: str | None, session_id: str | None = None) -> None:
+        self._app = app
+        self.id = session_id or uuid.uuid4().hex  # the prefix cache keeps one entry per id
+        if system_prompt is not None:
+            check_text(system_prompt, "the system prompt")
+        self.history: list[Message] = [Message("system", [system_prompt])] if system_prompt else []
+        self._pending: Reply | None = None
+
+    def send(
+        self,
+        text: str = "",
+        images: Iterable[ImageInput] = (),
+        audio: Iterable[AudioInput] = (),
+        videos: Iterable[VideoInput] = (),
+        speak: bool = False,
+        voice: str | None = None,
+        talker_temperature: float = SpeechParams.temperature,
+        **sampling: object,
+    ) -> Reply:
+        """Ask the next question. Media are read and checked now: a bad file, or an item of the wrong
+        type, raises at once (`OmniLocalError`, naming it: "images[0]: expected ..."); each of
+        `images`, `audio` and `videos` is a list (see `ImageInput`, `AudioInput`, `VideoInput`).
+        `speak` asks for a spoken reply too, in `voice` (the settings' by default); the Talker
+        samples at `talker_temperature` (0 is greedy).
+
+        A reply still streaming in this session is waited for first (cancel it to cut it short).
+        """
+        parts = self._parts(text, images, audio, videos)
+        if not parts:
+            raise RequestError("the message is empty: type a question or attach an image, audio or video file")
+        params = self._app.sampling(**sampling)
+        speech = SpeechParams(voice or self._app.settings.voice, talker_temperature) if speak else None
+        self.wait()
+        user = Message("user", parts)
+        stream = self._app.backend.send(self.id, [*self.history, user], params, speech)
+        self._pending = Reply(stream, lambda final: self._record(user, final))
+        return self._pending
+
+    def _parts(self, text: str, images: object, audio: object, videos: object) -> list[Part]:
+        """The question's media, read and checked (each argument's types first, before any is
+        read), then its text."""
+        check_text(text, "the message")
+        images, audio = listed("images", images, IMAGES), listed("audio", audio, AUDIO)
+        videos = listed("videos", videos, VIDEOS)
+        limits = self._app.limits
+        parts: list[Part] = [_image(item, limits, f"images[{n}]") for n, item in enumerate(images)]
+        parts += [_audio(item, limits, f"audio[{n}]") for n, item in enumerate(audio)]
+        parts += [self._app.read_video(_named_video(item, f"videos[{n}]")) for n, item in enumerate(videos)]
+        return parts + [text] if text else parts
+
+    def wait(self) -> None:
+        """Let a reply still streaming finish (or fail) before the history changes."""
+        if self._pending is not None and not self._pending.done:
+            try:
+                self._pending.result()
+            except OmniLocalError:
+                pass  # the caller of that reply has seen the error
+        self._pending = None
+
+    def _record(self, user: Message, final: Finished) -> None:
+        self.history += [user, Message("assistant", [final.text], token_ids=final.token_ids,
+                                       reasoning=final.reasoning)]
+
+
+def _image(item: ImageInput, limits: MediaLimits, name: str) -> Image.Image:
+    """`name` calls an image in memory in errors; a file is called by its file name."""
+    if isinstance(item, Image.Image):
+        return prepare_image(item, limits, name)
+    return load_image(item, limits)
+
+
+def _audio(item: AudioInput, limits: MediaLimits, name: str) -> np.ndarray:
+    if isinstance(item, np.ndarray):
+        return samples_from_array(name, item, limits)
+    return load_audio(item, limits)
+
+
+def _named_video(item: VideoInput, name: str) -> VideoInput:
+    """A video in memory named as its argument, for the errors its checks may raise."""
+    return replace(item, name=name) if isinstance(item, Video) else item
