@@ -9,7 +9,7 @@ page's port and engine; beyond this machine it needs `--api-key-file FILE` too.
 import argparse
 import sys
 
-from omni_local.access import api_key
+from omni_local.access import api_keys
 from omni_local.cache.folders import keep_new_files_private
 from omni_local.errors import OmniLocalError
 from omni_local.listening import listening
@@ -27,7 +27,7 @@ def main() -> int:
         # A port in use is refused before the model loads too, and held while it loads, so a second
         # app started meanwhile is refused at once; Gradio binds it itself, once it is let go.
         reserved = listening(settings.ui_host, settings.ui_port, "ui_host, ui_port")
-        key = api_key(settings, "ui_host") if settings.ui_serves_api else None
+        keys = api_keys(settings, "ui_host") if settings.ui_serves_api else None
         keep_uploads_private(settings)
         from omni_local.api import OmniLocal
         from omni_local.ui.chat import build_ui
@@ -44,7 +44,7 @@ def main() -> int:
 
         # Gradio's app is made by launch(); routes given to it first are matched before Gradio's own, and
         # Gradio's auth (its routes' dependencies) and upload limit stay on the page's routes alone.
-        options["app_kwargs"]["routes"] = [api_mount(app, key)]
+        options["app_kwargs"]["routes"] = [api_mount(app, keys)]
     use_for_the_page(settings.header_timeout_s)  # Gradio starts the page's server itself
     reserved.close()
     ui.launch(**options, css=PAGE_CSS)

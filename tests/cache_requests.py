@@ -4,6 +4,7 @@ cache's unit tests (no model)."""
 import numpy as np
 import torch
 
+from omni_local.access import LOCAL_USER
 from omni_local.cache.digests import token_keys
 from omni_local.engine.prefix_cache import PrefixCache
 from omni_local.prompts import MediaItem, Prompt
@@ -15,9 +16,11 @@ def prompt(ids: list[int], media: list[tuple[int, int, bytes]] = ()) -> Prompt:
     return Prompt(torch.tensor([ids]), items, token_keys(array, list(media)))
 
 
-def run(cache: PrefixCache, session: str, p: Prompt, reply: list[int] = (), rows: int | None = None) -> int:
-    """Claim, 'compute' and release like the engine; returns the tokens reused."""
-    claim = cache.claim(session, p, cache.match(p), rows or p.num_tokens + len(reply))
+def run(cache: PrefixCache, session: str, p: Prompt, reply: list[int] = (), rows: int | None = None,
+        principal: str = LOCAL_USER) -> int:
+    """Claim, 'compute' and release like the engine, for `principal`; returns the tokens reused."""
+    match = cache.match(p, principal=principal)
+    claim = cache.claim(session, p, match, rows or p.num_tokens + len(reply), principal=principal)
     cache.publish(claim, p, list(reply), p.num_tokens + max(len(reply) - 1, 0))
     cache.release(claim)
     return claim.start

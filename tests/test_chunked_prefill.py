@@ -246,7 +246,7 @@ def test_a_prefill_cancelled_between_its_chunks_leaves_its_sessions_entry_as_it_
     assert replies[0].result().stop_reason == "cancelled"
     monkeypatch.undo()
 
-    entry = chunking_apps[0].backend.engine.cache.entries[chat.cached.id]
+    entry = chunking_apps[0].backend.engine.cache.entry(chat.cached.id)
     assert len(chunks) == 2 and entry.length == written(first) and entry.pins == 0
     block, offset = divmod(entry.length, runner.kv.shape.block_tokens)
     if runner.kv.zeroed and offset:  # graphs read past a chat's end: the cut prefill's rows must not be there

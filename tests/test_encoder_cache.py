@@ -18,6 +18,7 @@ import torch
 
 import omni_local.engine.media_encoder as media_encoder
 from samples import clip, picture
+from omni_local.access import LOCAL_USER
 from omni_local.api import OmniLocal
 from omni_local.cache.encoder_cache import BytesOnlyDisk
 from omni_local.cache.folders import keep_compiled_code_in
@@ -104,7 +105,7 @@ def test_cached_outputs_are_bit_identical_to_a_fresh_encode(settings):
         fresh = encoder._encode(prompt.media)
         ask(app, "What?", images=[picture(8)], audio=[clip(9)])
         for item, expected in zip(prompt.media, fresh):
-            cached = app.backend.engine.encoder_cache.get(item.digest)
+            cached = app.backend.engine.encoder_cache.get(media_encoder.cache_key(item, LOCAL_USER))
             assert cached.keys() == expected.keys()
             assert all(torch.equal(cached[k], expected[k]) for k in expected)
 
@@ -341,9 +342,10 @@ def test_a_cached_output_of_the_wrong_shape_is_not_used(settings, counted):
         expected = ask(off, "What?", images=[image])
     with OmniLocal(settings) as app:
         counts = counted(app)
-        digest = build_prompt([Message("user", [image, "What?"])], app.backend.loaded.processor).media[0].digest
+        item = build_prompt([Message("user", [image, "What?"])], app.backend.loaded.processor).media[0]
         hidden = app.backend.loaded.model.thinker.config.text_config.hidden_size
-        app.backend.engine.encoder_cache.put(digest, {"embeds": torch.zeros(3, hidden), "grid": torch.tensor([1, 2, 6])})
+        wrong = {"embeds": torch.zeros(3, hidden), "grid": torch.tensor([1, 2, 6])}
+        app.backend.engine.encoder_cache.put(media_encoder.cache_key(item, LOCAL_USER), wrong)
         assert ask(app, "What?", images=[image]) == expected
         assert counts["vision"] == 1
 

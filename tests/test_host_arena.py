@@ -90,8 +90,8 @@ def test_the_blocks_a_move_to_host_reads_stay_held_until_it_has_run(running):
     kv = KVStore(SHAPE, SHAPE.table_blocks + 1, torch.float32, torch.device("cpu"))
     cache = PrefixCache(kv, host_budget_bytes=1 << 20, enabled=True)
     run(cache, "a", prompt([1, 2, 3, 4, 5]))  # 2 blocks
-    cache._move_to_host(cache.entries["a"], keep=None)
-    assert cache.entries["a"].host is not None and kv.pool.held == 2
+    cache._move_to_host(cache.entry("a"), keep=None)
+    assert cache.entry("a").host is not None and kv.pool.held == 2
 
     cache.settle()
     assert kv.pool.held == 2, "its copy has not run"
@@ -109,14 +109,14 @@ def test_a_request_that_needs_the_blocks_of_a_move_still_running_waits_for_that_
     claim = cache.claim("b", other, cache.match(other), SHAPE.max_tokens)  # every block: "a" must move
 
     assert claim is not None and running[-1].passed, "the host waited for the move whose blocks it took"
-    assert cache.entries["a"].host is not None
+    assert cache.entry("a").host is not None
 
 
 def test_a_chat_whose_rows_come_back_from_host_is_ready_once_they_are_there(running):
     kv = KVStore(SHAPE, SHAPE.table_blocks + 1, torch.float32, torch.device("cpu"))
     cache = PrefixCache(kv, host_budget_bytes=1 << 20, enabled=True)
     run(cache, "a", prompt([1, 2, 3, 4, 5]))
-    cache._move_to_host(cache.entries["a"], keep=None)
+    cache._move_to_host(cache.entry("a"), keep=None)
     running[-1].passed = True
     again = prompt([1, 2, 3, 4, 5, 6])
 
@@ -141,7 +141,7 @@ def test_a_chat_whose_rows_come_back_from_host_waits_for_them_alone_and_answers_
         chat, expected = app.session(), off.session()
         for session in (chat, expected):
             session.send("Hello.", max_new_tokens=8, temperature=0.0).result()
-        until(lambda: engine.cache.entries[chat.id].host is not None, "the idle chat's rows must move to host memory")
+        until(lambda: engine.cache.entry(chat.id).host is not None, "the idle chat's rows must move to host memory")
 
         prefills, prefill = [], engine.runner.prefill
         with patch.object(engine.runner, "prefill", lambda *args: prefills.append(time.monotonic()) or prefill(*args)):

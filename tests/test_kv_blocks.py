@@ -4,6 +4,7 @@ which hold a prefix found by its chained hash."""
 import numpy as np
 import pytest
 
+from omni_local.access import principal_salt
 from omni_local.engine.kv_blocks import PAD_BLOCK, BlockKey, BlockPool, chain
 
 BLOCK = 4
@@ -118,3 +119,14 @@ def test_the_pad_block_is_never_held():
     pool = BlockPool(blocks=3, block_tokens=BLOCK)
     with pytest.raises(AssertionError):
         pool.hold([PAD_BLOCK])
+
+
+def test_a_chain_salted_for_one_principal_is_not_found_by_another():
+    pool = BlockPool(8, BLOCK)
+    ada, bob = principal_salt("api key ada"), principal_salt("api key bob")
+    blocks = pool.take(2)
+    for block, key in zip(blocks, chain(keys_of(1, 2, 3, 4, 5, 6, 7, 8), [], BLOCK, 2, ada)):
+        pool.register(block, key)
+    assert pool.lookup(chain(keys_of(1, 2, 3, 4, 5, 6, 7, 8), [], BLOCK, 2, ada)) == blocks
+    assert pool.lookup(chain(keys_of(1, 2, 3, 4, 5, 6, 7, 8), [], BLOCK, 2, bob)) == []
+    assert pool.lookup(chain(keys_of(1, 2, 3, 4, 5, 6, 7, 8), [], BLOCK, 2)) == []  # nor unsalted

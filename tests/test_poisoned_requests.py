@@ -169,7 +169,7 @@ def test_scrubbed_blocks_are_zeroed_and_their_sessions_entry_dropped_even_where_
 
     cache.discard(claim)
 
-    assert "chat" not in cache.entries and store.pool.free == store.pool.usable
+    assert cache.entry("chat") is None and store.pool.free == store.pool.usable
     assert all(not layer.any() for layer in store.keys + store.values)
 
 
@@ -237,7 +237,7 @@ def test_with_cuda_graphs_rows_past_a_chats_end_that_are_not_numbers_never_reach
     poisoned, clean = graphed_twins
     kv, session = poisoned.backend.engine.runner.kv, poisoned.session()
     first = reply(poisoned, session, "Say something about the tide.")
-    entry = poisoned.backend.engine.cache.entries[session.id]
+    entry = poisoned.backend.engine.cache.entry(session.id)
     # What a chat leaves past its end in its last block (garbage, here NaN), read masked by a graph's bucket.
     last, offset = entry.table[-1], entry.length % kv.shape.block_tokens
     assert offset, "the chat must end inside a block"

@@ -115,7 +115,7 @@ def test_a_session_resumes_from_host_memory_after_its_entry_moved_there(small_ap
     first = a.send("Tell me about apples.")
     Chat((with_host, uncached), "Session B talks about bread.").send("Tell me about bread.")
     Chat((with_host, uncached), "Session C talks about cheese.").send("Tell me about cheese.")
-    entry = with_host.backend.engine.cache.entries[a.cached.id]
+    entry = with_host.backend.engine.cache.entry(a.cached.id)
     assert entry.table is None and entry.host is not None  # moved off the device to make room
     final = a.send("And green ones?")
     assert final.tokens.reused_host == written(first)
@@ -130,7 +130,7 @@ def test_a_session_whose_entry_was_dropped_reuses_only_what_is_still_on_the_devi
     b.send("Tell me about bread.")
     c = Chat((without_host, uncached), "Session C: cheese only.")
     c.send("Tell me about cheese.")
-    assert a.cached.id not in without_host.backend.engine.cache.entries  # dropped: no host memory
+    assert without_host.backend.engine.cache.entry(a.cached.id) is None  # dropped: no host memory
     ids = ids_of(without_host, a.cached, "And green ones?")
     shared = max(common_prefix(ids, ids_of(without_host, other.cached, "")) for other in (b, c))
     final = a.send("And green ones?")  # the same answer as the uncached app's (Chat checks)

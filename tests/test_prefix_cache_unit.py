@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from cache_requests import prompt, run
+from omni_local.access import LOCAL_USER, principal_salt
 from omni_local.engine.kv_blocks import chain
 from omni_local.engine.kv_store import KVShape, KVStore
 from omni_local.engine.prefix_cache import Match, PrefixCache
@@ -34,7 +35,7 @@ def test_a_match_never_ends_inside_a_medium():
     cache = PrefixCache(store(), host_budget_bytes=0, enabled=True)
     same = prompt([1, 2, 9, 9, 9, 9, 5], [(2, 4, b"A" * 32)])
     run(cache, "a", same)
-    entry = cache.entries["a"]
+    entry = cache.entry("a")
     entry.keys = entry.keys[:4]  # an entry that holds only half of the medium
     assert cache.match(same).length == 2  # its first block, found by hash, ends inside the medium too
 
@@ -43,7 +44,7 @@ def test_a_medium_whose_short_keys_clash_is_still_told_apart_by_its_full_digest(
     cache = PrefixCache(store(), host_budget_bytes=0, enabled=True)
     run(cache, "a", prompt([1, 2, 9, 9, 9, 9, 5, 6], [(2, 4, b"A" * 7 + b"x" * 25)]))
     clash = prompt([1, 2, 9, 9, 9, 9, 5, 6], [(2, 4, b"A" * 7 + b"y" * 25)])  # same first 7 bytes
-    assert np.array_equal(clash.keys, cache.entries["a"].keys[:8])
+    assert np.array_equal(clash.keys, cache.entry("a").keys[:8])
     assert cache.match(clash).length == 2
 
 
@@ -51,9 +52,9 @@ def test_a_session_continues_in_its_own_blocks():
     kv = store()
     cache = PrefixCache(kv, host_budget_bytes=0, enabled=True)
     run(cache, "a", prompt([1, 2, 3, 4, 5]))
-    before = cache.entries["a"].table
+    before = cache.entry("a").table
     assert run(cache, "a", prompt([1, 2, 3, 4, 5, 6, 7])) == 5
-    assert cache.entries["a"].table == before  # its partly filled second block continued in place
+    assert cache.entry("a").table == before  # its partly filled second block continued in place
 
 
 def test_sessions_that_begin_alike_hold_the_shared_blocks_once():
@@ -63,8 +64,8 @@ def test_sessions_that_begin_alike_hold_the_shared_blocks_once():
     run(cache, "first", prompt(system + [1]))
     for session in range(16):
         assert run(cache, f"chat {session}", prompt(system + [200 + session, 2])) == 9
-    shared = cache.entries["first"].table[:2]
-    assert all(cache.entries[f"chat {s}"].table[:2] == shared for s in range(16))
+    shared = cache.entry("first").table[:2]
+    assert all(cache.entry(f"chat {s}").table[:2] == shared for s in range(16))
     assert [kv.pool.holders(block) for block in shared] == [17, 17]
     assert kv.pool.held == 2 + 17  # the shared blocks once, and a last block for each chat
 
@@ -78,14 +79,14 @@ def test_another_chats_prefix_shorter_than_a_block_is_not_taken_but_a_chats_own_
     assert cache.match(begins_alike, "a").length == 3
     assert cache.match(prompt([1, 2, 3, 9, 6]), "b").length == 4  # a whole block in common
     run(cache, "b", prompt([1, 2, 3, 8, 8]))  # begins as "a" does, for as long
-    assert cache.match(begins_alike, "b") == Match(cache.entries["b"], 3)
+    assert cache.match(begins_alike, "b") == Match(cache.entry("b"), 3)
 
 
 def test_a_partly_shared_last_block_is_copied_before_it_is_written():
     kv = store()
     cache = PrefixCache(kv, host_budget_bytes=0, enabled=True)
     run(cache, "a", prompt([1, 2, 3, 4, 5, 6]))
-    a_table = cache.entries["a"].table
+    a_table = cache.entry("a").table
     fill(kv, a_table[1], 7.0)
     p = prompt([1, 2, 3, 4, 5, 6, 7, 8])
     claim = cache.claim("b", p, cache.match(p), p.num_tokens)
@@ -100,11 +101,11 @@ def test_a_block_of_another_session_is_copied_even_when_the_prompt_ends_at_its_e
     kv = store()
     cache = PrefixCache(kv, host_budget_bytes=0, enabled=True)
     run(cache, "a", prompt([1, 2, 3, 4, 5, 6]))
-    a_table = cache.entries["a"].table
+    a_table = cache.entry("a").table
     # A session's own block already shared with another must be copied as well: "b" shares a's first
     # block, and its second one of its own.
     assert run(cache, "b", prompt([1, 2, 3, 4, 5, 6, 9])) == 6
-    assert cache.entries["b"].table[0] == a_table[0] and cache.entries["b"].table[1] != a_table[1]
+    assert cache.entry("b").table[0] == a_table[0] and cache.entry("b").table[1] != a_table[1]
 
 
 def test_blocks_of_a_dropped_entry_are_found_by_hash_while_nobody_has_been_handed_them():
@@ -112,7 +113,7 @@ def test_blocks_of_a_dropped_entry_are_found_by_hash_while_nobody_has_been_hande
     cache = PrefixCache(kv, host_budget_bytes=0, enabled=True, headroom_blocks=kv.pool.usable)
     run(cache, "a", prompt([1, 2, 3, 4, 5, 6, 7, 8, 9]))
     cache.make_room()  # with no host memory, "a" is dropped to free every block
-    assert "a" not in cache.entries and kv.pool.free == kv.pool.usable
+    assert cache.entry("a") is None and kv.pool.free == kv.pool.usable
     p = prompt([1, 2, 3, 4, 5, 6, 7, 8, 10])
     claim = cache.claim("b", p, cache.match(p), p.num_tokens)
     assert claim.start == 8 and claim.reused_gpu == 8
@@ -122,9 +123,9 @@ def test_the_least_recently_used_idle_entry_moves_to_host_and_comes_back():
     kv = store(sequences=1)
     cache = PrefixCache(kv, host_budget_bytes=1 << 20, enabled=True)
     run(cache, "a", prompt([1, 2, 3]))
-    kv.keys[0][cache.entries["a"].table[0], :, :2] = torch.tensor([[[7.0, 7.0], [8.0, 8.0]]])
+    kv.keys[0][cache.entry("a").table[0], :, :2] = torch.tensor([[[7.0, 7.0], [8.0, 8.0]]])
     run(cache, "b", prompt([4, 5, 6]), rows=SHAPE.max_tokens)  # every block, once "a" is moved out
-    assert cache.entries["a"].host is not None and cache.entries["a"].table is None
+    assert cache.entry("a").host is not None and cache.entry("a").table is None
     claim = cache.claim("a", prompt([1, 2, 3, 10]), cache.match(prompt([1, 2, 3, 10])), 4)
     assert claim.reused_host == 3
     assert torch.equal(kv.keys[0][claim.entry.table[0], :, :2], torch.tensor([[[7.0, 7.0], [8.0, 8.0]]]))
@@ -162,9 +163,9 @@ def test_a_growing_request_takes_free_blocks_then_moves_idle_entries_and_fails_o
     growing = cache.claim("grows", prompt([9, 10]), cache.match(prompt([9, 10])), 4)
     table = growing.entry.table
 
-    assert cache.grow(growing, 12) and len(table) == 3 and cache.entries["idle"].table is not None
+    assert cache.grow(growing, 12) and len(table) == 3 and cache.entry("idle").table is not None
     assert cache.grow(growing, 20) and len(table) == 5  # in place, the idle entry moved to host for it
-    assert cache.entries["idle"].host is not None
+    assert cache.entry("idle").host is not None
     assert not cache.grow(growing, 24)  # the last block is the running request's
     cache.release(held)
     assert cache.grow(growing, 24) and len(table) == 6
@@ -182,7 +183,7 @@ def test_a_parked_request_keeps_its_rows_in_host_memory_past_the_budget_and_resu
 
     cache.park(claim, 6)
 
-    assert claim.entry.table is None and kv.pool.free == kv.pool.usable and "a" in cache.entries
+    assert claim.entry.table is None and kv.pool.free == kv.pool.usable and cache.entry("a") is not None
     run(cache, "b", prompt([9, 9, 9]), rows=SHAPE.max_tokens)  # every block, then given back
     assert claim.entry.host is not None, "a parked request's rows are never dropped"
     assert cache.resume(claim, 12)
@@ -203,7 +204,7 @@ def test_a_parked_request_waits_for_blocks_running_requests_hold_and_ends_with_i
     assert not cache.resume(claim, 4)
     cache.release(claim)  # cancelled while parked
     cache.release(other)
-    assert cache.match(prompt([1, 2, 3, 4])).length == 3 and cache.entries["a"].host is not None
+    assert cache.match(prompt([1, 2, 3, 4])).length == 3 and cache.entry("a").host is not None
 
 
 def test_past_the_host_arena_the_oldest_entries_are_dropped():
@@ -212,7 +213,7 @@ def test_past_the_host_arena_the_oldest_entries_are_dropped():
     for session, ids in (("a", [1, 2, 3]), ("b", [4, 5, 6]), ("c", [7, 8, 9])):
         run(cache, session, prompt(ids), rows=SHAPE.max_tokens)
     assert cache.arena.blocks == 1 and cache.host_bytes == block_bytes
-    assert set(cache.entries) == {"b", "c"}  # "a" moved to host, then made room for "b"
+    assert {e.session for e in cache.entries.values()} == {"b", "c"}  # "a" moved to host, then made room for "b"
 
 
 def test_with_the_cache_off_nothing_is_kept_and_nothing_matches():
@@ -230,7 +231,7 @@ def test_when_the_match_holds_the_blocks_needed_it_moves_to_host_and_is_read_bac
     p = prompt([1, 2, 3, 4, 5, 9])
     claim = cache.claim("b", p, cache.match(p, "b"), SHAPE.max_tokens)
     assert claim is not None and claim.reused_host == 5
-    assert cache.entries["a"].host is not None
+    assert cache.entry("a").host is not None
 
 
 def test_when_the_match_holds_the_blocks_needed_and_host_memory_is_off_it_is_dropped_and_nothing_is_reused():
@@ -239,14 +240,14 @@ def test_when_the_match_holds_the_blocks_needed_and_host_memory_is_off_it_is_dro
     p = prompt([1, 2, 3, 9])
     claim = cache.claim("b", p, cache.match(p), SHAPE.max_tokens)
     assert claim is not None and claim.start == 0
-    assert "a" not in cache.entries
+    assert cache.entry("a") is None
 
 
 def test_a_request_gives_back_the_blocks_it_did_not_write():
     kv = store()
     cache = PrefixCache(kv, host_budget_bytes=0, enabled=True)
     run(cache, "a", prompt([1, 2, 3, 4, 5]), rows=SHAPE.max_tokens)
-    assert len(cache.entries["a"].table) == 2 and kv.pool.held == 2
+    assert len(cache.entry("a").table) == 2 and kv.pool.held == 2
 
 
 def test_talker_rows_travel_with_their_kv_between_blocks_and_to_host_and_back():
@@ -296,10 +297,10 @@ def test_a_discarded_request_keeps_the_blocks_another_chat_shares_and_zeroes_its
     shared = run(cache, "b", other)  # another chat shares them
     assert shared == 8
     cache.discard(claim)  # "a"'s reply then turned out not to be numbers
-    kept = cache.entries["b"].table[:2]
+    kept = cache.entry("b").table[:2]
     assert all(bool((layer[kept] == 1.0).all()) for layer in kv.keys + kv.values)
-    assert kv.pool.lookup(chain(other.keys, [], 4, 2)) == kept
-    assert "a" not in cache.entries
+    assert kv.pool.lookup(chain(other.keys, [], 4, 2, principal_salt(LOCAL_USER))) == kept
+    assert cache.entry("a") is None
 
 
 def test_the_source_of_a_match_is_never_moved_while_a_running_request_holds_it():
@@ -310,3 +311,25 @@ def test_the_source_of_a_match_is_never_moved_while_a_running_request_holds_it()
     p = prompt([1, 2, 3, 4, 5, 6])
     assert cache.claim("b", p, cache.match(p), 16) is None  # it waits: "a" holds 24 of 32 rows
     assert running.entry.table is not None and running.entry.pins == 1
+
+
+def test_another_principals_prompt_is_matched_neither_by_entry_nor_by_hash():
+    cache = PrefixCache(store(sequences=3), host_budget_bytes=0, enabled=True)
+    system = list(range(100, 109))  # two full blocks and one token
+    run(cache, "a", prompt(system + [1]), principal="api key ada")
+    guess = prompt(system + [1, 2])
+    assert cache.match(guess, "b", principal="api key bob") == Match(None, 0)
+    assert cache.match(guess, "b", principal="api key ada").length == 10  # Ada's own second chat
+    cache._drop(cache.entry("a", "api key ada"))  # its blocks free now, still found by hash
+    assert cache.match(guess, "b", principal="api key bob") == Match(None, 0)
+    assert cache.match(guess, "b", principal="api key ada").length == 8
+    assert run(cache, "b", guess, principal="api key bob") == 0
+
+
+def test_two_principals_sessions_of_the_same_id_are_entries_of_their_own():
+    cache = PrefixCache(store(sequences=3), host_budget_bytes=0, enabled=True)
+    run(cache, "chat", prompt([1, 2, 3, 4, 5, 6]), principal="page user ada")
+    assert run(cache, "chat", prompt([1, 2, 3, 4, 5, 6, 7]), principal="page user bob") == 0
+    ada, bob = cache.entry("chat", "page user ada"), cache.entry("chat", "page user bob")
+    assert ada.length == 6 and bob.length == 7 and not set(ada.table) & set(bob.table)
+    assert cache.entry("chat") is None  # nor the local user's

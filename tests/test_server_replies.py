@@ -10,6 +10,7 @@ import pytest
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
+from omni_local.access import LOCAL_USER
 from omni_local.api.events import ContextUse, Finished, TextDelta, Timings, TokenCounts
 from omni_local.api.messages import Message
 from omni_local.errors import RequestError
@@ -65,15 +66,27 @@ def reply(text: str, token_ids: list[int]) -> Finished:
 def test_a_conversation_sent_again_with_its_reply_continues_its_session_once_and_gets_the_replys_token_ids():
     conversations = Conversations()
     asked = [Message("system", ["Be brief."]), Message("user", ["Hello."])]
-    session, _ = conversations.continued(asked)
-    conversations.remember(session, asked, reply("Hi there.", [7, 8, 9]))
+    session, _ = conversations.continued(LOCAL_USER, asked)
+    conversations.remember(LOCAL_USER, session, asked, reply("Hi there.", [7, 8, 9]))
     follow_up = [*asked, Message("assistant", ["Hi there."]), Message("user", ["And then?"])]
-    continued, messages = conversations.continued(follow_up)
+    continued, messages = conversations.continued(LOCAL_USER, follow_up)
     assert continued == session and messages[2].token_ids == [7, 8, 9]
-    other, _ = conversations.continued(follow_up)  # the session is held by the request that took it
+    other, _ = conversations.continued(LOCAL_USER, follow_up)  # the session is held by the request that took it
     assert other != session
-    stranger, _ = conversations.continued([Message("user", ["Hello."])])
+    stranger, _ = conversations.continued(LOCAL_USER, [Message("user", ["Hello."])])
     assert stranger not in (session, other)
+
+
+def test_a_conversation_sent_again_by_another_principal_continues_no_session_of_the_first_nor_gets_its_token_ids():
+    conversations = Conversations()
+    asked = [Message("user", ["Hello."])]
+    session, _ = conversations.continued("api key ada", asked)
+    conversations.remember("api key ada", session, asked, reply("Hi there.", [7, 8, 9]))
+    follow_up = [*asked, Message("assistant", ["Hi there."]), Message("user", ["And then?"])]
+    other, messages = conversations.continued("api key bob", follow_up)
+    assert other != session and messages[1].token_ids is None
+    continued, messages = conversations.continued("api key ada", follow_up)  # still there for Ada
+    assert continued == session and messages[1].token_ids == [7, 8, 9]
 
 def test_a_failure_after_the_stream_began_is_an_error_event_the_sdk_raises(app, monkeypatch):
     monkeypatch.setattr(app, "backend", FailingMidway(app.backend.info))

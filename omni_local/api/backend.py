@@ -52,9 +52,10 @@ class Backend(Protocol):
     info: BackendInfo
 
     def send(self, session: str, messages: list[Message], params: SamplingParams,
-             speech: SpeechParams | None) -> ReplyStream:
+             speech: SpeechParams | None, principal: str) -> ReplyStream:
         """Queue a reply to `messages` (ending in a user turn) of chat `session`, spoken too if
-        `speech` is given. A request this backend cannot serve (an unknown voice, say) raises here."""
+        `speech` is given, for `principal` (access.py), with whom alone its caches are shared. A
+        request this backend cannot serve (an unknown voice, say) raises here."""
         ...
 
     def read_video(self, item: str | Path | bytes | Video) -> Part:

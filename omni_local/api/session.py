@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from PIL import Image
 
+from omni_local.access import LOCAL_USER
 from omni_local.api.arguments import AUDIO, IMAGES, VIDEOS, listed
 from omni_local.api.backend import ReplyStream
 from omni_local.api.events import AudioChunk, Finished, TextDelta
@@ -83,9 +84,11 @@ class Reply:
 class Session:
     """A conversation: its system prompt and history; each reply is added when it finishes."""
 
-    def __init__(self, app: "OmniLocal", system_prompt: str | None, session_id: str | None = None) -> None:
+    def __init__(self, app: "OmniLocal", system_prompt: str | None, session_id: str | None = None,
+                 principal: str = LOCAL_USER) -> None:
         self._app = app
-        self.id = session_id or uuid.uuid4().hex  # the prefix cache keeps one entry per id
+        self.id = session_id or uuid.uuid4().hex  # the prefix cache keeps one entry per id ...
+        self.principal = principal  # ... and shares what it holds only among this principal's sessions
         if system_prompt is not None:
             check_text(system_prompt, "the system prompt")
         self.history: list[Message] = [Message("system", [system_prompt])] if system_prompt else []
@@ -114,10 +117,10 @@ class Session:
         if not parts:
             raise RequestError("the message is empty: type a question or attach an image, audio or video file")
         params = self._app.sampling(**sampling)
-        speech = SpeechParams(voice or self._app.settings.voice, talker_temperature) if speak else None
+        speech = self._speech(speak, voice, talker_temperature)
         self.wait()
         user = Message("user", parts)
-        stream = self._app.backend.send(self.id, [*self.history, user], params, speech)
+        stream = self._app.backend.send(self.id, [*self.history, user], params, speech, self.principal)
         self._pending = Reply(stream, lambda final: self._record(user, final))
         return self._pending
 
@@ -132,6 +135,15 @@ class Session:
         parts += [_audio(item, limits, f"audio[{n}]") for n, item in enumerate(audio)]
         parts += [self._app.read_video(_named_video(item, f"videos[{n}]")) for n, item in enumerate(videos)]
         return parts + [text] if text else parts
+
+    def _speech(self, speak: object, voice: object, temperature: float) -> SpeechParams | None:
+        """What `send`'s speech arguments ask for; `speak` is a flag, not any value Python calls true
+        (speak="no" would speak)."""
+        if not isinstance(speak, bool):
+            raise RequestError(f"speak: expected True or False, got {type(speak).__name__}")
+        if voice is not None:
+            check_text(voice, "the voice")
+        return SpeechParams(voice or self._app.settings.voice, temperature) if speak else None
 
     def wait(self) -> None:
         """Let a reply still streaming finish (or fail) before the history changes."""

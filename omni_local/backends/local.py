@@ -98,8 +98,9 @@ class LocalBackend:
             log.info("%s", self.memory.line())
 
     def send(self, session: str, messages: list[Message], params: SamplingParams,
-             speech: SpeechParams | None) -> LocalReply:
-        return LocalReply(self.engine.submit(session, conversation_for(self.info.kind, messages), params, speech))
+             speech: SpeechParams | None, principal: str) -> LocalReply:
+        messages = conversation_for(self.info.kind, messages)
+        return LocalReply(self.engine.submit(session, messages, params, speech, principal))
 
     def read_video(self, item: str | Path | bytes | Video) -> Video:
         """A video as the model takes it: frames at the checkpoint's rate (else `video_fps`), and its

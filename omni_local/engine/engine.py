@@ -53,6 +53,7 @@ from typing import TypeVar
 
 import torch
 
+from omni_local.access import LOCAL_USER
 from omni_local.api.events import AudioChunk, ContextUse, Finished, ReasoningDelta, StopReason, TextDelta
 from omni_local.api.messages import Message
 from omni_local.api.params import SamplingParams, SpeechParams
@@ -166,17 +167,20 @@ class Engine:
         self._worker.start()
 
     def submit(
-        self, session: str, messages: list[Message], params: SamplingParams, speech: SpeechParams | None = None
+        self, session: str, messages: list[Message], params: SamplingParams, speech: SpeechParams | None = None,
+        principal: str = LOCAL_USER
     ) -> Request:
-        """Queue a reply to `messages` (ending in a user turn) in chat `session`, whose KV it continues;
-        spoken too if `speech` is given. A request for speech this engine cannot make raises here."""
+        """Queue a reply to `messages` (ending in a user turn) in `principal`'s chat `session`, whose KV
+        it continues; spoken too if `speech` is given. A request for speech this engine cannot make
+        raises here."""
         if speech is not None:
             if self.speaker is None:
                 raise RequestError("spoken replies need the Talker: start with speech = true (--speech true) "
                                    "on a checkpoint that has one")
             self.speaker.check(speech)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        request = Request(session=session, messages=list(messages), params=params, seed=seed, speech=speech)
+        request = Request(session=session, messages=list(messages), params=params, seed=seed, speech=speech,
+                          principal=principal)
         try:
             self._prompt_builder.submit(self._build_prompt, request)
         except RuntimeError as error:  # the builder is shut down
@@ -283,9 +287,10 @@ class Engine:
                 if request.build_error is not None:
                     raise request.build_error
                 with phase(CLAIM_KV):
-                    request.claim = self.cache.claim(request.session, request.prompt,
-                                                     self.cache.match(request.prompt, request.session),
-                                                     self._claimed_rows(request), at_most=self._rows_for(request))
+                    match = self.cache.match(request.prompt, request.session, request.principal)
+                    request.claim = self.cache.claim(request.session, request.prompt, match,
+                                                     self._claimed_rows(request), at_most=self._rows_for(request),
+                                                     principal=request.principal)
             except Exception as error:  # noqa: BLE001 - one request's failure must not stop the worker
                 self._waiting.popleft()
                 self._fail(request, self._failure_message(error))
@@ -447,7 +452,7 @@ class Engine:
         (embeddings, media encoded); after the last comes its first token."""
         if request.prepared is None:
             with phase(PREPARE):
-                request.prepared = self.runner.prepare(request.prompt, request.claim.start)
+                request.prepared = self.runner.prepare(request.prompt, request.claim.start, request.principal)
             request.media = request.prepared.media
         with phase(PREFILL):
             logits = self.runner.prefill(request.table, request.prepared.rows(request.prefilled, end))
@@ -551,8 +556,9 @@ class Engine:
             if request.speech is not None and token not in self.eos_ids:
                 # Now, while the Thinker's blocks (and the Talker rows in them) are surely still held.
                 with phase(BEGIN_SPEECH):
-                    request.spoken = self.speaker.begin(request.speech, request.session, request.seed,
-                                                        request.prompt, token, self.runner.kv, request.table)
+                    request.spoken = self.speaker.begin(request.speech, request.principal, request.session,
+                                                        request.seed, request.prompt, token, self.runner.kv,
+                                                        request.table)
         request.output_ids.append(token)
         if token in self.eos_ids:
             return self._end_text(request, "end_of_turn")
@@ -624,7 +630,7 @@ class Engine:
         cache entry dropped. The encoder outputs of its media after the cached prefix are dropped
         too, so a fault in them is not kept (on disk, even) for the next prompt that holds them."""
         claim = request.claim
-        self.runner.encoder.forget([m for m in request.prompt.media if m.start >= claim.start])
+        self.runner.encoder.forget([m for m in request.prompt.media if m.start >= claim.start], request.principal)
         self.cache.discard(claim)
         request.claim = None
         self._short_of_blocks = False

@@ -8,7 +8,9 @@ begin with the same system prompt list the same blocks for it: it is held once, 
 
 A full block whose rows are published (computed, their logits checked) is registered under a chained
 hash: BLAKE3 over its parent's hash, its tokens' keys and the full digests of the media among them.
-A prompt finds every full block of its prefix by hash, whoever computed it, and even once nobody
+A sequence's first block's parent is its principal's salt (as vLLM's `cache_salt`), so one principal
+never finds another's blocks. A prompt finds every full block of its prefix by hash, whichever of its
+principal's chats computed it, and even once nobody
 holds it: a free block keeps its rows and its registration until it is handed out again, blocks
 never registered first, then the least recently freed. A hit is checked against the block's whole
 key (its parent's hash, its tokens' keys, the digests), so not even a hash collision passes as one.
@@ -24,14 +26,14 @@ import blake3
 import numpy as np
 
 PAD_BLOCK = 0
-ROOT = b""  # the parent hash of a sequence's first block
+ROOT = b""  # the parent hash of a sequence's first block, where no principal's salt is given
 
 
 @dataclass(frozen=True)
 class BlockKey:
     """What a full block holds, as a prefix of a sequence: its rows' tokens after its parent's."""
 
-    parent: bytes  # the previous block's hash; ROOT for the first
+    parent: bytes  # the previous block's hash; the sequence's salt for the first
     keys: bytes  # its tokens' keys (int64, as Prompt.keys holds them)
     digests: bytes  # the full digests of the media its tokens belong to, in order
 
@@ -40,10 +42,11 @@ class BlockKey:
         return blake3.blake3(b"%d\0" % len(self.parent) + self.parent + self.keys + self.digests).digest()
 
 
-def chain(keys: np.ndarray, media: list[tuple[int, int, bytes]], block_tokens: int, blocks: int) -> list[BlockKey]:
+def chain(keys: np.ndarray, media: list[tuple[int, int, bytes]], block_tokens: int, blocks: int,
+          salt: bytes = ROOT) -> list[BlockKey]:
     """The BlockKeys of the first `blocks` full blocks of a sequence of token `keys` whose media are
-    (start, end, digest)."""
-    out, parent = [], ROOT
+    (start, end, digest), its first block's parent `salt` (its principal's)."""
+    out, parent = [], salt
     for index in range(blocks):
         start, end = index * block_tokens, (index + 1) * block_tokens
         digests = b"".join(digest for first, last, digest in media if first < end and last > start)

@@ -7,12 +7,16 @@ is an image's for all its frames plus its sound track's tokens ("audio"). Only m
 are preprocessed: a hit resizes nothing, extracts no features and moves no pixels to the device. A
 miss's frames go to the encoders' device as uint8 and are resized and normalised there (`preprocess`).
 A hit is checked against what the prompt expects (the grid, the token count) before it is used.
+Outputs are kept per principal (access.py): a hit would tell one person that another sent the same
+image (as `MediaCounts.from_cache`, or a faster first token).
 """
 
 from typing import Any
 
+import blake3
 import torch
 
+from omni_local.access import principal_salt
 from omni_local.cache.encoder_cache import EncoderCache, EncoderOutput
 from omni_local.engine.encoders import Encoders
 from omni_local.prompts import MediaItem, preprocess
@@ -26,26 +30,29 @@ class MediaEncoder:
         self.device = encoders.visual.device
         self.dtype = encoders.audio_tower.dtype
 
-    def encode(self, media: list[MediaItem], remember: bool = True) -> tuple[list[EncoderOutput], int]:
+    def encode(self, media: list[MediaItem], principal: str, remember: bool = True
+               ) -> tuple[list[EncoderOutput], int]:
         """One output per item, in order, and how many of them ran the encoders (the rest came from
-        the cache); `remember=False` neither reads nor fills the cache."""
+        `principal`'s part of the cache); `remember=False` neither reads nor fills the cache."""
         cache = self.cache if remember else None
-        outputs: list[EncoderOutput | None] = [_fitting(cache.get(m.digest), m) if cache else None for m in media]
+        keys = [cache_key(m, principal) for m in media]
+        outputs: list[EncoderOutput | None] = [_fitting(cache.get(key), m) if cache else None
+                                               for key, m in zip(keys, media)]
         missing = [i for i, output in enumerate(outputs) if output is None]
         if missing:
             fresh = self._encode([media[i] for i in missing])
             for i, output in zip(missing, fresh):
                 outputs[i] = output
                 if cache is not None:
-                    cache.put(media[i].digest, output)
+                    cache.put(keys[i], output)
         return outputs, len(missing)
 
-    def forget(self, media: list[MediaItem]) -> None:
-        """Drop the cache's outputs for `media`: a request that read them gave logits that are not
-        numbers, so they are not to be trusted (each is encoded again when next needed)."""
+    def forget(self, media: list[MediaItem], principal: str) -> None:
+        """Drop `principal`'s cached outputs for `media`: a request that read them gave logits that are
+        not numbers, so they are not to be trusted (each is encoded again when next needed)."""
         if self.cache is not None:
             for item in media:
-                self.cache.discard(item.digest)
+                self.cache.discard(cache_key(item, principal))
 
     def _encode(self, media: list[MediaItem]) -> list[EncoderOutput]:
         inputs = preprocess(media, self.processor, self.device)
@@ -87,6 +94,11 @@ def visual_tokens(item: MediaItem) -> int:
 
 def sound_tokens(item: MediaItem) -> int:
     return item.track_tokens if item.is_video else item.length
+
+
+def cache_key(item: MediaItem, principal: str) -> bytes:
+    """The encoder cache's key of `item`'s output for `principal`: its digest, salted."""
+    return blake3.blake3(principal_salt(principal) + item.digest).digest()
 
 
 def _fitting(output: EncoderOutput | None, item: MediaItem) -> EncoderOutput | None:

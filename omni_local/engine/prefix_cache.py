@@ -9,6 +9,9 @@ digests of its media. A new prompt is matched two ways, and the longer match is 
 - by its full blocks' chained hashes (kv_blocks.py), which also finds the blocks of entries moved to
   host memory or dropped, while nobody has been handed them since.
 Either way the last prompt token is always left to compute (its logits pick the first reply token).
+Both ways see only the asking principal's KV (access.py: an API key's holder, a page's user): its
+own entries, and blocks whose chain begins with its salt. Another's prompt is neither reused nor
+reported (as cached tokens, or as a faster first token), while one principal's chats share.
 
 A claim builds the request's table: the matched prefix's full blocks are shared (held once more,
 never written: the request writes only rows after its start), a partly matched last block is copied
@@ -33,6 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from omni_local.access import LOCAL_USER, principal_salt
 from omni_local.engine.host_arena import HostArena, HostBlocks, Transfer
 from omni_local.engine.kv_blocks import PAD_BLOCK, chain
 from omni_local.engine.kv_store import BlockTable, HostCopy, KVStore
@@ -42,6 +46,7 @@ from omni_local.prompts import Prompt
 
 @dataclass
 class Entry:
+    principal: str  # whose: only this principal's requests match it
     session: str
     keys: np.ndarray  # [n] keys of the tokens whose KV is written, in order
     media: dict[int, bytes]  # start -> full digest, for every medium in `keys`
@@ -54,6 +59,11 @@ class Entry:
     @property
     def length(self) -> int:
         return len(self.keys)
+
+    @property
+    def owner(self) -> tuple[str, str]:
+        """Its key among the cache's entries: sessions are named by their principals."""
+        return self.principal, self.session
 
     def __post_init__(self) -> None:
         assert (self.table is None) != (self.host is None), "an entry lives in exactly one tier"
@@ -101,7 +111,7 @@ class PrefixCache:
         # whole prefix, which its keys do not hold (speech.py checks that per entry).
         self.by_hash = by_hash
         self.headroom_blocks = headroom_blocks  # kept free while idle (`make_room`)
-        self.entries: dict[str, Entry] = {}
+        self.entries: dict[tuple[str, str], Entry] = {}  # by (principal, session)
         self._clock = itertools.count(1)
 
     # Accounting -----------------------------------------------------------------------------
@@ -115,63 +125,71 @@ class PrefixCache:
     def host_bytes(self) -> int:
         return sum(e.host.nbytes for e in self.entries.values() if e.host is not None)
 
+    def entry(self, session: str, principal: str = LOCAL_USER) -> Entry | None:
+        """`principal`'s `session`'s entry, if the cache holds one."""
+        return self.entries.get((principal, session))
+
     # The request's life: match, claim, publish, release ---------------------------------------
 
-    def match(self, prompt: Prompt, session: str | None = None) -> Match:
-        """The longest verified prefix of `prompt` held anywhere (never its last token). Given the
-        asking `session`, a prefix of another chat's shorter than a block is not taken: its rows would
-        be copied to save less compute than the copy costs, and a prompt that begins its chat (most
-        share the chat template's first tokens) would lose the prefill that attends over its own
-        rows alone."""
-        best = self._longest(prompt)
+    def match(self, prompt: Prompt, session: str | None = None, principal: str = LOCAL_USER) -> Match:
+        """The longest verified prefix of `prompt` that `principal` holds (never its last token).
+        Given the asking `session`, a prefix of another chat's shorter than a block is not taken: its
+        rows would be copied to save less compute than the copy costs, and a prompt that begins its
+        chat (most share the chat template's first tokens) would lose the prefill that attends over
+        its own rows alone."""
+        best = self._longest(prompt, principal)
         if session is None or best.length >= self.block_tokens or (best.entry is not None
                                                                    and best.entry.session == session):
             return best
-        own = self.entries.get(session)  # as long a match as another chat's, maybe
+        own = self.entry(session, principal)  # as long a match as another chat's, maybe
         length = _verified_prefix(own, prompt) if own is not None else 0
         return Match(own, length) if length else Match(None, 0)
 
-    def _longest(self, prompt: Prompt) -> Match:
+    def _longest(self, prompt: Prompt, principal: str) -> Match:
         if not self.enabled:
             return Match(None, 0)
         best = Match(None, 0)
         for entry in self.entries.values():
-            length = _verified_prefix(entry, prompt)
+            length = _verified_prefix(entry, prompt) if entry.principal == principal else 0
             if length > best.length or (length == best.length and length and entry.table is not None
                                         and not best.on_device):
                 best = Match(entry, length)
         if self.by_hash:
             found = self.pool.lookup(chain(prompt.keys, _spans(prompt), self.block_tokens,
-                                           (prompt.num_tokens - 1) // self.block_tokens))
+                                           (prompt.num_tokens - 1) // self.block_tokens, principal_salt(principal)))
             own = {m.start: m.digest for m in prompt.media}
             length = common_prefix(prompt.keys, own, prompt, len(found) * self.block_tokens)
             if length > best.length or (length == best.length and length and not best.on_device):
                 best = Match(None, length, tuple(found[: self.kv.shape.blocks_for(length)]))
         return best
 
-    def claim(self, session: str, prompt: Prompt, match: Match, rows: int, at_most: int | None = None
-              ) -> Claim | None:
-        """Blocks for `session`'s request, `rows` rows for now (its prompt and the start of its reply),
-        the matched prefix in them; None while running requests hold too many blocks (the request
-        waits). The session's entry is pinned until `release`. A request that may write `at_most`
-        rows (`rows` if not given), more than the pool's blocks hold, fails at once."""
+    def claim(self, session: str, prompt: Prompt, match: Match, rows: int, at_most: int | None = None,
+              principal: str = LOCAL_USER) -> Claim | None:
+        """Blocks for `principal`'s `session`'s request, `rows` rows for now (its prompt and the start
+        of its reply), the matched prefix (`principal`'s) in them; None while running requests hold
+        too many blocks (the request waits). The session's entry is pinned until `release`. A request
+        that may write `at_most` rows (`rows` if not given), more than the pool's blocks hold, fails
+        at once."""
         need, most = self.kv.shape.blocks_for(rows), at_most or rows
         if self.kv.shape.blocks_for(most) > self.pool.usable:
             raise RequestError(f"this request needs {most:,} tokens of KV, more than the {self.kv.capacity_tokens:,} "
                                "the device holds (gpu_cache_bytes): ask for a shorter reply or conversation")
-        own = self.entries.get(session)
+        assert match.entry is None or match.entry.principal == principal, "a match of another principal's KV"
+        own = self.entry(session, principal)
         if own is not None and own.pins:
             return None  # the session's previous request still runs
-        claim = self._claim(session, own, prompt, match, need)
+        claim = self._claim(principal, session, own, prompt, match, need)
         source = match.entry
         if claim is None and source is not None and source is not own and source.table is not None and not source.pins:
             # Only the match's own source can make room: let it move, then match again, now against
             # wherever its rows went (host memory, its blocks found by hash, or nowhere).
             self._move_to_host(source, keep=None)
-            claim = self._claim(session, self.entries.get(session), prompt, self.match(prompt, session), need)
+            claim = self._claim(principal, session, self.entry(session, principal), prompt,
+                                self.match(prompt, session, principal), need)
         return claim
 
-    def _claim(self, session: str, own: Entry | None, prompt: Prompt, match: Match, need: int) -> Claim | None:
+    def _claim(self, principal: str, session: str, own: Entry | None, prompt: Prompt, match: Match, need: int
+               ) -> Claim | None:
         shared, tail, continued = self._shared_blocks(match, own)
         self.pool.hold(shared)
         borrowed = [tail] if tail is not None and not continued else []  # held by _shared_blocks until copied
@@ -201,8 +219,8 @@ class PrefixCache:
             source.last_used = next(self._clock)
         keys = prompt.keys[: match.length].copy()
         media = {m.start: m.digest for m in prompt.media if m.end <= match.length}
-        entry = Entry(session, keys, media, table=table, pins=1, last_used=next(self._clock))
-        self.entries[session] = entry
+        entry = Entry(principal, session, keys, media, table=table, pins=1, last_used=next(self._clock))
+        self.entries[entry.owner] = entry
         return Claim(entry, match.length, reused_gpu, reused_host, loading)
 
     def _shared_blocks(self, match: Match, own: Entry | None) -> tuple[list[int], int | None, bool]:
@@ -233,7 +251,8 @@ class PrefixCache:
         entry.media = {m.start: m.digest for m in prompt.media if m.end <= written}
         full = written // self.block_tokens
         if self.by_hash and self.enabled and full > entry.registered and entry.table is not None:
-            for index, key in enumerate(chain(entry.keys, _spans(prompt), self.block_tokens, full)):
+            salt = principal_salt(entry.principal)
+            for index, key in enumerate(chain(entry.keys, _spans(prompt), self.block_tokens, full, salt)):
                 if index >= entry.registered:
                     self.pool.register(entry.table[index], key)
             entry.registered = full
@@ -394,8 +413,8 @@ class PrefixCache:
             self.pool.release(entry.table)
         self._forget_host(entry)
         entry.table = None
-        if self.entries.get(entry.session) is entry:
-            del self.entries[entry.session]
+        if self.entries.get(entry.owner) is entry:
+            del self.entries[entry.owner]
 
 
 def _spans(prompt: Prompt) -> list[tuple[int, int, bytes]]:

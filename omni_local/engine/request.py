@@ -6,6 +6,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from omni_local.access import LOCAL_USER
 from omni_local.api.events import (
     AudioChunk,
     Finished,
@@ -47,6 +48,7 @@ class Request:
     params: SamplingParams
     seed: int
     speech: SpeechParams | None = None  # a spoken reply was asked for
+    principal: str = LOCAL_USER  # whose (access.py): its caches are shared with this principal's requests alone
     events: "queue.Queue[Event]" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted_at: float = field(default_factory=time.perf_counter)

@@ -52,6 +52,7 @@ class SpokenReply:
     """One reply's speech, owned by the engine's worker."""
 
     params: SpeechParams
+    principal: str  # whose (access.py): its Talker rows are matched among this principal's alone
     session: str
     thinker: Prompt  # the Thinker's prompt, whose rows the Talker reads
     prompt: TalkerPrompt
@@ -96,7 +97,7 @@ class Speaker:
         # Talker KV of user turns is small; an entry pushed off the device is dropped, not moved.
         self.cache = PrefixCache(self.runner.kv, 0, enabled=settings.prefix_cache, by_hash=False)
         self.im_start, self.user = model.config.im_start_token_id, model.config.user_token_id
-        self._made_from: dict[str, MadeFrom] = {}  # session -> what its Talker cache entry was made from
+        self._made_from: dict[tuple[str, str], MadeFrom] = {}  # an entry's owner -> what it was made from
 
     def warm_up(self) -> None:
         """The Talker, its code predictor and Code2Wav once each, caching nothing; on a GPU their
@@ -115,8 +116,8 @@ class Speaker:
 
     @torch.inference_mode()
     def begin(
-        self, params: SpeechParams, session: str, seed: int, prompt: Prompt, first_token: int, kv: KVStore,
-        table: BlockTable
+        self, params: SpeechParams, principal: str, session: str, seed: int, prompt: Prompt, first_token: int,
+        kv: KVStore, table: BlockTable
     ) -> SpokenReply:
         """Speech for a reply to `prompt` that begins with `first_token`; the Thinker's Talker rows
         are read now from the blocks of `table`, which it may give up before the Talker starts."""
@@ -124,7 +125,7 @@ class Speaker:
         rows = kv.read_talker_rows(table, to_device(torch.from_numpy(positions), kv.device))
         voice = self.runner.voice_id(params.voice)
         talker_prompt = self.runner.build_prompt(prompt, rows, positions, first_token, voice)
-        return SpokenReply(params, session, prompt, talker_prompt,
+        return SpokenReply(params, principal, session, prompt, talker_prompt,
                            Sampler(params.talker_sampling(), seed + 1, suppressed=self.runner.suppressed), seed + 2)
 
     @torch.inference_mode()
@@ -200,13 +201,14 @@ class Speaker:
         Nones while too few of the Talker's blocks are free."""
         prompt = reply.prompt.prompt
         rows = prompt.num_tokens + self.max_frames
-        reply.claim = self.cache.claim(reply.session, prompt, self._made_alike(reply, self.cache.match(prompt)), rows)
+        match = self._made_alike(reply, self.cache.match(prompt, principal=reply.principal))
+        reply.claim = self.cache.claim(reply.session, prompt, match, rows, principal=reply.principal)
         if reply.claim is None:
             return None, None
         # From the claim on, the session's entry holds rows that agree with this reply's Thinker
         # prompt; sessions whose entries the cache has dropped are forgotten here too.
-        self._made_from = {s: m for s, m in self._made_from.items() if s in self.cache.entries}
-        self._made_from[reply.session] = MadeFrom.of(reply.thinker)
+        self._made_from = {o: m for o, m in self._made_from.items() if o in self.cache.entries}
+        self._made_from[reply.claim.entry.owner] = MadeFrom.of(reply.thinker)
         hidden, logits, reply.rope_delta = self.runner.prefill(reply.table, reply.prompt, reply.claim.start)
         reply.written = prompt.num_tokens
         self.cache.publish(reply.claim, prompt, [], len(reply.prompt.user_rows))
@@ -214,7 +216,7 @@ class Speaker:
 
     def _made_alike(self, reply: SpokenReply, match: Match) -> Match:
         """`match` cut to the user rows made from the same Thinker prefix as the reply's own."""
-        made_from = self._made_from.get(match.entry.session) if match.entry is not None else None
+        made_from = self._made_from.get(match.entry.owner) if match.entry is not None else None
         if made_from is None:
             return Match(None, 0)
         limit = min(len(made_from.keys), reply.thinker.num_tokens)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from omni_local.access import LOCAL_USER
 from omni_local.api.events import MediaCounts
 from omni_local.api.messages import Message
 from omni_local.engine.attention import AttentionKernels
@@ -161,9 +162,10 @@ class ThinkerRunner:
                                           kernel_from_start=self.attention.everywhere)
 
     @torch.inference_mode()
-    def prepare(self, prompt: Prompt, start: int, remember: bool = True) -> PreparedPrompt:
+    def prepare(self, prompt: Prompt, start: int, principal: str = LOCAL_USER, remember: bool = True
+                ) -> PreparedPrompt:
         """Embed the tokens from `start` on; only media from there on are encoded (or taken from the
-        encoder cache)."""
+        encoder cache, `principal`'s part of it)."""
         # Positions of the whole sequence, then the tail's slice: a tail on a cached prefix gets
         # exactly the positions a cold prefill would give it.
         positions, rope_delta = mrope_positions(self.model, prompt, self.device)
@@ -171,7 +173,7 @@ class ThinkerRunner:
         embeds = self.model.get_input_embeddings()(tail)
         media = [m for m in prompt.media if m.start >= start]
         with phase(ENCODE_MEDIA):
-            outputs, encoded = self.encoder.encode(media, remember)
+            outputs, encoded = self.encoder.encode(media, principal, remember)
         counts = MediaCounts(in_kv=len(prompt.media) - len(media), from_cache=len(media) - encoded, encoded=encoded)
         config = self.model.config
         # Each kind's rows go to its placeholders in prompt order: a video's sound track among the

@@ -1,6 +1,6 @@
-"""Who gets in, before any route reads a request: the key (401), the body (413 too large, 408 too
-slow, 429 when the bodies held at once fill their budget), and how many chat completions the server
-holds at once (429).
+"""Who gets in, before any route reads a request: a key (401; its holder is the request's principal,
+access.py), the body (413 too large, 408 too slow, 429 when the bodies held at once fill their
+budget), and how many chat completions the server holds at once (429).
 
 A request is let in once its whole body has come, and only then counts against `api_max_requests`:
 a client that sends half a request and waits holds nothing but its socket, and that for at most
@@ -22,17 +22,18 @@ full server from a slow one.
 """
 
 import asyncio
-import hmac
 from collections import deque
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from omni_local.access import LOCAL_USER, ApiKeys, api_principal
 from omni_local.server.errors import ApiError
 from omni_local.settings import Settings
 
 MAX_BODY_UPLOADS = 4
 RETRY_AFTER_S = 1
+PRINCIPAL = "omni_local.principal"  # the scope's key for whose request it is (access.py), set once let in
 
 
 class _ClientGone(Exception):
@@ -57,9 +58,9 @@ class _Body:
 
 
 class Admission:
-    def __init__(self, app: ASGIApp, key: str | None, settings: Settings) -> None:
+    def __init__(self, app: ASGIApp, keys: ApiKeys | None, settings: Settings) -> None:
         self.app = app
-        self.key = key
+        self.keys = keys
         self.max_body_bytes = MAX_BODY_UPLOADS * settings.max_upload_bytes
         self.body_timeout_s = settings.api_body_timeout_s
         self.body_budget_bytes = settings.api_body_budget_bytes
@@ -97,7 +98,7 @@ class Admission:
     async def _refusal(self, scope: Scope, receive: Receive, counted: bool, body: _Body) -> ApiError | None:
         """Why the request is refused, its body read into `body` first; None if it is let in."""
         headers = Headers(scope=scope)
-        refusal = self._unkeyed(headers) or self._declared_too_large(headers)
+        refusal = self._unkeyed(headers, scope) or self._declared_too_large(headers)
         if refusal is None and counted:
             refusal = self._full()  # refused at once, while the body would still be on its way
         if refusal is not None:
@@ -129,15 +130,19 @@ class Admission:
             if not message.get("more_body", False):
                 return
 
-    def _unkeyed(self, headers: Headers) -> ApiError | None:
-        if self.key is None:
+    def _unkeyed(self, headers: Headers, scope: Scope) -> ApiError | None:
+        """A refusal for a missing or wrong key; else None, the key's holder the request's principal."""
+        if self.keys is None:
+            scope[PRINCIPAL] = LOCAL_USER
             return None
         scheme, _, given = headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not given:
             return ApiError(401, "this server needs an API key: send the header 'Authorization: Bearer KEY'",
                             "invalid_api_key")
-        if not hmac.compare_digest(given.strip().encode(), self.key.encode()):
+        holder = self.keys.holder(given.strip())
+        if holder is None:
             return ApiError(401, "the API key is wrong", "invalid_api_key")
+        scope[PRINCIPAL] = api_principal(holder)
         return None
 
     def _declared_too_large(self, headers: Headers) -> ApiError | None:

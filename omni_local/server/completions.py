@@ -23,6 +23,7 @@ from omni_local.api import OmniLocal
 from omni_local.api.events import AudioChunk, Event, Finished
 from omni_local.api.messages import Message
 from omni_local.api.params import SpeechParams
+from omni_local.server.admission import PRINCIPAL
 from omni_local.server.content import ContentReader
 from omni_local.server.conversations import Conversations
 from omni_local.server.errors import ApiError, api_error, unknown_model
@@ -51,8 +52,9 @@ class ChatCompletions:
         self._check(body)
         params = self.app.sampling(**body.sampling())
         speech = self._speech(body) if body.speaks else None
-        session, messages = await to_thread.run_sync(self._conversation, body, limiter=self.threads)
-        stream = await to_thread.run_sync(self.app.backend.send, session, messages, params, speech,
+        principal = request.scope[PRINCIPAL]  # whose request: the key's holder
+        session, messages = await to_thread.run_sync(self._conversation, body, principal, limiter=self.threads)
+        stream = await to_thread.run_sync(self.app.backend.send, session, messages, params, speech, principal,
                                           limiter=self.threads)
         reply = ApiReply(stream, body.stops, self.threads)
         events = reply.events()
@@ -62,7 +64,7 @@ class ChatCompletions:
                 speech_samples = await unless_disconnected(request, _whole_speech(events))
                 if speech_samples is None:
                     return Response(status_code=CLIENT_GONE)
-                await self._remember(session, messages, reply.final)
+                await self._remember(principal, session, messages, reply.final)
                 return JSONResponse(shapes.completion(reply.final, speech_samples, body.audio_format))
             first = await unless_disconnected(request, anext(events))
         except BaseException:
@@ -71,7 +73,7 @@ class ChatCompletions:
         if first is None:
             await events.aclose()
             return Response(status_code=CLIENT_GONE)
-        return self.draining.respond(partial(self._sse, first, events, shapes, session, messages))
+        return self.draining.respond(partial(self._sse, first, events, shapes, principal, session, messages))
 
     def _check(self, body: ChatRequest) -> None:
         model = self.app.info.model_id
@@ -83,12 +85,14 @@ class ChatCompletions:
             raise ApiError(400, f"streamed audio is pcm16: ask for audio.format 'pcm16' with stream true, not "
                            f"'{body.audio_format}'", param="audio.format")
 
-    def _conversation(self, body: ChatRequest) -> tuple[str, list[Message]]:
-        """The request's messages decoded, and the session they continue (blocking work: media)."""
-        return self.conversations.continued(self.content.conversation(body.messages))
+    def _conversation(self, body: ChatRequest, principal: str) -> tuple[str, list[Message]]:
+        """The request's messages decoded, and the session of `principal`'s they continue (blocking
+        work: media)."""
+        return self.conversations.continued(principal, self.content.conversation(body.messages))
 
-    async def _remember(self, session: str, messages: list[Message], final: Finished) -> None:
-        await to_thread.run_sync(self.conversations.remember, session, messages, final, limiter=self.threads)
+    async def _remember(self, principal: str, session: str, messages: list[Message], final: Finished) -> None:
+        await to_thread.run_sync(self.conversations.remember, principal, session, messages, final,
+                                 limiter=self.threads)
 
     def _speech(self, body: ChatRequest) -> SpeechParams:
         """The spoken reply asked for: in the request's voice, else the `voice` setting's."""
@@ -96,14 +100,14 @@ class ChatCompletions:
         temperature = SpeechParams.temperature if body.talker_temperature is None else body.talker_temperature
         return SpeechParams(given or self.app.settings.voice, temperature=temperature)
 
-    async def _sse(self, first: Event, events: AsyncIterator[Event], shapes: ReplyShapes, session: str,
-                   messages: list[Message], shutdown: anyio.Event) -> AsyncIterator[str]:
+    async def _sse(self, first: Event, events: AsyncIterator[Event], shapes: ReplyShapes, principal: str,
+                   session: str, messages: list[Message], shutdown: anyio.Event) -> AsyncIterator[str]:
         try:
             async for event in self.draining.until_over(_after(first, events), shutdown):
                 for chunk in _chunks(event, shapes):
                     yield json.dumps(chunk)
                 if isinstance(event, Finished):
-                    await self._remember(session, messages, event)
+                    await self._remember(principal, session, messages, event)
             yield "[DONE]"
         except ShuttingDown as cut:
             yield json.dumps(shapes.cut_chunk())

@@ -1,17 +1,18 @@
 """What a stateless API keeps between requests so that they still hit the prefix cache.
 
 Each request carries the whole conversation. The prefix cache matches content, not ids, so a
-conversation sent again (or another client's same system prompt) finds its KV whatever session
-it comes in. Two things would still miss, and are kept here:
+conversation sent again (or another chat's same system prompt, of the same principal: access.py)
+finds its KV whatever session it comes in. Two things would still miss, and are kept here:
 
 - A reply's text, tokenized anew, may not give the ids the model made it of, and the KV cached
   for it matches only those. So each reply's text (as `reply_key` normalises it) maps to its token
-  ids, and an assistant message whose text is a known reply is given them.
+  ids, and an assistant message whose text is a reply its principal was given is given them.
 - A request continues a session: the one whose conversation and reply this request's history
   is, so the cache continues its entry in place (and its Talker KV, for spoken turns) instead of
-  copying it into a new one. The map goes from a digest of the conversation (roles, texts, media
-  digests: a full BLAKE3 digest, never Python's `hash`) to the session's id, and a request takes
-  the id out: one request at a time holds a session. Anything else gets a fresh id.
+  copying it into a new one. The map goes from the principal (access.py) and a digest of the
+  conversation (roles, texts, media digests: a full BLAKE3 digest, never Python's `hash`) to the
+  session's id, and a request takes the id out: one request at a time holds a session, and only its
+  principal's. Anything else gets a fresh id.
 
 Both maps are bounded, oldest out. Digesting a conversation's media is blocking work: it is done in
 the server's worker threads, so the maps are shared under a lock.
@@ -58,31 +59,33 @@ class BoundedMap(Generic[K, V]):
 
 class Conversations:
     def __init__(self) -> None:
-        self._token_ids: BoundedMap[str, np.ndarray] = BoundedMap(REMEMBERED_REPLIES)
-        self._sessions: BoundedMap[bytes, str] = BoundedMap(REMEMBERED_CONVERSATIONS)
+        self._token_ids: BoundedMap[tuple[str, str], np.ndarray] = BoundedMap(REMEMBERED_REPLIES)
+        self._sessions: BoundedMap[tuple[str, bytes], str] = BoundedMap(REMEMBERED_CONVERSATIONS)
         self._lock = threading.Lock()
 
-    def continued(self, messages: list[Message]) -> tuple[str, list[Message]]:
-        """The session to send `messages` (ending in the user's) in, and the messages with each known
-        reply's token ids."""
+    def continued(self, principal: str, messages: list[Message]) -> tuple[str, list[Message]]:
+        """The session of `principal`'s to send `messages` (ending in the user's) in, and the messages
+        with the token ids of each reply `principal` was given."""
         history = conversation_digest(messages[:-1])
         with self._lock:
-            messages = [self._with_token_ids(m) for m in messages]
-            session = self._sessions.pop(history)
+            messages = [self._with_token_ids(principal, m) for m in messages]
+            session = self._sessions.pop((principal, history))
         return session or uuid.uuid4().hex, messages
 
-    def remember(self, session: str, messages: list[Message], final: Finished) -> None:
-        """`final` answered `messages` in `session`: the next turn of this conversation continues it."""
+    def remember(self, principal: str, session: str, messages: list[Message], final: Finished) -> None:
+        """`final` answered `messages` in `principal`'s `session`: the next turn of this conversation
+        continues it."""
         conversation = conversation_digest([*messages, Message("assistant", [final.text], reasoning=final.reasoning)])
         with self._lock:
             if final.token_ids is not None:
-                self._token_ids[reply_key(final.text, final.reasoning)] = np.asarray(final.token_ids, np.int32)
-            self._sessions[conversation] = session
+                key = principal, reply_key(final.text, final.reasoning)
+                self._token_ids[key] = np.asarray(final.token_ids, np.int32)
+            self._sessions[principal, conversation] = session
 
-    def _with_token_ids(self, message: Message) -> Message:
+    def _with_token_ids(self, principal: str, message: Message) -> Message:
         if message.role != "assistant" or message.token_ids is not None:
             return message
-        ids = self._token_ids.get(reply_key(message.text, message.reasoning))
+        ids = self._token_ids.get((principal, reply_key(message.text, message.reasoning)))
         return message if ids is None else replace(message, token_ids=ids.tolist())
 
 

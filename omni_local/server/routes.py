@@ -14,6 +14,7 @@ import time
 from fastapi import FastAPI
 from starlette.routing import Mount
 
+from omni_local.access import ApiKeys
 from omni_local.api import OmniLocal
 from omni_local.server.admission import Admission
 from omni_local.server.completions import ChatCompletions
@@ -22,15 +23,15 @@ from omni_local.server.errors import add_error_handlers, unknown_model
 API_PATH = "/v1"
 
 
-def api_mount(app: OmniLocal, key: str | None) -> Mount:
-    """The API of `app` at /v1; clients must send `key` if it is not None."""
-    return Mount(API_PATH, app=api_app(app, key))
+def api_mount(app: OmniLocal, keys: ApiKeys | None) -> Mount:
+    """The API of `app` at /v1; clients must send one of `keys` if it is not None."""
+    return Mount(API_PATH, app=api_app(app, keys))
 
 
-def api_app(app: OmniLocal, key: str | None) -> FastAPI:
+def api_app(app: OmniLocal, keys: ApiKeys | None) -> FastAPI:
     api = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
     add_error_handlers(api)
-    api.add_middleware(Admission, key=key, settings=app.settings)
+    api.add_middleware(Admission, keys=keys, settings=app.settings)
     api.post("/chat/completions")(ChatCompletions(app).create)
     started = int(time.time())
 

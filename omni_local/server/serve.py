@@ -6,7 +6,7 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 
-from omni_local.access import api_key
+from omni_local.access import api_keys
 from omni_local.api import OmniLocal
 from omni_local.hosts import HostCheck, ServedNames
 from omni_local.listening import listening
@@ -17,11 +17,11 @@ from omni_local.settings import Settings
 
 
 def serve(settings: Settings) -> None:
-    key = api_key(settings, "api_host")
+    keys = api_keys(settings, "api_host")
     names = ServedNames(settings.api_host, settings.allowed_hosts)
     host, port = settings.api_host, settings.api_port
     with listening(host, port, "api_host, api_port") as bound, OmniLocal(settings, wait_for_graphs=False) as app:
-        asgi = Starlette(routes=[api_mount(app, key)], middleware=[Middleware(HostCheck, names=names)])
+        asgi = Starlette(routes=[api_mount(app, keys)], middleware=[Middleware(HostCheck, names=names)])
         # uvicorn's own start-up lines are left out: this one says where, and which model.
         config = uvicorn.Config(asgi, log_level="warning", http=timing_out_headers(settings.header_timeout_s),
                                 timeout_graceful_shutdown=settings.shutdown_grace_s + MARGIN_S)

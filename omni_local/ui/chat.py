@@ -19,6 +19,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # offline and privat
 
 import gradio as gr
 
+from omni_local.access import page_principal
 from omni_local.api import OmniLocal, Reply
 from omni_local.cache.folders import private_folder
 from omni_local.api.events import AudioChunk, Finished, ReasoningDelta, TextDelta
@@ -99,7 +100,8 @@ class ChatTurns:
             return
         listed = sidebar.chooser(store, memory.session_id)  # a new chat is in the list once asked
         try:
-            session = self.app.session(system_prompt=system_prompt or None, session_id=memory.session_id)
+            session = self.app.session(system_prompt=system_prompt or None, session_id=memory.session_id,
+                                       principal=page_principal(memory.user))
             if self.app.info.kind != "captioner":  # it captions each clip alone: earlier clips are not decoded again
                 session.history += to_messages(history, self.app, memory)
             options = {"max_new_tokens": int(max_new_tokens), "temperature": temperature, "top_p": top_p}

@@ -27,6 +27,7 @@ import numpy as np
 import soundfile
 import soxr
 
+from omni_local.access import page_principal
 from omni_local.api import AudioChunk, Finished, OmniLocal, Reply, TextDelta
 from omni_local.errors import OmniLocalError, RequestError
 from omni_local.media import SAMPLE_RATE
@@ -170,7 +171,8 @@ class VoiceMode:
         context.memory.remember(str(path), samples)  # the next turn's prompt holds exactly these samples
         with self._lock:
             self._question, self._unsettled = {"role": "user", "content": [{"path": str(path)}]}, SETTLED_TICKS
-        session = self.app.session(system_prompt=context.system_prompt or None, session_id=context.memory.session_id)
+        session = self.app.session(system_prompt=context.system_prompt or None, session_id=context.memory.session_id,
+                                   principal=page_principal(context.memory.user))
         session.history += to_messages(history, self.app, context.memory)
         return session.send(audio=[samples], speak=True, **context.options)
 

@@ -59,9 +59,11 @@ class RemoteBackend:
         self._chat = self.client.with_options(max_retries=0).chat.completions
 
     def send(self, session: str, messages: list[Message], params: SamplingParams,
-             speech: SpeechParams | None) -> RemoteReply:
+             speech: SpeechParams | None, principal: str) -> RemoteReply:
         """A reply streamed from the server; the request is sent when its events are first read.
-        `session` is not sent: the API is stateless, and a server's prefix cache matches content."""
+        `session` is not sent: the API is stateless, and a server's prefix cache matches content.
+        Nor is `principal`: the server knows this backend by its key (`backend_api_key`), one
+        principal there for all its users."""
         if speech is not None and not self.info.speech:
             raise RequestError(f"the server at {self.url} makes no spoken replies (its model has no Talker)")
         messages = conversation_for(self.info.kind, messages)
