@@ -68,9 +68,12 @@ def test_an_image_passed_in_memory_is_held_to_the_same_pixel_limit(strict_app):
         (dict(videos=[2.5]), RequestError, "videos[0]: expected a path, bytes or Video, got float"),
         (dict(videos=iter([None])), RequestError, "videos[0]: expected a path, bytes or Video, got NoneType"),
         (dict(images=5), RequestError, "images: expected a list of paths, bytes or PIL images, got int"),
+        (dict(speak="no"), RequestError, "speak: expected True or False, got str"),
+        (dict(speak=True, voice=5), RequestError, "the voice must be text, not int"),
     ],
     ids=["an int as an image", "a lone path", "None among clips", "samples not in a list", "an object array",
-         "an array of text", "a float as a video", "None from an iterator", "an int for the list"],
+         "an array of text", "a float as a video", "None from an iterator", "an int for the list",
+         "a word for speak", "a number for the voice"],
 )
 def test_an_argument_of_the_wrong_type_is_refused_naming_it_and_the_session_serves_on(app, arguments, error, message):
     session = app.session()
@@ -78,6 +81,11 @@ def test_an_argument_of_the_wrong_type_is_refused_naming_it_and_the_session_serv
         session.send("What is this?", **arguments)
     assert session.history == []
     assert session.send("Hello", max_new_tokens=2).result().token_ids
+
+
+def test_a_video_of_the_wrong_type_read_alone_is_refused_naming_it(app):
+    with pytest.raises(RequestError, match=r"^video: expected a path, bytes or Video, got int$"):
+        app.read_video(123)
 
 
 @pytest.mark.parametrize("text", ["Hi \ud800", "caf\udce9"], ids=["a lone surrogate", "bytes not UTF-8"])

@@ -2,7 +2,6 @@
 
 from pathlib import Path
 
-from omni_local.access import LOCAL_USER
 from omni_local.api.arguments import VIDEOS, checked
 from omni_local.api.backend import Backend, BackendInfo
 from omni_local.api.messages import Part
@@ -30,11 +29,9 @@ class OmniLocal:
     def info(self) -> BackendInfo:
         return self.backend.info
 
-    def session(self, system_prompt: str | None = None, session_id: str | None = None,
-                principal: str = LOCAL_USER) -> Session:
-        """A new chat; `session_id` names it for the prefix cache (a fresh one by default). `principal`
-        says whose it is (access.py): caches are shared only among one principal's chats."""
-        return Session(self, system_prompt, session_id, principal)
+    def session(self, system_prompt: str | None = None, session_id: str | None = None) -> Session:
+        """A new chat; `session_id` names it for the prefix cache (a fresh one by default)."""
+        return Session(self, system_prompt, session_id)
 
     def sampling(self, **overrides: object) -> SamplingParams:
         """Sampling parameters: the settings' defaults, with a request's own values on top."""
@@ -54,7 +51,8 @@ class OmniLocal:
         return SamplingParams(**values)
 
     def read_video(self, item: VideoInput | str | Path) -> Part:
-        return self.backend.read_video(item)
+        """The video as the backend takes it: decoded here, or checked and sent on as a file."""
+        return self.backend.read_video(checked("video", item, VIDEOS))
 
     def close(self) -> None:
         self.backend.close()

@@ -34,6 +34,12 @@ def listed(argument: str, value: object, accepted: Accepted) -> list:
         raise RequestError(f"{argument}: expected a list of {accepted.many}, got {type(value).__name__}")
     items = list(value)
     for index, item in enumerate(items):
-        if not isinstance(item, accepted.types):
-            raise RequestError(f"{argument}[{index}]: expected {accepted.one}, got {type(item).__name__}")
+        checked(f"{argument}[{index}]", item, accepted)
     return items
+
+
+def checked(argument: str, item: object, accepted: Accepted) -> object:
+    """`item`, if of an accepted type."""
+    if not isinstance(item, accepted.types):
+        raise RequestError(f"{argument}: expected {accepted.one}, got {type(item).__name__}")
+    return item
