@@ -15,6 +15,7 @@ before any CORS handling could grant it the answer.
 """
 
 import ipaddress
+import re
 import socket
 from urllib.parse import urlsplit
 
@@ -29,6 +30,7 @@ LOOPBACK_NAMES = frozenset({"localhost"})  # and every loopback address
 EVERY_ADDRESS = frozenset({"0.0.0.0", "::"})
 DEFAULT_PORTS = {"http": 80, "ws": 80, "https": 443, "wss": 443}
 Site = tuple[str, int | None]  # a host name, lower case, brackets off, and its port (None: not given)
+HOST_NAME = re.compile(r"[a-z0-9]([a-z0-9.-]*[a-z0-9])?")
 
 
 class ServedNames:
@@ -95,8 +97,7 @@ def allowed_names(setting: str) -> frozenset[str]:
     """The names of `allowed_hosts`: host names or addresses, without scheme, port or path."""
     names = [name.strip().lower() for name in setting.split(",") if name.strip()]
     for name in names:
-        site = parse_site(f"//{name}")
-        if site is None or site[1] is not None or site[0] != name.strip("[]"):
+        if not HOST_NAME.fullmatch(name) and ip_address(name.strip("[]")) is None:
             raise SettingsError(f"allowed_hosts: '{name}' is not a host name (give names such as "
                                 "'chat.example.com', comma-separated, without scheme or port)")
     return frozenset(name.strip("[]") for name in names)

@@ -4,9 +4,13 @@ subprocesses, sent what a page in the user's own browser would send them after r
 name at 127.0.0.1 (DNS rebinding), and what a proxy's users and this machine's own clients send.
 """
 
+import socket
+
 import httpx
 import pytest
 
+from omni_local.errors import SettingsError
+from omni_local.hosts import ServedNames
 from served_api import served_api
 from served_app import served_app
 
@@ -83,3 +87,24 @@ def test_a_preflight_from_another_sites_page_gets_no_cors_grant(request, server,
 def test_a_request_from_the_servers_own_page_or_the_proxys_is_answered(request, server, path, origin):
     url, port = served(request, server)
     assert get(url, path, origin=origin.format(port=port)).status_code == 200
+
+
+# The names themselves -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("listen_host", "name", "answered"), [
+    ("0.0.0.0", socket.gethostname().lower(), True), ("0.0.0.0", "192.168.1.5", True), ("::", "fe80::1", True),
+    ("0.0.0.0", FOREIGN, False), ("192.168.1.5", "192.168.1.5", True), ("192.168.1.5", "10.0.0.1", False),
+    ("192.168.1.5", "127.0.0.2", True), ("myhost.lan", "myhost.lan", True), ("127.0.0.1", "192.168.1.5", False),
+    ("127.0.0.1", socket.gethostname().lower(), False),
+])
+def test_listening_on_every_address_answers_to_this_machines_names_and_any_address_else_to_its_own(
+        listen_host, name, answered):
+    assert ServedNames(listen_host, "").allows(name) is answered
+
+
+@pytest.mark.parametrize("setting", ["https://chat.example.com", "chat.example.com:443", "chat.example.com/v1",
+                                     "chat example.com"])
+def test_allowed_hosts_takes_names_only_and_says_so(setting):
+    with pytest.raises(SettingsError, match=f"allowed_hosts: '{setting}' is not a host name"):
+        ServedNames("127.0.0.1", f"localhost, {setting}")
