@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+from omni_local.access import LOCAL_USER
 from omni_local.api.arguments import VIDEOS, checked
 from omni_local.api.backend import Backend, BackendInfo
 from omni_local.api.messages import Part
@@ -29,9 +30,11 @@ class OmniLocal:
     def info(self) -> BackendInfo:
         return self.backend.info
 
-    def session(self, system_prompt: str | None = None, session_id: str | None = None) -> Session:
-        """A new chat; `session_id` names it for the prefix cache (a fresh one by default)."""
-        return Session(self, system_prompt, session_id)
+    def session(self, system_prompt: str | None = None, session_id: str | None = None,
+                principal: str = LOCAL_USER) -> Session:
+        """A new chat; `session_id` names it for the prefix cache (a fresh one by default). `principal`
+        says whose it is (access.py): caches are shared only among one principal's chats."""
+        return Session(self, system_prompt, session_id, principal)
 
     def sampling(self, **overrides: object) -> SamplingParams:
         """Sampling parameters: the settings' defaults, with a request's own values on top."""

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from PIL import Image
 
+from omni_local.access import LOCAL_USER
 from omni_local.api.arguments import AUDIO, IMAGES, VIDEOS, listed
 from omni_local.api.backend import ReplyStream
 from omni_local.api.events import AudioChunk, Finished, TextDelta
@@ -83,9 +84,11 @@ class Reply:
 class Session:
     """A conversation: its system prompt and history; each reply is added when it finishes."""
 
-    def __init__(self, app: "OmniLocal", system_prompt: str | None, session_id: str | None = None) -> None:
+    def __init__(self, app: "OmniLocal", system_prompt: str | None, session_id: str | None = None,
+                 principal: str = LOCAL_USER) -> None:
         self._app = app
-        self.id = session_id or uuid.uuid4().hex  # the prefix cache keeps one entry per id
+        self.id = session_id or uuid.uuid4().hex  # the prefix cache keeps one entry per id ...
+        self.principal = principal  # ... and shares what it holds only among this principal's sessions
         if system_prompt is not None:
             check_text(system_prompt, "the system prompt")
         self.history: list[Message] = [Message("system", [system_prompt])] if system_prompt else []
@@ -117,7 +120,7 @@ class Session:
         speech = self._speech(speak, voice, talker_temperature)
         self.wait()
         user = Message("user", parts)
-        stream = self._app.backend.send(self.id, [*self.history, user], params, speech)
+        stream = self._app.backend.send(self.id, [*self.history, user], params, speech, self.principal)
         self._pending = Reply(stream, lambda final: self._record(user, final))
         return self._pending
 
