@@ -29,7 +29,7 @@ from omni_local.server.errors import ApiError
 LOOPBACK_NAMES = frozenset({"localhost"})  # and every loopback address
 EVERY_ADDRESS = frozenset({"0.0.0.0", "::"})
 DEFAULT_PORTS = {"http": 80, "ws": 80, "https": 443, "wss": 443}
-Site = tuple[str, int | None]  # a host name, lower case, brackets off, and its port (None: not given)
+Site = tuple[str, int | None]  # a host name, lower case, brackets off, and its port (None: not known)
 HOST_NAME = re.compile(r"[a-z0-9]([a-z0-9.-]*[a-z0-9])?")
 
 
@@ -54,24 +54,21 @@ class ServedNames:
     def refusal(self, headers: Headers, scheme: str) -> ApiError | None:
         """Why a request with these headers, sent over `scheme`, is refused; None if it is not."""
         host = headers.get("host", "")
-        site = parse_site(f"//{host}")
+        site = parse_site(f"//{host}", scheme)
         if site is None or not self.allows(site[0]):
             return ApiError(400, f"the Host '{host}' is not a name of this server: a proxy's name is added with "
                             "the setting allowed_hosts", "host_not_allowed")
         origin = headers.get("origin")
-        if origin is None or self._welcomes(origin, site, scheme):
+        if origin is None or self._welcomes(origin, site):
             return None
         return ApiError(403, f"requests from the pages of '{origin}' are refused: this server answers its own "
                         "pages (and those of the names of allowed_hosts)", "origin_not_allowed")
 
-    def _welcomes(self, origin: str, host: Site, scheme: str) -> bool:
+    def _welcomes(self, origin: str, host: Site) -> bool:
         site = parse_site(origin)
         if site is None:
             return False  # "null" (a sandboxed or local file's page), or not a URL
-        if site[0] in self.allowed:
-            return True
-        origin_scheme = urlsplit(origin).scheme
-        return (site[0], with_default_port(site[1], origin_scheme)) == (host[0], with_default_port(host[1], scheme))
+        return site[0] in self.allowed or site == host
 
 
 class HostCheck:
@@ -109,17 +106,14 @@ def machine_names() -> set[str]:
     return {name, f"{name}.local", socket.getfqdn().lower()}  # `.local`: its multicast DNS name
 
 
-def parse_site(url: str) -> Site | None:
-    """The host name and port of a URL ("//host:port" for a Host header); None if it has none."""
+def parse_site(url: str, scheme: str = "") -> Site | None:
+    """The host name and port of a URL ("//host:port" for a Host header sent over `scheme`), the port
+    its scheme's default where it gives none; None if it names no host."""
     try:
-        parts = urlsplit(url)
-        return (parts.hostname, parts.port) if parts.hostname else None
+        parts = urlsplit(url, scheme=scheme)
+        return (parts.hostname, parts.port or DEFAULT_PORTS.get(parts.scheme)) if parts.hostname else None
     except ValueError:  # a port that is not a number
         return None
-
-
-def with_default_port(port: int | None, scheme: str) -> int | None:
-    return DEFAULT_PORTS.get(scheme) if port is None else port
 
 
 def ip_address(name: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
