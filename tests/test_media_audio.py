@@ -279,7 +279,8 @@ def test_an_array_whose_channels_cannot_be_told_is_refused_saying_which_layouts_
 def test_a_video_given_to_the_api_in_memory_has_its_sound_track_checked_as_a_files(app):
     video = Video(np.zeros((4, 64, 64, 3), np.uint8), fps=2.0, audio=np.full(32_000, np.nan, np.float32))
     session = app.session()
-    with pytest.raises(MediaError, match=exactly("videos[0]: the sound track holds NaN or infinite samples (corrupt audio)")):
+    message = "videos[0]: the sound track holds NaN or infinite samples (corrupt audio)"
+    with pytest.raises(MediaError, match=exactly(message)):
         session.send("What happens here?", videos=[video])
     assert session.history == []
 

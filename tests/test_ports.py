@@ -19,7 +19,8 @@ def taken_port():
 
 @pytest.mark.parametrize(
     ("command", "settings"),
-    [(["app.py", "--ui-port"], "ui_host, ui_port"), (["-m", "omni_local", "serve", "--api-port"], "api_host, api_port")],
+    [(["app.py", "--ui-port"], "ui_host, ui_port"),
+     (["-m", "omni_local", "serve", "--api-port"], "api_host, api_port")],
     ids=["app.py", "serve"],
 )
 def test_a_port_in_use_is_one_line_and_status_2_before_the_model_loads(demo_settings, taken_port, command, settings):
