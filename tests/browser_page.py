@@ -356,6 +356,16 @@ def drop_file(page: "Page", path: Path, mime_type: str) -> None:
         box.dispatch_event(event, {"dataTransfer": transfer})
 
 
+def attach_file(page: "Page", path: Path) -> None:
+    """Choose `path` with the message box's file picker, as a person would, and wait until the box
+    shows it."""
+    attached = page.locator(".multimodal-textbox .thumbnail-item")
+    before = attached.count()
+    page.locator(".multimodal-textbox input[type=file]").set_input_files(path)
+    page.wait_for_function("(count) => document.querySelectorAll('.multimodal-textbox .thumbnail-item').length > count",
+                           arg=before)
+
+
 def wait_for_reply_to_start(page: "Page", question: str) -> None:
     """Wait until `question`, asked last, has the start of its reply under it."""
     page.wait_for_function(f"""([question]) => {{ {LAST_TURN_JS} const turn = lastTurn();

@@ -14,6 +14,7 @@ import omni_local.ui.chat as chat_module
 from omni_local.api.messages import reply_key
 from omni_local.ui.chat import ChatTurns, with_ended_turn
 from omni_local.ui.chats import ChatShelves
+from omni_local.ui.edits import edited_question
 from omni_local.ui.history import ChatMemory, to_messages
 
 LONG = 200  # tokens: the demo's greedy replies to these questions do not end sooner
@@ -39,15 +40,16 @@ def last_shown(updates: list) -> list:
 
 
 def test_a_question_is_saved_as_soon_as_it_is_asked_before_any_reply(turns, monkeypatch):
-    monkeypatch.setattr(chat_module, "SAVE_EVERY_S", math.inf)  # no save while the reply streams
+    turns.save_every_s = math.inf  # no save while the reply streams
+    monkeypatch.setattr(chat_module, "SAVE_EVERY_TOKENS", math.inf)
     memory = ChatMemory()
     with closing(turns.respond({"text": "Count to one thousand.", "files": []}, [], memory=memory, **OPTIONS)) as stream:
         next(stream)  # the reply's first text
         assert saved(turns, memory)["history"] == [{"role": "user", "content": ["Count to one thousand."]}]
 
 
-def test_a_streaming_reply_is_saved_as_it_streams(turns, monkeypatch):
-    monkeypatch.setattr(chat_module, "SAVE_EVERY_S", 0.0)  # each text delta's save is due
+def test_a_streaming_reply_is_saved_as_it_streams(turns):
+    turns.save_every_s = 0.0  # each text delta's save is due
     memory = ChatMemory()
     with closing(turns.respond({"text": "Count to one thousand.", "files": []}, [], memory=memory, **OPTIONS)) as stream:
         for _ in range(3):
@@ -85,8 +87,12 @@ def test_an_edited_question_is_answered_with_its_files_and_saved_in_place_of_the
     first = list(turns.respond({"text": "What is this?", "files": [str(image)]}, [], memory=memory,
                                **{**OPTIONS, "max_new_tokens": 4}))
     assert last_shown(first)
-    # The pencil on the first question: Gradio sends the new text alone, and the history before it.
-    edited = list(turns.respond("What colour is it?", [], memory=memory, **{**OPTIONS, "max_new_tokens": 4}))
+    # The pencil on the first question, as the page sends it back: Gradio gives the new text alone.
+    asked = {"role": "user", "content": [{"type": "file", "file": {"path": str(image)}},
+                                         {"type": "text", "text": "What is this?"}]}
+    question = edited_question(asked, "What colour is it?")
+    assert question == {"text": "What colour is it?", "files": [str(image)]}
+    edited = list(turns.respond(question, [], memory=memory, **{**OPTIONS, "max_new_tokens": 4}))
     chat = saved(turns, memory)["history"]
     assert chat[0] == {"role": "user", "content": [{"path": str(image)}, "What colour is it?"]}
     assert [m["role"] for m in chat] == ["user", "assistant", "assistant"] and chat[1:] == last_shown(edited)

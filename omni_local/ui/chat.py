@@ -39,7 +39,7 @@ from omni_local.ui.history import (
     to_messages,
 )
 from omni_local.ui.layout import CLOSE_SIDEBAR_ON_PHONES_JS, Page, context_use, lay_out
-from omni_local.ui.messages import blocks, file_path, looks
+from omni_local.ui.messages import looks
 from omni_local.ui.player import PLAYER_JS, audio_payload
 from omni_local.ui.voice_mode import add_voice_mode
 
@@ -52,7 +52,9 @@ CONFIRM_DELETE_JS = (
     "(yes, ...rest) => { const sure = confirm('Delete this chat?'); "
     "if (sure) document.querySelector('.multimodal-textbox button.stop-button')?.click(); return [sure, ...rest]; }"
 )
-SAVE_EVERY_S = 1.0  # how often a streaming reply's text so far is saved
+# A streaming reply's text so far is saved every SAVE_EVERY_TOKENS tokens, or sooner once the
+# setting ui_save_every_s has passed since the last save: a crash loses at most that much of it.
+SAVE_EVERY_TOKENS = 16
 STOP_WAIT_S = 30.0  # how long the stop button waits for the stopped reply's last event
 
 
@@ -76,6 +78,7 @@ class ChatTurns:
 
     def __init__(self, app: OmniLocal, shelves: ChatShelves, uploads: Path) -> None:
         self.app, self.shelves, self.uploads = app, shelves, uploads
+        self.save_every_s = app.settings.ui_save_every_s
         # Session ids of the chats a typed reply is streaming into: voice mode leaves such a chat to the
         # reply's stream until it ends (voice_mode.py).
         self.typing: set[str] = set()
@@ -85,15 +88,13 @@ class ChatTurns:
         memory.user = getattr(request, "username", None)
         return self.shelves.of(memory.user)
 
-    def respond(self, message: dict[str, Any] | str, history: list[dict[str, Any]], system_prompt: str,
+    def respond(self, message: dict[str, Any], history: list[dict[str, Any]], system_prompt: str,
                 memory: ChatMemory, max_new_tokens: float, temperature: float, top_p: float, speak: bool,
                 voice: str, request: gr.Request) -> Iterator[tuple[Any, ...]]:
         """Yields updates (chat.py's `_update`): what the chat shows, the next audio chunk for the
         page's player, the context use, the list of chats."""
         store = self.store(memory, request)
         history = with_ended_turn(history, memory.turn)
-        if isinstance(message, str):  # an edited question: Gradio gives its new text alone
-            message = edited_question(message, history, store.get(memory.session_id))
         asked = [*history, question(message)]
         if not _save(store, asked, system_prompt, memory):  # the question is kept before it is answered
             yield _update(error_message(sidebar.CHANGED_ELSEWHERE))
@@ -126,7 +127,7 @@ class ChatTurns:
 
     def _stream(self, turn: Turn, memory: ChatMemory, listed: Any) -> Iterator[tuple[Any, ...]]:
         """The turn's updates; the list of chats goes with the first (it holds the chat once asked)."""
-        reasoning, text, chunks, saved_at = "", "", 0, time.monotonic()
+        reasoning, text, chunks, unsaved, saved_at = "", "", 0, 0, time.monotonic()
         try:
             for event in turn.reply:
                 if memory.left:  # its chat is no longer shown: the reply stops (in respond), saved in its own
@@ -138,10 +139,12 @@ class ChatTurns:
                     else:
                         text += event.text
                     update = _update(streaming_reply(reasoning, text), chats=listed)
-                    if time.monotonic() - saved_at > SAVE_EVERY_S:
+                    unsaved += 1
+                    # Saved before the update is sent: a page that shows N tokens has them on disk.
+                    if unsaved >= SAVE_EVERY_TOKENS or time.monotonic() - saved_at >= self.save_every_s:
                         _save(turn.store, [*turn.asked, *saved_streaming_reply(reasoning, text)], turn.system_prompt,
                               memory)
-                        saved_at = time.monotonic()
+                        unsaved, saved_at = 0, time.monotonic()
                 elif isinstance(event, AudioChunk):
                     update = _update(streaming_reply(reasoning, text), audio=audio_payload(event, chunks), chats=listed)
                     chunks += 1
@@ -209,14 +212,6 @@ def with_ended_turn(history: list[dict[str, Any]], turn: Turn | None) -> list[di
     asked = len(turn.asked)
     answered = all(message.get("role") == "assistant" for message in history[asked:])
     return turn.shown if answered and list(map(looks, history[:asked])) == list(map(looks, turn.asked)) else history
-
-
-def edited_question(text: str, history: list[dict[str, Any]], saved: Any) -> dict[str, Any]:
-    """An edited question as a message: its new text, and the files it had (the page's edit gives
-    the text alone). The question stood at `len(history)` in the chat as saved before the edit."""
-    original = saved.history[len(history)] if saved and len(saved.history) > len(history) else {}
-    files = [path for block in blocks(original) if (path := file_path(block))] if original.get("role") == "user" else []
-    return {"text": text, "files": files}
 
 
 def _last_event(reply: Reply) -> Finished | None:

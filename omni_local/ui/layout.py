@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import gradio as gr
 
 from omni_local.api import OmniLocal
+from omni_local.ui.edits import ChatInterface
 from omni_local.ui.history import AUDIO_SUFFIXES, IMAGE_SUFFIXES, VIDEO_SUFFIXES, ChatMemory
 
 # The page fills the window: the chat takes the height the header and context line leave.
@@ -77,9 +78,12 @@ def lay_out(app: OmniLocal, respond: Callable, voices: list[str]) -> Page:
             with gr.Row():
                 rename = gr.Button("Rename", size="sm")
                 delete = gr.Button("Delete", size="sm", variant="stop")
-        chat = gr.ChatInterface(
+        chat = ChatInterface(  # edits.py: an edited question keeps its files
             respond,
             multimodal=True,
+            # One bubble a message: Gradio's edit of a bubble fails in the page on any block but text
+            # (its pencil then does nothing), so a question's files show apart from its text.
+            chatbot=gr.Chatbot(group_consecutive_messages=False),
             textbox=textbox,
             additional_inputs=[system, memory, longest, temperature, top_p, speak, voice],
             additional_outputs=[audio_feed, context_use, chooser],
