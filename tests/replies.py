@@ -57,6 +57,18 @@ def reference_tokens(app: OmniLocal, messages: list[Message]) -> list[int]:
     return tokens
 
 
+def model_logprobs(app: OmniLocal, messages: list[Message], reply_ids: list[int]) -> torch.Tensor:
+    """[len(reply_ids), vocab]: at each token of a reply to `messages`, the log-softmax of the logits
+    of transformers' own forward of the prompt and the reply before it, over the ids a reply may hold
+    (the media markup the engine never chooses left out)."""
+    prompt = build_prompt(messages, app.backend.loaded.processor)
+    ids = torch.cat([prompt.input_ids, torch.tensor([reply_ids])], dim=1).to(app.backend.loaded.device)
+    with torch.inference_mode():
+        logits = app.backend.loaded.model.thinker(input_ids=ids).logits[0, prompt.num_tokens - 1 : -1].float()
+        logits[:, app.backend.engine.suppressed_ids] = float("-inf")
+        return logits.log_softmax(dim=-1).cpu()
+
+
 def transformers_speech(app: OmniLocal, messages: list[Message], voice: str) -> tuple[list[int], torch.Tensor]:
     """Greedy text and codes [groups, frames] from transformers' `generate(return_audio=True)`."""
     model, engine = app.backend.loaded.model, app.backend.engine

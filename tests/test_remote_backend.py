@@ -26,7 +26,8 @@ from recorded_server import (
 )
 from samples import clip, picture, video_file
 from omni_local.api import AudioChunk, Finished, TextDelta
-from omni_local.api.events import ContextUse, MediaCounts, SpeechReport, Timings, TokenCounts
+from omni_local.api.events import (ContextUse, MediaCounts, SpeechReport, Timings, TokenChoice, TokenCounts,
+                                   TokenLogprob)
 from omni_local.api.messages import Message
 from omni_local.api.params import SamplingParams, SpeechParams
 from omni_local.backends.remote import RemoteBackend
@@ -180,6 +181,28 @@ def test_no_top_k_limit_and_no_seed_are_left_out_for_the_server_to_spell_its_own
     server = RecordedServer(replies=[text_stream(["a"])])
     events(server.backend(), params=SamplingParams(top_k=0, seed=None))
     assert "top_k" not in server.requests[0] and "seed" not in server.requests[0]
+
+
+def test_logprobs_asked_for_are_asked_of_the_server_and_its_entries_come_with_the_text_they_make():
+    pieces = text_stream(["Hel", "lo"])
+    said = {"token": "Hel", "logprob": -0.5, "bytes": list(b"Hel"),
+            "top_logprobs": [{"token": "Hel", "logprob": -0.5, "bytes": list(b"Hel")},
+                             {"token": "\u00e9", "logprob": -1.5, "bytes": None}]}
+    pieces[1]["choices"][0]["logprobs"] = {"content": [said], "refusal": None}
+    server = RecordedServer(replies=[pieces])
+    items = events(server.backend(), params=SamplingParams(logprobs=2))
+    assert {key: server.requests[0][key] for key in ("logprobs", "top_logprobs")} == {"logprobs": True,
+                                                                                     "top_logprobs": 2}
+    texts = [event for event in items if isinstance(event, TextDelta)]
+    assert texts[0] == TextDelta("Hel", (TokenLogprob("Hel", -0.5, b"Hel", (TokenChoice("Hel", -0.5, b"Hel"),
+                                                                             TokenChoice("\u00e9", -1.5, None))),))
+    assert texts[1] == TextDelta("lo")
+
+
+def test_a_request_that_asks_for_no_logprobs_does_not_ask_the_server():
+    server = RecordedServer(replies=[text_stream(["a"])])
+    events(server.backend())
+    assert "logprobs" not in server.requests[0] and "top_logprobs" not in server.requests[0]
 
 
 OPENAI_VOICE = {"audio": {"voice": "Chelsie", "format": "pcm16"}, "talker_temperature": 0.5}

@@ -62,6 +62,18 @@ def test_a_chat_on_the_remote_backend_says_what_the_same_chat_says_here_and_reus
             assert final.tokens.computed == near.tokens.computed < final.tokens.prompt
 
 
+def test_a_remote_replys_logprobs_are_those_the_same_reply_has_here(remote, local):
+    def logprobs(app: OmniLocal) -> list:
+        reply = app.session().send("Tell me about the sea.", max_new_tokens=REPLY_TOKENS, logprobs=3)
+        return [entry for event in reply if isinstance(event, TextDelta) for entry in event.logprobs]
+
+    there, here = logprobs(remote), logprobs(local)
+    assert len(there) == len(here) > 8
+    assert [(e.token, e.utf8, [t.token for t in e.top]) for e in there] == \
+        [(e.token, e.utf8, [t.token for t in e.top]) for e in here]
+    assert [e.logprob for e in there] == pytest.approx([e.logprob for e in here], abs=1e-4)
+
+
 def test_an_image_and_a_clip_on_the_remote_backend_are_answered_as_here(remote, local):
     image, clip = picture(5), SPEECH[:16_000]
     far = remote.session().send("What is this?", images=[image], audio=[clip], max_new_tokens=REPLY_TOKENS).result()

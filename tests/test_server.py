@@ -241,7 +241,11 @@ def test_eight_clients_of_ten_turns_each_are_all_answered_each_turn_reusing_the_
     ([{"type": "image_url", "image_url": {"url": "file:///etc/hostname"}}], {}, "api_local_files = false"),
     ("Hi", {"temperature": -1.0}, "temperature must be 0"),
     ("Hi", {"extra_body": {"top_k": "many"}}, r"top_k: Input should be a valid integer"),
-], ids=["bad image", "unknown voice", "over-long prompt", "http url", "file url", "bad temperature", "bad type"])
+    ("Hi", {"response_format": {"type": "json_object"}}, r"response_format: JSON replies .* are not supported"),
+    ("Hi", {"tool_choice": "required"}, r"tool_choice: tools are not supported yet"),
+    ("Hi", {"extra_body": {"min_p": 0.1}}, r"min_p: this server does not know this field"),
+], ids=["bad image", "unknown voice", "over-long prompt", "http url", "file url", "bad temperature", "bad type",
+        "json reply", "tools", "unknown field"])
 def test_bad_input_is_an_error_object_with_400_saying_what_is_wrong_and_the_next_request_is_served(
         api, content, fields, message):
     with pytest.raises(openai.BadRequestError, match=message) as refused:
@@ -285,6 +289,14 @@ def test_a_missing_or_wrong_key_is_401(server, key):
     if key:
         with pytest.raises(openai.AuthenticationError):
             ask(client(server.url, key), "Hi")
+
+
+def test_a_streamed_reply_with_logprobs_carries_each_tokens_in_its_chunks_the_greedy_one_the_best(api):
+    chunks = streamed(api, "Tell me about the sea.", temperature=0.0, logprobs=True, top_logprobs=3,
+                      stream_options={"include_usage": True})
+    entries = [entry for c in chunks if c.choices and c.choices[0].logprobs for entry in c.choices[0].logprobs.content]
+    assert len(entries) == chunks[-1].usage.completion_tokens == SHORT
+    assert all(len(e.top_logprobs) == 3 and e.logprob == e.top_logprobs[0].logprob for e in entries)
 
 
 def test_a_request_past_the_bound_is_refused_at_once_with_429(one_at_a_time):

@@ -47,7 +47,7 @@ class OmniLocal:
             repetition_penalty=s.repetition_penalty,
             max_reasoning_tokens=s.max_reasoning_tokens,
         )
-        unknown = sorted(set(overrides) - {*values, "seed"})
+        unknown = sorted(set(overrides) - {*values, "seed", "logprobs"})
         if unknown:
             raise RequestError(f"unknown sampling parameter '{unknown[0]}'")
         values.update(overrides)

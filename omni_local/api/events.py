@@ -3,6 +3,12 @@
 A Thinking checkpoint reasons before it answers: its reasoning streams as `ReasoningDelta`s, apart
 from the answer's `TextDelta`s, so a caller that shows only answers ignores them.
 
+A request that asks for log-probabilities (`SamplingParams.logprobs`) gets them on its `TextDelta`s:
+each delta carries those of the answer's tokens whose text it completes (a token that ends inside a
+character waits for the delta that completes it). They are the model's: the log-softmax of its
+logits over the tokens a reply may hold, before the repetition penalty, the temperature, top-k and
+top-p, as OpenAI reports them; a sampled token is drawn from the distribution those shape.
+
 Figures a backend does not report are None (a remote server may not say how long a request
 queued, or which of its cached tokens came from host memory): shown as unknown, never as zeros.
 """
@@ -17,8 +23,25 @@ StopReason = Literal["end_of_turn", "max_new_tokens", "context_full", "cancelled
 
 
 @dataclass(frozen=True)
+class TokenChoice:
+    """A token and its log-probability, as OpenAI's `top_logprobs` entries give them."""
+
+    token: str  # its text; one that is part of a character: its bytes, written "bytes:\\xe4\\xbd" as OpenAI's are
+    logprob: float
+    utf8: bytes | None  # its bytes, OpenAI's `bytes` (None: the tokenizer has no token of this id)
+
+
+@dataclass(frozen=True)
+class TokenLogprob(TokenChoice):
+    """A reply token's log-probability, and the likeliest tokens in its place, best first."""
+
+    top: tuple[TokenChoice, ...] = ()
+
+
+@dataclass(frozen=True)
 class TextDelta:
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens this text completes, if the request asked
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,9 @@ import numpy as np
 
 from omni_local.errors import RequestError
 
-_WHOLE = {"max_new_tokens", "max_reasoning_tokens", "top_k", "seed"}
+_WHOLE = {"max_new_tokens", "max_reasoning_tokens", "top_k", "seed", "logprobs"}
+_UNSET_ALLOWED = {"seed", "logprobs"}  # None is a value of theirs: a fresh seed; no log-probabilities
+MAX_TOP_LOGPROBS = 20  # alternatives per token a reply may report, as OpenAI allows
 # Below this a temperature divides the scores past float32's range (every positive one infinite,
 # and the draw then picks the lowest such id): values that small are refused; 0 is greedy.
 MIN_TEMPERATURE = 1e-3
@@ -25,11 +27,13 @@ class SamplingParams:
     seed: int | None = None  # None: a fresh random seed, reported in the result
     # A Thinking checkpoint's reasoning is ended after this many tokens, so that it answers; 0: no limit.
     max_reasoning_tokens: int = 0
+    # None: none; k: each answer token's log-probability and the k likeliest in its place (events.py)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         for field in fields(self):
             value = getattr(self, field.name)
-            if field.name != "seed" or value is not None:  # no seed: a fresh one
+            if field.name not in _UNSET_ALLOWED or value is not None:
                 object.__setattr__(self, field.name, _number(field.name, value, whole=field.name in _WHOLE))
         # The ranges hold for the values as the device keeps them, in float32, where 1e39 is infinite
         # and 1e-50 is 0. A NaN fails every comparison.
@@ -44,6 +48,8 @@ class SamplingParams:
             (self.top_k >= 0, "top_k must be 0 (off) or more"),
             (self.max_reasoning_tokens >= 0, "max_reasoning_tokens must be 0 (no limit) or more"),
             (0 < penalty < math.inf, "repetition_penalty must be a finite number above 0"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+             f"logprobs must be None (off) or a number of alternatives from 0 to {MAX_TOP_LOGPROBS}"),
         ]
         for ok, message in checks:
             if not ok:

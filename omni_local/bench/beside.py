@@ -45,10 +45,10 @@ def accepted_tokens(engine: Engine, session: str) -> Iterator[list[float]]:
     """When the engine accepts each token of chat `session` meanwhile, in order."""
     times, accept = [], engine._accept
 
-    def clocked(request, token: int) -> None:
+    def clocked(request, token: int, *found: object) -> None:
         if request.session == session:
             times.append(time.perf_counter())
-        accept(request, token)
+        accept(request, token, *found)
 
     engine._accept = clocked
     try:

@@ -37,6 +37,9 @@ from KV that would make every output attending to it NaN too. Whether each row o
 numbers is computed on the device beside its token and read with it, so the check costs no wait;
 a request whose logits are not all numbers fails alone, and its KV is scrubbed
 (`PrefixCache.discard`).
+
+A request that asks for log-probabilities gets them from the logits its token was chosen from,
+computed beside the token and read with it (logprobs.py); a step in which none asks computes none.
 """
 
 import logging
@@ -66,6 +69,7 @@ from omni_local.engine.cuda_graphs import prefill_lengths
 from omni_local.engine.detokenizer import IncrementalDetokenizer
 from omni_local.engine.encoders import Encoders
 from omni_local.engine.host_copies import Readback
+from omni_local.engine.logprobs import RowLogprobs, StepLogprobs, TokenTexts, step_logprobs
 from omni_local.engine.media_encoder import MediaEncoder
 from omni_local.engine.moe import moe_backend
 from omni_local.engine.phases import (BEGIN_SPEECH, BUILD_PROMPT, CHOOSE_FIRST, CLAIM_KV, COLLECT, DECODE, FIRST_TOKEN,
@@ -92,12 +96,24 @@ NOT_A_NUMBER = "the model's output was not a number (NaN or infinity): this requ
 
 
 @dataclass(frozen=True)
+class Choices:
+    """Tokens chosen on the device, on their way to the host: with whether their logits were numbers
+    (`_chosen_and_finite`), and the log-probabilities of the rows that asked."""
+
+    chosen: Readback
+    logprobs: StepLogprobs | None = None
+
+    def read(self) -> tuple[list[list[int]], dict[int, RowLogprobs]]:
+        """The tokens and whether their logits were numbers; the log-probabilities by row."""
+        return self.chosen.tolist(), self.logprobs.read() if self.logprobs is not None else {}
+
+
+@dataclass(frozen=True)
 class DecodeStep:
-    """A decode step queued on the device and not read yet: its requests, and their next tokens on
-    their way to the host, with whether their logits were numbers (`_chosen_and_finite`)."""
+    """A decode step queued on the device and not read yet: its requests, and their next tokens."""
 
     requests: list[Request]
-    chosen: Readback
+    chosen: Choices
 
 
 class Engine:
@@ -142,6 +158,7 @@ class Engine:
         self.eos_ids = set(thinker_eos_token_ids(loaded))
         # A reply is text: a media placeholder in it would be taken for a medium in the next prompt.
         self.suppressed_ids = media_markup_token_ids(loaded)
+        self.token_texts = TokenTexts(loaded.processor.tokenizer)  # for the replies that ask for logprobs
         suppressed = torch.tensor(self.suppressed_ids, dtype=torch.long, device=self.runner.device)
         # Only a Thinking checkpoint's replies are split into reasoning and answer.
         self.reasoning_marks = reasoning_marks(loaded.processor.tokenizer) if loaded.kind == "thinking" else None
@@ -157,7 +174,7 @@ class Engine:
         self._running: list[Request] = []
         self._in_flight: DecodeStep | None = None  # the last decode step, read in the next turn
         # First tokens chosen this turn, read once the turn's decode step is queued (`_read_first_tokens`)
-        self._first_choices: list[tuple[Request, Readback]] = []
+        self._first_choices: list[tuple[Request, Choices]] = []
         self._short_of_blocks = False  # the first waiting request found too few blocks; a release clears it
         self.warm, self._when_warm = threading.Event(), when_warm  # every graph captured
         self._warming_up_since = time.perf_counter()
@@ -472,7 +489,8 @@ class Engine:
         reasoning_limit = self._start_text(request)
         self.sampler.start(request.seat, request.params, request.seed, prompt.input_ids[0], reasoning_limit)
         tokens = self.sampler.sample(logits[None], self.sampler.batch([request.seat], [0]))
-        self._first_choices.append((request, Readback(_chosen_and_finite(tokens, logits[None]))))
+        chosen = Readback(_chosen_and_finite(tokens, logits[None]))
+        self._first_choices.append((request, Choices(chosen, self._logprobs([request], logits[None], tokens))))
         request.launched = 1
 
     def _read_first_tokens(self) -> None:
@@ -483,8 +501,8 @@ class Engine:
             with phase(FIRST_TOKEN):
                 self._guarded([request], lambda: self._first_token(request, choice))
 
-    def _first_token(self, request: Request, choice: Readback) -> None:
-        (token,), (finite,) = choice.tolist()
+    def _first_token(self, request: Request, choice: Choices) -> None:
+        ((token,), (finite,)), logprobs = choice.read()
         prompt = request.prompt
         if not finite:
             return self._fail_poisoned(request)  # before its rows are published: nobody may read them
@@ -493,7 +511,7 @@ class Engine:
         if request.cancelled.is_set():
             self._finish(request, "cancelled")  # the first token, which the cancel overtook, is dropped
         else:
-            self._accept(request, token)
+            self._accept(request, token, logprobs.get(0))
 
     def _start_text(self, request: Request) -> int:
         """Make the reply's detokenizers: its answer's, and its reasoning's on a Thinking checkpoint.
@@ -525,10 +543,21 @@ class Engine:
         indices = [r.prompt.num_tokens + r.launched - 1 for r in requests]
         logits = self.runner.decode([r.table for r in requests], self.sampler.inputs(batch), indices,
                                     [r.prepared.rope_delta for r in requests])
-        step = DecodeStep(requests, Readback(_chosen_and_finite(self.sampler.sample(logits, batch), logits)))
+        tokens = self.sampler.sample(logits, batch)
+        step = DecodeStep(requests, Choices(Readback(_chosen_and_finite(tokens, logits)),
+                                            self._logprobs(requests, logits, tokens)))
         for request in requests:
             request.launched += 1
         return step
+
+    def _logprobs(self, requests: list[Request], logits: torch.Tensor, tokens: torch.Tensor) -> StepLogprobs | None:
+        """The log-probabilities of the `requests` that ask for them, of their `tokens` chosen from
+        `logits` (rows in the order of `requests`), queued; None (and nothing queued) if none asks."""
+        asking = [row for row, request in enumerate(requests) if request.params.logprobs is not None]
+        if not asking:
+            return None
+        most = max(requests[row].params.logprobs for row in asking)
+        return step_logprobs(logits, tokens, asking, most, self.sampler.suppressed)
 
     def _collect(self, step: DecodeStep) -> None:
         """Accept the tokens of the step queued in the turn before (the device computes this turn's
@@ -537,8 +566,8 @@ class Engine:
         fails the step's requests; one of a request's own token (its logits not numbers, say), that
         request only."""
         with phase(COLLECT):
-            tokens, finite = self._guarded(step.requests, step.chosen.tolist) or ([], [])
-        for request, token, numbers in zip(step.requests, tokens, finite):
+            (tokens, finite), logprobs = self._guarded(step.requests, step.chosen.read) or (([], []), {})
+        for row, (request, token, numbers) in enumerate(zip(step.requests, tokens, finite)):
             if request.ended or request.text_done:
                 continue
             if not numbers:
@@ -548,9 +577,10 @@ class Engine:
             if request.cancelled.is_set():
                 self._finish(request, "cancelled")  # the token of the step the cancel overtook is dropped
             else:
-                self._guarded([request], lambda: self._accept(request, token))
+                self._guarded([request], lambda: self._accept(request, token, logprobs.get(row)))
 
-    def _accept(self, request: Request, token: int) -> None:
+    def _accept(self, request: Request, token: int, found: RowLogprobs | None = None) -> None:
+        """Take `token` as `request`'s next; `found`: its log-probabilities, if the request asked."""
         if not request.output_ids:
             request.first_token_at = time.perf_counter()
             if request.speech is not None and token not in self.eos_ids:
@@ -564,8 +594,10 @@ class Engine:
             return self._end_text(request, "end_of_turn")
         reasoned = request.reasoning.take(token) if request.reasoning is not None else None
         if reasoned is not None:
-            self._stream_reasoning(request, reasoned)
+            self._stream_reasoning(request, reasoned)  # reasoning is not the answer: no logprobs
         else:
+            if found is not None:
+                request.logprobs.append(self.token_texts.logprob(token, found, request.params.logprobs))
             self._stream(request, request.detokenizer.push(token))
         if len(request.output_ids) >= request.max_new_tokens:
             full = request.max_new_tokens == request.params.max_new_tokens
@@ -580,7 +612,8 @@ class Engine:
     def _stream(self, request: Request, delta: str) -> None:
         if delta:
             request.streamed += delta
-            request.events.put(TextDelta(delta))
+            request.events.put(TextDelta(delta, tuple(request.logprobs)))
+            request.logprobs = []
 
     def _stream_reasoning(self, request: Request, delta: str) -> None:
         if delta:
@@ -596,6 +629,9 @@ class Engine:
             full = request.detokenizer.text()
             if full.startswith(request.streamed):
                 self._stream(request, full[len(request.streamed):])
+        if request.logprobs:  # of tokens that added no text (the last ones, say, that made none)
+            request.events.put(TextDelta("", tuple(request.logprobs)))
+            request.logprobs = []
         if request.claim is not None:
             if request.written:  # what this request computed stays for the session's next turn
                 self.cache.publish(request.claim, request.prompt, request.output_ids, request.written)

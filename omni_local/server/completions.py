@@ -58,14 +58,15 @@ class ChatCompletions:
                                           limiter=self.threads)
         reply = ApiReply(stream, body.stops, self.threads)
         events = reply.events()
-        shapes = ReplyShapes(self.app.info.model_id, body.speaks, body.include_usage)
+        shapes = ReplyShapes(self.app.info.model_id, body.speaks, body.include_usage, bool(body.logprobs))
         try:
             if not body.stream:
                 speech_samples = await unless_disconnected(request, _whole_speech(events))
                 if speech_samples is None:
                     return Response(status_code=CLIENT_GONE)
                 await self._remember(principal, session, messages, reply.final)
-                return JSONResponse(shapes.completion(reply.final, speech_samples, body.audio_format))
+                return JSONResponse(shapes.completion(reply.final, speech_samples, body.audio_format,
+                                                      reply.logprobs))
             first = await unless_disconnected(request, anext(events))
         except BaseException:
             await events.aclose()
@@ -79,8 +80,10 @@ class ChatCompletions:
         model = self.app.info.model_id
         if body.model != model:
             raise unknown_model(body.model, model)
-        if body.n != 1:
-            raise ApiError(400, "n must be 1: this server makes one reply per request", param="n")
+        refused = body.unsupported()
+        if refused is not None:
+            field, why = refused
+            raise ApiError(400, f"{field}: {why}", param=field)
         if body.speaks and body.stream and body.audio_format != "pcm16":
             raise ApiError(400, f"streamed audio is pcm16: ask for audio.format 'pcm16' with stream true, not "
                            f"'{body.audio_format}'", param="audio.format")

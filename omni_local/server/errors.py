@@ -20,6 +20,9 @@ log = logging.getLogger(__name__)
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict"}
 _TYPES = {429: "rate_limit_error", 500: "server_error", 503: "server_error"}  # the rest: "invalid_request_error"
+# pydantic's error types that are worth saying otherwise
+_PROBLEMS = {"json_invalid": "the request body is not valid JSON",
+             "extra_forbidden": "this server does not know this field, and refuses it rather than ignore it"}
 
 
 class ApiError(Exception):
@@ -82,7 +85,7 @@ def add_error_handlers(api: FastAPI) -> None:
         # The deepest problem (of a union, the member's that got furthest), at its place in the request.
         worst = max(error.errors(), key=lambda e: len(e["loc"]))
         at = place(worst["loc"][1:])  # after "body"
-        problem = "the request body is not valid JSON" if worst["type"] == "json_invalid" else worst["msg"]
+        problem = _PROBLEMS.get(worst["type"], worst["msg"])
         return ApiError(400, f"{at}: {problem}" if at else problem, param=at or None).response()
 
     api.add_exception_handler(ApiError, known)

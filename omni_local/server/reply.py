@@ -4,8 +4,12 @@ text cut at the request's stop strings.
 A backend's reply is a blocking iterator (the engine's events come through a queue), so each event
 is waited for in a worker thread. Whoever stops reading before the end (a client gone, a stop
 string) cancels the reply, so the engine stops making it.
+
+The log-probabilities of the answer's tokens go with the text they make: held back while it is, and
+at a stop string kept for the tokens whose text was sent, in whole or in part.
 """
 
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
@@ -13,7 +17,7 @@ import anyio
 from anyio import to_thread
 
 from omni_local.api.backend import ReplyStream
-from omni_local.api.events import AudioChunk, Event, Finished, ReasoningDelta, TextDelta
+from omni_local.api.events import AudioChunk, Event, Finished, ReasoningDelta, TextDelta, TokenLogprob
 from omni_local.server.stops import StopStrings
 
 
@@ -24,6 +28,11 @@ class ApiReply:
         self._stops = StopStrings(stops)
         self._threads = threads
         self._sent: list[str] = []
+        self._sent_length = 0
+        self._received = 0  # characters of the answer's text the backend sent
+        # The log-probabilities of text not sent yet: where their text begins and ends in what was received.
+        self._held: deque[tuple[int, int, tuple[TokenLogprob, ...]]] = deque()
+        self.logprobs: list[TokenLogprob] = []  # of the text sent
         self.final: Finished | None = None
 
     async def events(self) -> AsyncIterator[Event]:
@@ -41,6 +50,7 @@ class ApiReply:
 
     def _read(self, event: Event) -> list[Event]:
         if isinstance(event, TextDelta):
+            self._hold(event)
             was_stopped = self._stops.stopped
             text = self._stops.feed(event.text)
             if self._stops.stopped and not was_stopped:
@@ -56,8 +66,23 @@ class ApiReply:
         self.final = event
         return [*tail, self.final]
 
+    def _hold(self, event: TextDelta) -> None:
+        begins, self._received = self._received, self._received + len(event.text)
+        if event.logprobs:
+            self._held.append((begins, self._received, event.logprobs))
+
     def _text(self, text: str) -> list[Event]:
-        if not text:
-            return []
         self._sent.append(text)
-        return [TextDelta(text)]
+        self._sent_length += len(text)
+        logprobs = self._release()
+        return [TextDelta(text, logprobs)] if text or logprobs else []
+
+    def _release(self) -> tuple[TokenLogprob, ...]:
+        """The log-probabilities of the tokens whose text is sent now; once a stop string has cut the
+        reply, of those whose text begins before the cut (the others' text is never sent)."""
+        released: list[TokenLogprob] = []
+        while self._held and (self._held[0][1] <= self._sent_length
+                              or self._stops.stopped and self._held[0][0] < self._sent_length):
+            released += self._held.popleft()[2]
+        self.logprobs += released
+        return tuple(released)

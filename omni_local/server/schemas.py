@@ -1,32 +1,56 @@
-"""A chat completion request as OpenAI's clients send it, the fields this server reads.
+"""A chat completion request as OpenAI's clients send it: every field of OpenAI's chat completions
+request (the `openai` package's `completion_create_params`) is read, accepted as harmless, or refused.
 
-Fields it does not know are ignored: clients send many (`user`, `logprobs`, `tools`, ...). Values are
-checked strictly, as OpenAI checks them: "0.5" is not a number and true is not an integer.
+Nothing is silently ignored. A field this server does not know is refused with 400 naming it, as
+OpenAI refuses one. Of OpenAI's fields, those declared here without a comment are read; those
+commented "ignored" leave the reply as it is by their definition (an id for OpenAI's abuse checks, a
+hint to its cache or its billing), so they are accepted and dropped; the rest are refused with 400
+naming the field (`ChatRequest.unsupported`) when set to a value that asks for what this server does
+not do: tools and function calls, JSON replies, token penalties and biases, reasoning effort,
+verbosity, web search, moderation, stored completions, more than one reply. Their values that ask
+for nothing (`tool_choice: "none"`, a penalty of 0, `response_format: {"type": "text"}`) are
+accepted, as clients send them by default.
+
+Values are checked strictly, as OpenAI checks them: "0.5" is not a number and true is not an integer.
 Besides OpenAI's fields, omni_local's own sampling knobs `top_k` and `repetition_penalty`, the
 Talker's `talker_temperature` for a spoken reply (0 is greedy), and `max_reasoning_tokens` for a
 Thinking checkpoint. An assistant message may carry its reasoning as `reasoning_content` (vLLM's and
 DeepSeek's name, which this server's replies use too).
 """
 
-from typing import Annotated, Literal
+from collections.abc import Iterator
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from omni_local.api.params import MAX_TOP_LOGPROBS
+
+TOOLS = "tools are not supported yet: this server answers in text (and speech) only"
+# (field, whether the request asks for what this server does not do, why it is refused)
+Ask = tuple[str, bool, str]
+
 
 class _Fields(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class TextPart(_Fields):
+class _Part(_Fields):
+    prompt_cache_breakpoint: dict[str, Any] | None = None  # ignored: a hint to OpenAI's cache; ours matches content
+
+
+class TextPart(_Part):
     type: Literal["text"]
     text: str
 
 
 class Url(_Fields):
     url: str
+    # ignored: OpenAI's choice of resolution and cost; the model here sees each image as its processor
+    # sizes it (within max_image_pixels)
+    detail: Literal["auto", "low", "high"] | None = None
 
 
-class ImagePart(_Fields):
+class ImagePart(_Part):
     type: Literal["image_url"]
     image_url: Url
 
@@ -41,7 +65,7 @@ class AudioData(_Fields):
     format: Literal["wav", "mp3"] = "wav"  # what the client says it is; the bytes decide
 
 
-class AudioPart(_Fields):
+class AudioPart(_Part):
     type: Literal["input_audio"]
     input_audio: AudioData
 
@@ -54,10 +78,32 @@ class ChatMessage(_Fields):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart] | None = None
     reasoning_content: str | None = None  # an assistant message's reasoning
+    name: str | None = None
+    refusal: str | None = None
+    audio: dict[str, Any] | None = None  # an earlier spoken reply, by its id
+    tool_calls: list[dict[str, Any]] | None = None
+    function_call: dict[str, Any] | None = None
+
+    def asks(self, at: str) -> list[Ask]:
+        return [
+            (f"{at}.name", self.name is not None,
+             "the chat template has no place for a participant's name: put it in the content"),
+            (f"{at}.refusal", self.refusal is not None, "send the earlier refusal as the message's content"),
+            (f"{at}.audio", self.audio is not None,
+             "this server keeps no audio between requests: send the earlier reply's transcript as its content"),
+            (f"{at}.tool_calls", bool(self.tool_calls), TOOLS),
+            (f"{at}.function_call", self.function_call is not None, TOOLS),
+        ]
 
 
 class StreamOptions(_Fields):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # ignored: padding OpenAI adds to chunks against a side channel
+
+
+class ResponseFormat(_Fields):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
 
 
 class AudioOptions(_Fields):
@@ -72,13 +118,41 @@ class ChatRequest(_Fields):
     stream_options: StreamOptions | None = None
     modalities: list[Literal["text", "audio"]] | None = None
     audio: AudioOptions | None = None
-    n: int = 1
+    n: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins over it
     seed: int | None = None
     stop: str | list[str] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # ignored: ids of the person asking, for OpenAI's abuse checks; the reply does not depend on them
+    user: str | None = None
+    safety_identifier: str | None = None
+    metadata: dict[str, str] | None = None  # ignored: tags of a stored completion, and none is stored (`store`)
+    # ignored: hints to OpenAI's prompt cache (which requests share it, for how long); ours matches content
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    service_tier: str | None = None  # ignored: OpenAI's price and speed tier; this server has one
+    prediction: dict[str, Any] | None = None  # ignored: a guess at the reply, to speed OpenAI up; the same reply
+    parallel_tool_calls: bool | None = None  # ignored: how tools may be called, and none may be (`tools`)
+    # Refused when they ask for something (`unsupported`):
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
+    store: bool | None = None
+    # omni_local's own:
     top_k: int | None = None
     repetition_penalty: float | None = None
     talker_temperature: float | None = None  # None: the Talker's default
@@ -102,6 +176,34 @@ class ChatRequest(_Fields):
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         return [s for s in stops if s]
 
+    def unsupported(self) -> tuple[str, str] | None:
+        """The first field that asks for what this server does not do, and why; None: none does."""
+        return next(((name, why) for name, asks, why in self._asks() if asks), None)
+
+    def _asks(self) -> Iterator[Ask]:
+        penalties = "OpenAI's token penalties are not supported: repetition_penalty is this server's"
+        yield from [
+            ("n", self.n not in (None, 1), "n must be 1: this server makes one reply per request"),
+            ("top_logprobs", self.top_logprobs is not None and not self.logprobs, "top_logprobs needs logprobs: true"),
+            ("tools", bool(self.tools), TOOLS),
+            ("tool_choice", self.tool_choice not in (None, "none", "auto"), TOOLS),  # "auto" of no tools calls none
+            ("functions", bool(self.functions), TOOLS),
+            ("function_call", self.function_call not in (None, "none", "auto"), TOOLS),
+            ("response_format", self.response_format is not None and self.response_format.type != "text",
+             "JSON replies (json_object, json_schema) are not supported: only text"),
+            ("frequency_penalty", self.frequency_penalty not in (None, 0), penalties),
+            ("presence_penalty", self.presence_penalty not in (None, 0), penalties),
+            ("logit_bias", bool(self.logit_bias), "logit_bias is not supported"),
+            ("reasoning_effort", self.reasoning_effort is not None,
+             "reasoning_effort is not supported: max_reasoning_tokens limits a Thinking checkpoint's reasoning"),
+            ("verbosity", self.verbosity is not None, "verbosity is not supported"),
+            ("web_search_options", self.web_search_options is not None, "this server does not search the web"),
+            ("moderation", self.moderation is not None, "this server runs no moderation"),
+            ("store", bool(self.store), "this server stores no completions"),
+        ]
+        for index, message in enumerate(self.messages):
+            yield from message.asks(f"messages[{index}]")
+
     def sampling(self) -> dict[str, object]:
         """The sampling values the request sets, by the names `OmniLocal.sampling` takes."""
         longest = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -109,5 +211,6 @@ class ChatRequest(_Fields):
             "max_new_tokens": longest, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "repetition_penalty": self.repetition_penalty, "seed": self.seed,
             "max_reasoning_tokens": self.max_reasoning_tokens,
+            "logprobs": (self.top_logprobs or 0) if self.logprobs else None,
         }
         return {name: value for name, value in given.items() if value is not None}

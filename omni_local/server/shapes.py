@@ -15,6 +15,11 @@ Streamed (server-sent events, each `data:` one JSON chunk; the first delta carri
   stream ends; a reply the server's shutdown cuts (shutdown.py) sends a chunk with `finish_reason`
   "abort" before it.
 
+With `logprobs: true`, each chunk of the answer's text carries `choices[0].logprobs = {"content":
+[...], "refusal": null}`: an entry per token whose text the chunk completes, `{"token", "logprob",
+"bytes", "top_logprobs": [{"token", "logprob", "bytes"}, ...]}` (the `top_logprobs` likeliest, best
+first; api/events.py says which distribution), as OpenAI's; a whole reply's choice carries them all.
+
 Not streamed: `choices[0].message` holds the text as `content` (and any reasoning as
 `reasoning_content`); with audio, `content` is null and
 `message.audio = {"id", "data", "transcript", "expires_at"}`, `data` the whole speech as a base64
@@ -27,21 +32,23 @@ import uuid
 
 import numpy as np
 
-from omni_local.api.events import AudioChunk, Finished, ReasoningDelta, TextDelta
+from omni_local.api.events import AudioChunk, Finished, ReasoningDelta, TextDelta, TokenChoice, TokenLogprob
 from omni_local.media.pcm16 import base64_pcm16
 from omni_local.server.audio import base64_wav
 from omni_local.server.figures import finish_reason, omni_local_figures, usage
 
 
 class ReplyShapes:
-    """The chunks, or the completion, of one reply to `model`; `speaks`: with audio."""
+    """The chunks, or the completion, of one reply to `model`; `speaks`: with audio; `logprobs`: with
+    its tokens' log-probabilities."""
 
-    def __init__(self, model: str, speaks: bool, include_usage: bool = False) -> None:
+    def __init__(self, model: str, speaks: bool, include_usage: bool = False, logprobs: bool = False) -> None:
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self.audio_id = f"audio_{uuid.uuid4().hex}" if speaks else None
         self.include_usage = include_usage
+        self.logprobs = logprobs
         self._role_sent = False
 
     def chunk(self, event: TextDelta | ReasoningDelta | AudioChunk) -> dict:
@@ -55,7 +62,8 @@ class ReplyShapes:
             delta = {"audio": {"id": self.audio_id, "data": base64_pcm16(event.samples)}}
         if not self._role_sent:
             delta, self._role_sent = {"role": "assistant", **delta}, True
-        return self._chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
+        logprobs = self._logprobs(event.logprobs) if isinstance(event, TextDelta) else None
+        return self._chunk([{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": None}])
 
     def last_chunks(self, final: Finished) -> list[dict]:
         ending = self._chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason(final)}])
@@ -68,7 +76,8 @@ class ReplyShapes:
         """The last chunk of a reply the server cut short, as vLLM ends an aborted one."""
         return self._chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "abort"}])
 
-    def completion(self, final: Finished, speech: np.ndarray | None, audio_format: str) -> dict:
+    def completion(self, final: Finished, speech: np.ndarray | None, audio_format: str,
+                   logprobs: list[TokenLogprob]) -> dict:
         message: dict = {"role": "assistant", "content": final.text, "refusal": None}
         if final.reasoning:
             message["reasoning_content"] = final.reasoning
@@ -77,9 +86,16 @@ class ReplyShapes:
             message["content"] = None
             message["audio"] = {"id": self.audio_id, "data": data, "transcript": final.text,
                                 "expires_at": self.created}
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason(final)}
+        choice = {"index": 0, "message": message, "logprobs": self._logprobs(logprobs),
+                  "finish_reason": finish_reason(final)}
         return {**self._head("chat.completion"), "choices": [choice], "usage": usage(final),
                 "omni_local": omni_local_figures(final)}
+
+    def _logprobs(self, entries: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> dict | None:
+        if not self.logprobs:
+            return None
+        return {"content": [{**_choice(entry), "top_logprobs": [_choice(c) for c in entry.top]} for entry in entries],
+                "refusal": None}
 
     def _chunk(self, choices: list[dict]) -> dict:
         chunk = {**self._head("chat.completion.chunk"), "choices": choices}
@@ -90,3 +106,8 @@ class ReplyShapes:
     def _head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
                 "system_fingerprint": None}
+
+
+def _choice(choice: TokenChoice) -> dict:
+    utf8 = list(choice.utf8) if choice.utf8 is not None else None
+    return {"token": choice.token, "logprob": choice.logprob, "bytes": utf8}

@@ -7,13 +7,14 @@ vLLM-Omni's: each chunk says what it holds in a top-level `"modality"`; those ma
 the sound as a base64 WAV file in `delta.content`, and the others carry text there. A stream in
 "auto" is read as OpenAI's until a chunk has a `modality`. Both end with a chunk without choices
 that holds `usage`; our server also puts its figures in an `"omni_local"` object on the last chunk.
+A choice's `logprobs.content` (asked for with `logprobs`) goes with the chunk's text, OpenAI's way.
 """
 
 from typing import Any
 
 import numpy as np
 
-from omni_local.api.events import AudioChunk, ReasoningDelta, TextDelta
+from omni_local.api.events import AudioChunk, ReasoningDelta, TextDelta, TokenChoice, TokenLogprob
 from omni_local.backends.remote.audio import SpeechDecoder
 from omni_local.errors import RequestError
 from omni_local.settings import BackendDialect
@@ -54,9 +55,10 @@ class ChunkReader:
             if isinstance(reasoning, str) and reasoning:
                 events.append(ReasoningDelta(reasoning))
             if self.dialect == "vllm-omni":
-                events += self._vllm_omni(delta, modality)
+                said = self._vllm_omni(delta, modality)
             else:
-                events += self._openai(delta)
+                said = self._openai(delta)
+            events += _with_logprobs(said, _logprobs(choice.get("logprobs")))
         return events
 
     def rest(self) -> list[AudioChunk]:
@@ -78,6 +80,33 @@ class ChunkReader:
         if modality == "audio":
             return _audio(self._speech.decode(content))
         return [TextDelta(content)] if modality in (None, "text") else []
+
+
+def _with_logprobs(events: list[TextDelta | AudioChunk], logprobs: tuple[TokenLogprob, ...]
+                   ) -> list[TextDelta | AudioChunk]:
+    """`events` with `logprobs` on their text (a text of its own if they have none: the tokens made none)."""
+    if not logprobs:
+        return events
+    at = next((index for index, event in enumerate(events) if isinstance(event, TextDelta)), None)
+    if at is None:
+        return [TextDelta("", logprobs), *events]
+    return [*events[:at], TextDelta(events[at].text, logprobs), *events[at + 1:]]
+
+
+def _logprobs(found: Any) -> tuple[TokenLogprob, ...]:
+    """A choice's `logprobs` as the API's entries; none where it has none."""
+    content = found.get("content") if isinstance(found, dict) else None
+    return tuple(_entry(entry) for entry in content or [])
+
+
+def _entry(entry: dict[str, Any]) -> TokenLogprob:
+    top = tuple(TokenChoice(*_choice(other)) for other in entry.get("top_logprobs") or [])
+    return TokenLogprob(*_choice(entry), top)
+
+
+def _choice(entry: dict[str, Any]) -> tuple[str, float, bytes | None]:
+    utf8 = entry.get("bytes")
+    return entry["token"], entry["logprob"], bytes(utf8) if utf8 is not None else None
 
 
 def _audio(samples: np.ndarray) -> list[AudioChunk]:

@@ -58,6 +58,8 @@ def chat_body(model: str, messages: list[Message], params: SamplingParams, speec
         body["max_reasoning_tokens"] = params.max_reasoning_tokens
     if params.seed is not None:
         body["seed"] = params.seed
+    if params.logprobs is not None:
+        body |= {"logprobs": True, "top_logprobs": params.logprobs}
     if speech is not None:
         body |= _speech_fields(speech, dialect)
     return body
