@@ -597,7 +597,7 @@ class Engine:
             self._stream_reasoning(request, reasoned)  # reasoning is not the answer: no logprobs
         else:
             if found is not None:
-                request.logprobs.append(self.token_texts.logprob(token, found, request.params.logprobs))
+                request.unsent_logprobs.append(self.token_texts.logprob(token, found, request.params.logprobs))
             self._stream(request, request.detokenizer.push(token))
         if len(request.output_ids) >= request.max_new_tokens:
             full = request.max_new_tokens == request.params.max_new_tokens
@@ -612,8 +612,8 @@ class Engine:
     def _stream(self, request: Request, delta: str) -> None:
         if delta:
             request.streamed += delta
-            request.events.put(TextDelta(delta, tuple(request.logprobs)))
-            request.logprobs = []
+            request.events.put(TextDelta(delta, tuple(request.unsent_logprobs)))
+            request.unsent_logprobs = []
 
     def _stream_reasoning(self, request: Request, delta: str) -> None:
         if delta:
@@ -629,9 +629,9 @@ class Engine:
             full = request.detokenizer.text()
             if full.startswith(request.streamed):
                 self._stream(request, full[len(request.streamed):])
-        if request.logprobs:  # of tokens that added no text (the last ones, say, that made none)
-            request.events.put(TextDelta("", tuple(request.logprobs)))
-            request.logprobs = []
+        if request.unsent_logprobs:  # of tokens that made no text (markup the text leaves out, say)
+            request.events.put(TextDelta("", tuple(request.unsent_logprobs)))
+            request.unsent_logprobs = []
         if request.claim is not None:
             if request.written:  # what this request computed stays for the session's next turn
                 self.cache.publish(request.claim, request.prompt, request.output_ids, request.written)

@@ -72,7 +72,7 @@ class Request:
     launched: int = 0  # reply tokens chosen on the device: the accepted ones and one of a step not read yet
     detokenizer: IncrementalDetokenizer | None = None  # the answer's
     streamed: str = ""  # the answer sent as deltas so far
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # of answer tokens whose text is not sent yet
+    unsent_logprobs: list[TokenLogprob] = field(default_factory=list)  # of answer tokens whose text is not sent yet
     reasoning: ReasoningText | None = None  # a Thinking checkpoint's reply
     started_at: float = 0.0  # admitted: a seat taken and its blocks claimed
     first_token_at: float = 0.0
