@@ -354,12 +354,14 @@ def _until_served(api: openai.OpenAI) -> None:
 # Stopping the server -----------------------------------------------------------------------------
 
 
-def stopped_while_streaming(demo_settings, root, grace_s: float, max_tokens: int) -> tuple[list, Exception | None]:
+def stopped_while_streaming(demo_settings, root, grace_s: float, max_tokens: int,
+                            spoken: bool = False) -> tuple[list, Exception | None]:
     """A stream's chunks, and what the client raised, when the server is sent SIGTERM after its first
     chunk with `shutdown_grace_s` of `grace_s`; the server must then exit, as uvicorn does, by the signal."""
     chunks, raised = [], None
-    with served_api(demo_settings, root, "--shutdown-grace-s", str(grace_s)) as served:
-        with ask(client(served.url), LONG_QUESTION, max_tokens=max_tokens, stream=True) as reply:
+    speech = {"modalities": ["text", "audio"], "audio": {"voice": "Ethan", "format": "pcm16"}} if spoken else {}
+    with served_api(demo_settings, root, "--shutdown-grace-s", str(grace_s), "--speech", str(spoken).lower()) as served:
+        with ask(client(served.url), LONG_QUESTION, max_tokens=max_tokens, stream=True, **speech) as reply:
             stream = iter(reply)
             chunks.append(next(stream))
             served.process.send_signal(signal.SIGTERM)
@@ -371,9 +373,10 @@ def stopped_while_streaming(demo_settings, root, grace_s: float, max_tokens: int
     return chunks, raised
 
 
+@pytest.mark.parametrize("spoken", [False, True], ids=["text", "spoken"])
 def test_a_stream_longer_than_the_shutdown_grace_ends_with_a_finish_reason_and_an_error_the_client_raises(
-        demo_settings, demo_checkpoint, tmp_path):
-    chunks, raised = stopped_while_streaming(demo_settings, tmp_path, grace_s=0.5, max_tokens=900)
+        demo_settings, demo_checkpoint, tmp_path, spoken):
+    chunks, raised = stopped_while_streaming(demo_settings, tmp_path, grace_s=0.5, max_tokens=900, spoken=spoken)
     assert isinstance(raised, openai.APIError) and "the server is shutting down" in raised.message
     assert raised.code == "server_shutting_down"
     assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["abort"]

@@ -10,7 +10,6 @@ ends with an error event (shutdown.py).
 
 import json
 from collections.abc import AsyncIterator, Awaitable
-from functools import partial
 from typing import TypeVar
 
 import anyio
@@ -27,7 +26,6 @@ from omni_local.server.admission import PRINCIPAL
 from omni_local.server.content import ContentReader
 from omni_local.server.conversations import Conversations
 from omni_local.server.errors import ApiError, api_error, unknown_model
-from omni_local.server.races import unless
 from omni_local.server.reply import ApiReply
 from omni_local.server.schemas import ChatRequest
 from omni_local.server.shapes import ReplyShapes
@@ -74,7 +72,7 @@ class ChatCompletions:
         if first is None:
             await events.aclose()
             return Response(status_code=CLIENT_GONE)
-        return self.draining.respond(partial(self._sse, first, events, shapes, principal, session, messages))
+        return self.draining.respond(reply, self._sse(first, events, shapes, principal, session, messages))
 
     def _check(self, body: ChatRequest) -> None:
         model = self.app.info.model_id
@@ -104,9 +102,9 @@ class ChatCompletions:
         return SpeechParams(given or self.app.settings.voice, temperature=temperature)
 
     async def _sse(self, first: Event, events: AsyncIterator[Event], shapes: ReplyShapes, principal: str,
-                   session: str, messages: list[Message], shutdown: anyio.Event) -> AsyncIterator[str]:
+                   session: str, messages: list[Message]) -> AsyncIterator[str]:
         try:
-            async for event in self.draining.until_over(_after(first, events), shutdown):
+            async for event in _after(first, events):
                 for chunk in _chunks(event, shapes):
                     yield json.dumps(chunk)
                 if isinstance(event, Finished):
@@ -139,8 +137,19 @@ async def _whole_speech(events: AsyncIterator[Event]) -> np.ndarray:
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     """`work`'s result, or None (`work` cancelled) once the client has closed the connection."""
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
+    result, failure = None, None
+    async with anyio.create_task_group() as group:
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            group.cancel_scope.cancel()
 
-    return await unless(work, disconnected)
+        group.start_soon(watch)
+        try:
+            result = await work
+        except Exception as error:  # noqa: BLE001 - raised as it is below, not in a task group's ExceptionGroup
+            failure = error
+        group.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
+    return result

@@ -3,7 +3,7 @@ text cut at the request's stop strings.
 
 A backend's reply is a blocking iterator (the engine's events come through a queue), so each event
 is waited for in a worker thread. Whoever stops reading before the end (a client gone, a stop
-string) cancels the reply, so the engine stops making it.
+string) cancels the reply, so the engine stops making it; so does `cut`, the server's shutdown.
 
 The log-probabilities of the answer's tokens go with the text they make: held back while it is, and
 at a stop string kept for the tokens whose text was sent, in whole or in part.
@@ -34,19 +34,32 @@ class ApiReply:
         self._held: deque[tuple[int, int, tuple[TokenLogprob, ...]]] = deque()
         self.logprobs: list[TokenLogprob] = []  # of the text sent
         self.final: Finished | None = None
+        self._cut: Exception | None = None
+        self._waiting = anyio.CancelScope()  # around the wait for the backend's next event
 
     async def events(self) -> AsyncIterator[Event]:
         """Text (as it may be sent), audio, then the `Finished` of what was sent; a failure raises
-        `OmniLocalError`."""
+        `OmniLocalError`, a `cut` its error."""
         try:
             while self.final is None:
-                event = await to_thread.run_sync(next, self._backend_events, limiter=self._threads,
-                                                 abandon_on_cancel=True)  # a client gone is not kept waiting
-                for sent in self._read(event):
+                for sent in self._read(await self._next_event()):
                     yield sent
         finally:
             if self.final is None:
                 self._stream.cancel()
+
+    async def _next_event(self) -> Event:
+        """The backend's next event, waited for in a worker thread; once the reply is cut, its error."""
+        if self._cut is None:
+            with anyio.CancelScope() as self._waiting:
+                return await to_thread.run_sync(next, self._backend_events, limiter=self._threads,
+                                                abandon_on_cancel=True)  # a client gone, or a cut, is not kept waiting
+        raise self._cut
+
+    def cut(self, error: Exception) -> None:
+        """Ends the reply now: `events()` raises `error` instead of waiting for more."""
+        self._cut = error
+        self._waiting.cancel()
 
     def _read(self, event: Event) -> list[Event]:
         if isinstance(event, TextDelta):

@@ -9,18 +9,16 @@ is counted from the first stream to notice, so all end together, and uvicorn wai
 for their last events before it closes whatever is still open.
 """
 
-from collections.abc import AsyncIterator, Callable
-from typing import TypeVar
+from collections.abc import AsyncIterator
 
 import anyio
 from sse_starlette import EventSourceResponse
+from starlette.types import Receive, Scope, Send
 
 from omni_local.server.errors import ApiError
-from omni_local.server.races import unless
+from omni_local.server.reply import ApiReply
 
-T = TypeVar("T")
 MARGIN_S = 2.0  # sse-starlette notices within half a second; the last events then go at once
-_END = object()
 
 
 class ShuttingDown(ApiError):
@@ -36,21 +34,34 @@ class Draining:
         self.grace_s = grace_s
         self._began: float | None = None  # when the first stream noticed the shutdown (anyio.current_time)
 
-    def respond(self, content: Callable[[anyio.Event], AsyncIterator[str]]) -> EventSourceResponse:
-        """A server-sent stream of `content`, which is given the event set once the server stops."""
-        noticed = anyio.Event()
-        return EventSourceResponse(content(noticed), shutdown_event=noticed,
-                                   shutdown_grace_period=self.grace_s + MARGIN_S)
+    def respond(self, reply: ApiReply, content: AsyncIterator[str]) -> EventSourceResponse:
+        """`content`, the chunks of `reply`, as server-sent events; `reply` is cut once the grace is over."""
+        return DrainedStream(content, reply, self)
 
-    async def until_over(self, events: AsyncIterator[T], noticed: anyio.Event) -> AsyncIterator[T]:
-        """`events` as they come; `ShuttingDown` if the grace after `noticed` is over first."""
-        while (event := await unless(anext(events, _END), lambda: self._over(noticed))) is not _END:
-            if event is None:
-                raise ShuttingDown(self.grace_s)
-            yield event
-
-    async def _over(self, noticed: anyio.Event) -> None:
+    async def over(self, noticed: anyio.Event) -> None:
+        """Returns once the grace is over after the shutdown that sets `noticed`."""
         await noticed.wait()
         if self._began is None:
             self._began = anyio.current_time()
         await anyio.sleep_until(self._began + self.grace_s)
+
+
+class DrainedStream(EventSourceResponse):
+    """A stream with a watcher beside it, which cuts its reply when the grace after the shutdown is over
+    (its content then sends the reply's last events): sse-starlette would otherwise cancel the
+    content once the shutdown comes, and end the stream as if it were whole."""
+
+    def __init__(self, content: AsyncIterator[str], reply: ApiReply, draining: Draining) -> None:
+        self._noticed = anyio.Event()
+        super().__init__(content, shutdown_event=self._noticed, shutdown_grace_period=draining.grace_s + MARGIN_S)
+        self._reply, self._draining = reply, draining
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with anyio.create_task_group() as group:
+            group.start_soon(self._cut_when_over)
+            await super().__call__(scope, receive, send)
+            group.cancel_scope.cancel()
+
+    async def _cut_when_over(self) -> None:
+        await self._draining.over(self._noticed)
+        self._reply.cut(ShuttingDown(self._draining.grace_s))
