@@ -17,5 +17,6 @@ a local reply has.
     figures.py        finish_reason, usage, and the `omni_local` figures object
     audio.py          speech as base64 PCM16 or WAV
     errors.py         failures as OpenAI error objects with their status
+    shutdown.py       on Ctrl-C or SIGTERM, streams given a grace to end; the rest cut with an error
     serve.py          the `serve` command
 """
