@@ -189,6 +189,7 @@ def test_logprobs_asked_for_are_asked_of_the_server_and_its_entries_come_with_th
             "top_logprobs": [{"token": "Hel", "logprob": -0.5, "bytes": list(b"Hel")},
                              {"token": "\u00e9", "logprob": -1.5, "bytes": None}]}
     pieces[1]["choices"][0]["logprobs"] = {"content": [said], "refusal": None}
+    pieces[2]["choices"][0]["logprobs"] = {"content": [], "refusal": None}  # its token's text is not all here yet
     server = RecordedServer(replies=[pieces])
     items = events(server.backend(), params=SamplingParams(logprobs=2))
     assert {key: server.requests[0][key] for key in ("logprobs", "top_logprobs")} == {"logprobs": True,
@@ -197,6 +198,12 @@ def test_logprobs_asked_for_are_asked_of_the_server_and_its_entries_come_with_th
     assert texts[0] == TextDelta("Hel", (TokenLogprob("Hel", -0.5, b"Hel", (TokenChoice("Hel", -0.5, b"Hel"),
                                                                              TokenChoice("\u00e9", -1.5, None))),))
     assert texts[1] == TextDelta("lo")
+
+
+def test_logprobs_asked_of_a_server_that_sends_text_without_them_fail_the_reply_saying_so():
+    server = RecordedServer(replies=[text_stream(["Hel", "lo"])])  # each chunk's logprobs null
+    with pytest.raises(RequestError, match="the server sent text without logprobs: it does not implement them"):
+        events(server.backend(), params=SamplingParams(logprobs=2))
 
 
 def test_a_request_that_asks_for_no_logprobs_does_not_ask_the_server():

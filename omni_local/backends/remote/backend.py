@@ -75,7 +75,8 @@ class RemoteBackend:
         return RemoteReply(
             lambda: self._chat.create(model=body["model"], messages=body["messages"], stream=True, extra_body=extra,
                                       extra_headers=OWN_CONNECTION),
-            ChunkReader(self.settings.backend_dialect, spoken=speech is not None), asked, self.url,
+            ChunkReader(self.settings.backend_dialect, spoken=speech is not None, logprobs=params.logprobs is not None),
+            asked, self.url,
         )
 
     def read_video(self, item: str | Path | bytes | Video) -> VideoFile:

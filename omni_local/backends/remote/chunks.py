@@ -7,7 +7,9 @@ vLLM-Omni's: each chunk says what it holds in a top-level `"modality"`; those ma
 the sound as a base64 WAV file in `delta.content`, and the others carry text there. A stream in
 "auto" is read as OpenAI's until a chunk has a `modality`. Both end with a chunk without choices
 that holds `usage`; our server also puts its figures in an `"omni_local"` object on the last chunk.
-A choice's `logprobs.content` (asked for with `logprobs`) goes with the chunk's text, OpenAI's way.
+A choice's `logprobs.content` (asked for with `logprobs`) goes with the chunk's text, OpenAI's way;
+a server that answers such a request with text and no `logprobs` does not implement them, and the
+reply fails saying so rather than come without them.
 """
 
 from typing import Any
@@ -24,9 +26,10 @@ from omni_local.settings import BackendDialect
 class ChunkReader:
     """What each chunk adds to the reply, and what the stream said about the reply as a whole."""
 
-    def __init__(self, dialect: BackendDialect, spoken: bool) -> None:
+    def __init__(self, dialect: BackendDialect, spoken: bool, logprobs: bool = False) -> None:
         self.dialect: BackendDialect = dialect  # "auto" until a chunk tells
         self.spoken = spoken
+        self.logprobs = logprobs  # asked for
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] | None = None
         self.report: dict[str, Any] | None = None  # our server's figures (figures.py)
@@ -58,6 +61,9 @@ class ChunkReader:
                 said = self._vllm_omni(delta, modality)
             else:
                 said = self._openai(delta)
+            if self.logprobs and not isinstance(choice.get("logprobs"), dict) and _has_text(said):
+                raise RequestError("the server sent text without logprobs: it does not implement them "
+                                   "(ask without logprobs)")
             events += _with_logprobs(said, _logprobs(choice.get("logprobs")))
         return events
 
@@ -80,6 +86,10 @@ class ChunkReader:
         if modality == "audio":
             return _audio(self._speech.decode(content))
         return [TextDelta(content)] if modality in (None, "text") else []
+
+
+def _has_text(events: list[TextDelta | AudioChunk]) -> bool:
+    return any(isinstance(event, TextDelta) and event.text for event in events)
 
 
 def _with_logprobs(events: list[TextDelta | AudioChunk], logprobs: tuple[TokenLogprob, ...]
