@@ -27,6 +27,7 @@ from chats import written_tokens
 from samples import video_file, wait_for
 from served_app import free_port, running_app
 from omni_local.media import load_image
+from omni_local.settings import Settings
 from omni_local.api.messages import Message
 from omni_local.ui.history import ERROR_TITLE, to_messages
 
@@ -384,7 +385,7 @@ def _assert_one_answered_image_turn(messages: list[Message]) -> None:
 
 
 def _app() -> SimpleNamespace:
-    return SimpleNamespace(limits=LIMITS)  # all `to_messages` reads from the app
+    return SimpleNamespace(limits=LIMITS, settings=Settings())  # all `to_messages` reads from the app
 
 
 def _file_data(path: Path, mime_type: str) -> dict:

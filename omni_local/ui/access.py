@@ -3,9 +3,10 @@
 By default the UI listens on 127.0.0.1 only. Serving beyond this machine is an explicit choice:
 `ui_host` set to another address, and `ui_credentials_file` naming a private file (mode 0600) of
 `user:password` lines, which Gradio then asks for. Uploads are kept in the app's own private
-folder (`<cache_dir>/uploads`, mode 0700), not the system's shared temporary folder; an upload the
-disk has no room for is refused in words, and leaves nothing behind. Every request's Host and Origin
-are checked first of all (omni_local/hosts.py).
+folder (`<cache_dir>/uploads`, mode 0700; with logins, a folder of each user's own in it:
+ui/uploads.py), not the system's shared temporary folder; an upload the disk has no room for is
+refused in words, and leaves nothing behind. Every request's Host and Origin are checked first of
+all (omni_local/hosts.py).
 """
 
 import contextlib
@@ -27,6 +28,7 @@ from omni_local.cache.folders import private_folder
 from omni_local.errors import SettingsError
 from omni_local.hosts import HostCheck, ServedNames
 from omni_local.settings import Settings
+from omni_local.ui.uploads import OwnUploads
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +50,9 @@ def launch_options(settings: Settings) -> dict[str, Any]:
     names = ServedNames(settings.ui_host, settings.allowed_hosts)
     options: dict[str, Any] = {
         "server_name": settings.ui_host, "server_port": settings.ui_port, "max_file_size": settings.max_upload_bytes,
-        "app_kwargs": {"middleware": [Middleware(UploadFaults, folder=upload_folder(settings))],
+        "app_kwargs": {"middleware": [Middleware(UploadFaults, folder=upload_folder(settings)),
+                                      Middleware(OwnUploads, folder=upload_folder(settings),
+                                                 logins=bool(settings.ui_credentials_file))],
                        "lifespan": checked_first(names)},
     }
     if settings.ui_credentials_file:
@@ -121,6 +125,7 @@ class UploadFaults:
             self._uploading -= 1
 
     def _remove_partial_files(self) -> None:
-        for path in self.folder.glob("tmp*"):  # tempfile's names; complete uploads are in subfolders
+        # tempfile's names, in the folder or a user's (ui/uploads.py); complete uploads are in subfolders
+        for path in [*self.folder.glob("tmp*"), *self.folder.glob("user-*/tmp*")]:
             if path.is_file():
                 path.unlink(missing_ok=True)

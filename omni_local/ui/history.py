@@ -28,7 +28,9 @@ from omni_local.errors import RequestError
 from omni_local.media import load_audio, load_image
 from omni_local.media.video import Video, VideoFile
 from omni_local.metrics_line import metrics_line
+from omni_local.ui.access import upload_folder
 from omni_local.ui.messages import block_text, blocks, file_path
+from omni_local.ui.uploads import check_own
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif"}
 AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".mp3"}
@@ -225,7 +227,8 @@ def decoded_media(files: list[Any], app: OmniLocal, memory: ChatMemory) -> dict[
 
 def _remembered(path: str, app: OmniLocal, memory: ChatMemory) -> Part:
     """An upload decoded once while its chat keeps it: Gradio keeps each upload at its own path,
-    unchanged."""
+    unchanged. Another user's upload is refused, as a missing file (ui/uploads.py)."""
+    check_own(path, upload_folder(app.settings), memory.user)
     part = memory.media[path] if path in memory.media else _load(path, app)
     memory.remember(path, part)
     return part
