@@ -31,7 +31,7 @@ def main() -> int:
         keep_uploads_private(settings)
         from omni_local.api import OmniLocal
         from omni_local.ui.chat import build_ui
-        from omni_local.ui.layout import PAGE_CSS
+        from omni_local.ui.page_style import launch_style
 
         app = OmniLocal(settings, wait_for_graphs=False)
         print(f"omni_local: {app.info.describe()}", flush=True)
@@ -47,7 +47,7 @@ def main() -> int:
         options["app_kwargs"]["routes"] = [api_mount(app, keys)]
     use_for_the_page(settings.header_timeout_s)  # Gradio starts the page's server itself
     reserved.close()
-    ui.launch(**options, css=PAGE_CSS)
+    ui.launch(**options, **launch_style())
     return 0
 
 

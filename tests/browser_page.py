@@ -53,6 +53,8 @@ STEP_TIMEOUT_MS = 60_000  # any one step: a reply, an upload, a page load (the C
 # first token, "TTFT 3.2 ms", "TTFT 17 ms" or "TTFT 1.2 s" (a slow CPU).
 METRICS = re.compile(r"TTFT [\d.,]+ m?s\b")
 DESKTOP = {"width": 1280, "height": 900}
+CHAT_LIST_ITEMS = "#chat-list label"  # the sidebar's saved chats, one a row (a radio group)
+SHOWN_CHAT = "#chat-list label.selected"
 PHONE = {"width": 390, "height": 844}
 
 # A function body run in the page: the <audio> elements under `root`, inside shadow roots too
@@ -227,18 +229,15 @@ def reload(page: "Page", served: ServedApp) -> None:
 
 
 def wait_for_start(page: "Page", served: ServedApp) -> None:
-    """Wait for the page's start-up event: it shows the latest saved chat, if any."""
+    """Wait for the page's start-up event: it lists the saved chats, if any, as it shows one."""
     message_box(page).wait_for()
     if any((served.cache_dir / "chats").glob("*.json")):
-        page.wait_for_function("() => [...document.querySelectorAll('input')].some("
-                               "(input) => input.getAttribute('aria-label') === 'Chats' && input.value)")
+        page.locator(CHAT_LIST_ITEMS).first.wait_for(state="attached")
 
 
 def new_chat(page: "Page") -> None:
     page.get_by_role("button", name="New chat").click()
-    page.wait_for_function("() => !document.querySelector('[data-testid=user], [data-testid=bot]') && "
-                           "[...document.querySelectorAll('input')].some("
-                           "(input) => input.getAttribute('aria-label') === 'Chats' && !input.value)")
+    page.wait_for_function(f"() => !document.querySelector('[data-testid=user], [data-testid=bot], {SHOWN_CHAT}')")
 
 
 def message_box(page: "Page"):
@@ -310,13 +309,23 @@ def wait_for_streaming_recorder(page: "Page") -> None:
     page.wait_for_timeout(1000)  # then it registers the encoder, in a worker it starts
 
 
-def additional_inputs(page: "Page") -> None:
-    if not page.get_by_label("Speak replies").is_visible():
-        page.get_by_text("Additional inputs").click()
+def open_sidebar(page: "Page") -> None:
+    """Open the sidebar (a phone's page starts with it closed)."""
+    if not page.locator(".sidebar.open").count():
+        page.get_by_role("button", name="Toggle Sidebar").click()
+        page.locator(".sidebar.open").wait_for()
+
+
+def open_settings(page: "Page") -> None:
+    """Open the sidebar's Settings, the chat's own (every page has the reply length among them)."""
+    open_sidebar(page)
+    if not page.get_by_label("number input for Longest reply (tokens)").is_visible():
+        page.locator("#chat-settings").get_by_text("Settings", exact=True).click()
+        page.get_by_label("number input for Longest reply (tokens)").wait_for()
 
 
 def set_longest_reply(page: "Page", tokens: int) -> None:
-    additional_inputs(page)
+    open_settings(page)
     number = page.get_by_label("number input for Longest reply (tokens)")
     slider = page.get_by_label("range slider for Longest reply (tokens)")
     # Once in a while (a busy CPU, right after the page's start-up events) the slider went back to
@@ -331,13 +340,27 @@ def set_longest_reply(page: "Page", tokens: int) -> None:
 
 
 def set_speak_replies(page: "Page") -> None:
-    additional_inputs(page)
+    open_settings(page)
     page.get_by_label("Speak replies").check()
 
 
 def choose_chat(page: "Page", title: str) -> None:
-    page.get_by_label("Chats", exact=True).click()
-    page.get_by_role("option", name=title, exact=True).click()
+    """Open the chat listed as `title` in the sidebar."""
+    open_sidebar(page)
+    page.locator(CHAT_LIST_ITEMS).filter(has=page.get_by_text(title, exact=True)).click()
+
+
+def listed_chats(page: "Page") -> list[str]:
+    """The titles the sidebar's list shows (the search may hide some), top to bottom."""
+    return page.locator(CHAT_LIST_ITEMS).evaluate_all(
+        "(items) => items.filter((item) => item.checkVisibility()).map((item) => item.innerText.trim())")
+
+
+def search_chats(page: "Page", query: str) -> None:
+    """Type `query` in the sidebar's search box, and wait until the list shows what it found."""
+    open_sidebar(page)
+    page.locator("#chat-search").get_by_role("textbox").fill(query)
+    page.locator(f"#chat-list[data-searched={json.dumps(query)}]").wait_for(state="attached")
 
 
 def drop_file(page: "Page", path: Path, mime_type: str) -> None:
@@ -443,12 +466,14 @@ def clear(page: "Page") -> None:
 
 
 def rename(page: "Page", title: str) -> None:
-    page.get_by_label("Title", exact=True).fill(title)
+    page.locator("#chat-title").get_by_role("textbox").fill(title)
     page.get_by_role("button", name="Rename").click()
 
 
 def shown_title(page: "Page") -> str:
-    return page.get_by_label("Chats", exact=True).input_value()
+    """The shown chat's title, as the sidebar's list highlights it ("" for a chat not yet saved)."""
+    shown = page.locator(SHOWN_CHAT)
+    return shown.inner_text().strip() if shown.count() else ""
 
 
 def delete_chat(page: "Page", accept: bool) -> str:

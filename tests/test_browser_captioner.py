@@ -7,7 +7,7 @@ import pytest
 import soundfile
 
 from browser_page import (
-    additional_inputs, ask, bot_texts, drop_file, message_box, shown_messages, wait_for_metrics, wait_for_note,
+    ask, bot_texts, drop_file, message_box, open_settings, shown_messages, wait_for_metrics, wait_for_note,
 )
 from samples import clip
 from served_app import ServedApp, served_app
@@ -40,7 +40,7 @@ def test_typed_text_is_refused_saying_why_and_a_dropped_audio_file_is_then_capti
 
 
 def test_the_message_box_asks_for_an_audio_file_and_the_page_has_no_system_prompt_or_speech(page, shot):
-    additional_inputs(page)
+    open_settings(page)
     shot("settings")
     assert "Qwen3-Omni Captioner" in page.locator("#omni-header").inner_text()
     assert message_box(page).get_attribute("placeholder") == "Drop an audio file here to caption it, or record one"

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from browser_page import (
-    additional_inputs, ask, chat_files, edit_retry_and_undo, reload, shown_messages, wait_for_metrics,
+    ask, chat_files, edit_retry_and_undo, open_settings, reload, shown_messages, wait_for_metrics,
     wait_until_saved_as_shown,
 )
 from served_app import ServedApp, served_app
@@ -83,7 +83,7 @@ def test_edit_retry_and_undo_keep_each_reply_with_its_reasoning_folded_and_save_
 
 
 def test_the_header_names_the_thinking_checkpoint_and_the_page_offers_no_speech(page, shot):
-    additional_inputs(page)
+    open_settings(page)
     shot("settings")
     assert "Qwen3-Omni Thinking" in page.locator("#omni-header").inner_text()
     assert page.get_by_label("System prompt").is_visible()

@@ -327,3 +327,9 @@ def _wire_sidebar(page: Page, turns: ChatTurns, uploads: Path) -> None:
     for narrow in (page.ui.load, page.new_chat.click):
         narrow(None, None, None, js=CLOSE_SIDEBAR_ON_PHONES_JS, api_name=False)
     page.rename.click(rename_chat, [page.title, page.memory], [page.chooser], api_name="rename_chat")
+
+    def search_chats(query: str, memory: ChatMemory, request: gr.Request) -> dict[str, Any]:
+        return {"query": query, "ids": sidebar.matching(turns.store(memory, request), query)}
+
+    page.search.change(search_chats, [page.search, page.memory], [page.matches], trigger_mode="always_last",
+                      show_progress="hidden", api_name=False)

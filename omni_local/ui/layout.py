@@ -1,27 +1,20 @@
-"""The chat page's layout: a header naming the model, the sidebar of saved chats, the chat with its
-settings, and the context use under it. What the parts do when used is wired in chat.py."""
+"""The chat page's layout: a header naming the model; a sidebar with New chat, a search box, the
+list of saved chats (the shown one highlighted), the shown chat's title, Rename and Delete, and the
+app's settings; the chat, with a hint while it is empty, and the context use beside the message box.
+What the parts do when used is wired in chat.py; the page's own look (CSS, and the script that keeps
+the message box's placeholder and draws each reply's metrics as one line) is page_style.py."""
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import gradio as gr
 
 from omni_local.api import OmniLocal
+from omni_local.ui.chat_list import ChatList
 from omni_local.ui.edits import ChatInterface
 from omni_local.ui.history import AUDIO_SUFFIXES, IMAGE_SUFFIXES, VIDEO_SUFFIXES, ChatMemory
-
-# The page fills the window: the chat takes the height the header and context line leave.
-PAGE_CSS = """
-#omni-header p { margin: 0; }
-#context-use p { margin: 0; font-size: var(--text-sm); color: var(--body-text-color-subdued); }
-"""
-# Phone-sized windows: Gradio opens the sidebar over the chat; it starts closed there, as after
-# "New chat" (the same script), so the message box is usable without closing anything first.
-PHONE_WIDTH_PX = 768
-CLOSE_SIDEBAR_ON_PHONES_JS = (
-    f"() => {{ if (window.innerWidth < {PHONE_WIDTH_PX}) "
-    "document.querySelector('.sidebar.open .toggle-button')?.click(); }"
-)
+from omni_local.ui.page_style import CHAT_LIST_ID, CLOSE_SIDEBAR_ON_PHONES_JS, CONTEXT_USE_HTML, FILTER_CHATS_JS
 
 
 @dataclass(frozen=True)
@@ -33,12 +26,14 @@ class Page:
     settings: list[gr.components.Component]  # system prompt, longest reply, temperature, top-p, voice
     speak: gr.Checkbox
     new_chat: gr.Button
-    chooser: gr.Dropdown
+    chooser: ChatList
+    search: gr.Textbox
+    matches: gr.JSON  # the search and the ids of the chats it finds (None: the list shows all)
     title: gr.Textbox
     rename: gr.Button
     delete: gr.Button
     shown_id: gr.Textbox  # the shown chat's id, on the page (see sidebar.keep)
-    context_use: gr.Markdown
+    context_use: gr.HTML
 
     @property
     def system(self) -> gr.Textbox:
@@ -55,35 +50,41 @@ def lay_out(app: OmniLocal, respond: Callable, voices: list[str]) -> Page:
         gr.Markdown(header(app), elem_id="omni-header")
         memory = gr.State(ChatMemory())  # each page's own (ChatMemory.__deepcopy__)
         audio_feed = gr.JSON(visible=False)
-        # Rendered by ChatInterface, under "Additional inputs"; voice mode asks with them too.
-        system = gr.Textbox(label="System prompt", lines=2, visible=not captioner, render=False)
-        longest = gr.Slider(1, longest_reply(app), value=min(app.settings.max_new_tokens, longest_reply(app)), step=1,
-                            label="Longest reply (tokens)", render=False)
-        temperature = gr.Slider(0.0, 2.0, value=app.settings.temperature, step=0.05,
-                                label="Temperature (0 is greedy)", render=False)
-        top_p = gr.Slider(0.05, 1.0, value=app.settings.top_p, step=0.05, label="Top-p", render=False)
-        speak = gr.Checkbox(value=False, render=False, interactive=bool(voices), visible=talker,
-                            label="Speak replies" if voices else "Speak replies (start the app with --speech true)")
-        # An unknown voice is the engine's clear error, like any request's.
-        voice = gr.Dropdown(voices, value=app.settings.voice, label="Voice", allow_custom_value=True, visible=talker,
-                            render=False)
-        # Under the chat; each reply updates it, so it is one of the chat's outputs.
-        context_use = gr.Markdown("", label="Context", elem_id="context-use", render=False)
-        with gr.Sidebar(label="Chats", open=True):
-            new_chat = gr.Button("New chat", variant="primary")
-            # Any saved chat's id is accepted (a page or API client opened before it was saved
-            # has not been sent it as a choice); an unknown one opens a new chat.
-            chooser = gr.Dropdown(label="Chats", choices=[], allow_custom_value=True)
-            title = gr.Textbox(label="Title", placeholder="Rename this chat")
-            with gr.Row():
-                rename = gr.Button("Rename", size="sm")
-                delete = gr.Button("Delete", size="sm", variant="stop")
+        matches = gr.JSON(visible=False)
+        with gr.Sidebar(label="Chats", open=True, elem_id="omni-sidebar"):
+            new_chat = gr.Button("New chat", variant="primary", elem_id="new-chat")
+            search = gr.Textbox(placeholder="Search chats", show_label=False, container=False, elem_id="chat-search")
+            chooser = ChatList(choices=[], label="Chats", show_label=False, container=False, elem_id=CHAT_LIST_ID)
+            # Enabled once the shown chat is saved (wire_layout).
+            title = gr.Textbox(label="Title", show_label=False, placeholder="Rename this chat", container=False,
+                               interactive=False, elem_id="chat-title")
+            with gr.Row(elem_id="chat-actions"):
+                rename = gr.Button("Rename", size="sm", interactive=False, min_width=60)
+                delete = gr.Button("Delete", size="sm", variant="stop", interactive=False, min_width=60)
+            # The chat's own inputs, which voice mode asks with too: rendered here, ChatInterface
+            # takes them as they are (it shows only inputs not yet on the page, under "Additional inputs").
+            with gr.Accordion("Settings", open=False, elem_id="chat-settings"):
+                system = gr.Textbox(label="System prompt", lines=2, visible=not captioner)
+                longest = gr.Slider(1, longest_reply(app), value=min(app.settings.max_new_tokens, longest_reply(app)),
+                                    step=1, label="Longest reply (tokens)")
+                temperature = gr.Slider(0.0, 2.0, value=app.settings.temperature, step=0.05,
+                                        label="Temperature (0 is greedy)")
+                top_p = gr.Slider(0.05, 1.0, value=app.settings.top_p, step=0.05, label="Top-p")
+                speak = gr.Checkbox(value=False, interactive=bool(voices), visible=talker, label="Speak replies"
+                                    if voices else "Speak replies (start the app with --speech true)")
+                # An unknown voice is the engine's clear error, like any request's.
+                voice = gr.Dropdown(voices, value=app.settings.voice, label="Voice", allow_custom_value=True,
+                                    visible=talker)
+        # Beside the message box; each reply updates it, so it is one of the chat's outputs.
+        context_use = gr.HTML("", label="Context", elem_id="context-use", html_template=CONTEXT_USE_HTML,
+                              js_on_load=None, render=False)
         chat = ChatInterface(  # edits.py: an edited question keeps its files
             respond,
             multimodal=True,
             # One bubble a message: Gradio's edit of a bubble fails in the page on any block but text
             # (its pencil then does nothing), so a question's files show apart from its text.
-            chatbot=gr.Chatbot(group_consecutive_messages=False),
+            chatbot=gr.Chatbot(show_label=False, scale=1, placeholder=empty_chat_hint(captioner, bool(voices)),
+                               elem_id="chat", group_consecutive_messages=False),
             textbox=textbox,
             additional_inputs=[system, memory, longest, temperature, top_p, speak, voice],
             additional_outputs=[audio_feed, context_use, chooser],
@@ -97,8 +98,24 @@ def lay_out(app: OmniLocal, respond: Callable, voices: list[str]) -> Page:
         )
         context_use.render()
         shown_id = gr.Textbox(visible=False)
-    return Page(ui, chat, memory, audio_feed, [system, longest, temperature, top_p, voice], speak, new_chat, chooser,
-                title, rename, delete, shown_id, context_use)
+    page = Page(ui, chat, memory, audio_feed, [system, longest, temperature, top_p, voice], speak, new_chat, chooser,
+                search, matches, title, rename, delete, shown_id, context_use)
+    with ui:
+        wire_layout(page)
+    return page
+
+
+def wire_layout(page: Page) -> None:
+    """What the layout does alone: Rename and Delete (and the title) are enabled while the shown
+    chat is saved; the list shows the chats the search found; on a phone, opening a chat closes
+    the sidebar over it."""
+    def saved(chosen: str | None) -> tuple[Any, ...]:
+        return (gr.update(interactive=bool(chosen)),) * 3
+
+    page.chooser.change(saved, [page.chooser], [page.title, page.rename, page.delete], queue=False,
+                        show_progress="hidden", api_name=False)
+    page.matches.change(None, [page.matches], None, js=FILTER_CHATS_JS, api_name=False)
+    page.chooser.input(None, None, None, js=CLOSE_SIDEBAR_ON_PHONES_JS, api_name=False)
 
 
 def message_box(captioner: bool) -> gr.MultimodalTextbox:
@@ -116,6 +133,21 @@ def message_box(captioner: bool) -> gr.MultimodalTextbox:
         placeholder=placeholder,
         stop_btn=True,  # a custom textbox keeps its own (off by default): ChatInterface's is ignored
     )
+
+
+def empty_chat_hint(captioner: bool, speech: bool) -> str:
+    """What an empty chat shows: what can be done in it."""
+    if captioner:
+        ways = ["Drop an audio file on the box below, or attach one with the clip", "Or record one with the microphone"]
+    else:
+        ways = ["Type a question below and press Enter",
+                "Drop images, audio or video files on the box, or attach them with the clip",
+                "Record a question with the microphone"]
+        if speech:
+            ways.append("Talk hands-free in Voice conversation, under the box")
+    items = "".join(f"<li>{way}</li>" for way in ways)
+    heading = "Caption a sound" if captioner else "Start a chat"
+    return f'<div class="empty-chat-hint"><h3>{heading}</h3><ul>{items}</ul></div>'
 
 
 def header(app: OmniLocal) -> str:

@@ -1,7 +1,8 @@
-"""The saved chats behind the page: saving the shown chat, and the sidebar's open, new, rename,
-clear and delete. Only a person's action writes: asking (chat.py), undo, clear, rename, delete;
-opening or reloading the page never does."""
+"""The saved chats behind the page: saving the shown chat, the sidebar's list (titles as plain
+text) and search, and its open, new, rename, clear and delete. Only a person's action writes:
+asking (chat.py), undo, clear, rename, delete; opening or reloading the page never does."""
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +10,7 @@ import gradio as gr
 
 from omni_local.ui.chats import UTTERANCE_PREFIX, ChatStore, SavedChat
 from omni_local.ui.history import REPLY_PREFIX, ChatMemory
-from omni_local.ui.messages import blocks, file_path
+from omni_local.ui.messages import block_text, blocks, file_path
 
 CHANGED_ELSEWHERE = ("This chat was changed in another tab or window since this page opened it. Open it again "
                      "from the list to go on (your message is still in the box above to copy).")
@@ -101,5 +102,39 @@ def forget(store: ChatStore, uploads: Path, memory: ChatMemory) -> None:
 
 
 def chooser(store: ChatStore, selected: str) -> Any:
-    choices = store.titles()
+    """The list of chats, the most recently used first, `selected` checked if it is saved."""
+    choices = [(plain(title), chat_id) for title, chat_id in store.titles()]
     return gr.update(choices=choices, value=selected if any(chat_id == selected for _, chat_id in choices) else None)
+
+
+def matching(store: ChatStore, query: str) -> list[str] | None:
+    """The ids of the chats whose title or messages hold every word of `query` (any case), the list's
+    order kept; None for a blank query (the list shows every chat). Reads each chat: a search runs
+    once a person pauses typing, not as chats are saved."""
+    words = query.casefold().split()
+    if not words:
+        return None
+    return [chat.id for chat in store.all() if all(word in _searched_text(chat) for word in words)]
+
+
+def _searched_text(chat: SavedChat) -> str:
+    texts = [plain(chat.shown_title)] + [text for message in chat.history for block in blocks(message)
+                                         if (text := block_text(block)) is not None]
+    return "\n".join(texts).casefold()
+
+
+# Markdown a first question may hold, which the list shows as plain text: a link or picture
+# becomes its text; emphasis, code and strike-through marks go; so do a line's heading, quote and
+# list marks, and marks a title's cut left unpaired.
+_LINK = re.compile(r"!?\[([^\]]*)\]\([^)]*\)")
+_PAIRED = re.compile(r"(\*\*|__|~~|`+|\*|_)(?=\S)(.+?)(?<=\S)\1(?!\w)")
+_LEADING = re.compile(r"^\s*(?:#{1,6}|>|[-+*]|\d+[.)])\s+")
+_UNPAIRED = re.compile(r"\*\*|~~|`+")
+
+
+def plain(title: str) -> str:
+    """`title` as plain text: "**Why** is `x` 0?" is "Why is x 0?"."""
+    text = _LEADING.sub("", _LINK.sub(r"\1", title))
+    while (unwrapped := _PAIRED.sub(r"\2", text)) != text:
+        text = unwrapped
+    return " ".join(_UNPAIRED.sub("", text).split())
