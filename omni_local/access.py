@@ -8,6 +8,10 @@ name); with no keys and no logins there is one, the local user. Nothing one prin
 with another: not the prefix cache's KV nor its `cached_tokens`, not the encoder cache's outputs, not
 the page's uploads. One principal's chats do share (a system prompt computed once).
 
+A client that sends OpenAI's `prompt_cache_key` divides its key's caches further: its requests share
+only with those that send the same (`within`). A page on the remote backend sends one for each of its
+users, so that they share nothing at the server either, though all of them come with one key.
+
 The key file holds one key a line, `KEY` or `NAME: KEY` (a colon and a space: a key may hold colons);
 blank lines and lines that begin with `#` are skipped. A key without a name is named by its order.
 """
@@ -58,6 +62,19 @@ def principal_salt(principal: str) -> bytes:
 def api_principal(holder: str) -> str:
     """The principal of the holder of an API key (named in the key file)."""
     return f"api key {holder}"
+
+
+def within(principal: str, cache_key: str | None) -> str:
+    """The part of `principal`'s caches a request's `prompt_cache_key` names (OpenAI's field: which
+    requests share a cache), a principal of its own; `principal` itself without one. A client can
+    only divide its own caches: the part of another's is not its to name."""
+    return principal if cache_key is None else f"{principal} / cache key {cache_key}"
+
+
+def cache_key_of(principal: str) -> str:
+    """The `prompt_cache_key` a remote backend sends for `principal` (a user of its page): a digest,
+    so the server is not told the name."""
+    return blake3.blake3(principal_salt(principal)).hexdigest()
 
 
 def page_principal(user: str | None) -> str:

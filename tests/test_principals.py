@@ -48,6 +48,16 @@ def test_one_persons_prompt_is_never_reused_for_another_whose_own_second_chat_re
     assert cached(bob_second) == cached(ada_second)  # ... and Bob's from his own
 
 
+def test_a_prompt_cache_key_divides_one_keys_caches_and_names_no_part_of_another_keys(two_keys):
+    system = f"{uuid.uuid4().hex}. {LONG_SYSTEM_PROMPT}"
+    ada, bob = client(two_keys.url, ADA), client(two_keys.url, BOB)
+    team = {"extra_body": {"prompt_cache_key": "team"}}
+    assert cached(ask(ada, "What is the time?", system=system, **team)) == 0
+    assert cached(ask(ada, "What is the time?", system=system)) == 0  # Ada's requests without the key
+    assert cached(ask(bob, "What is the time?", system=system, **team)) == 0  # Bob's "team" is his own
+    assert cached(ask(ada, "Where are we?", system=system, **team)) > 300
+
+
 def test_one_persons_image_is_not_found_in_the_encoder_cache_by_another(two_keys):
     ada, bob = client(two_keys.url, ADA), client(two_keys.url, BOB)
     content = [image_part(png(int(uuid.uuid4().int % 10_000))), {"type": "text", "text": "What is it?"}]

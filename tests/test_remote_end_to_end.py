@@ -6,16 +6,19 @@ the server's figures reach the reply's `Finished`."""
 import re
 import subprocess
 import sys
+import uuid
 
 import numpy as np
 import pytest
 
+from omni_local.access import page_principal
 from omni_local.api import AudioChunk, OmniLocal, TextDelta
 from omni_local.errors import RequestError
 from omni_local.metrics_line import metrics_line
 from samples import SPEECH, picture
 from served_api import served_api
 from served_app import REPO
+from test_server import LONG_SYSTEM_PROMPT
 
 KEY = "remote-key-51c2"
 REPLY_TOKENS = 12
@@ -118,3 +121,16 @@ def test_the_cli_asks_the_remote_server_and_prints_the_reply_and_its_metrics(ser
         cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert re.search(r"TTFT [\d.,]+ m?s · .*\d+ of \d+ prompt tokens from cache", result.stdout), result.stdout
+
+
+def test_the_users_of_a_page_on_the_remote_backend_share_no_cache_at_its_server_each_their_own(remote):
+    system = f"{uuid.uuid4().hex}. {LONG_SYSTEM_PROMPT}"  # new to the server's cache
+
+    def reused(user: str, question: str) -> int:
+        chat = remote.session(system_prompt=system, principal=page_principal(user))
+        return chat.send(question, max_new_tokens=2).result().tokens.reused
+
+    ada_first, bob_guess = reused("ada", "What is the time?"), reused("bob", "What is the time?")
+    ada_second, bob_second = reused("ada", "Where are we?"), reused("bob", "Where are we?")
+    assert ada_first == 0 and bob_guess == 0  # Ada's prompt, guessed right by Bob, told him nothing
+    assert ada_second > 300 and bob_second == ada_second  # each user's second chat reuses their first's

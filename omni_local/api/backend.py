@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from omni_local.access import LOCAL_USER
 from omni_local.api.events import Event
 from omni_local.api.kinds import ModelKind, kind_title
 from omni_local.api.messages import Message, Part
@@ -52,7 +53,7 @@ class Backend(Protocol):
     info: BackendInfo
 
     def send(self, session: str, messages: list[Message], params: SamplingParams,
-             speech: SpeechParams | None, principal: str) -> ReplyStream:
+             speech: SpeechParams | None, principal: str = LOCAL_USER) -> ReplyStream:
         """Queue a reply to `messages` (ending in a user turn) of chat `session`, spoken too if
         `speech` is given, for `principal` (access.py), with whom alone its caches are shared. A
         request this backend cannot serve (an unknown voice, say) raises here."""

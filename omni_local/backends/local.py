@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from omni_local.access import LOCAL_USER
 from omni_local.api.backend import BackendInfo
 from omni_local.api.events import Event, Finished
 from omni_local.api.kinds import conversation_for
@@ -98,7 +99,7 @@ class LocalBackend:
             log.info("%s", self.memory.line())
 
     def send(self, session: str, messages: list[Message], params: SamplingParams,
-             speech: SpeechParams | None, principal: str) -> LocalReply:
+             speech: SpeechParams | None, principal: str = LOCAL_USER) -> LocalReply:
         messages = conversation_for(self.info.kind, messages)
         return LocalReply(self.engine.submit(session, messages, params, speech, principal))
 

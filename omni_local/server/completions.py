@@ -18,6 +18,7 @@ from anyio import to_thread
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from omni_local.access import within
 from omni_local.api import OmniLocal
 from omni_local.api.events import AudioChunk, Event, Finished
 from omni_local.api.messages import Message
@@ -50,7 +51,7 @@ class ChatCompletions:
         self._check(body)
         params = self.app.sampling(**body.sampling())
         speech = self._speech(body) if body.speaks else None
-        principal = request.scope[PRINCIPAL]  # whose request: the key's holder
+        principal = within(request.scope[PRINCIPAL], body.prompt_cache_key)  # whose request: the key's holder
         session, messages = await to_thread.run_sync(self._conversation, body, principal, limiter=self.threads)
         stream = await to_thread.run_sync(self.app.backend.send, session, messages, params, speech, principal,
                                           limiter=self.threads)

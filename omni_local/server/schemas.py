@@ -131,8 +131,9 @@ class ChatRequest(_Fields):
     user: str | None = None
     safety_identifier: str | None = None
     metadata: dict[str, str] | None = None  # ignored: tags of a stored completion, and none is stored (`store`)
-    # ignored: hints to OpenAI's prompt cache (which requests share it, for how long); ours matches content
+    # read: which requests share a cache, within the key's holder's (access.py `within`)
     prompt_cache_key: str | None = None
+    # ignored: hints to OpenAI's prompt cache (for how long, how); ours matches content
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
     service_tier: str | None = None  # ignored: OpenAI's price and speed tier; this server has one

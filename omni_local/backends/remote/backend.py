@@ -7,6 +7,7 @@ from typing import Any, get_args
 import httpx
 import openai
 
+from omni_local.access import LOCAL_USER, cache_key_of
 from omni_local.api.backend import BackendInfo
 from omni_local.api.events import ContextUse
 from omni_local.api.kinds import ModelKind, conversation_for
@@ -59,17 +60,20 @@ class RemoteBackend:
         self._chat = self.client.with_options(max_retries=0).chat.completions
 
     def send(self, session: str, messages: list[Message], params: SamplingParams,
-             speech: SpeechParams | None, principal: str) -> RemoteReply:
+             speech: SpeechParams | None, principal: str = LOCAL_USER) -> RemoteReply:
         """A reply streamed from the server; the request is sent when its events are first read.
         `session` is not sent: the API is stateless, and a server's prefix cache matches content.
-        Nor is `principal`: the server knows this backend by its key (`backend_api_key`), one
-        principal there for all its users."""
+        The server knows this backend by its key (`backend_api_key`), for all its users: a principal
+        other than the local user (a user of the page) is sent as a `prompt_cache_key` of its own, so
+        the users share no cache there either (access.py)."""
         if speech is not None and not self.info.speech:
             raise RequestError(f"the server at {self.url} makes no spoken replies (its model has no Talker)")
         messages = conversation_for(self.info.kind, messages)
         body = chat_body(self.info.model_id, messages, params, speech, self._request_dialect())
         fields = {"model", "messages", "stream"}  # the rest goes as it is, typed fields and extensions alike
         extra = {key: value for key, value in body.items() if key not in fields}
+        if principal != LOCAL_USER:
+            extra["prompt_cache_key"] = cache_key_of(principal)
         asked = Asked(params.seed, speech.voice if speech else None,
                       ContextUse(self.info.max_context_tokens, self.info.max_prompt_tokens))
         return RemoteReply(
