@@ -380,13 +380,31 @@ def drop_file(page: "Page", path: Path, mime_type: str) -> None:
 
 
 def attach_file(page: "Page", path: Path) -> None:
-    """Choose `path` with the message box's file picker, as a person would, and wait until the box
-    shows it."""
+    """Choose `path` as a person does: the clip on the message box, then the browser's file picker;
+    and wait until the box shows it."""
     attached = page.locator(".multimodal-textbox .thumbnail-item")
     before = attached.count()
-    page.locator(".multimodal-textbox input[type=file]").set_input_files(path)
+    with page.expect_file_chooser() as chooser:
+        page.locator(".multimodal-textbox").get_by_role("button", name="Upload").click()
+    chooser.value.set_files(path)
     page.wait_for_function("(count) => document.querySelectorAll('.multimodal-textbox .thumbnail-item').length > count",
                            arg=before)
+
+
+def context_use(page: "Page") -> str:
+    """The shown chat's context use as the page says it ("Context: 28 of 8,192 tokens"), "" if none."""
+    return page.locator("#context-use").inner_text().strip()
+
+
+def start_voice_mode(page: "Page") -> None:
+    """Voice conversation, hands-free (its default): the microphone on."""
+    page.get_by_role("button", name=re.compile(r"^Voice conversation")).click()
+    wait_for_streaming_recorder(page)
+    page.locator("#voice-microphone").get_by_role("button", name="Record").click()
+
+
+def stop_voice_mode(page: "Page") -> None:
+    page.locator("#voice-microphone").get_by_role("button", name="Stop").click()
 
 
 def wait_for_reply_to_start(page: "Page", question: str) -> None:
@@ -445,10 +463,15 @@ def edit_retry_and_undo(page: "Page", edited: str, after: Callable[[str], None])
     after("edited")
     answered_again(page, lambda: page.get_by_role("button", name="Retry").click())
     after("retried")
+    undo(page)
+    after("undone")
+
+
+def undo(page: "Page") -> None:
+    """The chat's Undo: the last question and its reply go."""
     asked = page.locator("[data-testid=user]").count()
     page.get_by_role("button", name="Undo").click()
     page.wait_for_function("(asked) => document.querySelectorAll('[data-testid=user]').length === asked - 1", arg=asked)
-    after("undone")
 
 
 def edit_last_question(page: "Page", text: str) -> None:

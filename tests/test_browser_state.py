@@ -11,15 +11,17 @@ import pytest
 from PIL import Image
 
 from browser_page import (
-    answered_again, ask, attach_file, chat_files, edit_last_question, last_metrics, shown_messages,
-    wait_for_metrics, wait_until_saved_as_shown,
+    answered_again, ask, attach_file, chat_files, choose_chat, context_use, edit_last_question, last_metrics,
+    message_box, new_chat, reload, shown_messages, shown_title, start_voice_mode, stop_voice_mode, undo,
+    wait_for_metrics, wait_for_note, wait_until, wait_until_saved_as_shown,
 )
 from served_app import ServedApp, served_app
 
 
 @pytest.fixture(scope="module")
 def served(demo_settings, demo_checkpoint, tmp_path_factory) -> Iterator[ServedApp]:
-    with served_app(demo_settings, tmp_path_factory.mktemp("browser_state")) as app:
+    # A voice utterance is the speech and the pause around it: over the 2 s the other UI tests allow.
+    with served_app(demo_settings, tmp_path_factory.mktemp("browser_state"), "--max-audio-seconds", "10") as app:
         yield app
 
 
@@ -47,3 +49,77 @@ def test_an_edited_question_with_a_picture_keeps_the_picture_and_gets_a_new_repl
         ("user", "a component of type image"), ("user", "Edited: what shape is this?")]
     assert media_in_prompt(last_metrics(page)) == 1  # the picture was asked about again
     wait_until_saved_as_shown(page, served, earlier)
+
+
+def asked(page) -> list[str]:
+    return [text for who, text in shown_messages(page) if who == "user"]
+
+
+def test_undo_puts_back_the_context_use_of_the_turn_it_goes_back_to_also_after_a_reload(page, shot, served):
+    ask(page, "Context, turn one")
+    wait_for_metrics(page, 1)
+    wait_until(page, lambda: context_use(page), "no context use after the first reply")
+    first = context_use(page)
+    ask(page, "Context, turn two, a longer question than the first one")
+    wait_for_metrics(page, 2)
+    wait_until(page, lambda: context_use(page) != first, "the context use did not change after the second reply")
+    undo(page)
+    shot("undone-turn-two")
+    wait_until(page, lambda: context_use(page) == first,
+               lambda: f"after undoing turn two the page says {context_use(page)!r}, not turn one's {first!r}")
+    reload(page, served)
+    shot("reloaded")
+    assert asked(page) == ["Context, turn one"] and context_use(page) == first
+    undo(page)
+    shot("undone-turn-one")
+    wait_until(page, lambda: context_use(page) == "",
+               lambda: f"after undoing the only turn the empty chat says {context_use(page)!r}")
+
+
+def test_a_chat_begun_by_voice_is_listed_once_its_turn_ends(page, shot):
+    start_voice_mode(page)
+    wait_for_metrics(page, 1)  # the fake microphone's speech ends in a pause: it is asked and answered
+    stop_voice_mode(page)
+    shot("answered")
+    wait_until(page, lambda: shown_title(page).startswith("Voice chat, "),
+               lambda: f"the list shows {shown_title(page)!r} for the voice chat")
+
+
+def test_a_reload_shows_the_chat_the_tab_showed_not_the_most_recent_one(page, shot, served):
+    ask(page, "Viewed chat: the older one")
+    wait_for_metrics(page, 1)
+    new_chat(page)
+    ask(page, "Viewed chat: the newer one")
+    wait_for_metrics(page, 1)
+    choose_chat(page, "Viewed chat: the older one")
+    wait_until(page, lambda: asked(page) == ["Viewed chat: the older one"], "the older chat did not open")
+    reload(page, served)
+    shot("reloaded")
+    assert asked(page) == ["Viewed chat: the older one"]
+    assert shown_title(page) == "Viewed chat: the older one"
+
+
+def test_a_file_sent_can_be_attached_again_at_once(page, shot, tmp_path):
+    square = picture(tmp_path, "twice.png")
+    attach_file(page, square)
+    ask(page, "Once")
+    wait_for_metrics(page, 1)
+    attach_file(page, square)  # waits until the box shows it
+    shot("attached-again")
+    ask(page, "Twice")
+    assert media_in_prompt(wait_for_metrics(page, 2)) == 2  # turn one's picture, and this one's
+
+
+def test_a_send_refused_for_a_change_in_another_tab_says_truly_where_the_message_is(page, shot, open_tab):
+    ask(page, "Stale tab: the first question")
+    wait_for_metrics(page, 1)
+    other = open_tab()  # its start-up shows the most recent chat: this one
+    wait_until(other, lambda: asked(other) == ["Stale tab: the first question"], "the second tab shows another chat")
+    ask(page, "Stale tab: the first tab asks again")
+    wait_for_metrics(page, 2)
+    ask(other, "Stale tab: the second tab asks")
+    refusal = wait_for_note(other, "Error", "another tab")
+    shot("refused", tab=other)
+    assert message_box(other).input_value() == ""  # Gradio empties the box when a message is sent
+    assert shown_messages(other)[-2:] == [("user", "Stale tab: the second tab asks"), ("bot", refusal)]
+    assert "box" not in refusal and "above" in refusal, refusal

@@ -232,3 +232,18 @@ def test_the_longest_reply_the_page_offers_fits_after_the_longest_prompt(app, tm
                if isinstance(block, gr.Slider) and block.label == "Longest reply (tokens)"]
     assert len(sliders) == 1
     assert sliders[0].maximum + app.settings.max_prompt_tokens == app.settings.max_context_tokens
+
+
+def test_a_chats_context_use_is_that_of_its_last_counted_turn_also_after_an_undo():
+    one = [{"role": "user", "content": ["One"]}, {"role": "assistant", "content": "A"}]
+    two = [*one, {"role": "user", "content": ["Two"]}, {"role": "assistant", "content": "B"}]
+    chat = SavedChat()
+    chat.update(one, 30)
+    chat.update([*two[:3]], None)  # turn two asked, its reply streaming: not counted yet
+    assert chat.context_tokens == 30
+    chat.update(two, 70)
+    assert (chat.context_tokens, chat.turn_contexts) == (70, [30, 70])
+    chat.update(one, None)  # turn two undone
+    assert (chat.context_tokens, chat.turn_contexts) == (30, [30])
+    chat.update([], None)
+    assert chat.context_tokens == 0

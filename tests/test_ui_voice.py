@@ -41,7 +41,8 @@ def chats(tmp_path) -> ChatStore:
 def voice(speaking_app, chats, tmp_path) -> VoiceMode:
     uploads = tmp_path / "uploads"
     uploads.mkdir()
-    return VoiceMode(speaking_app, uploads, lambda history, prompt, memory: keep(chats, history, prompt, memory))
+    return VoiceMode(speaking_app, uploads, lambda history, prompt, memory, tokens: keep(chats, history, prompt, memory,
+                                                                                       tokens))
 
 
 def asked_in(memory: ChatMemory, history: list | None = None, max_new_tokens: int = 6) -> TurnContext:
@@ -61,7 +62,7 @@ def delivered(voice: VoiceMode, memory: ChatMemory, chat: list | None = None) ->
     wait_for(lambda: not voice.conversation.busy, seconds=120)
     more = True
     while more:
-        new_items, shown, more = voice.deliver(memory, chat)
+        new_items, shown, _, more = voice.deliver(memory, chat)
         items += new_items if isinstance(new_items, list) else []
         chat = shown if isinstance(shown, list) else chat
     return items, chat
@@ -83,7 +84,7 @@ class Page:
 
     def tick(self, voice: VoiceMode) -> bool:
         """One tick of voice mode's timer; whether it goes on ticking."""
-        _, shown, more = voice.deliver(self.memory, self.chat)
+        _, shown, _, more = voice.deliver(self.memory, self.chat)
         if isinstance(shown, list):
             self.show(shown)
         return more
@@ -250,7 +251,7 @@ def voice_beside_typing(speaking_app, chats, tmp_path) -> tuple[VoiceMode, set[s
     """Voice mode told which chats a typed reply streams into (the set), a new chat, and its page."""
     uploads, typing = tmp_path / "uploads", set()
     uploads.mkdir()
-    voice = VoiceMode(speaking_app, uploads, lambda history, prompt, m: keep(chats, history, prompt, m),
+    voice = VoiceMode(speaking_app, uploads, lambda history, prompt, m, tokens: keep(chats, history, prompt, m, tokens),
                       typing.__contains__)
     memory = ChatMemory()
     return voice, typing, memory, Page(chats, memory)

@@ -52,6 +52,13 @@ CONFIRM_DELETE_JS = (
     "(yes, ...rest) => { const sure = confirm('Delete this chat?'); "
     "if (sure) document.querySelector('.multimodal-textbox button.stop-button')?.click(); return [sure, ...rest]; }"
 )
+# The tab's address names the chat it shows (?chat=<id>), so that a reload shows that chat, not the
+# one changed last (in this tab or another); an address without one shows the latest.
+SHOWN_CHAT_PARAMETER = "chat"
+REMEMBER_SHOWN_CHAT_JS = (
+    f"(id) => {{ const url = new URL(window.location.href); url.searchParams.set('{SHOWN_CHAT_PARAMETER}', id); "
+    "window.history.replaceState(window.history.state, '', url); }"
+)
 # A streaming reply's text so far is saved every SAVE_EVERY_TOKENS tokens, or sooner once the
 # setting ui_save_every_s has passed since the last save: a crash loses at most that much of it.
 SAVE_EVERY_TOKENS = 16
@@ -234,14 +241,18 @@ def build_ui(app: OmniLocal, chats_folder: Path | None = None) -> gr.Blocks:
         _wire_chat(page, turns)
         _wire_sidebar(page, turns, uploads)
         if voices:
-            def save_voice_turn(history: list[dict[str, Any]], system_prompt: str, memory: ChatMemory) -> None:
+            def save_voice_turn(history: list[dict[str, Any]], system_prompt: str, memory: ChatMemory,
+                                context_tokens: int | None) -> None:
                 try:
-                    sidebar.keep(shelves.of(memory.user), history, system_prompt, memory)
+                    sidebar.keep(shelves.of(memory.user), history, system_prompt, memory, context_tokens)
                 except sidebar.ChatChangedElsewhere:
                     gr.Warning(sidebar.CHANGED_ELSEWHERE)
 
+            def listed(shown: ChatMemory) -> Any:
+                return sidebar.chooser(shelves.of(shown.user), shown.session_id)
+
             add_voice_mode(app, uploads, page.chat, page.audio_feed, page.memory, page.settings,
-                           save=save_voice_turn, typing=turns.typing.__contains__)
+                           save=save_voice_turn, typing=turns.typing.__contains__, chats=(page.chooser, listed))
     # Each chat a reply of its own at once, up to the chats the engine decodes together; more wait
     # in Gradio's queue (Gradio's default is one event of a kind at a time, for every user).
     page.ui.queue(default_concurrency_limit=app.info.concurrency)
@@ -261,22 +272,25 @@ def _wire_chat(page: Page, turns: ChatTurns) -> None:
               api_name=False)
 
     def undone(history: list[dict[str, Any]], system_prompt: str, shown_id: str, memory: ChatMemory,
-               undo: gr.UndoData, request: gr.Request) -> Any:
+               undo: gr.UndoData, request: gr.Request) -> tuple[Any, Any]:
+        """The list of chats, and the context use of the turn the chat goes back to."""
         # The chat up to the undone question. The page may send the chat from before ChatInterface's
         # own undo or from after it (its handler runs first, unqueued): cutting at the index is right for both.
         index = undo.index[0] if isinstance(undo.index, (list, tuple)) else undo.index
         kept = history[:index]
         store = turns.store(memory, request)
         if not kept:
-            return sidebar.clear(store, turns.uploads, memory)
+            return sidebar.clear(store, turns.uploads, memory), ""
         try:
-            return sidebar.keep(store, kept, system_prompt, memory, shown_id=shown_id)
+            listed = sidebar.keep(store, kept, system_prompt, memory, shown_id=shown_id)
         except sidebar.ChatChangedElsewhere:
             gr.Warning(sidebar.CHANGED_ELSEWHERE)
-            return gr.update()
+            return gr.skip(), gr.skip()
+        saved = store.get(memory.session_id)
+        return listed, context_use(turns.app, saved.context_tokens) if saved else gr.skip()
 
-    chat.chatbot.undo(undone, [chat.chatbot, page.system, page.shown_id, page.memory], [page.chooser],
-                      show_progress="hidden", api_name=False)
+    chat.chatbot.undo(undone, [chat.chatbot, page.system, page.shown_id, page.memory],
+                      [page.chooser, page.context_use], show_progress="hidden", api_name=False)
     def cleared(memory: ChatMemory, request: gr.Request) -> tuple[Any, str]:
         return sidebar.clear(turns.store(memory, request), turns.uploads, memory), ""
 
@@ -306,9 +320,12 @@ def _wire_sidebar(page: Page, turns: ChatTurns, uploads: Path) -> None:
         return showing(sidebar.delete(turns.store(memory, request), uploads, memory))
 
     def start(request: gr.Request) -> tuple[Any, ...]:
+        """The chat the tab's address names (a chat of this user's; one not saved is a new chat), or
+        for an address that names none, the latest."""
         user = getattr(request, "username", None)
         store = turns.shelves.of(user)
-        return showing(sidebar.show(store, store.latest(), user))
+        named = request.query_params.get(SHOWN_CHAT_PARAMETER)
+        return showing(sidebar.show(store, store.get(named) if named else store.latest(), user))
 
     def rename_chat(text: str, memory: ChatMemory, request: gr.Request) -> Any:
         return sidebar.rename(turns.store(memory, request), text, memory)
@@ -321,7 +338,10 @@ def _wire_sidebar(page: Page, turns: ChatTurns, uploads: Path) -> None:
         page.ui.load(start, None, shown, api_name=False),
     ]
     for event in opened:  # kept out of the API's outputs: an id the page needs, not the client
-        event.then(lambda m: m.session_id, [page.memory], [page.shown_id], show_progress="hidden", api_name=False)
+        event.then(lambda m: m.session_id, [page.memory], [page.shown_id], show_progress="hidden", api_name=False
+                   ).then(None, [page.shown_id], None, js=REMEMBER_SHOWN_CHAT_JS, api_name=False)
+    # A chosen chat is named in the address at once, before it is shown (a reload right after shows it).
+    page.chooser.input(None, [page.chooser], None, js=REMEMBER_SHOWN_CHAT_JS, api_name=False)
     for leave in (page.chooser.input, page.new_chat.click):  # a reply still streaming stops
         leave(None, None, None, js=STOP_STREAMING_REPLY_JS, api_name=False)
     for narrow in (page.ui.load, page.new_chat.click):

@@ -39,7 +39,22 @@ class SavedChat:
     updated: float = field(default_factory=time.time)
     created: float = field(default_factory=time.time)
     revision: int = 0  # saves so far: a page that saw an older one has missed another tab's change
-    context_tokens: int = 0  # prompt and reply tokens of the last turn: how full the context is
+    context_tokens: int = 0  # prompt and reply tokens of the last counted turn: how full the context is
+    # Each question's turn's context use, in the chat's order (0: not counted), so that an undo
+    # shows the use of the turn it goes back to.
+    turn_contexts: list[int] = field(default_factory=list)
+
+    def update(self, history: list[dict[str, Any]], context_tokens: int | None) -> None:
+        """The chat is now `history`, whose last turn filled `context_tokens` of the context (None:
+        not counted, or not yet). Its context use is its last counted turn's: after an undo, that
+        of the turn it went back to; with no question left, none."""
+        asked = sum(message.get("role") == "user" for message in history)
+        counts = self.turn_contexts[:asked]
+        if context_tokens is not None and asked:
+            counts += [0] * (asked - len(counts))
+            counts[asked - 1] = context_tokens
+        self.history, self.turn_contexts = history, counts
+        self.context_tokens = next((count for count in reversed(counts) if count), 0)
 
     @property
     def shown_title(self) -> str:
@@ -171,6 +186,8 @@ def _shape_problem(chat: SavedChat) -> str:
     numbers = (chat.updated, chat.created, chat.revision, chat.context_tokens)
     if not all(isinstance(number, (int, float)) and not isinstance(number, bool) for number in numbers):
         return "its times or counts are not numbers"
+    if not isinstance(chat.turn_contexts, list) or not all(type(count) is int for count in chat.turn_contexts):
+        return "its turns' context use is not a list of counts"
     return ""
 
 

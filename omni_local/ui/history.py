@@ -1,7 +1,7 @@
 """The chat as the page shows it, and as the model sees it.
 
 Gradio keeps the visible history; each turn rebuilds the conversation from it, so retry, undo and
-edit (built into ChatInterface) need nothing from us. The shown chat keeps a `ChatMemory`: its
+edit (built into ChatInterface; an edited question keeps its files by edits.py) need nothing more. The shown chat keeps a `ChatMemory`: its
 session id (the saved chat's id), so every turn continues its own prefix-cache entry, and each
 reply's token ids, so the next prompt holds the reply exactly as generated and its cached KV is
 reused in full. A Thinking checkpoint's reasoning is a titled message before its answer, which

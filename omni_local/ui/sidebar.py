@@ -12,8 +12,9 @@ from omni_local.ui.chats import UTTERANCE_PREFIX, ChatStore, SavedChat
 from omni_local.ui.history import REPLY_PREFIX, ChatMemory
 from omni_local.ui.messages import block_text, blocks, file_path
 
-CHANGED_ELSEWHERE = ("This chat was changed in another tab or window since this page opened it. Open it again "
-                     "from the list to go on (your message is still in the box above to copy).")
+# Gradio has emptied the message box by then; the message shows above this, until the chat is opened again.
+CHANGED_ELSEWHERE = ("This chat was changed in another tab or window since this page opened it, so your message "
+                     "above was not sent or saved: copy it, then open the chat again from the list to go on.")
 
 
 class ChatChangedElsewhere(Exception):
@@ -33,12 +34,11 @@ def keep(store: ChatStore, history: list[dict[str, Any]], system_prompt: str, me
         saved = store.get(memory.session_id) or SavedChat(id=memory.session_id)
         if saved.revision != memory.revision:
             raise ChatChangedElsewhere()
-        kept = (saved.history, saved.system_prompt, saved.replies, saved.context_tokens)
-        saved.history, saved.system_prompt, saved.replies = history, system_prompt or "", dict(memory.replies)
-        if context_tokens is not None:
-            saved.context_tokens = context_tokens
+        kept = (saved.history, saved.system_prompt, saved.replies, saved.turn_contexts)
+        saved.update(history, context_tokens)
+        saved.system_prompt, saved.replies = system_prompt or "", dict(memory.replies)
         # Unchanged when an update repeats what the chat already saved: no second write.
-        if kept != (saved.history, saved.system_prompt, saved.replies, saved.context_tokens):
+        if kept != (saved.history, saved.system_prompt, saved.replies, saved.turn_contexts):
             try:
                 store.save(saved)
                 memory.revision = saved.revision

@@ -56,8 +56,11 @@ class TurnContext:
     options: dict[str, Any]  # Session.send's sampling options and voice
 
 
-# Saves a chat: its messages, system prompt and memory (chat.py's _keep).
-SaveChat = Callable[[list[dict[str, Any]], str, ChatMemory], object]
+# Saves a chat: its messages, system prompt, memory and its last turn's context use, if counted
+# (chat.py's save_voice_turn).
+SaveChat = Callable[[list[dict[str, Any]], str, ChatMemory, int | None], object]
+# The list of chats, for the page whose shown chat has this memory (chat.py's listed).
+ListChats = Callable[[ChatMemory], Any]
 # Whether a typed reply is streaming into the chat of this session id (chat.py's respond).
 Typing = Callable[[str], bool]
 
@@ -86,6 +89,7 @@ class VoiceMode:
         self._answer: list[dict[str, Any]] = []  # its reply as shown so far
         self._finished = False  # its reply is all in _answer
         self._unsettled = 0  # ticks the page must still see the turn as made; 0: the page has it
+        self._saved = False  # a turn was saved since the page last got the list of chats (it may be new there)
         self._page: tuple[str, list[dict[str, Any]]] = ("", [])  # the timer's last chat: session id, messages
         self._turn_chat: list[dict[str, Any]] = []  # the voice turn's chat as the page last showed it
         self._chunks = 0
@@ -128,16 +132,18 @@ class VoiceMode:
             self._recording = []
             self.listening = False  # after the answer is under way, so the timer goes on delivering it
 
-    def deliver(self, shown: ChatMemory, page: list[dict[str, Any]] | None) -> tuple[Any, Any, bool]:
+    def deliver(self, shown: ChatMemory, page: list[dict[str, Any]] | None) -> tuple[Any, Any, bool, bool]:
         """What the page has not got yet: items for its player, and the chat with the voice turn as
         made so far (each gr.skip() if nothing is new; the chat also while a typed reply streams into
-        it, or if the page now shows another chat than the turn's); and whether voice mode still has
-        work (so the timer keeps ticking). `page` is the chat as the page shows it now."""
+        it, or if the page now shows another chat than the turn's); whether a turn was saved since
+        the last call (the list of chats may have changed); and whether voice mode still has work (so
+        the timer keeps ticking). `page` is the chat as the page shows it now."""
         # Read before taking what is new: whatever the reply adds after this is taken next tick.
         more_to_come = self.listening or (self._conversation is not None and self._conversation.busy)
         page = list(page or [])
         with self._lock:
             items, self._outbox = self._outbox, []
+            saved, self._saved = self._saved, False
             self._page = (shown.session_id, page)
             same_chat = self._asked_in is not None and self._asked_in.memory.session_id == shown.session_id
             if same_chat:
@@ -152,7 +158,7 @@ class VoiceMode:
                     self._unsettled -= 1
             # An unsettled turn of another chat is left to its save: the page reads the chat from there.
             more_to_come = more_to_come or (same_chat and self._unsettled > 0)
-        return items or gr.skip(), chat, more_to_come
+        return items or gr.skip(), chat, saved, more_to_come
 
     # The conversation's callbacks ---------------------------------------------------------------
 
@@ -200,7 +206,10 @@ class VoiceMode:
                 chat = self._merged(self._turn_chat)
             # Saved now, into its own chat as the page last showed it: the page may show another chat
             # by the time the turn ends, and the timer that brings turns to the page stops with voice mode.
-            self.save(chat, asked_in.system_prompt, asked_in.memory)
+            self.save(chat, asked_in.system_prompt, asked_in.memory,
+                      event.context_used if isinstance(event, Finished) else None)
+            with self._lock:
+                self._saved = True
             return
         with self._lock:
             self._answer, self._unsettled = answer, SETTLED_TICKS
@@ -270,10 +279,14 @@ def add_voice_mode(
     settings: list[gr.Component],
     save: SaveChat,
     typing: Typing,
+    chats: tuple[gr.Component, ListChats],
 ) -> None:
     """The voice section under the chat. `memory` is the shown chat's; `settings` are the chat's own
     inputs a turn is asked with: system prompt, longest reply, temperature, top-p, voice; `save`
-    saves a finished voice turn's chat; `typing` says whether a typed reply streams into a chat."""
+    saves a finished voice turn's chat; `typing` says whether a typed reply streams into a chat;
+    `chats` is the list of chats and what it shows, given again once a voice turn is saved (a chat
+    begun by voice is listed then)."""
+    chat_list, listed = chats
     with gr.Accordion("Voice conversation", open=False):
         mode = gr.Radio([HANDS_FREE, PUSH_TO_TALK], value=HANDS_FREE, label="Mode",
                         info="Hands-free: speak, then pause; speaking over a reply stops it. "
@@ -293,8 +306,8 @@ def add_voice_mode(
         return gr.Timer(active=True)
 
     def deliver(voice_mode: VoiceMode, shown: ChatMemory, page: list[dict[str, Any]]) -> tuple[Any, ...]:
-        items, messages, busy = voice_mode.deliver(shown, page)
-        return items, messages, messages, gr.skip() if busy else gr.Timer(active=False)
+        items, messages, saved, busy = voice_mode.deliver(shown, page)
+        return items, messages, messages, listed(shown) if saved else gr.skip(), gr.skip() if busy else gr.Timer(active=False)
 
     quiet = {"show_progress": "hidden", "api_name": False}
     microphone.start_recording(start, [voice, mode], [timer], **quiet)
@@ -304,4 +317,5 @@ def add_voice_mode(
                       time_limit=None, **quiet)
     microphone.stop_recording(lambda v, chosen, *c: v.stop_recording(chosen, context(*c)),
                               [voice, mode, chat.chatbot, memory, *settings], None, **quiet)
-    timer.tick(deliver, [voice, memory, chat.chatbot], [audio_feed, chat.chatbot, chat.chatbot_state, timer], **quiet)
+    timer.tick(deliver, [voice, memory, chat.chatbot], [audio_feed, chat.chatbot, chat.chatbot_state, chat_list, timer],
+               **quiet)
