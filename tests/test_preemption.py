@@ -48,9 +48,9 @@ def test_a_written_reply_claims_its_prompt_and_the_start_of_its_reply_and_a_spok
     claims = []
     claim = engine.cache.claim
 
-    def recording_claim(session, prompt, match, rows, at_most=None):
+    def recording_claim(session, prompt, match, rows, at_most=None, **principal):
         claims.append((prompt.num_tokens, rows, at_most))
-        return claim(session, prompt, match, rows, at_most)
+        return claim(session, prompt, match, rows, at_most, **principal)
 
     with patch.object(engine.cache, "claim", recording_claim):
         small_pool.session().send("Hello.", max_new_tokens=200, temperature=0.0).result()
