@@ -7,7 +7,8 @@ the reply, stopping it asks. A voice turn is a turn of the shown chat, in its ca
 typed one: the utterance shows as an audio message, the reply's text streams under it and its audio
 goes to the page's Web Audio player (player.py). Both come from the reply's streaming thread, not
 from an event of the page, so a timer brings them to the page ten times a second while voice mode is
-busy. A finished turn is saved into its own chat at once, whichever chat the page shows by then.
+busy. A finished turn is saved into its own chat at once, whichever chat the page shows by then, and
+the page's list of chats is brought with the next tick (a chat begun by voice is listed then).
 
 The page's chat is also the typed turns': each tick puts the voice turn (its question and the replies
 under it) in place in the chat as the page sends it, keeping what was typed meanwhile. A typed reply
