@@ -5,6 +5,7 @@ import json
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 from contextlib import nullcontext
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 from transformers.utils import is_torchvision_available
 
 from omni_local.api.messages import Message
@@ -96,16 +98,21 @@ def test_the_bench_smoke_run_times_every_scenario_and_the_cache_rows_compute_onl
         assert on["computed"] < off["computed"] == off["prompt"] == on["prompt"], scenario
     # After a restart the image's encoder output comes from the disk cache; without the cache it is encoded.
     assert [row["media_encoded"] for row in on_off("first image 480x640 after restart")] == [0, 1]
-    # Each chat of a turn 2 computes its new question only, alone or with 7 or 15 others (give or take
-    # the end of its first reply, whose last token was never fed back).
+    # Each chat of a turn 2 computes its new question only, alone or with 7 or 15 others, each asking its
+    # own (give or take the end of its first reply, whose last token was never fed back).
     alone = on_off("text chat turn 2")[0]["computed"]
-    assert all(abs(on_off(f"text chat turn 2, {n}")[0]["computed"] - alone) <= 2 for n in ("c8", "c16"))
+    tokenizer = AutoTokenizer.from_pretrained(demo_checkpoint)
+    scenario = {s.name: s for s in scenarios(tokenizer)}["text chat turn 2, c16"]
+    own = [len(tokenizer.encode(question(scenario, 0, chat).text)) for chat in range(16)]
+    for n in (8, 16):
+        expected = statistics.median(alone + length - own[0] for length in own[:n])
+        assert abs(on_off(f"text chat turn 2, c{n}")[0]["computed"] - expected) <= 2, n
     # The resent system prompt's 2,084 tokens come from the other session; only the short question is new.
     on, off = on_off("shared 2,084-token system prompt, new question")
     assert on["computed"] <= off["prompt"] - 2084 < 60
     # 32 chats of about 1,000 tokens, taken up in turn: each one's KV is still there, only its question is new.
     in_turn = rows["32 chats of about 1,000 tokens, in turn", CACHE_ON]
-    assert 900 < in_turn["prompt"] < 1100 and in_turn["computed"] < 60 and "queue_p95_ms" in in_turn
+    assert 900 < in_turn["prompt"] < 1150 and in_turn["computed"] < 60 and "queue_p95_ms" in in_turn
     first_sends = [rows[f"image {size}, first send", CACHE_OFF]["prompt"] for size in SIZES]
     assert first_sends == sorted(first_sends)
     # Time to first audio and real-time factor, cold and on a cached turn (their values checked above).
