@@ -1,7 +1,8 @@
 """The chat page's state matches what happened, in a real browser (tests/browser_page.py drives it),
 against `python app.py` on the demo model with speech on: an edited question keeps its attachment,
 undo puts back the context line, a voice chat is listed once asked, a reload keeps the chat the tab
-shows, a file sent can be attached again, and a refused send says truly where its text is."""
+shows, a file sent can be attached again (also dropped while its reply streams), and a refused send
+says truly where its text is."""
 
 import re
 from collections.abc import Iterator
@@ -11,8 +12,8 @@ import pytest
 from PIL import Image
 
 from browser_page import (
-    answered_again, ask, attach_file, chat_files, choose_chat, context_use, edit_last_question, last_metrics,
-    message_box, new_chat, reload, shown_messages, shown_title, start_voice_mode, stop_voice_mode, undo,
+    answered_again, ask, attach_file, chat_files, choose_chat, context_use, drop_file, edit_last_question,
+    last_metrics, message_box, new_chat, reload, shown_messages, shown_title, start_voice_mode, stop_voice_mode, undo,
     wait_for_metrics, wait_for_note, wait_until, wait_until_saved_as_shown,
 )
 from served_app import ServedApp, served_app
@@ -107,6 +108,22 @@ def test_a_file_sent_can_be_attached_again_at_once(page, shot, tmp_path):
     attach_file(page, square)  # waits until the box shows it
     shot("attached-again")
     ask(page, "Twice")
+    assert media_in_prompt(wait_for_metrics(page, 2)) == 2  # turn one's picture, and this one's
+
+
+def test_a_file_dropped_again_while_its_reply_streams_stays_in_the_box_and_is_sent_next(page, shot, tmp_path):
+    square = picture(tmp_path, "dropped-again.png")
+    attach_file(page, square)
+    ask(page, "First")
+    page.wait_for_function("() => document.querySelector('.multimodal-textbox textarea').disabled")  # the reply streams
+    drop_file(page, square, "image/png")  # the box takes a drop while its reply streams, as it shows
+    attached = page.locator(".multimodal-textbox .thumbnail-item")
+    attached.wait_for()
+    wait_for_metrics(page, 1)
+    wait_until(page, message_box(page).is_enabled, "the message box stayed off after the reply")
+    shot("reply-ended")
+    assert attached.count() == 1  # still there once the reply has ended
+    ask(page, "Second")
     assert media_in_prompt(wait_for_metrics(page, 2)) == 2  # turn one's picture, and this one's
 
 

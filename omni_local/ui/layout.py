@@ -78,7 +78,7 @@ def lay_out(app: OmniLocal, respond: Callable, voices: list[str]) -> Page:
         # Beside the message box; each reply updates it, so it is one of the chat's outputs.
         context_use = gr.HTML("", label="Context", elem_id="context-use", html_template=CONTEXT_USE_HTML,
                               js_on_load=None, render=False)
-        chat = ChatInterface(  # edits.py: an edited question keeps its files
+        chat = ChatInterface(  # edits.py: an edited question keeps its files, the box one dropped while a reply streams
             respond,
             multimodal=True,
             # One bubble a message: Gradio's edit of a bubble fails in the page on any block but text
