@@ -292,7 +292,7 @@ def test_the_decode_profile_smoke_run_prints_every_category_and_their_times_add_
 ):
     done = run_part_bench("profile_decode", demo_settings, tmp_path, "--runs", "2", "--chats", "1", "--context", "64")
     assert done.returncode == 0, done.stderr
-    assert "(eager, MoE backend torch), 1 chats at 64 rows of context" in done.stdout
+    assert "(eager, MoE backend torch), 1 distinct chats at about 64 rows of context" in done.stdout
     assert "| category | kernels per step | ms per step | share |" in done.stdout
     rows = [line.strip("| ").split(" | ") for line in done.stdout.splitlines()
             if line.startswith("| ") and not line.startswith(("| category", "| ---"))]

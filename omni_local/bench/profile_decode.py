@@ -4,8 +4,8 @@
     python -m omni_local.bench.profile_decode --random-weights CONFIG.json   # full size: 1 chat, 256 rows
     python -m omni_local.bench.profile_decode --random-weights CONFIG.json --moe-backend torch --chats 16
 
-The step is one of bench.decode_steps' (`--chats` chats decoding together, each at row `--context` - 1
-of its blocks), profiled one of two ways (`--step`):
+The step is one of bench.decode_steps' (`--chats` distinct chats decoding together, each its own
+token at its own row, spread around `--context`), profiled one of two ways (`--step`):
 - `replay`, the default where the runner captured its decode graphs: the graph's replay, as the
   engine runs it. CUPTI records each kernel a graph launches, by name, though no CPU op launches it;
   where it records none, the script says so and profiles `eager` instead.
@@ -31,7 +31,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from omni_local.api import OmniLocal
 from omni_local.bench.common import bench_parser, median_wall_ms, settings_and_model
-from omni_local.bench.decode_steps import decode_step, device_label, fits, held_tables
+from omni_local.bench.decode_steps import (chat_contexts, chat_tokens, decode_step, device_label, fits,
+                                          held_tables, within_context)
 from omni_local.engine.cuda_graphs import attention_buckets
 from omni_local.engine.kv_store import BlockTable, GraphedKVWriter
 from omni_local.engine.thinker import ThinkerRunner
@@ -119,21 +120,22 @@ def category_rows(steps: list[Work]) -> list[tuple[str, float, float]]:
     return [(c, statistics.median(n[c] for n in counts), statistics.median(t[c] for t in times)) for c in CATEGORIES]
 
 
-def eager_step(runner: ThinkerRunner, tables: list[BlockTable], context: int) -> Callable[[], object]:
+def eager_step(runner: ThinkerRunner, tables: list[BlockTable], contexts: list[int]) -> Callable[[], object]:
     """decode_step's step as the decode graph captured it, run eagerly: `_decode_step` over a
-    GraphedKVWriter (its index_put_ and its gather of the bucket of rows holding `context`), in the
-    MoE backend's capturable context."""
+    GraphedKVWriter (its index_put_ and its gather of the bucket of rows holding the longest context),
+    in the MoE backend's capturable context."""
     device, batch, size = runner.device, len(tables), runner.kv.shape.block_tokens
-    indices = torch.full((batch, 1), context - 1, device=device)
-    rows = next(r for r in attention_buckets(runner.kv.shape.max_tokens) if context <= r)
+    indices = torch.tensor([c - 1 for c in contexts], device=device)[:, None]
+    rows = next(r for r in attention_buckets(runner.kv.shape.max_tokens) if max(contexts) <= r)
     width = runner.kv.shape.blocks_for(rows)
     padded = torch.zeros((batch, width), dtype=torch.long)
     for row, table in enumerate(tables):
         padded[row, : len(table)] = torch.tensor(table)
     on_device = padded.to(device)
-    cache = GraphedKVWriter(runner.kv, on_device, indices, on_device[:, (context - 1) // size, None],
+    cache = GraphedKVWriter(runner.kv, on_device, indices, on_device.gather(1, indices // size),
                             indices % size, torch.zeros(batch, dtype=torch.long, device=device), rows)
-    ids = torch.zeros((batch, 1), dtype=torch.long, device=device)
+    vocab = runner.model.get_input_embeddings().num_embeddings
+    ids = torch.tensor(chat_tokens(batch, vocab), device=device)[:, None]
     positions = indices.view(1, batch, 1).expand(3, -1, -1)
 
     def step() -> torch.Tensor:
@@ -175,17 +177,18 @@ def main() -> None:
     settings, loaded = settings_and_model(args)
     with OmniLocal(settings, loaded=loaded) as app:
         runner = app.backend.engine.runner
-        if args.context > runner.kv.shape.max_tokens or not fits(runner, args.chats, args.context):
+        if not within_context(runner, args.context) or not fits(runner, args.chats, args.context):
             parser.error(f"{args.chats} chats of {args.context} rows: the KV store has {runner.kv.pool.free} free "
                          f"blocks of {runner.kv.shape.block_tokens} rows, a decode step {runner.max_batch} chats at "
                          "most (--gpu-cache-bytes, --max-running-requests)")
         if args.step == "replay" and runner.decode_graphs is None:
             parser.error("--step replay: the runner captured no decode graphs (on the CPU, or with cuda_graphs off)")
         cuda = runner.device.type == "cuda"
-        with held_tables(runner, args.chats, args.context) as tables:
-            steps = {"eager": eager_step(runner, tables, args.context)}
+        contexts = chat_contexts(args.chats, args.context)
+        with held_tables(runner, contexts) as tables:
+            steps = {"eager": eager_step(runner, tables, contexts)}
             if runner.decode_graphs is not None:
-                steps["replay"] = decode_step(runner, tables, args.context)
+                steps["replay"] = decode_step(runner, tables, contexts)
             way = args.step or ("replay" if "replay" in steps else "eager")
             profiled = profiled_steps(steps[way], args.runs, cuda)
             # The replay's own input copies are all there is where CUPTI saw none of the graph's kernels.
@@ -197,7 +200,7 @@ def main() -> None:
             walls = {name: median_wall_ms(step, args.runs) for name, step in steps.items()}
         what = "kernels" if cuda else "ATen ops, self CPU time"
         print(f"Thinker decode step by kernel category ({way}, MoE backend {runner.regions.moe.name}), "
-              f"{args.chats} chats at {args.context} rows of context; {what}, per step, medians of {args.runs} "
+              f"{args.chats} distinct chats at about {args.context} rows of context; {what}, per step, medians of {args.runs} "
               f"steps; {device_label(runner)}\n")
         print_table(category_rows(profiled))
         if args.top:
