@@ -10,7 +10,7 @@ token at its own row, spread around `--context`), profiled one of two ways (`--s
   engine runs it. CUPTI records each kernel a graph launches, by name, though no CPU op launches it;
   where it records none, the script says so and profiles `eager` instead.
 - `eager`: the forward the graph captured, launched kernel by kernel: the graph's own cache writer
-  over the same bucket of rows, the compiled layers, the backend's capturable experts. The README's
+  over the same bucket of rows, the compiled layers, the backend's capturable experts. docs/performance.md's
   first profile was made so. The same forward, so the replay's kernels, less its copies of the
   inputs and outputs.
 On the CPU there are no kernels: each ATen op counts, with its self time, and the step is eager.

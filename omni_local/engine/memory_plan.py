@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 GiB = 1 << 30
 MARGIN_BYTES = 1 * GiB
 # The engine's start-up take besides the Thinker's KV, at full size with speech and the default
-# settings: 2.6 GiB on an H200 (README, run Q: fp8, allocated after start-up less weights and 4 GiB of
+# settings: 2.6 GiB on an H200 (docs/performance.md, run Q: fp8, allocated after start-up less weights and 4 GiB of
 # KV); rounded up for a first start.
 FIRST_START_ENGINE_BYTES = 3 * GiB
 # The smallest encoder_cache_bytes a refusal suggests, in steps of ENCODER_CACHE_STEP: a 480x640
