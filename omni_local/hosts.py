@@ -23,10 +23,10 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocketClose
 
+from omni_local.access import is_loopback
 from omni_local.errors import SettingsError
 from omni_local.server.errors import ApiError
 
-LOOPBACK_NAMES = frozenset({"localhost"})  # and every loopback address
 EVERY_ADDRESS = frozenset({"0.0.0.0", "::"})
 DEFAULT_PORTS = {"http": 80, "ws": 80, "https": 443, "wss": 443}
 Site = tuple[str, int | None]  # a host name, lower case, brackets off, and its port (None: not known)
@@ -39,17 +39,15 @@ class ServedNames:
     def __init__(self, listen_host: str, allowed_hosts: str) -> None:
         self.listen_host = listen_host.lower().strip("[]")
         self.allowed = allowed_names(allowed_hosts)
-        self.own = {self.listen_host} | LOOPBACK_NAMES
+        self.own = {self.listen_host}
         if self.listen_host in EVERY_ADDRESS:
             self.own |= machine_names()
 
     def allows(self, name: str) -> bool:
-        if name in self.own or name in self.allowed:
+        if is_loopback(name) or name in self.own or name in self.allowed:
             return True
         address = ip_address(name)
-        if address is None:
-            return False
-        return address.is_loopback or self.listen_host in EVERY_ADDRESS or address == ip_address(self.listen_host)
+        return address is not None and (self.listen_host in EVERY_ADDRESS or address == ip_address(self.listen_host))
 
     def refusal(self, headers: Headers, scheme: str) -> ApiError | None:
         """Why a request with these headers, sent over `scheme`, is refused; None if it is not."""
