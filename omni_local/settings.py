@@ -3,7 +3,9 @@
 The TOML file groups keys in tables for the reader ([model], [engine], [speech], [cache], [ui],
 [server], [backend], [limits]); every key name is unique across tables, so the command line can override any of them by
 name (`--max-new-tokens 64`). Validation happens once, here: an unknown key or a value of the wrong
-type is a `SettingsError` naming the key and what was expected.
+type is a `SettingsError` naming the key and what was expected. Each field's help is written once,
+here: the command line's --help shows it, and settings.toml and docs/settings.md are written from it
+(`python -m omni_local.settings_files`).
 """
 
 import argparse
@@ -28,21 +30,27 @@ def setting(table: str, default: Any, help: str) -> Any:
 @dataclass(frozen=True)
 class Settings:
     # [model]
-    model: str = setting("model", "demo", "checkpoint directory, or 'demo'")
-    device: str = setting("model", "auto", "'auto', 'cpu', 'cuda' or 'cuda:N'")
+    model: str = setting("model", "demo", "a checkpoint folder, or 'demo': a tiny built-in model with random weights")
+    device: str = setting("model", "auto", "'auto' (the GPU if there is one), 'cpu', 'cuda' or 'cuda:N'")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = setting(
-        "model", "auto", "'auto' is bfloat16 on a GPU, float32 on the CPU"
+        "model", "auto", "the weights' and activations' dtype; 'auto' is bfloat16 on a GPU, float32 on the CPU"
     )
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = setting(
-        "model", "sdpa", "attention kernels of the Thinker"
+        "model", "sdpa",
+        "which attention transformers' own modules run (the encoders, and the Thinker's forwards that use"
+        " transformers' attention); 'flash_attention_2' needs flash-attn installed",
     )
-    speech: bool = setting("model", False, "load the Talker and Code2Wav (spoken replies)")
+    speech: bool = setting(
+        "model", False, "load the Talker and Code2Wav, for spoken replies; off saves their memory"
+    )
     weights: Literal["bf16", "fp8", "int4"] = setting(
         "model", "bf16",
-        "how the Thinker's and Talker's experts and attention projections are held: 'bf16' as the checkpoint has"
-        " them (in dtype; a checkpoint quantized with compressed-tensors, W4A16 or FP8, as it was quantized), 'fp8'"
-        " (float8; GPUs of compute capability 8.9 or newer), 'int4' (4-bit experts, int8 attention projections; any"
-        " GPU): fewer bytes, so a smaller card and faster decode, at some quality",
+        "how the Thinker's and Talker's routed experts and attention projections are held: 'bf16' as the checkpoint"
+        " has them (in dtype; a checkpoint quantized with compressed-tensors, W4A16 or FP8, as it was quantized),"
+        " 'fp8' (float8 with a scale per output row; GPUs of compute capability 8.9 or newer), 'int4' (experts in 4"
+        " bits with a scale per 128 inputs, attention projections in int8; any GPU our kernels run on): fewer bytes,"
+        " so a smaller card and faster decode, at some quality; a bf16 checkpoint is quantized as it loads, and the"
+        " result kept in cache_dir for the next start",
     )
     model_kind: Literal["auto", "instruct", "thinking", "captioner"] = setting(
         "model", "auto",
@@ -54,29 +62,37 @@ class Settings:
     # [engine]
     max_context_tokens: int = setting("engine", 8192, "prompt plus reply, per request")
     max_running_requests: int = setting(
-        "engine", 16, "requests computed at once (a decode step's largest batch); more wait their turn"
+        "engine", 16,
+        "requests computed at once: a decode step's largest batch (its CUDA graphs are captured up to it); more wait"
+        " their turn",
     )
     compile: bool = setting(
-        "engine", False, "compile the vision and audio encoders at start-up (one graph for every size)"
+        "engine", False,
+        "compile the vision and audio encoders at start-up, so one graph serves every image size and clip length;"
+        " it adds start-up time and gains nothing on the CPU",
     )
     cuda_graphs: bool = setting(
         "engine", True,
         "on a GPU, run the Thinker's decode steps (chats decoding at once as one batch) and prefills of up to"
-        " prefill_forward_tokens, the Talker's and its code predictor's steps, and Code2Wav's chunks, as CUDA graphs;"
-        " false: eager",
+        " prefill_forward_tokens, the Talker's and its code predictor's steps, and Code2Wav's chunks, as CUDA graphs"
+        " captured at start-up (the app serves once the decode steps' graphs are captured, and captures the prefills'"
+        " while idle); false: eager",
     )
     prefill_chunk_tokens: int = setting(
         "engine", 512,
         "while another reply is decoding or speaking, a prompt is computed in chunks of this many tokens, one per"
-        " engine turn, each ending at a multiple of it, so that reply waits one chunk at a time; else in forwards of"
-        " up to prefill_forward_tokens",
+        " engine turn, each ending at a multiple of it, so that reply waits one chunk at a time, not for a whole long"
+        " prompt (else in forwards of up to prefill_forward_tokens); smaller chunks make those waits shorter and a"
+        " long prompt's first token later, as each chunk reads the experts' weights again; short prompts waiting"
+        " together are computed in one turn while their tokens stay within it",
     )
     prefill_forward_tokens: int = setting(
         "engine", 4096,
         "with no other reply to wait, a prompt is computed in one forward of up to this many tokens (a longer one in"
-        " forwards ending at multiples of it, which must be a multiple of prefill_chunk_tokens); on a GPU each forward"
-        " replays a CUDA graph captured at start-up for its length rounded up (16, 32, ... to prefill_chunk_tokens,"
-        " then four steps to each doubling): more takes more start-up time and GPU memory for the graphs",
+        " forwards ending at multiples of it, so boundaries stay fixed by position; a multiple of"
+        " prefill_chunk_tokens); on a GPU each forward replays a CUDA graph captured at start-up for its length"
+        " rounded up (16, 32, ... to prefill_chunk_tokens, then four steps to each doubling: 640, 768, 896, 1024,"
+        " 1280, ...): more takes more start-up time and GPU memory for the graphs",
     )
     chunk_every_prefill: bool = setting(
         "engine", False,
@@ -85,96 +101,140 @@ class Settings:
     )
     compiled_layers: bool = setting(
         "engine", True,
-        "on a GPU, run the work around attention in each decoder layer (norms, projections, rotary embedding, MoE)"
-        " as compiled regions (inside the CUDA graphs too); compiling adds start-up time, least when inductor's"
-        " cache has them",
+        "on a GPU, run the work around attention in each decoder layer (norms, projections, rotary embedding, MoE"
+        " routing and experts) as compiled regions, inside the CUDA graphs and in eager forwards: faster decode"
+        " steps; compiling adds start-up time, least when inductor's cache has them",
     )
     moe_backend: Literal["auto", "torch", "triton"] = setting(
         "engine", "auto",
-        "what runs the MoE layers' experts: 'triton' (our fused kernels), 'torch' (transformers' own), or 'auto'"
-        " (triton on a CUDA GPU, torch elsewhere)",
+        "what runs the MoE layers' routed experts (Thinker and Talker): 'triton' (our kernels: fused routing, tokens"
+        " sorted by expert, two grouped GEMMs), 'torch' (transformers' own modules), or 'auto' (triton on a CUDA GPU"
+        " of compute capability 8.0 or newer, torch elsewhere); 'triton' where Triton cannot run is refused, saying"
+        " why",
     )
     attention_backend: Literal["auto", "torch", "triton"] = setting(
         "engine", "auto",
-        "what decode steps and graphed prefills on a cached prefix attend with: 'triton' (our kernel, reading each"
-        " chat's KV blocks in place), 'torch'"
-        " (transformers' attention over the rows gathered from the blocks), or 'auto' (triton on a CUDA GPU, torch"
-        " elsewhere)",
+        "what decode steps (the Thinker's and the Talker's) and graphed prefills on a cached prefix attend with:"
+        " 'triton' (our kernel, reading each chat's KV blocks in place), 'torch' (transformers' attention over the"
+        " rows gathered from the blocks), or 'auto' (triton on a CUDA GPU, torch elsewhere); a chat's first prefill,"
+        " and an eager one, use transformers' attention over its own rows, unless deterministic",
     )
     deterministic: bool = setting(
         "engine", False,
         "a greedy reply never depends on the prefix cache, on the other chats decoding beside it or on how its prompt"
-        " was split: every kernel computes a token's row alone (our Triton kernels: a CUDA GPU; slower decode steps"
-        " and prefills, measured in the README)",
+        " was split between cache and compute: every kernel on the Thinker's and the Talker's path computes a"
+        " token's row alone (\"Deterministic mode\" in docs/architecture.md); slower decode steps and prefills, and"
+        " it needs our Triton kernels (a CUDA GPU), so moe_backend and attention_backend may not be 'torch'",
     )
     video_fps: float = setting(
-        "engine", 2.0, "video frames read per second (Qwen's default; the checkpoint's own if it sets one)"
+        "engine", 2.0,
+        "video frames read per second (Qwen's default; the checkpoint's video processor's own rate if it sets one),"
+        " at least 4 and at most 768 frames a clip",
     )
-    use_audio_in_video: bool = setting("engine", True, "the model also hears a video's sound track")
-    max_new_tokens: int = setting("engine", 512, "default reply length limit")
+    use_audio_in_video: bool = setting(
+        "engine", True,
+        "the model also hears a video's sound track, interleaved with its frames by time (a silent clip gets silence)",
+    )
+    max_new_tokens: int = setting("engine", 512, "a reply's default length limit, in tokens")
     max_reasoning_tokens: int = setting(
-        "engine", 0, "default; a Thinking checkpoint's reasoning ends here and its answer begins; 0: only max_new_tokens"
-        " limits it"
+        "engine", 0,
+        "default; a Thinking checkpoint's reasoning ends after this many tokens and its answer begins; 0: only"
+        " max_new_tokens limits it",
     )
-    temperature: float = setting("engine", 0.0, "default; 0 is greedy")
-    top_p: float = setting("engine", 1.0, "default nucleus sampling mass")
-    top_k: int = setting("engine", 0, "default; 0 keeps every token")
-    repetition_penalty: float = setting("engine", 1.0, "default; 1 is off")
+    temperature: float = setting("engine", 0.0, "a reply's default sampling temperature; 0 is greedy")
+    top_p: float = setting("engine", 1.0, "a reply's default nucleus sampling mass; 1 keeps every token")
+    top_k: int = setting("engine", 0, "a reply's default top-k; 0 keeps every token")
+    repetition_penalty: float = setting("engine", 1.0, "a reply's default repetition penalty; 1 is off")
     # [speech]
-    voice: str = setting("speech", "Ethan", "default voice of spoken replies")
-    first_audio_frames: int = setting("speech", 2, "codec frames (80 ms each) in the first audio chunk: latency")
-    audio_chunk_frames: int = setting(
-        "speech", 10, "most codec frames in an audio chunk: efficiency (chunks double from the first up to this)"
+    voice: str = setting("speech", "Ethan", "default voice of spoken replies (one of the checkpoint's speakers)")
+    first_audio_frames: int = setting(
+        "speech", 2, "codec frames (80 ms of audio each) in a spoken reply's first audio chunk: few, for an early first"
+        " sound"
     )
-    audio_left_context_frames: int = setting("speech", 25, "earlier frames Code2Wav sees before each chunk")
+    audio_chunk_frames: int = setting(
+        "speech", 10,
+        "most codec frames in an audio chunk: chunks double from first_audio_frames up to this, so each is ready"
+        " before the one playing ends; larger chunks cost Code2Wav less per frame",
+    )
+    audio_left_context_frames: int = setting(
+        "speech", 25,
+        "earlier frames Code2Wav sees before each chunk (Qwen's own choice); more is closer to one decode of the"
+        " whole reply, and slower",
+    )
     max_speech_seconds: float = setting("speech", 120.0, "longest spoken reply")
     # [cache]
-    cache_dir: str = setting("cache", "~/.cache/omni_local", "private folder for app data")
-    prefix_cache: bool = setting("cache", True, "keep each chat's KV so its next turn computes only what is new")
+    cache_dir: str = setting(
+        "cache", "~/.cache/omni_local",
+        "private folder for the app's data: the demo model, saved chats and uploads, encoder outputs, quantized"
+        " weights, compiled kernels, the measured memory plan",
+    )
+    prefix_cache: bool = setting(
+        "cache", True,
+        "keep each chat's KV for its next turn and for chats that start the same way, so they compute only what is"
+        " new; false keeps nothing",
+    )
     gpu_memory_bytes: int = setting(
         "cache", 0,
         "GPU memory the app plans with at start-up: the weights, the engine's graphs and activations, encoder"
-        " outputs, then KV up to gpu_cache_bytes; 0: what the GPU reports free, less 1 GiB (on the CPU, no plan)",
+        " outputs, then KV up to gpu_cache_bytes; 0: what the GPU reports free, less 1 GiB (on the CPU, no plan"
+        " unless it is set)",
     )
     gpu_cache_bytes: int = setting(
-        "cache", 4 << 30, "most device memory for the Thinker's KV, in blocks shared by every chat (less where the"
-        " memory plan leaves less; on the CPU, where the host memory plan does)"
+        "cache", 4 << 30,
+        "most device memory for the Thinker's KV (less where the memory plan leaves less; on the CPU, where the host"
+        " memory plan does), allocated at start-up as blocks every chat draws from: it decides how many tokens of"
+        " chats stay on the device (Qwen3-Omni in bfloat16 takes 96 KiB a token)",
     )
     kv_block_tokens: int = setting(
-        "cache", 16, "tokens per KV block: what chats share of a common prefix, and the least a chat holds"
+        "cache", 16,
+        "tokens per KV block, a power of two up to 256: the unit chats share of a common prefix, and the least a chat"
+        " holds",
     )
     host_cache_bytes: int = setting(
         "cache", -1,
-        "host memory for KV moved off the device, allocated at start-up (page-locked on a GPU); -1: sized from the"
-        " machine's memory (a quarter of what the weights held there leave, less the KV blocks on the CPU, at most"
-        " 8 GiB); 0: none",
+        "host memory for chats' KV moved off the device, least recently used first; past it they are dropped;"
+        " allocated at start-up (page-locked on a GPU, so taken from the machine's memory at once); -1: sized from"
+        " the machine's memory (a quarter of what the weights held there leave, less the KV blocks on the CPU, at"
+        " most 8 GiB); 0: none",
     )
-    encoder_cache: bool = setting("cache", True, "keep encoder outputs by image or clip content")
-    encoder_cache_bytes: int = setting("cache", 1 << 30, "device memory for encoder outputs")
+    encoder_cache: bool = setting(
+        "cache", True,
+        "keep image, audio and video encoder outputs by content, so a known picture, clip or video skips its encoder",
+    )
+    encoder_cache_bytes: int = setting(
+        "cache", 1 << 30, "device memory for encoder outputs, the least recently used dropped first"
+    )
     disk_cache: bool = setting("cache", True, "also keep encoder outputs on disk, across restarts")
     disk_cache_bytes: int = setting("cache", 8 << 30, "disk space for encoder outputs (<cache_dir>/encoders)")
     # [ui]
-    ui_host: str = setting("ui", "127.0.0.1", "address the UI binds to")
+    ui_host: str = setting(
+        "ui", "127.0.0.1", "address the UI binds to; another address than loopback needs ui_credentials_file"
+    )
     ui_port: int = setting("ui", 7860, "port the UI listens on")
     ui_credentials_file: str = setting(
-        "ui", "", "private file of 'user:password' lines; needed to serve beyond 127.0.0.1"
+        "ui", "",
+        "private (0600) file of 'user:password' lines: the UI then asks for a login; needed to serve beyond"
+        " 127.0.0.1",
     )
     ui_serves_api: bool = setting(
         "ui", False, "the page's port also serves the OpenAI-compatible API (/v1), on the page's engine"
     )
     ui_save_every_s: float = setting(
-        "ui", 1.0, "most seconds between saves of a streaming reply's text (it is also saved every 16 tokens)"
+        "ui", 1.0,
+        "most seconds between saves of a streaming reply's text (it is also saved every 16 tokens): what a crash can"
+        " lose of it",
     )
     # [server]
     api_host: str = setting(
-        "server", "127.0.0.1", "address `python -m omni_local serve` binds to; beyond 127.0.0.1 only with api_key_file"
+        "server", "127.0.0.1",
+        "address `python -m omni_local serve` binds to; another address than loopback needs api_key_file",
     )
     api_port: int = setting("server", 8000, "port the API listens on")
     allowed_hosts: str = setting(
         "server", "",
-        "more names the page and the API answer to, comma-separated (a reverse proxy's, e.g. 'chat.example.com'); "
-        "they always answer to 127.0.0.1, localhost, [::1] and their own host (on 0.0.0.0 or ::, this machine's name "
-        "and addresses)",
+        "more names the page and the API answer to, comma-separated (a reverse proxy's, e.g. 'chat.example.com');"
+        " they always answer to 127.0.0.1, localhost, [::1] and their own host (on 0.0.0.0 or ::, this machine's"
+        " name and addresses); other names get 400",
     )
     shutdown_grace_s: float = setting(
         "server", 5.0,
@@ -182,8 +242,8 @@ class Settings:
     )
     api_key_file: str = setting(
         "server", "",
-        "private file of the keys API clients may send (Authorization: Bearer KEY), one a line, 'KEY' or 'NAME: KEY', "
-        "one per person",
+        "private (0600) file of the keys API clients may send (Authorization: Bearer KEY), one a line, 'KEY' or"
+        " 'NAME: KEY', one per person",
     )
     api_max_requests: int = setting(
         "server", 32, "API requests held at once, streaming or waiting; one more is refused at once (429)"
@@ -192,10 +252,12 @@ class Settings:
         "server", False, "API messages may name files on this machine (file:// URLs) instead of sending them"
     )
     header_timeout_s: float = setting(
-        "server", 10.0, "seconds a client has to send a request's headers, to the API or the page; then it is cut off"
+        "server", 10.0,
+        "seconds a client has to send a request's headers, to the API or the page; then its connection is closed",
     )
     api_body_timeout_s: float = setting(
-        "server", 60.0, "seconds an API request's body has to come, whole, after its headers; then 408, cut off"
+        "server", 60.0,
+        "seconds an API request's body has to come, whole, after its headers; then 408, and the connection is closed",
     )
     api_body_budget_bytes: int = setting(
         "server", 512 << 20,
@@ -204,23 +266,29 @@ class Settings:
     # [backend]
     backend: Literal["local", "openai"] = setting(
         "backend", "local",
-        "'local': the engine in this process; 'openai': a server of OpenAI's chat API at backend_url "
-        "(omni_local serve, vLLM-Omni, SGLang-Omni)",
+        "'local': the engine in this process; 'openai': a server of OpenAI's chat API at backend_url"
+        " (omni_local serve, vLLM-Omni, SGLang-Omni)",
     )
-    backend_url: str = setting("backend", "", "the remote server's API, e.g. http://127.0.0.1:8000/v1")
+    backend_url: str = setting("backend", "", "the remote server's API root, e.g. http://127.0.0.1:8000/v1")
     backend_api_key: str = setting("backend", "", "the key the remote server asks for; '' for none")
     backend_model: str = setting("backend", "", "the remote server's model id; '' takes the first it lists")
     backend_dialect: BackendDialect = setting(
         "backend", "auto",
-        "how the remote server streams audio: 'openai' (delta.audio), 'vllm-omni' (WAV in content chunks "
-        "marked \"modality\": \"audio\"), 'auto' tells them apart from the stream",
+        "how the remote server streams audio: 'openai' (delta.audio), 'vllm-omni' (WAV pieces in content chunks"
+        " marked \"modality\": \"audio\", the voice sent as speaker), 'auto' tells them apart from the stream",
     )
     # [limits]
     max_upload_bytes: int = setting("limits", 50 << 20, "largest image, audio or video file accepted")
     max_image_pixels: int = setting("limits", 4096 * 4096, "largest decoded image, width times height")
     max_audio_seconds: float = setting("limits", 300.0, "longest audio clip accepted")
-    max_video_seconds: float = setting("limits", 120.0, "longest video clip accepted")
-    max_prompt_tokens: int = setting("limits", 6144, "longest prompt, media tokens included")
+    max_video_seconds: float = setting(
+        "limits", 120.0, "longest video clip accepted (its frames also count against max_image_pixels)"
+    )
+    max_prompt_tokens: int = setting(
+        "limits", 6144,
+        "longest prompt, media tokens included; a longer chat leaves its earliest turns out (never the system prompt"
+        " or the question asked)",
+    )
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -295,18 +363,24 @@ class Settings:
 _TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 
+def expected_values(annotation: Any) -> str:
+    """What a setting of this type may hold, as its error messages and docs/settings.md say it."""
+    if get_origin(annotation) is Literal:
+        return "one of " + ", ".join(repr(choice) for choice in get_args(annotation))
+    return _TYPE_NAMES[annotation]
+
+
 def _check_type(name: str, value: Any, annotation: Any) -> None:
     expected = annotation
     if get_origin(expected) is Literal:
         if value not in get_args(expected):
-            choices = ", ".join(repr(c) for c in get_args(expected))
-            raise SettingsError(f"setting '{name}' must be one of {choices}, got {value!r}")
+            raise SettingsError(f"setting '{name}' must be {expected_values(expected)}, got {value!r}")
         return
     ok = isinstance(value, expected) and not (expected is not bool and isinstance(value, bool))
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         ok = True
     if not ok:
-        raise SettingsError(f"setting '{name}' must be {_TYPE_NAMES[expected]}, got {value!r}")
+        raise SettingsError(f"setting '{name}' must be {expected_values(expected)}, got {value!r}")
 
 
 def _field_table() -> dict[str, str]:
@@ -341,7 +415,8 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--settings", type=Path, default=None, help="settings file (default: ./settings.toml)")
     for f in fields(Settings):
         flag = "--" + f.name.replace("_", "-")
-        group.add_argument(flag, dest=f"setting_{f.name}", default=None, metavar="VALUE", help=f.metadata["help"])
+        help = f.metadata["help"].replace("%", "%%")  # argparse formats help with '%'
+        group.add_argument(flag, dest=f"setting_{f.name}", default=None, metavar="VALUE", help=help)
 
 
 def settings_from_arguments(args: argparse.Namespace) -> Settings:

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import soundfile
 from samples import TYPED_CONTROL_TOKENS, clip, video_file
 from bad_files import BAD_FILES, MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS, good_image
 from omni_local.cli import main
+from omni_local.settings import Settings
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -23,6 +25,15 @@ def flags(demo_settings, demo_checkpoint) -> list[str]:
         "--demo-dir", str(demo_settings.demo_path), "--cache-dir", demo_settings.cache_dir, "--device", "cpu",
         "--max-image-pixels", str(MAX_IMAGE_PIXELS), "--max-audio-seconds", str(MAX_AUDIO_SECONDS),
     ]
+
+
+@pytest.mark.parametrize("command", ["ask", "chat", "voice", "serve"])
+def test_help_shows_every_settings_help_text(command, capsys):
+    with pytest.raises(SystemExit) as exit:
+        main([command, "--help"])
+    shown = "".join(capsys.readouterr().out.split())  # argparse wraps lines, at hyphens too
+    assert exit.value.code == 0
+    assert [f.name for f in fields(Settings) if "".join(f.metadata["help"].split()) not in shown] == []
 
 
 def test_ask_streams_the_reply_then_a_timings_line(flags, tmp_path, capsys):

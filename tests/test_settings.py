@@ -1,4 +1,6 @@
 import argparse
+import tomllib
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ from omni_local.settings import (
     load_settings,
     settings_from_arguments,
 )
+from omni_local.settings_files import REGENERATE, SETTINGS_PAGE, settings_page, settings_toml
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -27,6 +30,38 @@ def parse(argv: list[str]) -> Settings:
 
 def test_the_shipped_settings_file_holds_the_defaults():
     assert load_settings(DEFAULT_SETTINGS_FILE) == Settings()
+
+
+def test_the_shipped_settings_file_is_the_one_written_from_the_fields():
+    assert DEFAULT_SETTINGS_FILE.read_text(encoding="utf-8") == settings_toml(), f"run `{REGENERATE}`"
+
+
+def test_the_settings_page_is_the_one_written_from_the_fields():
+    assert SETTINGS_PAGE.read_text(encoding="utf-8") == settings_page(), f"run `{REGENERATE}`"
+
+
+def test_the_written_settings_file_holds_each_key_under_its_help_in_its_table():
+    text = settings_toml()
+    lines = text.split("\n")
+    for f in fields(Settings):
+        at = next(i for i, line in enumerate(lines) if line.startswith(f"{f.name} = "))
+        comment = []
+        while lines[at - 1 - len(comment)].startswith("# "):
+            comment.insert(0, lines[at - 1 - len(comment)].removeprefix("# "))
+        assert " ".join(comment) == f.metadata["help"], f.name
+    document = tomllib.loads(text)
+    assert {key: table for table, keys in document.items() for key in keys} == {
+        f.name: f.metadata["table"] for f in fields(Settings)
+    }
+
+
+def test_the_settings_page_gives_each_key_its_default_values_and_help():
+    page = settings_page()
+    helps = {f.name: f.metadata["help"] for f in fields(Settings)}
+    assert "\n## [cache]\n" in page
+    assert f"| `gpu_cache_bytes` | `4294967296` (4 GiB) | an integer | {helps['gpu_cache_bytes']} |\n" in page
+    assert f"| `weights` | `\"bf16\"` | one of 'bf16', 'fp8', 'int4' | {helps['weights']} |\n" in page
+    assert "| `demo_dir` | `\"\"` | a string | where the demo model is written; '' is &lt;cache_dir&gt;/demo |\n" in page
 
 
 def test_the_defaults_run_the_demo_model_on_loopback():
