@@ -37,6 +37,7 @@ from transformers.utils import is_torchvision_available
 
 from bad_files import write_bad_files
 from checkpoint_family import write_captioner, write_thinking
+from gpu_groups import GROUPS, group_of
 from omni_local.api.messages import Message
 from omni_local.model import LoadedModel, load_model
 from omni_local.model.demo import ensure_demo_checkpoint
@@ -195,9 +196,27 @@ def bad_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path,
     return write_bad_files(tmp_path_factory.mktemp("bad"))
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--gpu-group", action="append", choices=[*GROUPS, "all"], default=[],
+                     help="collect only the GPU suite's files of this group (gpu_groups.py; repeatable, or 'all')")
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """With --gpu-group, only that group's test files are collected: the others are not even
+    imported, so a GPU machine without the page's or the server's packages runs the suite."""
+    chosen = config.getoption("gpu_group")
+    if not chosen or not collection_path.name.startswith("test_") or collection_path.suffix != ".py":
+        return None
+    group = group_of(collection_path)
+    return group is None or ("all" not in chosen and group not in chosen)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (CUDA graphs); skipped where none is visible")
     config.addinivalue_line("markers", "torchvision: reads a video, which needs torchvision; skipped without it")
+    config.addinivalue_line("markers", "gpu: a test of the GPU suite (gpu_groups.py); run with OMNI_LOCAL_TEST_DEVICE=cuda")
+    for group in GROUPS:
+        config.addinivalue_line("markers", f"gpu_{group}: the GPU suite's group {group!r} (gpu_groups.py)")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -209,6 +228,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         missing["torchvision"] = pytest.mark.skip(
             reason="video needs torchvision (transformers' video processor), which is not installed")
     for item in items:
+        if group := group_of(item.path):
+            item.add_marker("gpu")
+            item.add_marker(f"gpu_{group}")
         for marker, skip in missing.items():
             if item.get_closest_marker(marker):
                 item.add_marker(skip)
