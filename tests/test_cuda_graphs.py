@@ -347,7 +347,8 @@ def test_a_spoken_reply_queues_each_frame_after_the_talkers_prefill_without_wait
     speaking_graphed_and_eager, monkeypatch,
 ):
     # A wait in a frame leaves the device idle while the host queues the rest of the turn: measured,
-    # speech held the Thinker at 15.7 ms a token against its 4 ms step (run Z).
+    # speech held the Thinker at 15.7 ms a token against its 4 ms step
+    # (docs/benchmarks/2026-12-02-rows-again-video-traced.md).
     speaker = speaking_graphed_and_eager[0].backend.engine.speaker
     queue_frame, checked = speaker._queue_frame, []
 

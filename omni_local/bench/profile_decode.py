@@ -10,9 +10,9 @@ token at its own row, spread around `--context`), profiled one of two ways (`--s
   engine runs it. CUPTI records each kernel a graph launches, by name, though no CPU op launches it;
   where it records none, the script says so and profiles `eager` instead.
 - `eager`: the forward the graph captured, launched kernel by kernel: the graph's own cache writer
-  over the same bucket of rows, the compiled layers, the backend's capturable experts. docs/performance.md's
-  first profile was made so. The same forward, so the replay's kernels, less its copies of the
-  inputs and outputs.
+  over the same bucket of rows, the compiled layers, the backend's capturable experts. The first profile
+  (docs/benchmarks/2026-11-30-compiled-layers.md) was made so. The same forward, so the replay's
+  kernels, less its copies of the inputs and outputs.
 On the CPU there are no kernels: each ATen op counts, with its self time, and the step is eager.
 
 Each of --runs steps is profiled alone, after a warm-up step and a warm-up profile; a category's

@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 GiB = 1 << 30
 MARGIN_BYTES = 1 * GiB
 # The engine's start-up take besides the Thinker's KV, at full size with speech and the default
-# settings: 2.6 GiB on an H200 (docs/performance.md, run Q: fp8, allocated after start-up less weights and 4 GiB of
-# KV); rounded up for a first start.
+# settings: 2.6 GiB on an H200 (fp8, allocated after start-up less weights and 4 GiB of KV:
+# docs/benchmarks/2026-12-01-quantized-weights.md); rounded up for a first start.
 FIRST_START_ENGINE_BYTES = 3 * GiB
 # The smallest encoder_cache_bytes a refusal suggests, in steps of ENCODER_CACHE_STEP: a 480x640
 # image's outputs take about 6 MiB at full size (some 370 tokens, each its merged row and three

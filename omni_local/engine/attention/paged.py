@@ -16,7 +16,8 @@ this forward's own rows, numbers unless the forward itself made NaN.)
   chosen on the device from the query's own rows, never from the batch or the table's width, so its
   reduction order is the same however the batch looks. (On an H200, 64-row splits took a 256-row
   context's attention from 13.9 to 10.9 µs a layer and a 1,024-row one's from 17.7 to 12.6, but
-  fixed 64-row splits (64 of them at 4,096 rows) took 16 chats' from 54.2 to 66.7: docs/performance.md, run AE.)
+  fixed 64-row splits (64 of them at 4,096 rows) took 16 chats' from 54.2 to 66.7:
+  docs/benchmarks/2026-12-03-attention-split-warm-start.md.)
   The batch-invariant form splits every SPLIT_ROWS rows, as its tails.
 - A short tail of 1 < L <= SPLIT_TAIL_TOKENS new tokens on a cached prefix (a new question on a
   cached conversation): a few query tiles, so its rows are split too, into at most MAX_TAIL_SPLITS

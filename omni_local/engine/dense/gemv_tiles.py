@@ -36,7 +36,7 @@ DEFAULT = GemvTile()
 # each GPU has its own. The H200's: `python -m omni_local.bench.dense_projections --sweep --runs 30`
 # (torch 2.11, Triton 3.6; the best sum over 1 and 16 rows, fp8 and int8) for the Thinker's q_proj
 # and k_proj before q, k and v were fused (2026-12-02), and for the fused qkv_proj (N 5,120) and
-# o_proj once a split's sums cost no launch of their own (2026-12-04: docs/performance.md, run AH).
+# o_proj once a split's sums cost no launch of their own (docs/benchmarks/2026-12-04-queries-normed-by-attention.md).
 TUNED: dict[tuple[str, int, int], GemvTile] = {
     ("NVIDIA H200", 4096, 2048): GemvTile(block_n=32, block_k=256, split_k=1, num_stages=4),
     ("NVIDIA H200", 5120, 2048): GemvTile(block_n=32, block_k=128, split_k=4, num_stages=3),
@@ -44,7 +44,7 @@ TUNED: dict[tuple[str, int, int], GemvTile] = {
     ("NVIDIA H200", 2048, 4096): GemvTile(block_n=32, block_k=128, split_k=8, num_stages=3),
     # The routers' gates (bfloat16, N 128). The Thinker's swept (`--sweep --shapes router`, 2026-12-04:
     # 6.61 us at one row); the Talker's chosen for 32 programs, not swept (7.15 us at one row, against
-    # 7.31 for F.linear: docs/performance.md, run AG).
+    # 7.31 for F.linear, in the run of docs/benchmarks/2026-12-04-split-reductions-one-launch.md).
     ("NVIDIA H200", 128, 2048): GemvTile(block_n=16, block_k=256, split_k=8, num_stages=4),
     ("NVIDIA H200", 128, 1024): GemvTile(block_n=16, block_k=128, split_k=4, num_stages=3),
 }
