@@ -3,10 +3,11 @@
 Quantized weights come two ways. A full-precision checkpoint is quantized as it loads, as the
 `weights` setting says (model/quantized/), and the quantized layers are kept on disk for the next
 start (stored.py). A checkpoint quantized before (compressed-tensors: the community's 4-bit and FP8
-Qwen3-Omni checkpoints; its config.json has a `quantization_config`) loads in its own format, as it
-is: the `weights` setting may stay 'bf16' (the default, "as the checkpoint holds them") or name the
-checkpoint's format ('int4' for W4A16, 'fp8' for FP8); another value is refused, as quantizing a
-quantized checkpoint again would round its weights twice and an int4 checkpoint cannot become fp8.
+Qwen3-Omni checkpoints; or GPTQ-packed int4, as AutoRound exports them; its config.json has a
+`quantization_config`) loads in its own format, as it is: the `weights` setting may stay 'bf16'
+(the default, "as the checkpoint holds them") or name the checkpoint's format ('int4' for W4A16 and
+GPTQ, 'fp8' for FP8); another value is refused, as quantizing a quantized checkpoint again would
+round its weights twice and an int4 checkpoint cannot become fp8.
 Such a checkpoint needs no store: its layers are read as they are stored, and nothing else is
 quantized (its embeddings, lm_head and encoders stay as it holds them, where our int4 keeps them in
 int8). The start-up line says which weights run ("int4 weights, as the checkpoint holds them").
@@ -28,8 +29,8 @@ from omni_local.api.kinds import ModelKind
 from omni_local.errors import CheckpointError, SettingsError
 from omni_local.model.demo import ensure_demo_checkpoint
 from omni_local.model.quantized import quantize_layers
-from omni_local.model.quantized.compressed_tensors import CompressedTensorsConfig, read_quantization_config
 from omni_local.model.quantized.linear import has_fp8_units
+from omni_local.model.quantized.prequantized import CheckpointQuantization, read_quantization_config
 from omni_local.model.quantized.stored import StoredLayers, filled_from_disk
 from omni_local.model.reasoning import template_opens_reasoning
 from omni_local.model.weights import load_weights, weight_files
@@ -85,7 +86,7 @@ def load_model(settings: Settings, before_loading: Callable[[torch.nn.Module], N
         model = load_weights(path, config, dtype, device, settings.attn_implementation, prepare=before_loading,
                              quantization=quantization)
         quantized = f"{' and '.join(formats)} weights, as the checkpoint holds them"
-        log.info("checkpoint '%s' is quantized (compressed-tensors): %s", path, quantized)
+        log.info("checkpoint '%s' is quantized (%s): %s", path, quantization.method, quantized)
     else:
         formats = [] if settings.weights == "bf16" else [settings.weights]
         _check_weights(formats, False, settings, device)
@@ -206,13 +207,14 @@ def _stored_layers(settings: Settings, path: Path, dtype: torch.dtype) -> Stored
     return StoredLayers.at(settings.cache_path, weight_files(path), settings.weights, dtype)
 
 
-def _checkpoint_formats(path: Path, quantization: CompressedTensorsConfig, weights: str) -> list[str]:
+def _checkpoint_formats(path: Path, quantization: CheckpointQuantization, weights: str) -> list[str]:
     """The formats a pre-quantized checkpoint holds, refusing a `weights` setting that names another."""
     formats = sorted(quantization.formats)
     if weights not in ("bf16", *formats):
         allowed = " or ".join(repr(f) for f in ("bf16", *formats))
-        raise SettingsError(f"checkpoint '{path}' is already quantized ({' and '.join(formats)}, compressed-tensors) "
-                            f"and loads as it is: setting 'weights' must be {allowed}, not {weights!r}")
+        raise SettingsError(f"checkpoint '{path}' is already quantized ({' and '.join(formats)}, "
+                            f"{quantization.method}) and loads as it is: setting 'weights' must be {allowed}, "
+                            f"not {weights!r}")
     return formats
 
 
@@ -221,8 +223,7 @@ def _check_weights(formats: list[str], prequantized: bool, settings: Settings, d
     checkpoint's) where they cannot run, saying what would."""
     if not formats or device.type != "cuda":
         return
-    source = ("the checkpoint holds {} weights (compressed-tensors)" if prequantized
-              else "setting 'weights' is '{}'")
+    source = "the checkpoint holds {} weights" if prequantized else "setting 'weights' is '{}'"
     if "fp8" in formats and not has_fp8_units(device):
         major, minor = torch.cuda.get_device_capability(device)
         instead = "an int4 checkpoint runs here" if prequantized else "use 'int4'"
@@ -238,9 +239,9 @@ def _check_attention(name: str) -> None:
         raise SettingsError("setting 'attn_implementation' is 'flash_attention_2', but flash-attn is not installed")
 
 
-def _read_config(path: Path) -> tuple[Qwen3OmniMoeConfig, bool, CompressedTensorsConfig | None]:
+def _read_config(path: Path) -> tuple[Qwen3OmniMoeConfig, bool, CheckpointQuantization | None]:
     """The checkpoint's config, whether it has a Talker, and its quantization if it was quantized
-    before loading (compressed-tensors)."""
+    before loading (compressed-tensors, or GPTQ-packed int4)."""
     config_file = path / "config.json"
     try:
         written = json.loads(config_file.read_text(encoding="utf-8"))

@@ -12,8 +12,8 @@ device in the model's dtype, instead of having them assigned; one that `prepare`
 (its `prefilled` is true: quantized layers read back from disk) is handed nothing, and its tensors
 are not read.
 
-A checkpoint quantized before loading (compressed-tensors: `quantization`) stores its quantized
-layers under other names (`...weight_packed`, `...weight_scale`, ...): those layers are swapped in
+A checkpoint quantized before loading (compressed-tensors or GPTQ: `quantization`) stores its quantized
+layers under other names (`...weight_packed`, `...qweight`, ...): those layers are swapped in
 for transformers' own before `prepare` runs and are handed their stored tensors as they are, each
 layer once all of its have been read (model/quantized/prequantized.py).
 """
@@ -31,8 +31,7 @@ from transformers import GenerationConfig, Qwen3OmniMoeConfig, Qwen3OmniMoeForCo
 
 from omni_local.errors import CheckpointError
 from omni_local.model.checkpoint_names import SPEECH_PARTS, ExpertSlice, expert_slice, fused_rows, model_name, per_expert
-from omni_local.model.quantized.compressed_tensors import CompressedTensorsConfig
-from omni_local.model.quantized.prequantized import PrequantizedLayers
+from omni_local.model.quantized.prequantized import CheckpointQuantization, PrequantizedLayers
 
 Prepare = Callable[[torch.nn.Module], None]
 
@@ -54,7 +53,7 @@ def load_weights(
     device: torch.device,
     attn_implementation: str,
     prepare: Prepare | None = None,
-    quantization: CompressedTensorsConfig | None = None,
+    quantization: CheckpointQuantization | None = None,
 ) -> Qwen3OmniMoeForConditionalGeneration:
     """The model of `config` with the weights of the checkpoint in `path`, on `device` in `dtype`.
 

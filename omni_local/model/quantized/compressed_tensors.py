@@ -40,11 +40,18 @@ class Scheme:
     format: QuantFormat  # "int4" or "fp8"
     group_size: int = 0  # int4: consecutive inputs per scale
 
+    @property
+    def layout(self) -> str:
+        """How a layer's tensors are stored (prequantized.py): compressed-tensors' for its format."""
+        return self.format
+
 
 @dataclass(frozen=True)
 class CompressedTensorsConfig:
     targets: dict[str, Scheme]  # each target, with the scheme it brings
     ignore: tuple[str, ...]
+    method: str = "compressed-tensors"  # for messages
+    quantized_suffixes: tuple[str, ...] = ("weight", "weight_packed")  # a layer's stored weight, packed or not
 
     @property
     def formats(self) -> set[str]:
@@ -74,7 +81,8 @@ def read_quantization_config(config_json: dict) -> CompressedTensorsConfig | Non
     method = written.get("quant_method")
     if method != "compressed-tensors":
         raise CheckpointError(f"quantization config: quant_method {method!r} is not supported (omni_local reads "
-                              f"checkpoints quantized with compressed-tensors); {SUPPORTED}")
+                              f"checkpoints quantized with compressed-tensors, and GPTQ-packed int4: 'gptq' or "
+                              f"'auto-round'); {SUPPORTED}")
     for field, meaning in (("kv_cache_scheme", "a quantized KV cache"), ("transform_config", "weight transforms"),
                            ("sparsity_config", "sparse weights")):
         if written.get(field):

@@ -1,11 +1,13 @@
-"""A checkpoint quantized before loading (compressed-tensors): which of its layers are stored quantized,
-the tensors each is stored as, and each layer handed its values and scales once all have been read.
+"""A checkpoint quantized before loading (compressed-tensors, or GPTQ-packed int4: gptq.py): which of its
+layers are stored quantized, the tensors each is stored as, and each layer handed its values and
+scales once all have been read.
 
 A quantized layer's weight W [N, K] (checkpoint name `<layer>.weight`) is stored as
 - int4 (pack-quantized): `<layer>.weight_packed` int32 [N, K/8], eight values a word, the first in
   the lowest bits, each plus 8: read as bytes on a little-endian machine, exactly our packed int4
   [N, K/2] (formats.py); `<layer>.weight_scale` [N, K/group]; `<layer>.weight_shape` int64 (N, K);
-- fp8 (float-quantized): `<layer>.weight` float8_e4m3 [N, K] and `<layer>.weight_scale` [N, 1].
+- fp8 (float-quantized): `<layer>.weight` float8_e4m3 [N, K] and `<layer>.weight_scale` [N, 1];
+- GPTQ-packed int4: `<layer>.qweight`, `.scales`, `.qzeros` and maybe `.g_idx` (gptq.py).
 Values keep their bytes; scales take our formats' dtypes (int4's the model's, fp8's float32). No
 full-precision copy of a quantized layer is ever made.
 
@@ -17,39 +19,58 @@ talker.codec_head, whose weights the engine reads) stay in the model's dtype: a 
 one is refused, naming it.
 """
 
-from collections import defaultdict
-from collections.abc import Iterable
+from collections import Counter, defaultdict
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
 
 from omni_local.errors import CheckpointError
 from omni_local.model.checkpoint_names import expert_slice, model_name
+from omni_local.model.quantized import compressed_tensors, gptq
 from omni_local.model.quantized.compressed_tensors import SUPPORTED, CompressedTensorsConfig, Scheme
 from omni_local.model.quantized.experts import QuantizedExperts
 from omni_local.model.quantized.formats import Quantized
 from omni_local.model.quantized.linear import QuantizedLinear
 
-# What each of a quantized layer's stored tensors is, by its name's last part.
+CheckpointQuantization = CompressedTensorsConfig | gptq.GptqConfig
+# What each of a quantized layer's stored tensors is, by its name's last part, by the scheme's layout.
 _STORED_AS = {"int4": {"weight_packed": "values", "weight_scale": "scales", "weight_shape": "shape"},
-              "fp8": {"weight": "values", "weight_scale": "scales"}}
+              "fp8": {"weight": "values", "weight_scale": "scales"},
+              "gptq": {name: name for name in ("qweight", "scales", "qzeros", "g_idx")}}
+_OPTIONAL = ("g_idx",)  # stored by some exporters only: a layer is complete without it where the files lack it
 _SCALE_DTYPES = ("F32", "BF16", "F16")
 _OUTPUT_HEADS = ("thinker.lm_head.weight", "talker.codec_head.weight")
+
+
+def read_quantization_config(config_json: dict) -> CheckpointQuantization | None:
+    """The checkpoint's quantization, from config.json's fields: None if it has none; a
+    `CheckpointError` naming the first part that does not map onto our formats."""
+    written = config_json.get("quantization_config")
+    if written is not None and written.get("quant_method") in gptq.METHODS:
+        return gptq.read_gptq_config(written)
+    return compressed_tensors.read_quantization_config(config_json)
 
 
 class PrequantizedLayers:
     """The checkpoint's quantized layers, each by its weight's name in transformers 5's module tree
     (a routed expert's per expert: checkpoint_names.py), with the scheme it is stored in."""
 
-    def __init__(self, path: Path, layers: dict[str, Scheme], shapes: dict[str, torch.Size]) -> None:
+    def __init__(self, path: Path, layers: dict[str, Scheme], shapes: dict[str, torch.Size], held: set[str]) -> None:
+        """`held`: every tensor name (renamed) the files hold."""
         self.path, self.layers = path, layers
         self._shapes = {weight: shapes[weight] for weight in layers}  # W's [N, K]
-        self._parts = {f"{weight.removesuffix('.weight')}.{stored}": (weight, part)
-                       for weight, scheme in layers.items() for stored, part in _STORED_AS[scheme.format].items()}
+        self._parts: dict[str, tuple[str, str]] = {}  # each stored tensor's name: (its layer's weight, what it is)
+        for weight, scheme in layers.items():
+            for stored, part in _STORED_AS[scheme.layout].items():
+                name = f"{weight.removesuffix('.weight')}.{stored}"
+                if stored not in _OPTIONAL or name in held:
+                    self._parts[name] = (weight, part)
+        self._counts = Counter(weight for weight, _ in self._parts.values())  # each layer's stored tensors
         self._read: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)  # a layer's parts read so far
 
     @classmethod
-    def resolve(cls, path: Path, config: CompressedTensorsConfig, checkpoint_names: Iterable[str],
+    def resolve(cls, path: Path, config: CheckpointQuantization, checkpoint_names: Collection[str],
                 model: torch.nn.Module, expected: dict[str, torch.Size]) -> "PrequantizedLayers":
         """The layers of checkpoint `path` that `config` covers, among those whose weights its files
         hold (by `checkpoint_names`) and the model has (`expected`: its weights' names and shapes);
@@ -59,7 +80,7 @@ class PrequantizedLayers:
             _check_experts(layers, expected)
         except CheckpointError as error:
             raise CheckpointError(f"checkpoint '{path}': {error}") from None
-        return cls(path, layers, expected)
+        return cls(path, layers, expected, {model_name(name) for name in checkpoint_names})
 
     @property
     def formats(self) -> set[str]:
@@ -72,13 +93,10 @@ class PrequantizedLayers:
         shapes, dtypes = dict(expected), {}
         for weight, scheme in self.layers.items():
             rows, inputs = shapes.pop(weight)
-            stored = ({"weight_packed": ((rows, inputs // 8), ("I32",)),
-                       "weight_scale": ((rows, inputs // scheme.group_size), _SCALE_DTYPES),
-                       "weight_shape": ((2,), ("I64", "I32"))} if scheme.format == "int4" else
-                      {"weight": ((rows, inputs), ("F8_E4M3",)), "weight_scale": ((rows, 1), _SCALE_DTYPES)})
-            for suffix, (shape, allowed) in stored.items():
+            for suffix, (shape, allowed) in _stored_shapes(scheme, rows, inputs).items():
                 name = f"{weight.removesuffix('.weight')}.{suffix}"
-                shapes[name], dtypes[name] = torch.Size(shape), allowed
+                if name in self._parts:
+                    shapes[name], dtypes[name] = torch.Size(shape), allowed
         return shapes, dtypes
 
     def swap_modules(self, model: torch.nn.Module) -> None:
@@ -112,7 +130,7 @@ class PrequantizedLayers:
             tensor = tensor.to(device)
         read = self._read[weight]
         read[part] = tensor
-        if len(read) == len(_STORED_AS[self.layers[weight].format]):
+        if len(read) == self._counts[weight]:
             del self._read[weight]
             self._hand_over(model, weight, self._quantized(weight, read, dtype), dtype)
 
@@ -121,6 +139,8 @@ class PrequantizedLayers:
 
     def _quantized(self, weight: str, read: dict[str, torch.Tensor], dtype: torch.dtype) -> Quantized:
         scheme = self.layers[weight]
+        if scheme.layout == "gptq":
+            return gptq.int4_weight(f"checkpoint '{self.path}': {weight.removesuffix('.weight')}", read, scheme, dtype)
         if scheme.format == "fp8":
             return Quantized("fp8", read["values"], read["scales"].to(torch.float32).flatten())
         shape = tuple(read["shape"].tolist())
@@ -138,13 +158,24 @@ class PrequantizedLayers:
             model.get_submodule(weight.removesuffix(".weight")).take_quantized(quantized, dtype)
 
 
-def _covered_layers(config: CompressedTensorsConfig, checkpoint_names: Iterable[str], model: torch.nn.Module,
+def _stored_shapes(scheme: Scheme, rows: int, inputs: int) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """A quantized layer of weight [rows, inputs]: each stored tensor's suffix, shape and dtypes."""
+    if scheme.layout == "gptq":
+        return gptq.stored_shapes(scheme, rows, inputs)
+    if scheme.format == "int4":
+        return {"weight_packed": ((rows, inputs // 8), ("I32",)),
+                "weight_scale": ((rows, inputs // scheme.group_size), _SCALE_DTYPES),
+                "weight_shape": ((2,), ("I64", "I32"))}
+    return {"weight": ((rows, inputs), ("F8_E4M3",)), "weight_scale": ((rows, 1), _SCALE_DTYPES)}
+
+
+def _covered_layers(config: CheckpointQuantization, checkpoint_names: Collection[str], model: torch.nn.Module,
                     expected: dict[str, torch.Size]) -> dict[str, Scheme]:
     layers: dict[str, Scheme] = {}
     for key in checkpoint_names:
         module, _, stored = key.rpartition(".")
         weight = model_name(f"{module}.weight")
-        if stored not in ("weight", "weight_packed") or weight not in expected:
+        if stored not in config.quantized_suffixes or weight not in expected:
             continue  # not a layer's weight, or one the model has no place for (the loader says so)
         classes = _classes(model, weight)
         scheme = config.scheme_for((module, weight.removesuffix(".weight")), classes)
