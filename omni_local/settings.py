@@ -202,7 +202,9 @@ class Settings:
         "keep image, audio and video encoder outputs by content, so a known picture, clip or video skips its encoder",
     )
     encoder_cache_bytes: int = setting(
-        "cache", 1 << 30, "device memory for encoder outputs, the least recently used dropped first"
+        "cache", 1 << 30,
+        "most device memory for encoder outputs, the least recently used dropped first; where the GPU memory plan is"
+        " short, it gives less (down to 128 MiB) before the Thinker's KV holds fewer than four chats of 4,096 tokens",
     )
     disk_cache: bool = setting("cache", True, "also keep encoder outputs on disk, across restarts")
     disk_cache_bytes: int = setting("cache", 8 << 30, "disk space for encoder outputs (<cache_dir>/encoders)")

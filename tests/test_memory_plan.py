@@ -48,6 +48,7 @@ def test_the_kv_is_what_the_plan_leaves_up_to_gpu_cache_bytes(planned, tmp_path)
     with OmniLocal(planned.replace(gpu_memory_bytes=available, cache_dir=str(tmp_path / "first start"))) as tight:
         plan = tight.backend.memory
         assert plan.kv == 5 * MiB and plan.engine == ENGINE and plan.encoder_outputs == MiB
+        assert tight.backend.engine.settings.encoder_cache_bytes == plan.encoder_outputs
         kv = tight.backend.engine.runner.kv
         assert kv.allocated_bytes <= plan.kv and kv.allocated_bytes > plan.kv - kv.shape.block_bytes(kv.dtype)
         assert tight.session().send("Hello there", max_new_tokens=4).result().tokens.generated > 0
@@ -70,22 +71,33 @@ def test_settings_that_cannot_fit_stop_start_up_before_any_weight_is_read_saying
 
     message = str(refusal.value)
     assert message.startswith("the model needs ") and " of GPU memory (weights " in message
-    assert message.endswith("is free: try weights = 'fp8' or weights = 'int4' or speech = false")
+    assert message.endswith("is free: try encoder_cache = false or weights = 'fp8' or weights = 'int4' or speech = false")
 
 
-def test_a_refusal_where_a_smaller_encoder_cache_fits_suggests_the_largest_that_does(planned, monkeypatch):
-    monkeypatch.setattr(memory_plan, "LEAST_ENCODER_CACHE_BYTES", MiB)
-    monkeypatch.setattr(memory_plan, "ENCODER_CACHE_STEP", MiB)
+def test_where_memory_is_short_the_encoder_outputs_shrink_to_their_floor_before_the_kv_falls_below_four_chats(
+    planned, monkeypatch
+):
+    monkeypatch.setattr(memory_plan, "LEAST_ENCODER_CACHE_BYTES", 2 * MiB)
     model = load_model(planned).model
     thinker_kv = kv_shape(model.thinker.model.language_model.config, planned.max_context_tokens,
                           planned.kv_block_tokens, model.config.talker_config.text_config.hidden_size)
-    available = weights_bytes(model, "bf16") + ENGINE + least_kv_bytes(thinker_kv, torch.float32) + 2 * MiB + 1
+    block = thinker_kv.block_bytes(torch.float32)
+    four_chats = (thinker_kv.blocks_for(memory_plan.KV_TARGET_TOKENS) + 1) * block  # and the pad block
+    settings = planned.replace(encoder_cache_bytes=64 * MiB, gpu_cache_bytes=1 << 30)
+    base = weights_bytes(model, "bf16", speech=True) + ENGINE
 
-    with pytest.raises(SettingsError) as refusal:
-        memory_plan.plan_memory(model, planned.replace(encoder_cache_bytes=8 * MiB, gpu_memory_bytes=available),
-                                torch.device("cpu"))
+    def plan(spare: int) -> memory_plan.MemoryPlan:
+        return memory_plan.plan_memory(model, settings.replace(gpu_memory_bytes=base + four_chats + spare),
+                                       torch.device("cpu"))
 
-    assert str(refusal.value).endswith(" is free: try encoder_cache_bytes = 2097152 (2.0 MiB)")  # in steps of 1 MiB
+    assert (plan(74 * MiB).encoder_outputs, plan(74 * MiB).kv) == (64 * MiB, four_chats + 10 * MiB)
+    assert (plan(16 * MiB).encoder_outputs, plan(16 * MiB).kv) == (16 * MiB, four_chats)
+    shortest = plan(0)
+    assert (shortest.encoder_outputs, shortest.kv) == (2 * MiB, four_chats - 2 * MiB)
+    tokens = (shortest.kv // block - 1) * thinker_kv.block_tokens
+    assert shortest.kv_tokens == tokens and tokens < memory_plan.KV_TARGET_TOKENS
+    assert shortest.line().endswith(f"encoder outputs 2.0 MiB (of 64.0 MiB: shrunk to fit), KV {memory_plan.size(shortest.kv)} "
+                                    f"({tokens:,} tokens: {tokens / 4096:.1f} chats of 4,096)")
 
 
 def test_with_the_encoder_cache_off_the_plan_keeps_no_room_for_encoder_outputs(planned):
@@ -115,3 +127,15 @@ def test_on_a_gpu_the_engines_take_is_measured_at_start_up_and_planned_with_at_t
     with OmniLocal(settings) as second:
         measured = second.backend.memory.engine
         assert measured != ENGINE and 0 < measured < torch.cuda.max_memory_allocated()
+
+
+def test_each_start_up_step_says_the_gpu_memory_it_kept_allocated_and_reserved(monkeypatch, caplog):
+    # Which part of the engine's take is which (graphs, pools, activations): the plan sizes the whole.
+    from omni_local import start_up_steps
+
+    readings = iter([(100 * MiB, 200 * MiB), (612 * MiB, 840 * MiB)])  # as the step begins, as it ends
+    monkeypatch.setattr(start_up_steps, "gpu_memory", lambda: next(readings))
+    monkeypatch.setattr(start_up_steps.time, "perf_counter", iter([1.0, 3.5]).__next__)
+    with caplog.at_level("INFO", logger="omni_local.start_up"), start_up_steps.start_up_step("the graphs"):
+        pass
+    assert caplog.messages == ["start-up: the graphs, 2.5 s, GPU +512.0 MiB allocated, +640.0 MiB reserved"]

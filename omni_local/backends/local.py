@@ -62,8 +62,8 @@ class LocalBackend:
             with start_up_step("the model loaded"):
                 loaded = load_model(settings, before_loading=self._plan_memory)
         self.loaded = loaded
-        # The KV is what the plan leaves, up to gpu_cache_bytes.
-        sized = settings if self.memory is None else settings.replace(gpu_cache_bytes=self.memory.kv)
+        # The KV and the encoder outputs as the plan sized them, up to their settings.
+        sized = settings if self.memory is None else self.memory.applied(settings)
         # In host memory (and on the CPU, all of it) as much as the machine's memory allows.
         self.host_memory = host_memory.plan_for(self.loaded, sized)
         log.info("%s", self.host_memory.line())

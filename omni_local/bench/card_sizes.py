@@ -8,7 +8,8 @@ The weights are loaded first (random ones are built in full precision and quanti
 so the cap comes after them: it bounds what serving takes, the weights included); then the process
 is capped at --card-gib with `torch.cuda.set_per_process_memory_fraction`, the app starts (KV, CUDA
 graphs) and each request is sent --runs times after a warm-up, a new question each time. Prints one
-table row (medians; times are the engine's own), or where the app did not fit, what ran out.
+table row (medians; times are the engine's own), or where the app did not fit, what ran out. The
+start-up's steps go to stderr, each with the GPU memory it kept: which part of the engine's take is which.
 """
 
 import statistics
@@ -25,6 +26,7 @@ from omni_local.engine.memory_plan import MARGIN_BYTES, GiB, plan_memory
 from omni_local.errors import SettingsError
 from omni_local.model.loader import LoadedModel
 from omni_local.settings import Settings
+from omni_local.start_up_steps import show_start_up_steps
 
 ASKED = Message("user", [noise_image((480, 640)), noise_clip(10.0), "What do you see and hear?"])
 HEAD = ("| weights | speech | card GiB | weights GiB | allocated after start-up GiB | peak allocated GiB | start-up s "
@@ -74,8 +76,8 @@ def row(settings: Settings, card_gib: float | None, weights_bytes: int, cells: l
 
 
 def planned(settings: Settings, loaded: LoadedModel, card_gib: float, weights_bytes: int) -> Settings:
-    """`settings` with the KV the memory plan leaves on a card of `card_gib`; exits with the plan's
-    refusal as the row where it refuses."""
+    """`settings` with the caches (KV, encoder outputs) the memory plan sizes on a card of `card_gib`;
+    exits with the plan's refusal as the row where it refuses."""
     card = settings.replace(gpu_memory_bytes=int(card_gib * GiB) - MARGIN_BYTES)
     try:
         plan = plan_memory(loaded.model, card, loaded.device)
@@ -83,7 +85,7 @@ def planned(settings: Settings, loaded: LoadedModel, card_gib: float, weights_by
         print(row(settings, card_gib, weights_bytes, [f"refused by the memory plan: {refusal}"]))
         sys.exit(1)
     print(plan.line(), file=sys.stderr)
-    return settings.replace(gpu_cache_bytes=plan.kv)
+    return plan.applied(settings)
 
 
 def main() -> None:
@@ -94,6 +96,7 @@ def main() -> None:
                         help="size the KV as the start-up's memory plan would on a card of --card-gib (less the "
                              "plan's margin), and print the plan; one that refuses is the row")
     args = parser.parse_args()
+    show_start_up_steps()
     settings, loaded = settings_and_model(args)
     weights_bytes = held_bytes(loaded.model)
     on_gpu = loaded.device.type == "cuda"

@@ -87,7 +87,7 @@ from omni_local.errors import OmniLocalError, RequestError
 from omni_local.model.loader import LoadedModel, media_markup_token_ids, thinker_eos_token_ids
 from omni_local.model.reasoning import reasoning_marks
 from omni_local.settings import Settings
-from omni_local.start_up_steps import log_start_up_step, start_up_step
+from omni_local.start_up_steps import gpu_memory, log_start_up_step, start_up_step
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -177,7 +177,9 @@ class Engine:
         self._first_choices: list[tuple[Request, Choices]] = []
         self._short_of_blocks = False  # the first waiting request found too few blocks; a release clears it
         self.warm, self._when_warm = threading.Event(), when_warm  # every graph captured
-        self._warming_up_since = time.perf_counter()
+        # The prefill graphs' time and memory, logged once the last is captured (a request served
+        # meanwhile counts too).
+        self._warming_up_since, self._memory_before_prefill_graphs = time.perf_counter(), gpu_memory()
         if not self.runner.prefill_graphs_left:
             self._became_warm()
         self._worker = threading.Thread(target=self._loop, name="omni-engine", daemon=True)
@@ -264,7 +266,7 @@ class Engine:
             self.runner.stop_capturing()
         if not self.runner.prefill_graphs_left:
             log_start_up_step("the Thinker's prefill graphs, after ready (while idle)",
-                              time.perf_counter() - self._warming_up_since)
+                              time.perf_counter() - self._warming_up_since, self._memory_before_prefill_graphs)
             self._became_warm()
 
     def _became_warm(self) -> None:

@@ -1,18 +1,23 @@
 """How the GPU's memory is split at start-up, decided before any weight is read.
 
 - weights: their exact size in the chosen format (`weights_bytes`, from the empty model);
-- working: what the engine takes besides the Thinker's KV blocks: CUDA graphs and their pools, the
-  activations of the largest graphed forward, the Talker's and its code predictor's KV, and the
-  encoder outputs kept on the device (`encoder_cache_bytes`, reserved whole: they fill up as media
-  come). The engine's part is measured at each start (its allocations' peak while it starts, less
-  the Thinker's KV) and remembered per GPU, model and settings (<cache_dir>/memory.json);
-  a first start takes FIRST_START_ENGINE_BYTES, measured on an H200 at full size;
-- KV: the rest, up to `gpu_cache_bytes` (a cap, not a requirement).
+- engine: what the engine takes besides the Thinker's KV blocks and the encoder outputs: CUDA graphs
+  and their pools, the activations of the largest graphed forward, the Talker's and its code
+  predictor's KV. Measured at each start (its allocations' peak while it starts, less the Thinker's
+  KV) and remembered per GPU, model and settings (<cache_dir>/memory.json); a first start takes
+  FIRST_START_ENGINE_BYTES, measured on an H200 at full size. Each start-up step logs its own part
+  (start_up_steps.py);
+- encoder outputs and KV: caches, so caps the plan shrinks to fit, each down to a floor it states.
+  The KV first gets KV_TARGET_TOKENS (or `gpu_cache_bytes`, if less), then the encoder outputs up to
+  `encoder_cache_bytes` (reserved whole on the device: they fill up as media come), then the KV the
+  rest, up to `gpu_cache_bytes`. Chats are worth more than resent images: on a small card the
+  encoder outputs shrink to LEAST_ENCODER_CACHE_BYTES before the KV holds fewer than four chats.
 
 What is split is `gpu_memory_bytes`, or by default what the GPU reports free, less MARGIN_BYTES (an
-encoder's activations on the largest image or video are not in the measurement). A plan that leaves
-less KV than one conversation of `max_context_tokens` stops start-up before loading, with one line
-saying what would fit. On the CPU there is no plan unless `gpu_memory_bytes` is set.
+encoder's activations on the largest image or video are not in the measurement). Where even the
+floors (the encoder outputs' and one conversation of `max_context_tokens`) do not fit, start-up
+stops before loading, with one line saying what would fit. On the CPU there is no plan unless
+`gpu_memory_bytes` is set.
 """
 
 import json
@@ -25,6 +30,7 @@ import blake3
 import torch
 
 from omni_local.cache.folders import private_folder
+from omni_local.engine.kv_store import KVShape
 from omni_local.engine.thinker import kv_shape, least_kv_bytes
 from omni_local.errors import SettingsError
 from omni_local.model.quantized import weights_bytes
@@ -39,11 +45,13 @@ MARGIN_BYTES = 1 * GiB
 # settings: 2.6 GiB on an H200 (fp8, allocated after start-up less weights and 4 GiB of KV:
 # docs/benchmarks/2026-12-01-quantized-weights.md); rounded up for a first start.
 FIRST_START_ENGINE_BYTES = 3 * GiB
-# The smallest encoder_cache_bytes a refusal suggests, in steps of ENCODER_CACHE_STEP: a 480x640
+# The encoder outputs' floor where memory is short (or encoder_cache_bytes, if less): a 480x640
 # image's outputs take about 6 MiB at full size (some 370 tokens, each its merged row and three
 # deepstack levels of 2,048 bfloat16 values: computed), so this keeps about 20 images.
 LEAST_ENCODER_CACHE_BYTES = 128 << 20
-ENCODER_CACHE_STEP = 64 << 20
+# The KV the plan gives before the encoder outputs grow past their floor: four chats of 4,096 tokens.
+KV_TARGET_TOKENS = 16_384
+CHAT_TOKENS = 4096  # the chat the plan's line counts the KV in
 
 
 @dataclass(frozen=True)
@@ -51,13 +59,22 @@ class MemoryPlan:
     available: int
     weights: int
     engine: int  # graphs, activations, the Talker's KV: measured, or FIRST_START_ENGINE_BYTES
-    encoder_outputs: int
-    kv: int  # the Thinker's KV blocks
+    encoder_outputs: int  # up to encoder_cache_bytes
+    encoder_cap: int  # encoder_cache_bytes (0 with the encoder cache off)
+    kv: int  # the Thinker's KV blocks, up to gpu_cache_bytes
+    kv_tokens: int  # the tokens those blocks hold
     key: str  # what the engine's measurement is remembered under
 
     def line(self) -> str:
+        shrunk = f" (of {size(self.encoder_cap)}: shrunk to fit)" if self.encoder_outputs < self.encoder_cap else ""
         return (f"GPU memory plan, {size(self.available)}: weights {size(self.weights)}, engine {size(self.engine)}, "
-                f"encoder outputs {size(self.encoder_outputs)}, KV {size(self.kv)}")
+                f"encoder outputs {size(self.encoder_outputs)}{shrunk}, KV {size(self.kv)} ({self.kv_tokens:,} tokens: "
+                f"{self.kv_tokens / CHAT_TOKENS:.1f} chats of {CHAT_TOKENS:,})")
+
+    def applied(self, settings: Settings) -> Settings:
+        """`settings` with the caches as planned."""
+        return settings.replace(gpu_cache_bytes=self.kv, encoder_cache_bytes=self.encoder_outputs or
+                                settings.encoder_cache_bytes)
 
 
 def plan_memory(model: torch.nn.Module, settings: Settings, device: torch.device) -> MemoryPlan | None:
@@ -69,22 +86,32 @@ def plan_memory(model: torch.nn.Module, settings: Settings, device: torch.device
         return None
     key = _key(model, settings, device)
     engine = _measured(settings.cache_path).get(key, FIRST_START_ENGINE_BYTES)
-    encoder_outputs = settings.encoder_cache_bytes if settings.encoder_cache else 0
-    fixed = engine + encoder_outputs
-    least_kv = least_conversation_kv_bytes(model, settings, next(model.parameters()).dtype)
+    encoder_cap = settings.encoder_cache_bytes if settings.encoder_cache else 0
+    least_encoder = min(encoder_cap, LEAST_ENCODER_CACHE_BYTES)
+    kv = _kv_shape(model, settings)
+    dtype = next(model.parameters()).dtype
+    least_kv = least_kv_bytes(kv, dtype)
     weights = weights_bytes(model, settings.weights, settings.speech)
-    if weights + fixed + least_kv > available:
-        raise SettingsError(_refusal(model, settings, device, available, fixed + least_kv, weights, encoder_outputs))
-    kv = min(settings.gpu_cache_bytes, available - weights - fixed)
-    return MemoryPlan(available, weights, engine, encoder_outputs, kv, key)
+    room = available - weights - engine
+    if room < least_encoder + least_kv:
+        raise SettingsError(_refusal(model, settings, device, available, engine + least_encoder + least_kv,
+                                     weights, least_encoder))
+    target_kv = min(settings.gpu_cache_bytes, (kv.blocks_for(KV_TARGET_TOKENS) + 1) * kv.block_bytes(dtype))
+    encoder_outputs = min(encoder_cap, max(least_encoder, room - target_kv))
+    kv_bytes = min(settings.gpu_cache_bytes, room - encoder_outputs)
+    kv_tokens = (kv_bytes // kv.block_bytes(dtype) - 1) * kv.block_tokens  # less the pad block
+    return MemoryPlan(available, weights, engine, encoder_outputs, encoder_cap, kv_bytes, kv_tokens, key)
 
 
 def least_conversation_kv_bytes(model: torch.nn.Module, settings: Settings, dtype: torch.dtype) -> int:
     """The Thinker's KV blocks for one conversation of `max_context_tokens` (and the pad block)."""
+    return least_kv_bytes(_kv_shape(model, settings), dtype)
+
+
+def _kv_shape(model: torch.nn.Module, settings: Settings) -> KVShape:
     talker_dim = model.config.talker_config.text_config.hidden_size if settings.speech else 0
-    shape = kv_shape(model.thinker.model.language_model.config, settings.max_context_tokens, settings.kv_block_tokens,
-                     talker_dim)
-    return least_kv_bytes(shape, dtype)
+    return kv_shape(model.thinker.model.language_model.config, settings.max_context_tokens, settings.kv_block_tokens,
+                    talker_dim)
 
 
 def size(count: int) -> str:
@@ -132,21 +159,21 @@ def remember_engine_bytes(plan: MemoryPlan, settings: Settings, device: torch.de
 
 
 def _refusal(model: torch.nn.Module, settings: Settings, device: torch.device, available: int, rest: int,
-             weights: int, encoder_outputs: int) -> str:
-    """One line: what the settings need, what is free, and the changes that would fit (the fewest;
-    first a smaller encoder cache, which keeps the format and speech)."""
+             weights: int, least_encoder: int) -> str:
+    """One line: what the settings need at the least, what is free, and the changes that would fit
+    (the fewest; first the encoder cache off, which keeps the format and speech)."""
     formats = [f for f in ("bf16", "fp8", "int4") if f != "fp8" or _fp8_runs(device)]
     speech = [True, False] if settings.speech else [False]
     fits = [(f, s) for s in speech for f in formats if weights_bytes(model, f, s) + rest <= available]
     changes = [_change(settings, f, s) for f, s in fits]
-    room = (available - weights - (rest - encoder_outputs)) // ENCODER_CACHE_STEP * ENCODER_CACHE_STEP
-    if encoder_outputs and room >= LEAST_ENCODER_CACHE_BYTES:
-        changes.insert(0, f"encoder_cache_bytes = {room} ({size(room)})")
+    if least_encoder and weights + rest - least_encoder <= available:
+        changes.insert(0, "encoder_cache = false")
     fewest = [c for c in changes if c.count(" and ") == min(c.count(" and ") for c in changes)] if changes else []
     advice = (f": try {' or '.join(fewest)}" if fewest else
-              ": no weights format fits; lower encoder_cache_bytes or max_context_tokens, or use a larger GPU")
-    return (f"the model needs {size(weights + rest)} of GPU memory (weights {size(weights)}, the engine, encoder "
-            f"outputs and one conversation's KV {size(rest)}), {size(available)} is free{advice}")
+              ": no weights format fits; lower max_context_tokens, or use a larger GPU")
+    return (f"the model needs {size(weights + rest)} of GPU memory (weights {size(weights)}, the engine, "
+            f"{size(least_encoder)} of encoder outputs and one conversation's KV {size(rest)}), {size(available)} is "
+            f"free{advice}")
 
 
 def _change(settings: Settings, weights: str, speech: bool) -> str:
