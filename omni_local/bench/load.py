@@ -9,7 +9,9 @@ has ended (a closed loop), until --seconds have passed; the row's wall time runs
 reply ends. Every request is a new chat's first turn (the same system prompt, computed once and
 then taken from the prefix cache), its question its own: --question-tokens words drawn for that
 client and request (load_clients.py), with its own picture or clip under --media. Identical
-questions would route to the same experts, a load no group of users makes.
+questions would route to the same experts, a load no group of users makes. A request's TTFT runs
+from before `send`, so it holds reading its media: through HTTP, encoding them for the body too
+(a noise picture of 480x640 as PNG: tens of ms on a CPU core), as a client's upload would.
 
 `--through api`: the clients are threads of this process, each with sessions of one `OmniLocal`.
 `--through http`: the same engine served over HTTP (the app `python -m omni_local serve` serves,
