@@ -365,15 +365,18 @@ from omni_local.engine.attention.paged import _attention_kernel, query_tile
 
 for invariant in (False, True):
     for length, table, partial in ((1, "*i32", True), (8, "*i64", not invariant), (64, "*i64", False)):
-        for norm_rope in (False, True):
+        for norm_rope, fp8 in ((False, False), (True, False), (True, True)):  # fp8: kv_dtype = "fp8"'s pools
             block_l, block_g = query_tile(8, length, invariant)
-            pointers = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", table_ptr=table, rows_ptr="*i64",
-                            out_ptr="*bf16", acc_ptr="*fp32", stats_ptr="*fp32", counters_ptr="*i32",
-                            norm_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", scale="fp32", eps="fp32")
+            pool = "*fp8e4nv" if fp8 else "*bf16"
+            pointers = dict(q_ptr="*bf16", k_ptr=pool, v_ptr=pool, k_scales_ptr="*fp32", v_scales_ptr="*fp32",
+                            table_ptr=table, rows_ptr="*i64", out_ptr="*bf16", acc_ptr="*fp32", stats_ptr="*fp32",
+                            counters_ptr="*i32", norm_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", scale="fp32",
+                            eps="fp32")
             kernel = compiled(_attention_kernel, pointers, dict(
                 GROUP=8, BLOCK_G=block_g, BLOCK_L=block_l, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=64,
                 PARTIAL=partial, SPLIT_LOOP=invariant and length > 1, QUERY_SPLITS=length == 1 and not invariant,
-                NORM_ROPE=norm_rope, DOT_PRECISION=None), num_warps=4, num_stages=2, enable_fp_fusion=not invariant)
+                NORM_ROPE=norm_rope, FP8_KV=fp8, DOT_PRECISION=None), num_warps=4, num_stages=2,
+                enable_fp_fusion=not invariant)
             assert ("atom.global" in kernel.asm["ptx"]) == partial
             assert ("rsqrt" in kernel.asm["ptx"]) == norm_rope
 """

@@ -25,6 +25,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from omni_local.engine.attention import QueryNormRope
 from omni_local.engine.fused_qkv import split_qkv
 from omni_local.engine.host_copies import to_device
+from omni_local.engine.kv_fp8 import write_rows
 from omni_local.engine.kv_store import GraphedKVWriter, KVWriter
 from omni_local.engine.moe import TORCH, MoeBackend, mlp_output
 from omni_local.engine.moe.block import is_sparse_moe
@@ -34,13 +35,15 @@ from omni_local.prompts import Prompt
 
 def attention_inputs(layer: torch.nn.Module, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      blocks: torch.Tensor, offsets: torch.Tensor, *, key_pool: torch.Tensor, value_pool: torch.Tensor,
+                     key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None,
                      kernel_prepares_queries: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A decoder layer's queries, keys and values [B, heads, n, head_dim] for `normed` [B, n, hidden],
     its input through its input_layernorm (made with the layer before's output:
     `attention_output_and_mlp`): its forward from there up to the cache write, the three projections
     as one (`fuse_qkv` made it), and the write: token (b, l)'s key and value into row `offsets[i]` of
-    block `blocks[i]` of the pools, i = b * n + l. Compiled, the write is stored by the kernel that
-    makes the keys (no launch of its own). With `kernel_prepares_queries`, the queries are the
+    block `blocks[i]` of the pools, i = b * n + l (fp8 pools' quantized, their scales into `key_scales`
+    and `value_scales`: kv_fp8.py). Compiled, the write is stored by the kernel that makes the keys
+    (no launch of its own). With `kernel_prepares_queries`, the queries are the
     projection's alone: the attention kernel norms and rotates them as it loads them (`LayerRegions.run`).
     The places come flat: [B * n] tensors have one stride whatever view of a graph's buffer they were
     (a strided [B, n] view would be a guard of its own, and so another compiled graph)."""
@@ -58,8 +61,8 @@ def attention_inputs(layer: torch.nn.Module, normed: torch.Tensor, cos: torch.Te
         queries = attention.q_norm(queries).transpose(1, 2)
         queries, keys = _modeling(attention).apply_rotary_pos_emb(queries, keys, cos, sin)
     # pool[blocks, :, offsets] is [B * n, kv_heads, head_dim]: each new token's row
-    key_pool[blocks, :, offsets] = keys.transpose(1, 2).flatten(0, 1)
-    value_pool[blocks, :, offsets] = values.transpose(1, 2).flatten(0, 1)
+    write_rows(key_pool, key_scales, blocks, offsets, keys.transpose(1, 2).flatten(0, 1))
+    write_rows(value_pool, value_scales, blocks, offsets, values.transpose(1, 2).flatten(0, 1))
     return queries, keys, values
 
 
@@ -95,11 +98,13 @@ class LayerRegions:
         before, after = self._regions_for(layer)
         attention = layer.self_attn
         key_pool, value_pool = cache.pools(attention.layer_idx)
+        key_scales, value_scales = cache.scales(attention.layer_idx) or (None, None)
         # Compiled, the queries' norm and rotary embedding are a kernel of their own (the keys', with
         # the cache write, another): the attention kernel does them as it loads the queries instead.
         kernel_prepares_queries = self.compiled and cache.attends_in_place
         queries, keys, values = before(layer, normed, *rotary, *cache.places(hidden.shape[1]),
-                                       key_pool=key_pool, value_pool=value_pool,
+                                       key_pool=key_pool, value_pool=value_pool, key_scales=key_scales,
+                                       value_scales=value_scales,
                                        kernel_prepares_queries=kernel_prepares_queries)
         if cache.attends_in_place:  # our kernel over the blocks (Qwen3-Omni's layers have no sliding window)
             norm_rope = (QueryNormRope(attention.q_norm.weight, attention.q_norm.variance_epsilon, *rotary)

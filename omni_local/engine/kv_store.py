@@ -11,6 +11,11 @@ back for the prefix cache.
 With speech, each token also has a Talker row ([blocks, block_tokens, talker_dim]): what the Talker
 reads for it when it is a user token. Kept in the token's block and shared and moved with it, so a
 spoken reply to a cached prompt finds every user token's row without recomputing the Thinker.
+
+With `KVShape.fp8` (the `kv_dtype = "fp8"` setting, kv_fp8.py) keys and values are float8 with a
+float32 scale per (token, kv head) beside them ([blocks, kv_heads, block_tokens], the same block
+structure): every copy, move and zeroing of a block takes its scales with it, every writer
+quantizes and every reader dequantizes.
 """
 
 from dataclasses import dataclass
@@ -18,9 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from omni_local.engine.attention import PagedAttention, QueryNormRope
-from omni_local.engine.attention.reference import gathered
+from omni_local.engine.attention.reference import gathered, gathered_rows
 from omni_local.engine.host_copies import to_device
 from omni_local.engine.kv_blocks import BlockPool
+from omni_local.engine.kv_fp8 import SCALE_BYTES, as_pools, empty_pools, read_rows
 
 DEFAULT_BLOCK_TOKENS = 16
 
@@ -35,9 +41,13 @@ class KVShape:
     max_tokens: int  # rows a sequence may have
     talker_dim: int = 0  # width of each token's Talker row; 0: none kept
     block_tokens: int = DEFAULT_BLOCK_TOKENS
+    fp8: bool = False  # keys and values in float8 with a scale per (token, kv head) (kv_fp8.py)
 
     def token_bytes(self, dtype: torch.dtype) -> int:
-        return (2 * self.num_layers * self.kv_heads * self.head_dim + self.talker_dim) * dtype.itemsize
+        """A token's bytes in a model of `dtype`: its keys and values (fp8 ones with their scales), and
+        its Talker row."""
+        head_bytes = self.head_dim + SCALE_BYTES if self.fp8 else self.head_dim * dtype.itemsize
+        return 2 * self.num_layers * self.kv_heads * head_bytes + self.talker_dim * dtype.itemsize
 
     def block_bytes(self, dtype: torch.dtype) -> int:
         return self.token_bytes(dtype) * self.block_tokens
@@ -57,6 +67,7 @@ class HostCopy:
 
     kv: torch.Tensor  # [layers, 2, kv_heads, rows, head_dim]
     talker_rows: torch.Tensor | None  # [rows, talker_dim]
+    scales: torch.Tensor | None = None  # fp8 KV's: [layers, 2, kv_heads, rows, 1]
 
     @property
     def rows(self) -> int:
@@ -64,8 +75,7 @@ class HostCopy:
 
     @property
     def nbytes(self) -> int:
-        rows = self.talker_rows
-        return self.kv.nbytes + (rows.nbytes if rows is not None else 0)
+        return sum(t.nbytes for t in (self.kv, self.talker_rows, self.scales) if t is not None)
 
 
 class KVStore:
@@ -86,11 +96,15 @@ class KVStore:
         make = torch.zeros if zeroed else torch.empty
         # Keys and values of every layer in one tensor, each layer's a view of it: zeroing or copying
         # a block is one launch, not one per layer and kind (96 at full size, about 2 ms of host time
-        # on each request that takes blocks).
-        self._layers = make((2, shape.num_layers, *size), dtype=dtype, device=device)
+        # on each request that takes blocks). fp8 ones' scales likewise, in a tensor of their own.
+        self._layers, self._scales = empty_pools((2, shape.num_layers, *size), shape.fp8, dtype, device, zeroed)
         # (Written in place under inference mode, as the engine's forwards run: with grad on, a write
         # of a value that requires grad into one view of a leaf is refused.)
-        self.keys, self.values = list(self._layers[0].unbind()), list(self._layers[1].unbind())
+        pools = as_pools(self._layers)
+        self.keys, self.values = list(pools[0].unbind()), list(pools[1].unbind())
+        # Each layer's (key scales, value scales) [blocks, kv_heads, block_tokens]; None: not fp8.
+        self.scales = (list(zip(self._scales[0].unbind(), self._scales[1].unbind()))
+                       if self._scales is not None else None)
         self.talker_rows = (
             make((blocks, shape.block_tokens, shape.talker_dim), dtype=dtype, device=device)
             if shape.talker_dim else None
@@ -136,7 +150,8 @@ class KVStore:
         first = start // self.shape.block_tokens
         if first < len(table):
             offset = start - first * self.shape.block_tokens
-            self._layers[:, :, table[first], :, offset:].zero_()
+            for rows in self._per_row():
+                rows[:, :, table[first], :, offset:].zero_()
             self._zero(table[first + 1 :])
 
     def writer(self, table: BlockTable | torch.Tensor, start: int, kernel: PagedAttention | None = None
@@ -146,7 +161,8 @@ class KVStore:
     def copy_block(self, source: int, target: int, rows: int) -> None:
         """The first `rows` rows of block `source` into block `target`: a partly shared block copied
         before it is written."""
-        self._layers[:, :, target, :, :rows].copy_(self._layers[:, :, source, :, :rows])
+        for per_row in self._per_row():
+            per_row[:, :, target, :, :rows].copy_(per_row[:, :, source, :, :rows])
         if self.talker_rows is not None:
             self.talker_rows[target, :rows].copy_(self.talker_rows[source, :rows])
 
@@ -169,20 +185,20 @@ class KVStore:
         asynchronous copy needs pinned memory, which torch's caching allocator rounds up to a power
         of two and keeps pinned."""
         index = self.device_table(table[: self.shape.blocks_for(rows)])[None]
-        rows_of = [torch.stack([gathered(k, index)[0, :, :rows], gathered(v, index)[0, :, :rows]])
-                   for k, v in zip(self.keys, self.values)]
-        gathered_kv = torch.stack(rows_of)
+        kv, scales = (_host_rows(pools, index, rows) if pools else None for pools in self._layer_pools())
         talker_rows = None
         if self.talker_rows is not None:
             talker_rows = self.talker_rows[index[0]].flatten(0, 1)[:rows].to("cpu", copy=True)
-        return HostCopy(gathered_kv.to("cpu"), talker_rows)
+        return HostCopy(kv, talker_rows, scales)
 
     def from_host(self, host: HostCopy, table: BlockTable, rows: int) -> None:
-        on_device = host.kv[:, :, :, :rows].to(self.device)
         _, blocks, offsets = self.addresses(self.device_table(table), 0, rows)
-        for i, (k, v) in enumerate(zip(self.keys, self.values)):
-            k[blocks, :, offsets] = on_device[i, 0].transpose(0, 1)
-            v[blocks, :, offsets] = on_device[i, 1].transpose(0, 1)
+        for pools, moved in zip(self._layer_pools(), (host.kv, host.scales)):
+            if pools:
+                on_device = moved[:, :, :, :rows].to(self.device)
+                for i, (k, v) in enumerate(pools):
+                    k[blocks, :, offsets] = on_device[i, 0].transpose(0, 1)
+                    v[blocks, :, offsets] = on_device[i, 1].transpose(0, 1)
         if self.talker_rows is not None:
             self.talker_rows[blocks, offsets] = host.talker_rows[:rows].to(self.device)
 
@@ -202,13 +218,33 @@ class KVStore:
     def _zero(self, blocks: BlockTable) -> None:
         if blocks:
             index = to_device(torch.tensor(blocks, dtype=torch.long), self.device)
-            self._layers.index_fill_(2, index, 0)
+            for per_row in self._per_row():
+                per_row.index_fill_(2, index, 0)
             if self.talker_rows is not None:
                 self.talker_rows.index_fill_(0, index, 0)
 
+    def _per_row(self) -> list[torch.Tensor]:
+        """The tensors [2, layers, blocks, kv_heads, block_tokens, ...] of the KV's rows: the keys and
+        values (an fp8 store's as bytes), and an fp8 store's scales."""
+        return [self._layers] + ([self._scales] if self._scales is not None else [])
+
+    def _layer_pools(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Each layer's (key pool, value pool) [blocks, kv_heads, block_tokens, head_dim], and an fp8
+        store's (key scales, value scales) as [blocks, kv_heads, block_tokens, 1] (none else)."""
+        return (list(zip(self.keys, self.values)),
+                [(k[..., None], v[..., None]) for k, v in self.scales] if self.scales is not None else [])
+
     def block_tensors(self) -> list[torch.Tensor]:
-        """Every tensor with a block as its first dimension."""
-        return self.keys + self.values + ([self.talker_rows] if self.talker_rows is not None else [])
+        """Every tensor with a block as its first dimension (an fp8 store's keys and values as bytes)."""
+        return [t for per_row in self._per_row() for t in per_row.flatten(0, 1).unbind()] + (
+            [self.talker_rows] if self.talker_rows is not None else [])
+
+
+def _host_rows(pools: list[tuple[torch.Tensor, torch.Tensor]], index: torch.Tensor, rows: int) -> torch.Tensor:
+    """[layers, 2, kv_heads, rows, d]: the first `rows` rows of the blocks `index` [1, n] of each
+    layer's (key pool, value pool), gathered on the device, then moved to the host in one transfer."""
+    rows_of = [torch.stack([gathered(k, index)[0, :, :rows], gathered(v, index)[0, :, :rows]]) for k, v in pools]
+    return torch.stack(rows_of).to("cpu")
 
 
 class _Writer:
@@ -224,6 +260,18 @@ class _Writer:
     def pools(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer_idx`'s key and value pools, which the layer writes its new rows into."""
         return self.store.keys[layer_idx], self.store.values[layer_idx]
+
+    def scales(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer `layer_idx`'s key and value scales, an fp8 store's (kv_fp8.write_rows writes them); None else."""
+        return self.store.scales[layer_idx] if self.store.scales is not None else None
+
+    def gathered_rows(self, layer_idx: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [B, kv_heads, n * block_tokens, head_dim] of the n blocks of each `tables` row
+        [B, n], in the model's dtype."""
+        key_scales, value_scales = self.scales(layer_idx) or (None, None)
+        keys, values = self.pools(layer_idx)
+        dtype = self.store.dtype
+        return gathered_rows(keys, key_scales, tables, dtype), gathered_rows(values, value_scales, tables, dtype)
 
 
 class KVWriter(_Writer):
@@ -247,9 +295,9 @@ class KVWriter(_Writer):
 
     def attended_rows(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
         """Every row up to the new ones', written already: [1, kv_heads, end, head_dim] each."""
-        keys, values = self.pools(layer_idx)
-        table, end = self._placed.table[None], self._placed.end
-        return gathered(keys, table)[:, :, :end], gathered(values, table)[:, :, :end]
+        keys, values = self.gathered_rows(layer_idx, self._placed.table[None])
+        end = self._placed.end
+        return keys[:, :, :end], values[:, :, :end]
 
     def attend(self, queries: torch.Tensor, layer_idx: int, scaling: float, norm_rope: QueryNormRope | None = None
                ) -> torch.Tensor:
@@ -257,7 +305,7 @@ class KVWriter(_Writer):
         rotated by `norm_rope` where given), its rows written already."""
         placed = self._placed
         return self.kernel(queries, *self.pools(layer_idx), placed.table[None], placed.rows[None], scaling,
-                           norm_rope=norm_rope)
+                           norm_rope=norm_rope, scales=self.scales(layer_idx))
 
     def _place(self, length: int) -> "_Placed":
         """Where this forward's `length` new rows go, worked out once for all its layers."""
@@ -335,17 +383,29 @@ class GraphedKVWriter(_Writer):
 
     def attended_rows(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
         """What transformers' attention reads, the new rows written already: their own keys and values
-        (NO_PREFIX), or the bucket's rows [B, kv_heads, rows, head_dim] gathered from each sequence's blocks."""
+        (NO_PREFIX; an fp8 store's as written, so that a first prefill reads what later turns read), or
+        the bucket's rows [B, kv_heads, rows, head_dim] gathered from each sequence's blocks."""
         if self.rows == NO_PREFIX:
-            return key_states, value_states
-        keys, values = self.pools(layer_idx)
-        return gathered(keys, self.tables), gathered(values, self.tables)
+            if self.store.scales is None:
+                return key_states, value_states
+            return self._written(layer_idx, key_states.shape)
+        return self.gathered_rows(layer_idx, self.tables)
 
     def attend(self, queries: torch.Tensor, layer_idx: int, scaling: float, norm_rope: QueryNormRope | None = None
                ) -> torch.Tensor:
         """The attention [B, L, heads, head_dim] of `queries` [B, heads, L, head_dim] (to be normed and
         rotated by `norm_rope` where given), its rows written already."""
-        return self.kernel(queries, *self.pools(layer_idx), self.tables, self.indices, scaling, norm_rope=norm_rope)
+        return self.kernel(queries, *self.pools(layer_idx), self.tables, self.indices, scaling, norm_rope=norm_rope,
+                           scales=self.scales(layer_idx))
+
+    def _written(self, layer_idx: int, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values [B, kv_heads, L, head_dim] (`shape`) this forward wrote, read back from an
+        fp8 store at their places."""
+        batch, kv_heads, length, head_dim = shape
+        blocks, offsets = self._flat_places
+        return tuple(read_rows(pool[blocks, :, offsets], scales[blocks, :, offsets], self.store.dtype)
+                     .view(batch, length, kv_heads, head_dim).transpose(1, 2)
+                     for pool, scales in zip(self.pools(layer_idx), self.scales(layer_idx)))
 
     def attention_mask(self, implementation: str, length: int, like: torch.Tensor) -> torch.Tensor | None:
         if self.kernel is not None or self.rows == NO_PREFIX:

@@ -50,11 +50,13 @@ class QueryNormRope:
 
 
 class PagedAttention(Protocol):
-    """(query, key_pool, value_pool, block_tables, query_rows, scaling, norm_rope=None) -> [B, L, heads, head_dim]"""
+    """(query, key_pool, value_pool, block_tables, query_rows, scaling, norm_rope=None, scales=None)
+    -> [B, L, heads, head_dim]; `scales`: fp8 pools' (key, value) scales (kv_fp8.py)"""
 
     def __call__(self, query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
                  block_tables: torch.Tensor, query_rows: torch.Tensor, scaling: float, *,
-                 norm_rope: QueryNormRope | None = None) -> torch.Tensor: ...
+                 norm_rope: QueryNormRope | None = None,
+                 scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)

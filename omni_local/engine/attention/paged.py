@@ -56,15 +56,16 @@ LOG2E = tl.constexpr(1.4426950408889634)  # scores in base 2: exp2 is the GPU's 
 
 
 @triton.jit
-def _attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, out_ptr, acc_ptr, stats_ptr, counters_ptr,
-                      norm_ptr, cos_ptr, sin_ptr, scale, eps, length,
+def _attention_kernel(q_ptr, k_ptr, v_ptr, k_scales_ptr, v_scales_ptr, table_ptr, rows_ptr, out_ptr, acc_ptr,
+                      stats_ptr, counters_ptr, norm_ptr, cos_ptr, sin_ptr, scale, eps, length,
                       heads, kv_heads, table_width, split_rows, num_splits, max_splits, q_stride_b, q_stride_h,
                       q_stride_l, pool_stride_block, pool_stride_head, pool_stride_row, table_stride,
-                      rows_stride, rotary_stride_b, rotary_stride_l, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                      rows_stride, rotary_stride_b, rotary_stride_l, scale_stride_block, scale_stride_head,
+                      scale_stride_row, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                       BLOCK_L: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr,
                       SPLIT_LOOP: tl.constexpr, QUERY_SPLITS: tl.constexpr, NORM_ROPE: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr):
+                      FP8_KV: tl.constexpr, DOT_PRECISION: tl.constexpr):
     sequence = tl.program_id(0) // kv_heads
     kv_head = tl.program_id(0) % kv_heads
     # Query row m of the tile: new token `token`, query head `head` of this kv head's group.
@@ -82,17 +83,21 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, out_ptr, acc_ptr
         rotary_at = sequence.to(tl.int64) * rotary_stride_b + token[:, None] * rotary_stride_l
         q = _normed_and_rotated(q, q_ptr + q_at, norm_ptr, cos_ptr + rotary_at, sin_ptr + rotary_at, eps, d,
                                 real[:, None] & in_dim[None, :], HEAD_DIM)
+    # An fp8 pool's scales: the key and value scales' pointers at this kv head, and their strides.
+    scales = (k_scales_ptr + kv_head * scale_stride_head, v_scales_ptr + kv_head * scale_stride_head,
+              scale_stride_block, scale_stride_row)
     if SPLIT_LOOP:
         # Every split of the tile's rows in turn, each walked as a decode step's program walks it and
         # merged in split order as a decode step's last split merges them: the same sums, in one program.
-        row_max, row_sum, acc = _walk(q, k_ptr, v_ptr, table_ptr, sequence * table_stride, kv_head * pool_stride_head,
-                                      pool_stride_block, pool_stride_row, last, 0, tl.minimum(split_rows, tile_end),
-                                      scale, d, in_dim, BLOCK_L * BLOCK_G, BLOCK_D, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
+        row_max, row_sum, acc = _walk(q, k_ptr, v_ptr, scales, table_ptr, sequence * table_stride,
+                                      kv_head * pool_stride_head, pool_stride_block, pool_stride_row, last, 0,
+                                      tl.minimum(split_rows, tile_end), scale, d, in_dim, BLOCK_L * BLOCK_G, BLOCK_D,
+                                      BLOCK_SIZE, BLOCK_N, FP8_KV, DOT_PRECISION)
         for split_start in range(split_rows, tile_end, split_rows):
             split_max, split_sum, split_acc = _walk(
-                q, k_ptr, v_ptr, table_ptr, sequence * table_stride, kv_head * pool_stride_head, pool_stride_block,
-                pool_stride_row, last, split_start, tl.minimum(split_start + split_rows, tile_end), scale, d, in_dim,
-                BLOCK_L * BLOCK_G, BLOCK_D, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
+                q, k_ptr, v_ptr, scales, table_ptr, sequence * table_stride, kv_head * pool_stride_head,
+                pool_stride_block, pool_stride_row, last, split_start, tl.minimum(split_start + split_rows, tile_end),
+                scale, d, in_dim, BLOCK_L * BLOCK_G, BLOCK_D, BLOCK_SIZE, BLOCK_N, FP8_KV, DOT_PRECISION)
             merged_max, merged_sum, merged_acc = _merge(row_max, row_sum, acc, split_max, split_sum, split_acc)
             holds = split_start <= last  # a query merges the splits holding its rows, as _merged_splits does
             row_max = tl.where(holds, merged_max, row_max)
@@ -105,9 +110,10 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, out_ptr, acc_ptr
         end = tl.minimum(first_row + split_rows, tile_end)
         if first_row >= end:
             return  # a split past every query's rows: the merge never reads it
-        row_max, row_sum, acc = _walk(q, k_ptr, v_ptr, table_ptr, sequence * table_stride, kv_head * pool_stride_head,
-                                      pool_stride_block, pool_stride_row, last, first_row, end, scale, d, in_dim,
-                                      BLOCK_L * BLOCK_G, BLOCK_D, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
+        row_max, row_sum, acc = _walk(q, k_ptr, v_ptr, scales, table_ptr, sequence * table_stride,
+                                      kv_head * pool_stride_head, pool_stride_block, pool_stride_row, last, first_row,
+                                      end, scale, d, in_dim, BLOCK_L * BLOCK_G, BLOCK_D, BLOCK_SIZE, BLOCK_N, FP8_KV,
+                                      DOT_PRECISION)
     out_row = (sequence.to(tl.int64) * length + token) * heads + head  # (b, l, head) of [B, L, heads]
     keep = real[:, None] & in_dim[None, :]
     if PARTIAL:  # scratch [B * L * heads, num_splits, HEAD_DIM] and its stats [.., num_splits, 2], float32
@@ -152,13 +158,15 @@ def _normed_and_rotated(q, q_rows, norm_ptr, cos_rows, sin_rows, eps, d, keep, H
 
 
 @triton.jit
-def _walk(q, k_ptr, v_ptr, table_ptr, table_row, head_at, block_stride, row_stride, last, first_row, end, scale, d,
-          in_dim, M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-          DOT_PRECISION: tl.constexpr):
+def _walk(q, k_ptr, v_ptr, scales, table_ptr, table_row, head_at, block_stride, row_stride, last, first_row, end,
+          scale, d, in_dim, M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+          FP8_KV: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """The online softmax of the query rows `q` [M, BLOCK_D] over the sequence's rows [first_row, end)
     (its table row at `table_ptr + table_row`; the kv head's rows at `head_at` in each block), BLOCK_N
     at a time, each query row over its rows up to `last` [M]: (max [M], sum [M], unnormalised output
-    [M, BLOCK_D]), float32."""
+    [M, BLOCK_D]), float32. FP8_KV: the pools are fp8, each row read as its values times its scale
+    (`scales`: the kv head's key and value scales, and their block and row strides), in float32
+    rounded once to the query's dtype, as kv_fp8.read_rows reads them."""
     row_max = tl.full([M], -float("inf"), dtype=tl.float32)
     row_sum = tl.zeros([M], dtype=tl.float32)
     acc = tl.zeros([M, BLOCK_D], dtype=tl.float32)
@@ -168,6 +176,9 @@ def _walk(q, k_ptr, v_ptr, table_ptr, table_row, head_at, block_stride, row_stri
         block = tl.load(table_ptr + table_row + rows // BLOCK_SIZE, mask=inside, other=0)
         row_at = block.to(tl.int64) * block_stride + head_at + (rows % BLOCK_SIZE) * row_stride
         k = tl.load(k_ptr + row_at[None, :] + d[:, None], mask=in_dim[:, None] & inside[None, :], other=0.0)
+        if FP8_KV:
+            k_scales = _row_scales(scales[0], block, rows, inside, scales[2], scales[3], BLOCK_SIZE)
+            k = (k.to(tl.float32) * k_scales[None, :]).to(q.dtype)
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * (scale * LOG2E)  # [M, BLOCK_N]
         allowed = (rows[None, :] <= last[:, None]) & inside[None, :]
         scores = tl.where(allowed, scores, -float("inf"))
@@ -178,9 +189,19 @@ def _walk(q, k_ptr, v_ptr, table_ptr, table_row, head_at, block_stride, row_stri
         rescale = tl.exp2(row_max - shift)
         row_sum = row_sum * rescale + tl.sum(weights, axis=1)
         v = tl.load(v_ptr + row_at[:, None] + d[None, :], mask=inside[:, None] & in_dim[None, :], other=0.0)
+        if FP8_KV:
+            v_scales = _row_scales(scales[1], block, rows, inside, scales[2], scales[3], BLOCK_SIZE)
+            v = (v.to(tl.float32) * v_scales[:, None]).to(q.dtype)
         acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=DOT_PRECISION)
         row_max = new_max
     return row_max, row_sum, acc
+
+
+@triton.jit
+def _row_scales(scales_ptr, block, rows, inside, block_stride, row_stride, BLOCK_SIZE: tl.constexpr):
+    """The scales [BLOCK_N] of an fp8 pool's `rows` (each in its `block`), at `scales_ptr`, float32."""
+    return tl.load(scales_ptr + block.to(tl.int64) * block_stride + (rows % BLOCK_SIZE) * row_stride,
+                   mask=inside, other=0.0)
 
 
 @triton.jit
@@ -226,7 +247,8 @@ def _merged_splits(acc_ptr, stats_ptr, first, splits, split_rows, last, real, d,
 def paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
                     block_tables: torch.Tensor, query_rows: torch.Tensor, scaling: float,
                     decode_split_rows: int = DECODE_SPLIT_ROWS, batch_invariant: bool = False,
-                    norm_rope: QueryNormRope | None = None) -> torch.Tensor:
+                    norm_rope: QueryNormRope | None = None,
+                    scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention [B, L, heads, head_dim] of `query` [B, heads, L, head_dim] over the pools
     [num_blocks, kv_heads, block_size, head_dim] through `block_tables` [B, max_blocks] (int32 or
     int64); new token (b, l) attends to rows 0..query_rows[b, l] of sequence b. Softmax and sums in
@@ -239,7 +261,10 @@ def paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: tor
     merged in the same order (in its program), and no multiply-add fused where the other would not.
 
     `norm_rope`: `query` is the layer's projection alone; each program norms and rotates its query
-    rows as it loads them (a split's programs each for themselves: a few hundred multiply-adds)."""
+    rows as it loads them (a split's programs each for themselves: a few hundred multiply-adds).
+
+    `scales`: the pools are fp8 (kv_fp8.py), these their rows' (key, value) scales [num_blocks,
+    kv_heads, block_size], float32; each row is read as its values times its scale."""
     batch, heads, length, head_dim = query.shape
     _, kv_heads, block_size, _ = key_pool.shape
     check_layout(query, key_pool, value_pool, block_tables, query_rows)
@@ -265,15 +290,17 @@ def paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: tor
         partial_out = stats = counters = out  # one split writes the output itself; none is read
     fusion = {"enable_fp_fusion": False} if batch_invariant else {}
     norm, cos, sin, eps, rotary_strides = _norm_rope_arguments(norm_rope, query)
-    _attention_kernel[grid](query, key_pool, value_pool, block_tables, query_rows, out, partial_out, stats, counters,
+    key_scales, value_scales, scale_strides = _scale_arguments(scales, key_pool, query)
+    _attention_kernel[grid](query, key_pool, value_pool, key_scales, value_scales, block_tables, query_rows, out, partial_out, stats, counters,
                             norm, cos, sin, scaling, eps, length, heads, kv_heads, block_tables.shape[1], split_rows,
                             num_splits, MAX_DECODE_SPLITS, query.stride(0),
                             query.stride(1), query.stride(2), key_pool.stride(0), key_pool.stride(1),
                             key_pool.stride(2), block_tables.stride(0), query_rows.stride(0), *rotary_strides,
+                            *scale_strides,
                             GROUP=group, BLOCK_G=block_g, BLOCK_L=block_l, HEAD_DIM=head_dim,
                             BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N,
                             PARTIAL=num_splits > 1, SPLIT_LOOP=split_loop, QUERY_SPLITS=query_splits,
-                            NORM_ROPE=norm_rope is not None, DOT_PRECISION=dot_precision(query.dtype),
+                            NORM_ROPE=norm_rope is not None, FP8_KV=scales is not None, DOT_PRECISION=dot_precision(query.dtype),
                             num_warps=4, num_stages=2, **fusion)
     return out
 
@@ -292,6 +319,21 @@ def _norm_rope_arguments(norm_rope: QueryNormRope | None, query: torch.Tensor
     assert head_dim % 2 == 0, head_dim
     batch_stride = cos.stride(0) if cos.shape[0] == batch else 0  # one sequence's rotary for all: broadcast
     return norm_rope.weight, cos, sin, norm_rope.eps, (batch_stride, cos.stride(1))
+
+
+def _scale_arguments(scales: tuple[torch.Tensor, torch.Tensor] | None, key_pool: torch.Tensor, query: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]:
+    """The kernel's (key scales, value scales, (their block, head and row strides)); with no `scales`,
+    the query in their place, never read."""
+    if scales is None:
+        return query, query, (0, 0, 0)
+    key_scales, value_scales = scales
+    if key_scales.shape != key_pool.shape[:3] or value_scales.shape != key_scales.shape:
+        raise ValueError(f"the scales {tuple(key_scales.shape)}, {tuple(value_scales.shape)} are not one per row "
+                         f"of the pools {tuple(key_pool.shape)}")
+    if value_scales.stride() != key_scales.stride() or key_scales.dtype != torch.float32:
+        raise ValueError("the key and value scales must be float32 of one layout")
+    return key_scales, value_scales, key_scales.stride()
 
 
 def _split_rows(length: int, rows: int, split_loop: bool) -> int:

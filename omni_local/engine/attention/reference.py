@@ -11,21 +11,27 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from omni_local.engine.kv_fp8 import read_rows
+
 if TYPE_CHECKING:
     from omni_local.engine.attention import QueryNormRope
 
 
 def gathered_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
                        block_tables: torch.Tensor, query_rows: torch.Tensor, scaling: float,
-                       blocks: int | None = None, norm_rope: "QueryNormRope | None" = None) -> torch.Tensor:
+                       blocks: int | None = None, norm_rope: "QueryNormRope | None" = None,
+                       scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention [B, L, heads, head_dim] of `query` [B, heads, L, head_dim] (first through
     `norm_rope`, where given) over the first `blocks` blocks of each sequence's `block_tables` row
-    [B, max_blocks] in the pools [num_blocks, kv_heads, block_size, head_dim]; new token (b, l)
-    attends to rows 0..query_rows[b, l] of sequence b."""
+    [B, max_blocks] in the pools [num_blocks, kv_heads, block_size, head_dim] (fp8 pools read with
+    their rows' (key, value) `scales`, kv_fp8.py); new token (b, l) attends to rows 0..query_rows[b, l]
+    of sequence b."""
     if norm_rope is not None:
         query = normed_and_rotated(query, norm_rope)
     table = block_tables[:, : blocks or block_tables.shape[1]]
-    keys, values = gathered(key_pool, table), gathered(value_pool, table)
+    key_scales, value_scales = scales or (None, None)
+    keys = gathered_rows(key_pool, key_scales, table, query.dtype)
+    values = gathered_rows(value_pool, value_scales, table, query.dtype)
     rows = torch.arange(keys.shape[2], device=query.device)
     # Rows past a sequence's last new token may hold anything, NaN too, and a masked score does not
     # cancel a NaN (SDPA adds -inf to it; a zero weight times NaN is NaN): they are zeroed first.
@@ -45,6 +51,14 @@ def normed_and_rotated(query: torch.Tensor, norm_rope: "QueryNormRope") -> torch
     half = query.shape[-1] // 2
     rotated = torch.cat((-normed[..., half:], normed[..., :half]), dim=-1)
     return normed * norm_rope.cos[:, None] + rotated * norm_rope.sin[:, None]
+
+
+def gathered_rows(pool: torch.Tensor, scales: torch.Tensor | None, table: torch.Tensor, dtype: torch.dtype
+                  ) -> torch.Tensor:
+    """`gathered(pool, table)` in `dtype`: an fp8 pool's rows read with their `scales` [num_blocks,
+    kv_heads, block_size] (kv_fp8.py); another pool's as they are."""
+    rows = gathered(pool, table)
+    return read_rows(rows, gathered(scales[..., None], table)[..., 0] if scales is not None else None, dtype)
 
 
 def gathered(pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
