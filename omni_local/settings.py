@@ -190,6 +190,12 @@ class Settings:
         "tokens per KV block, a power of two up to 256: the unit chats share of a common prefix, and the least a chat"
         " holds",
     )
+    kv_dtype: Literal["auto", "fp8"] = setting(
+        "cache", "auto",
+        "how the Thinker's KV is stored: 'auto' (in the model's dtype) or 'fp8' (float8 e4m3 with a scale per token"
+        " and head: Qwen3-Omni's 49.5 KiB a token against 96 KiB in bfloat16, so about twice the tokens in"
+        " gpu_cache_bytes, for a small loss of precision; GPUs of compute capability 8.9 or newer, and the CPU)",
+    )
     host_cache_bytes: int = setting(
         "cache", -1,
         "host memory for chats' KV moved off the device, least recently used first; past it they are dropped;"

@@ -22,6 +22,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     # The engine on the GPU: graphed steps and prefills, the prefix cache and host tier, scheduling.
     "engine": (
         "test_chunked_prefill.py", "test_cuda_graphs.py", "test_deterministic.py", "test_engine_requests.py",
+        "test_fp8_kv.py",
         "test_graphs_after_ready.py", "test_host_arena.py", "test_long_chats.py", "test_memory_plan.py",
         "test_poisoned_requests.py", "test_preemption.py", "test_prefix_cache.py", "test_prompt_building.py",
         "test_thinker_parity.py",

@@ -69,6 +69,7 @@ from omni_local.engine.cuda_graphs import prefill_lengths
 from omni_local.engine.detokenizer import IncrementalDetokenizer
 from omni_local.engine.encoders import Encoders
 from omni_local.engine.host_copies import Readback
+from omni_local.engine.kv_fp8 import fp8_kv
 from omni_local.engine.logprobs import RowLogprobs, StepLogprobs, TokenTexts, step_logprobs
 from omni_local.engine.media_encoder import MediaEncoder
 from omni_local.engine.moe import moe_backend
@@ -141,7 +142,8 @@ class Engine:
                                         prefill_lengths(settings.prefill_chunk_tokens, settings.prefill_forward_tokens),
                                         settings.max_running_requests,
                                         settings.kv_block_tokens, talker_rows, cuda_graphs=settings.cuda_graphs,
-                                        compiled_layers=settings.compiled_layers, moe=moe, attention=attention)
+                                        compiled_layers=settings.compiled_layers, moe=moe, attention=attention,
+                                        kv_fp8=fp8_kv(settings.kv_dtype, loaded.device))
             self.runner.warm_up(prefill_graphs_later=warm_up_later)
             kv = self.runner.kv
             # The Talker's blocks hold as many of its longest sequences as the Thinker's hold of its own.

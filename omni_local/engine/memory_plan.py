@@ -30,6 +30,7 @@ import blake3
 import torch
 
 from omni_local.cache.folders import private_folder
+from omni_local.engine.kv_fp8 import fp8_kv
 from omni_local.engine.kv_store import KVShape
 from omni_local.engine.thinker import kv_shape, least_kv_bytes
 from omni_local.errors import SettingsError
@@ -81,6 +82,7 @@ def plan_memory(model: torch.nn.Module, settings: Settings, device: torch.device
     """The plan for `model` (full precision, its parameters on the meta device) loaded with
     `settings.weights` on `device`; None where there is nothing to plan (the CPU, unless
     `gpu_memory_bytes` is set). Raises SettingsError naming what would fit where nothing does."""
+    fp8_kv(settings.kv_dtype, device)  # refused before the weights load where the GPU has no FP8
     available = available_bytes(settings, device)
     if available is None:
         return None
@@ -111,7 +113,7 @@ def least_conversation_kv_bytes(model: torch.nn.Module, settings: Settings, dtyp
 def _kv_shape(model: torch.nn.Module, settings: Settings) -> KVShape:
     talker_dim = model.config.talker_config.text_config.hidden_size if settings.speech else 0
     return kv_shape(model.thinker.model.language_model.config, settings.max_context_tokens, settings.kv_block_tokens,
-                    talker_dim)
+                    talker_dim, settings.kv_dtype == "fp8")
 
 
 def size(count: int) -> str:
@@ -193,7 +195,7 @@ def _key(model: torch.nn.Module, settings: Settings, device: torch.device) -> st
         name: getattr(settings, name) for name in (
             "weights", "speech", "dtype", "max_context_tokens", "max_running_requests", "cuda_graphs",
             "compiled_layers", "prefill_chunk_tokens", "prefill_forward_tokens", "kv_block_tokens",
-            "gpu_cache_bytes", "moe_backend", "attention_backend")}}
+            "gpu_cache_bytes", "moe_backend", "attention_backend", "kv_dtype")}}
     return blake3.blake3(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 

@@ -38,11 +38,12 @@ from omni_local.prompts import Prompt, build_prompt
 from omni_local.start_up_steps import start_up_step
 
 
-def kv_shape(config, max_tokens: int, block_tokens: int, talker_dim: int) -> KVShape:
-    """The Thinker's KV blocks for its text model's `config`, holding `talker_dim`-wide Talker rows."""
+def kv_shape(config, max_tokens: int, block_tokens: int, talker_dim: int, fp8: bool = False) -> KVShape:
+    """The Thinker's KV blocks for its text model's `config`, holding `talker_dim`-wide Talker rows
+    (`fp8`: keys and values in float8, kv_fp8.py)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return KVShape(config.num_hidden_layers, config.num_key_value_heads, head_dim, max_tokens, talker_dim,
-                   block_tokens)
+                   block_tokens, fp8)
 
 
 def least_kv_bytes(shape: KVShape, dtype: torch.dtype) -> int:
@@ -65,6 +66,7 @@ class ThinkerRunner:
         compiled_layers: bool = False,
         moe: MoeBackend = TORCH,
         attention: AttentionKernels = AttentionKernels(),
+        kv_fp8: bool = False,
     ) -> None:
         self.thinker = thinker
         self.attention = attention  # the kernels over the blocks; None: transformers' attention over gathered rows
@@ -74,7 +76,7 @@ class ThinkerRunner:
         self.model = thinker.model  # Qwen3OmniMoeThinkerModel: .visual, .audio_tower, .language_model
         self.text = self.model.language_model
         fuse_qkv(self.text)
-        shape = kv_shape(self.text.config, max_tokens, block_tokens, talker_rows.width if talker_rows else 0)
+        shape = kv_shape(self.text.config, max_tokens, block_tokens, talker_rows.width if talker_rows else 0, kv_fp8)
         # The final norm's: never quantized, unlike lm_head under int4.
         self.device = self.text.norm.weight.device
         self.dtype = self.text.norm.weight.dtype
