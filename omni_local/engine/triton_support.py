@@ -1,7 +1,11 @@
-"""Whether our Triton kernels (the MoE's, attention's) can run on a device, and what they share."""
+"""Whether our Triton kernels (the MoE's, attention's) can run on a device, what they share, and the
+GPU their tiles are chosen for (`kernel_gpu`)."""
 
 import importlib.util
 import os
+from contextvars import ContextVar
+from dataclasses import dataclass
+from functools import cache
 
 import torch
 
@@ -36,7 +40,7 @@ def triton_refusal(device: torch.device) -> str | None:
         return "the model runs on the CPU, and Triton's kernels need a CUDA GPU"
     if device.type != "cuda":
         return f"the model runs on '{device.type}', and Triton's kernels need a CUDA GPU"
-    capability = torch.cuda.get_device_capability(device)
+    capability = kernel_gpu(device).capability
     if capability < MIN_CAPABILITY:
         return (f"this GPU's compute capability is {capability[0]}.{capability[1]}, and the kernels need "
                 f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer")
@@ -47,3 +51,49 @@ def dot_precision(dtype: torch.dtype) -> str | None:
     """float32 products in full precision, as torch's float32 matmuls (TF32 off); None (Triton's
     default) for 16-bit inputs, whose products are exact."""
     return "ieee" if dtype == torch.float32 else None
+
+
+# Makes the engine choose kernels and tiles, and refuse what the architecture lacks (fp8 below 8.9),
+# as on a GPU of this architecture ("86": compute capability 8.6), whatever the GPU: on an H100, the
+# non-Hopper choices can be tested. Triton still compiles for the GPU present (a cubin runs only on
+# its own major architecture); tests/test_kernel_builds.py compiles them for each architecture.
+FORCE_ARCH_VARIABLE = "OMNI_LOCAL_FORCE_ARCH"
+
+
+@dataclass(frozen=True)
+class KernelGpu:
+    """What our kernels' choices depend on: the compute capability, and the GPU's name, by which
+    tuned tile tables are kept (None where the architecture is forced: that architecture's defaults)."""
+
+    name: str | None
+    capability: tuple[int, int]
+
+
+# The GPU kernel_builds.py builds the engine's kernels for, its tensors on the meta device.
+building_for: ContextVar[KernelGpu | None] = ContextVar("building_for", default=None)
+
+
+def kernel_gpu(device: torch.device) -> KernelGpu | None:
+    """The GPU our kernels are chosen for on `device`: None off CUDA (Triton's interpreter), the meta
+    device's `building_for`, else the GPU's own (its capability OMNI_LOCAL_FORCE_ARCH's where set)."""
+    if device.type == "meta":
+        return building_for.get()
+    if device.type != "cuda":
+        return None
+    return _cuda_gpu(device)
+
+
+@cache  # read once a device: the variable is set before the engine starts
+def _cuda_gpu(device: torch.device) -> KernelGpu:
+    forced = os.environ.get(FORCE_ARCH_VARIABLE)
+    if forced:
+        return KernelGpu(None, forced_capability(forced))
+    return KernelGpu(torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device))
+
+
+def forced_capability(value: str) -> tuple[int, int]:
+    """The compute capability OMNI_LOCAL_FORCE_ARCH names: '86' is 8.6, '120' 12.0."""
+    if not value.isdigit() or int(value) < 10:
+        raise SettingsError(f"{FORCE_ARCH_VARIABLE} names an architecture as its compute capability's digits "
+                            f"('80', '86', '89', '90', '100', '120'), not {value!r}")
+    return divmod(int(value), 10)

@@ -26,6 +26,7 @@ from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneratio
 from transformers.utils import is_flash_attn_2_available
 
 from omni_local.api.kinds import ModelKind
+from omni_local.engine.triton_support import kernel_gpu
 from omni_local.errors import CheckpointError, SettingsError
 from omni_local.model.demo import ensure_demo_checkpoint
 from omni_local.model.quantized import quantize_layers
@@ -225,7 +226,7 @@ def _check_weights(formats: list[str], prequantized: bool, settings: Settings, d
         return
     source = "the checkpoint holds {} weights" if prequantized else "setting 'weights' is '{}'"
     if "fp8" in formats and not has_fp8_units(device):
-        major, minor = torch.cuda.get_device_capability(device)
+        major, minor = kernel_gpu(device).capability
         instead = "an int4 checkpoint runs here" if prequantized else "use 'int4'"
         raise SettingsError(f"{source.format('fp8')}, but this GPU (compute capability {major}.{minor}) has no FP8 "
                             f"units (8.9 or newer has): {instead}")

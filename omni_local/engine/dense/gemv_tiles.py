@@ -6,9 +6,10 @@ kernel, the same per-program code, for every decode batch; more rows take more p
 """
 
 from dataclasses import dataclass
-from functools import cache
 
 import torch
+
+from omni_local.engine.triton_support import kernel_gpu
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class GemvTile:
     num_stages: int = 4
 
 
-# For GPUs and shapes not tuned below (python -m omni_local.bench.dense_projections --sweep). Its loads
+# For every architecture, and GPUs and shapes not tuned below (python -m omni_local.bench.dense_projections --sweep). Its loads
 # pipelined over 4 stages take 24 KiB of shared memory for bfloat16 rows, 52 KiB for float32 (compiled
 # for sm_90: tests/test_quantized_gemv.py), inside the 99 KiB a block of Ada, Ampere's sm86 and
 # Blackwell's sm120 may take. BLOCK_N 32 gives the Thinker's q_proj (N 4,096) 128 programs, about one
@@ -33,7 +34,7 @@ class GemvTile:
 DEFAULT = GemvTile()
 
 # Tuned tiles by (GPU name, N, K). A tile tuned on one GPU may not fit another's shared memory, so
-# each GPU has its own. The H200's: `python -m omni_local.bench.dense_projections --sweep --runs 30`
+# each GPU has its own, and a forced architecture (OMNI_LOCAL_FORCE_ARCH) takes DEFAULT. The H200's: `python -m omni_local.bench.dense_projections --sweep --runs 30`
 # (torch 2.11, Triton 3.6; the best sum over 1 and 16 rows, fp8 and int8) for the Thinker's q_proj
 # and k_proj before q, k and v were fused (2026-12-02), and for the fused qkv_proj (N 5,120) and
 # o_proj once a split's sums cost no launch of their own (docs/benchmarks/2026-12-04-queries-normed-by-attention.md).
@@ -51,9 +52,5 @@ TUNED: dict[tuple[str, int, int], GemvTile] = {
 
 
 def gemv_tile(out_features: int, in_features: int, device: torch.device) -> GemvTile:
-    return TUNED.get((_device_name(device), out_features, in_features), DEFAULT)
-
-
-@cache
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    gpu = kernel_gpu(device)
+    return TUNED.get((gpu.name, out_features, in_features), DEFAULT) if gpu else DEFAULT

@@ -6,9 +6,10 @@ experts128_hidden2048_intermediate768_NVIDIA_H200.json (experts in the activatio
 want other tiles), written by `python -m omni_local.bench.moe_tuning [--weights int4]`, maps a token
 count to a config; a call takes the config of the smallest listed count at or above its own (the
 largest listed past them). Quantized experts without a file of their format take the unquantized
-file's. Any other shape or GPU takes DEFAULT: tiles small enough for the shared memory of every GPU
-from Ampere on (3 stages of a 64x64x64 gate_up tile are 72 KiB: Ada, Ampere's sm86 and Blackwell's
-sm120 have 99 KiB a block).
+file's. Any other shape or GPU, and a forced architecture (OMNI_LOCAL_FORCE_ARCH), takes the
+defaults: tiles small enough for the shared memory of every GPU from Ampere on (3 stages of a
+64x64x64 gate_up tile are 72 KiB: Ada, Ampere's sm86 and Blackwell's sm120 have 99 KiB a block;
+tests/test_kernel_builds.py compiles them for each architecture).
 """
 
 import json
@@ -19,6 +20,8 @@ from functools import cache
 from pathlib import Path
 
 import torch
+
+from omni_local.engine.triton_support import kernel_gpu
 
 TILE_CONFIG_DIR = Path(__file__).resolve().parent / "tile_configs"
 # The token counts the tuning script times, most used first: decode batches (up to 16 tokens, the
@@ -73,18 +76,13 @@ def config_file_name(experts: int, hidden: int, intermediate: int, device_name: 
     return f"experts{experts}_hidden{hidden}_intermediate{intermediate}_{gpu}{f'_{quantized}' if quantized else ''}.json"
 
 
-def device_name(device: torch.device) -> str:
-    """The GPU's name as the config files spell it ('cpu' for the interpreter's runs)."""
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
 def tile_config(experts: int, hidden: int, intermediate: int, tokens: int, device: torch.device,
                 quantized: str | None = None) -> TileConfig:
     """The config for `tokens` tokens through experts of this shape on `device`, stored as `quantized`
     ('fp8', 'int4') or None (the activations' dtype)."""
     # Called for every MoE layer of every forward that is not a graph's replay: the lookups are cached.
-    tuned = quantized and _tuned_configs(_file_name(experts, hidden, intermediate, device, quantized))
-    tuned = tuned or _tuned_configs(_file_name(experts, hidden, intermediate, device))
+    gpu = kernel_gpu(device)
+    tuned = _tuned_configs(experts, hidden, intermediate, gpu.name, quantized) if gpu and gpu.name else {}
     if not tuned:
         return default_config(tokens)
     counts = list(tuned)  # ascending
@@ -92,15 +90,13 @@ def tile_config(experts: int, hidden: int, intermediate: int, tokens: int, devic
 
 
 @cache
-def _file_name(experts: int, hidden: int, intermediate: int, device: torch.device, quantized: str | None = None
-               ) -> str:
-    return config_file_name(experts, hidden, intermediate, device_name(device), quantized)
-
-
-@cache
-def _tuned_configs(file_name: str) -> dict[int, TileConfig]:
-    """The file's configs by token count, in ascending order."""
-    path = TILE_CONFIG_DIR / file_name
+def _tuned_configs(experts: int, hidden: int, intermediate: int, device_name: str, quantized: str | None
+                   ) -> dict[int, TileConfig]:
+    """The configs of the GPU's file for the format (else for unquantized experts) by token count, in
+    ascending order; none where neither file exists."""
+    path = TILE_CONFIG_DIR / config_file_name(experts, hidden, intermediate, device_name, quantized)
+    if quantized and not path.exists():
+        path = TILE_CONFIG_DIR / config_file_name(experts, hidden, intermediate, device_name)
     if not path.exists():
         return {}
     configs = {int(tokens): TileConfig.from_json(data) for tokens, data in json.loads(path.read_text()).items()}

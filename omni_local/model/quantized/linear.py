@@ -25,7 +25,7 @@ a compiled encoder's token count, which may be unbacked, meets no guard on its s
 import torch
 import torch.nn.functional as F
 
-from omni_local.engine.triton_support import triton_refusal
+from omni_local.engine.triton_support import kernel_gpu, triton_refusal
 from omni_local.model.quantized.formats import (FP8, FP8_MAX, QuantFormat, Quantized, dequantize, quantize,
                                                 quantized_bytes)
 
@@ -149,8 +149,10 @@ class QuantizedLinear(torch.nn.Module):
 
 
 def has_fp8_units(device: torch.device) -> bool:
-    """Whether `device` multiplies float8 matrices in hardware (Ada, Hopper and newer GPUs)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= _FP8_CAPABILITY
+    """Whether `device` multiplies float8 matrices in hardware (Ada, Hopper and newer GPUs; as
+    OMNI_LOCAL_FORCE_ARCH says, where set)."""
+    gpu = kernel_gpu(device)
+    return gpu is not None and gpu.capability >= _FP8_CAPABILITY
 
 
 def runs_gemv(device: torch.device, format: QuantFormat, group: int = 0) -> bool:
