@@ -31,6 +31,7 @@ distributions are far flatter than a trained model's. They rank the formats and 
 one; they are not a real checkpoint's quality, which needs its weights and task accuracy.
 """
 
+import argparse
 import copy
 import gc
 import json
@@ -291,6 +292,15 @@ def _row(*cells: object) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
+def bench_settings(args: argparse.Namespace) -> Settings:
+    """The settings of `args`, with --wide-demo the wide demo's checkpoint (written beside the demo)."""
+    quiet_library_logs()
+    settings = settings_from_arguments(args)
+    if args.wide_demo:
+        settings = settings.replace(model=str(ensure_demo_checkpoint(settings.demo_path.parent / "demo-wide", WIDE)))
+    return settings
+
+
 def main() -> None:
     parser = bench_parser("python -m omni_local.bench.weight_quality", timed=False)
     parser.add_argument("--wide-demo", action="store_true",
@@ -300,10 +310,7 @@ def main() -> None:
     parser.add_argument("--layers-only", action="store_true", help="only the layers' errors (loads bf16 alone)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
-    quiet_library_logs()
-    settings = settings_from_arguments(args)
-    if args.wide_demo:
-        settings = settings.replace(model=str(ensure_demo_checkpoint(settings.demo_path.parent / "demo-wide", WIDE)))
+    settings = bench_settings(args)
     with torch.inference_mode():
         result = measure(settings, args.random_weights, args.new_tokens, layers=args.layers or args.layers_only,
                          tokens=not args.layers_only)
