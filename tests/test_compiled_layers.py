@@ -133,10 +133,11 @@ def padded_prefill(store: KVStore, table: list[int], length: int, longest: int) 
                            rows=store.shape.max_tokens)
 
 
-def prefill_of_five(stack: torch.nn.Module, regions: LayerRegions) -> None:
-    """Five tokens into fresh blocks, each layer as `regions` runs it."""
+def prefill_of_five(stack: torch.nn.Module, regions: LayerRegions, **store: object) -> None:
+    """Five tokens into fresh blocks of a store of the `store` kind (KVShape's fields), each layer as
+    `regions` runs it."""
     shape = KVShape(stack.config.num_hidden_layers, stack.config.num_key_value_heads, stack.config.head_dim,
-                    max_tokens=32)
+                    max_tokens=32, **store)
     weight = stack.norm.weight
     store = KVStore(shape, shape.table_blocks + 1, weight.dtype, weight.device)
     run_layers(stack, store.writer(store.take(shape.table_blocks), 0), hidden_states(stack, 5, seed=9),
@@ -162,6 +163,19 @@ def test_each_kind_of_layer_compiles_regions_of_its_own_which_another_app_of_tha
     finally:
         for projection, own in zip(projections, classes):
             projection.__class__ = own
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+@torch.inference_mode()
+def test_each_kind_of_store_compiles_regions_of_its_own_so_no_process_of_many_stores_recompiles_one(speaking_app):
+    # A test run's apps keep their KV in stores of other block sizes and dtypes: a region compiled
+    # again for each would reach dynamo's limit, and fail, in one process.
+    stack = stacks(speaking_app.backend.loaded.model)["thinker"]
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for store in ({"block_tokens": 16}, {"block_tokens": 32}, {"block_tokens": 16, "fp8": True}):
+            prefill_of_five(stack, LayerRegions(compiled=True), **store)
+        graphs = counters["stats"]["unique_graphs"]
+        prefill_of_five(stack, LayerRegions(compiled=True), block_tokens=32)
     assert counters["stats"]["unique_graphs"] == graphs
 
 

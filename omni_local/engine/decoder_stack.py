@@ -155,9 +155,12 @@ def _modeling(module: torch.nn.Module) -> object:
 
 
 def _layer_kind(layer: torch.nn.Module) -> Hashable:
-    """What a compiled region's guards see of a layer besides its tensors: its modules' classes
-    (quantized or deterministic layers swap some)."""
-    return tuple((name, type(module)) for name, module in layer.named_modules())
+    """What a compiled region's guards see of a layer: its modules' classes (quantized or
+    deterministic layers swap some) and its tensors' shapes and dtypes (two models of one class, the
+    demo model and a checkpoint, differ in sizes)."""
+    classes = tuple((name, type(module)) for name, module in layer.named_modules())
+    tensors = tuple((name, tuple(tensor.shape), tensor.dtype) for name, tensor in layer.state_dict().items())
+    return classes, tensors
 
 
 def _moe_kind(moe: MoeBackend) -> Hashable:
@@ -175,32 +178,53 @@ _COMPILED: dict[tuple[str, Hashable], Callable] = {}
 def _compiled_for_any_batch(region: Callable, kind: Hashable) -> Callable:
     """`region(layer, *tensors, ...)` compiled for layers of one kind, its tensors' first two
     dimensions (sequences, new tokens) dynamic: one graph for all prefill lengths, one for all
-    batches of decode steps, and one for a single decode step (dynamo specializes a size of 1), and
-    in float32 again for the experts kernel capture switches to; with quantized weights, batches
-    and prefills of up to GEMV_MAX_ROWS rows (model/quantized/linear.py) apart from longer ones.
-    fullgraph: a graph break would mean guards of its own.
+    batches of decode steps, and one for a single decode step (dynamo specializes a size of 1); with
+    quantized weights, batches and prefills of up to GEMV_MAX_ROWS rows (model/quantized/linear.py)
+    apart from longer ones.
 
     Dynamo keeps a function's graphs on its code object and compiles it at most `recompile_limit`
     times (then fails, with fullgraph): every kind of layer (Thinker, Talker, code predictor, each
     with its weights' formats and MoE backend) compiles a copy of the region's code of its own, so
-    no number of kinds in one process reaches the limit."""
+    no number of kinds in one process reaches the limit. The same holds for what the call passes
+    besides the dynamic dimensions (a store's dtype, block size and scales, whether the attention
+    kernel prepares the queries): each such signature has a copy of its own too."""
+
+    def call(layer: torch.nn.Module, *tensors: torch.Tensor, **keywords: object) -> object:
+        for tensor in tensors:
+            torch._dynamo.maybe_mark_dynamic(tensor, 0)
+            torch._dynamo.maybe_mark_dynamic(tensor, 1)
+        for value in keywords.values():  # a pool's blocks differ by store (the Thinker's, the Talker's, each app's)
+            if isinstance(value, torch.Tensor):
+                torch._dynamo.maybe_mark_dynamic(value, 0)
+        return _compiled_copy(region, (kind, _call_signature(tensors, keywords)))(layer, *tensors, **keywords)
+
+    return call
+
+
+def _call_signature(tensors: tuple[torch.Tensor, ...], keywords: dict[str, object]) -> Hashable:
+    """What dynamo guards on in a region's arguments besides the dimensions `call` marks dynamic
+    (the positional tensors' first two, the keyword tensors' first): dtypes, devices, the other
+    sizes (with their number), and of the keywords that are not tensors, flags and None by value and
+    the rest (a norm, a MoE backend) by class: the layers of a stack pass modules of their own.
+    Every tensor of a call is on the layer's device. Made on every eager call: a few microseconds."""
+    def keyword(value: object) -> Hashable:
+        if isinstance(value, torch.Tensor):
+            return value.dtype, value.shape[1:]
+        return value if value is None or isinstance(value, bool) else type(value)
+
+    positional = tuple((value.dtype, value.shape[2:], value.dim()) for value in tensors)
+    return positional, tuple(keywords), tuple(keyword(value) for value in keywords.values())
+
+
+def _compiled_copy(region: Callable, kind: Hashable) -> Callable:
+    """`region` compiled (fullgraph: a graph break would mean guards of its own) as a copy of its
+    code for `kind` alone, made once a process."""
     key = (region.__name__, kind)
     if key not in _COMPILED:
         code = region.__code__.replace(co_name=f"{region.__name__}_{len(_COMPILED)}")
         copy = types.FunctionType(code, region.__globals__, code.co_name, region.__defaults__, region.__closure__)
         copy.__kwdefaults__ = region.__kwdefaults__
-        compiled = torch.compile(copy, fullgraph=True)
-
-        def call(layer: torch.nn.Module, *tensors: torch.Tensor, **keywords: object) -> object:
-            for tensor in tensors:
-                torch._dynamo.maybe_mark_dynamic(tensor, 0)
-                torch._dynamo.maybe_mark_dynamic(tensor, 1)
-            for value in keywords.values():  # a pool's blocks differ by store (the Thinker's, the Talker's, each app's)
-                if isinstance(value, torch.Tensor):
-                    torch._dynamo.maybe_mark_dynamic(value, 0)
-            return compiled(layer, *tensors, **keywords)
-
-        _COMPILED[key] = call
+        _COMPILED[key] = torch.compile(copy, fullgraph=True)
     return _COMPILED[key]
 
 
