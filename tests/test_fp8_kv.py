@@ -10,11 +10,12 @@ import torch
 from chats import Chat, written
 from samples import picture
 from test_paged_attention import FLOAT32, SCALING, case_inputs, full_size, on_cpu, on_gpu, paged_call
-from omni_local.engine import kv_fp8, memory_plan
+from omni_local.engine import kv_fp8, memory_plan, triton_support
 from omni_local.engine.attention import gathered_attention, paged_attention
 from omni_local.engine.host_arena import HostArena
 from omni_local.engine.kv_fp8 import FP8, write_rows
 from omni_local.engine.kv_store import NO_PREFIX, GraphedKVWriter, KVShape, KVStore
+from omni_local.engine.triton_support import FORCE_ARCH_VARIABLE
 from omni_local.errors import SettingsError
 from omni_local.model import load_model
 from omni_local.model.quantized.formats import dequantize, quantize
@@ -191,20 +192,32 @@ def test_the_memory_plan_counts_fp8_kv_at_its_own_bytes(demo_settings, demo_chec
     assert plans["fp8"].kv_tokens == ((8 << 20) // (block_tokens * DEMO_FP8_TOKEN_BYTES) - 1) * block_tokens
 
 
-def test_kv_dtype_fp8_is_refused_on_a_gpu_below_compute_capability_8_9_saying_what_to_use(monkeypatch):
-    monkeypatch.setattr(kv_fp8, "has_fp8_units", lambda device: False)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
+@pytest.fixture
+def forced_arch(monkeypatch):
+    """Makes the GPU the one OMNI_LOCAL_FORCE_ARCH names (`forced_arch("86")`): no GPU needed."""
+
+    def force(arch: str) -> None:
+        monkeypatch.setenv(FORCE_ARCH_VARIABLE, arch)
+        triton_support._cuda_gpu.cache_clear()
+
+    yield force
+    triton_support._cuda_gpu.cache_clear()
+
+
+def test_kv_dtype_fp8_is_refused_on_a_gpu_below_compute_capability_8_9_saying_what_to_use(forced_arch):
+    forced_arch("86")
 
     with pytest.raises(SettingsError) as refused:
         kv_fp8.fp8_kv("fp8", torch.device("cuda"))
 
-    assert str(refused.value) == ("kv_dtype = 'fp8' needs a GPU of compute capability 8.9 or newer (Ada, Hopper, "
-                                  "Blackwell); this one is 8.6: use kv_dtype = 'auto'")
+    assert str(refused.value) == ("setting 'kv_dtype' is 'fp8', but this GPU's compute capability is 8.6, and fp8 "
+                                  "needs 8.9 or newer (Ada, Hopper, Blackwell): use kv_dtype = 'auto' (the default; "
+                                  "weights = 'int4' leaves the KV more memory)")
     assert kv_fp8.fp8_kv("auto", torch.device("cuda")) is False
 
 
-def test_kv_dtype_fp8_runs_on_a_gpu_with_fp8_and_on_the_cpu(monkeypatch):
-    monkeypatch.setattr(kv_fp8, "has_fp8_units", lambda device: True)
+def test_kv_dtype_fp8_runs_on_a_gpu_with_fp8_and_on_the_cpu(forced_arch):
+    forced_arch("89")
 
     assert kv_fp8.fp8_kv("fp8", torch.device("cuda")) and kv_fp8.fp8_kv("fp8", torch.device("cpu"))
 

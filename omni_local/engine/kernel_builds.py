@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from omni_local.engine.triton_support import KernelGpu, building_for
+from omni_local.engine.triton_support import KernelGpu, building_for, has_fp8_units
 
 ARCHITECTURES = (80, 86, 89, 90, 100, 120)
 # Shared memory a block may take (opt-in), in bytes, by architecture: NVIDIA's CUDA C++ Programming
@@ -98,8 +98,6 @@ def recorded_launches(into: list[Launch], what: str) -> Iterator[None]:
 
 def engine_launches(gpu: KernelGpu) -> list[Launch]:
     """The launches the engine makes on `gpu`, for each stack and weights format it takes there."""
-    from omni_local.model.quantized.linear import has_fp8_units
-
     launches: list[Launch] = []
     token = building_for.set(gpu)
     try:

@@ -18,9 +18,8 @@ same keys quantized, and a cached turn would differ from the same turn computed.
 
 import torch
 
-from omni_local.errors import SettingsError
+from omni_local.engine.triton_support import refuse_without_fp8
 from omni_local.model.quantized.formats import FP8, Quantized, dequantize, quantize
-from omni_local.model.quantized.linear import has_fp8_units
 
 SCALE_DTYPE = torch.float32  # formats.py's fp8 scales
 SCALE_BYTES = SCALE_DTYPE.itemsize
@@ -28,13 +27,12 @@ SCALE_BYTES = SCALE_DTYPE.itemsize
 
 def fp8_kv(setting: str, device: torch.device) -> bool:
     """Whether `kv_dtype` (`setting`) keeps the KV in fp8 on `device`: 'fp8' on a GPU with FP8 (compute
-    capability 8.9 or newer), and on the CPU (torch's conversions; the tests); a SettingsError below 8.9."""
+    capability 8.9 or newer), and on the CPU (torch's conversions; the tests); a SettingsError below 8.9
+    naming the default, and int4 weights for the memory fp8 KV would have saved."""
     if setting != "fp8":
         return False
-    if device.type == "cuda" and not has_fp8_units(device):
-        major, minor = torch.cuda.get_device_capability(device)
-        raise SettingsError(f"kv_dtype = 'fp8' needs a GPU of compute capability 8.9 or newer (Ada, Hopper, "
-                            f"Blackwell); this one is {major}.{minor}: use kv_dtype = 'auto'")
+    refuse_without_fp8("setting 'kv_dtype' is 'fp8'", "use kv_dtype = 'auto' (the default; weights = 'int4' "
+                       "leaves the KV more memory)", device)
     return True
 
 

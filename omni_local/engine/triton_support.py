@@ -1,5 +1,5 @@
-"""Whether our Triton kernels (the MoE's, attention's) can run on a device, what they share, and the
-GPU their tiles are chosen for (`kernel_gpu`)."""
+"""Whether our Triton kernels (the MoE's, attention's) can run on a device, what they share, the
+GPU their tiles are chosen for (`kernel_gpu`), and whether it has FP8 (`has_fp8_units`)."""
 
 import importlib.util
 import os
@@ -13,6 +13,8 @@ from omni_local.errors import SettingsError
 
 # bfloat16 tl.dot, and the kernels' tiles, need Ampere or newer.
 MIN_CAPABILITY = (8, 0)
+# float8 e4m3: Triton's conversions and FP8 matrix units (torch._scaled_mm), from Ada on.
+FP8_CAPABILITY = (8, 9)
 
 
 def uses_triton(name: str, setting: str, device: torch.device) -> bool:
@@ -97,3 +99,21 @@ def forced_capability(value: str) -> tuple[int, int]:
         raise SettingsError(f"{FORCE_ARCH_VARIABLE} names an architecture as its compute capability's digits "
                             f"('80', '86', '89', '90', '100', '120'), not {value!r}")
     return divmod(int(value), 10)
+
+
+def has_fp8_units(device: torch.device) -> bool:
+    """Whether `device` is a GPU with FP8 (Ada, Hopper and newer), by the capability our kernels are
+    chosen for: OMNI_LOCAL_FORCE_ARCH's where set, the meta device's `building_for`."""
+    gpu = kernel_gpu(device)
+    return gpu is not None and gpu.capability >= FP8_CAPABILITY
+
+
+def refuse_without_fp8(setting: str, instead: str, device: torch.device) -> None:
+    """A SettingsError where `device` is a CUDA GPU without FP8: `setting` (what asked for fp8) cannot
+    run there, and `instead` says what does. fp8 weights and fp8 KV are refused by this one check, so
+    a forced architecture refuses both as that GPU would. (The CPU runs fp8 in torch's conversions.)"""
+    if device.type != "cuda" or has_fp8_units(device):
+        return
+    major, minor = kernel_gpu(device).capability
+    raise SettingsError(f"{setting}, but this GPU's compute capability is {major}.{minor}, and fp8 needs "
+                        f"{FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or newer (Ada, Hopper, Blackwell): {instead}")

@@ -26,11 +26,10 @@ from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneratio
 from transformers.utils import is_flash_attn_2_available
 
 from omni_local.api.kinds import ModelKind
-from omni_local.engine.triton_support import kernel_gpu
+from omni_local.engine.triton_support import refuse_without_fp8
 from omni_local.errors import CheckpointError, SettingsError
 from omni_local.model.demo import ensure_demo_checkpoint
 from omni_local.model.quantized import quantize_layers
-from omni_local.model.quantized.linear import has_fp8_units
 from omni_local.model.quantized.prequantized import CheckpointQuantization, read_quantization_config
 from omni_local.model.quantized.stored import StoredLayers, filled_from_disk
 from omni_local.model.reasoning import template_opens_reasoning
@@ -225,11 +224,9 @@ def _check_weights(formats: list[str], prequantized: bool, settings: Settings, d
     if not formats or device.type != "cuda":
         return
     source = "the checkpoint holds {} weights" if prequantized else "setting 'weights' is '{}'"
-    if "fp8" in formats and not has_fp8_units(device):
-        major, minor = kernel_gpu(device).capability
-        instead = "an int4 checkpoint runs here" if prequantized else "use 'int4'"
-        raise SettingsError(f"{source.format('fp8')}, but this GPU (compute capability {major}.{minor}) has no FP8 "
-                            f"units (8.9 or newer has): {instead}")
+    if "fp8" in formats:
+        refuse_without_fp8(source.format("fp8"), "an int4 checkpoint runs here, or a bf16 one with weights = 'int4'"
+                           if prequantized else "use weights = 'int4'", device)
     if settings.moe_backend == "torch":
         raise SettingsError(f"{source.format(formats[0])}: on a GPU its experts run in our kernels, so setting "
                             "'moe_backend' must be 'triton' or 'auto', not 'torch'")

@@ -25,11 +25,10 @@ a compiled encoder's token count, which may be unbacked, meets no guard on its s
 import torch
 import torch.nn.functional as F
 
-from omni_local.engine.triton_support import kernel_gpu, triton_refusal
+from omni_local.engine.triton_support import has_fp8_units, triton_refusal
 from omni_local.model.quantized.formats import (FP8, FP8_MAX, QuantFormat, Quantized, dequantize, quantize,
                                                 quantized_bytes)
 
-_FP8_CAPABILITY = (8, 9)
 # Rows up to which a GPU multiplies by our GEMV rather than the library's matmuls: a decode batch,
 # where cuBLASLt's FP8 kernel (a 128x128 tile) took 9.4 µs a call on an H200 at one row. A guess, to
 # be measured (python -m omni_local.bench.dense_projections) where the two meet.
@@ -146,13 +145,6 @@ class QuantizedLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"
-
-
-def has_fp8_units(device: torch.device) -> bool:
-    """Whether `device` multiplies float8 matrices in hardware (Ada, Hopper and newer GPUs; as
-    OMNI_LOCAL_FORCE_ARCH says, where set)."""
-    gpu = kernel_gpu(device)
-    return gpu is not None and gpu.capability >= _FP8_CAPABILITY
 
 
 def runs_gemv(device: torch.device, format: QuantFormat, group: int = 0) -> bool:
