@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import soxr
 
-from omni_local.api.events import SPEECH_SAMPLE_RATE
 from omni_local.errors import OmniLocalError
 from omni_local.media import SAMPLE_RATE
+from omni_local.protocol.events import SPEECH_SAMPLE_RATE
 
 
 class AudioDeviceError(OmniLocalError):

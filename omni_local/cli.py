@@ -29,11 +29,11 @@ import soundfile
 
 from omni_local.api import OmniLocal, Reply, Session
 from omni_local.audio_devices import AudioDeviceError, Microphone, Speakers, load_sounddevice
-from omni_local.api.events import SPEECH_SAMPLE_RATE, AudioChunk, Finished, ReasoningDelta, TextDelta
 from omni_local.errors import OmniLocalError
 from omni_local.media import load_audio, load_image
 from omni_local.media.video import Video
 from omni_local.metrics_line import metrics_line
+from omni_local.protocol.events import SPEECH_SAMPLE_RATE, AudioChunk, Finished, ReasoningDelta, TextDelta
 from omni_local.settings import add_settings_arguments, settings_from_arguments
 from omni_local.voice import VoiceConversation
 

@@ -2,7 +2,7 @@
 fast, what the caches supplied, what the prompt left out, and why the reply ended where that is news.
 A figure the backend did not report is left out, or said to be unknown: never shown as a zero."""
 
-from omni_local.api.events import ContextUse, Finished, MediaCounts, SpeechReport, TokenCounts, Timings
+from omni_local.protocol.events import ContextUse, Finished, MediaCounts, SpeechReport, TokenCounts, Timings
 
 # A reply that ended on its own says nothing of it; the other ends are news to the person.
 _STOP_WORDS = {"max_new_tokens": "reply length limit reached", "context_full": "context full", "cancelled": "stopped"}

@@ -38,10 +38,10 @@ from transformers.utils import is_torchvision_available
 from bad_files import write_bad_files
 from checkpoint_family import write_captioner, write_thinking
 from gpu_groups import GROUPS, group_of
-from omni_local.api.messages import Message
 from omni_local.model import LoadedModel, load_model
 from omni_local.model.demo import ensure_demo_checkpoint
 from omni_local.prompts import Prompt, build_prompt
+from omni_local.protocol.messages import Message
 from omni_local.settings import Settings
 
 # The browser, its tabs and their screenshots, for every module of browser tests.

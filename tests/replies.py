@@ -6,8 +6,8 @@ import torch
 from PIL import Image
 
 from omni_local.api import AudioChunk, Finished, OmniLocal, TextDelta
-from omni_local.api.messages import Message
 from omni_local.prompts import Prompt, build_prompt
+from omni_local.protocol.messages import Message
 
 NEW_TOKENS = 24
 GREEDY = {"speak": True, "talker_temperature": 0.0}  # a spoken reply, its codes greedy too

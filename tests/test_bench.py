@@ -16,7 +16,6 @@ import torch
 from transformers import AutoTokenizer
 from transformers.utils import is_torchvision_available
 
-from omni_local.api.messages import Message
 from omni_local.bench.__main__ import chosen_scenarios, median_of
 from omni_local.bench.beside import longest_gap
 from omni_local.bench.compile_log import compile_log
@@ -29,6 +28,7 @@ from omni_local.bench.scenarios import QUESTION, SYSTEM, Scenario, noise_image, 
 from omni_local.engine.phases import (BEGIN_SPEECH, BUILD_PROMPT, CLAIM_KV, COLLECT, DECODE, ENCODE_MEDIA, FIRST_TOKEN,
                                       PREFILL, PREPARE, SPEECH_FRAME, phase)
 from omni_local.prompts import build_prompt
+from omni_local.protocol.messages import Message
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE_ON, CACHE_OFF = "omni_local, cache on", "omni_local, cache off"
@@ -205,8 +205,9 @@ def test_the_card_size_bench_smoke_run_prints_a_row_of_memory_and_times_for_a_sp
     assert done.returncode == 0, done.stderr
     row = next(line for line in done.stdout.splitlines() if line.startswith(f"| {weights} |"))
     cells = row.strip("| ").split(" | ")
-    assert cells[:3] == [weights, "on", "-"] and len(cells) == 11
-    assert all(float(cell) > 0 for cell in cells[7:])  # TTFT, first audio, RTF, decode step
+    assert cells[:3] == [weights, "on", "-"] and len(cells) == 14
+    assert cells[4:7] == ["none", "0", "-"]  # no experts in host memory, nothing over the bus
+    assert all(float(cell) > 0 for cell in cells[10:])  # TTFT, first audio, RTF, decode step
 
 
 def test_the_card_size_bench_with_the_memory_plan_prints_its_refusal_as_the_row_where_the_card_is_too_small(

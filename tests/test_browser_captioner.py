@@ -11,7 +11,7 @@ from browser_page import (
 )
 from samples import clip
 from served_app import ServedApp, served_app
-from omni_local.api.kinds import CAPTIONER_TAKES_NO_TEXT
+from omni_local.protocol.kinds import CAPTIONER_TAKES_NO_TEXT
 from omni_local.ui.history import AUDIO_SUFFIXES
 
 

@@ -13,13 +13,13 @@ from checkpoint_family import write_captioner, write_thinker_only
 from replies import NEW_TOKENS, model_inputs, reference_tokens
 from samples import clip, picture
 from omni_local.api import OmniLocal, ReasoningDelta, TextDelta
-from omni_local.api.kinds import CAPTIONER_TAKES_NO_TEXT, CAPTIONER_TAKES_ONE_CLIP
-from omni_local.api.messages import Message
 from omni_local.cli import DIM, ReasoningPrinter, main
 from omni_local.errors import CheckpointError, RequestError
 from omni_local.model import load_model
 from omni_local.model.reasoning import reasoning_marks
 from omni_local.prompts import build_prompt
+from omni_local.protocol.kinds import CAPTIONER_TAKES_NO_TEXT, CAPTIONER_TAKES_ONE_CLIP
+from omni_local.protocol.messages import Message
 
 QUESTION = "Tell me a story about a lighthouse keeper."
 LIMIT = 8  # reasoning tokens, well within NEW_TOKENS

@@ -13,11 +13,11 @@ from checkpoint_layouts import OFFICIAL_SHARDS, write_older_layout, write_with_v
 from replies import NEW_TOKENS, media, reference_tokens
 from samples import clip, picture, video_file
 from omni_local.api import OmniLocal
-from omni_local.api.messages import Message
 from omni_local.errors import CheckpointError, MediaError
 from omni_local.model import load_model
 from omni_local.model import workarounds
 from omni_local.model.workarounds import NO_TORCHVISION, ProcessorWithoutVideo, video_refusal
+from omni_local.protocol.messages import Message
 
 SYSTEM = "You are a helpful assistant."
 QUESTIONS = {

@@ -10,9 +10,9 @@ import omni_local.engine.engine as engine_module
 from kv_budget import kv_rows
 from omni_local.api import OmniLocal
 from omni_local.bench.beside import accepted_tokens
-from omni_local.api.events import Finished, TextDelta
 from omni_local.errors import RequestError
 from omni_local.model.loader import end_of_turn_ids
+from omni_local.protocol.events import Finished, TextDelta
 
 QUESTION = "Tell me a story about a lighthouse keeper."
 

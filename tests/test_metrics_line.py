@@ -3,8 +3,8 @@ prompt left out, and how the reply ended where that is news; numbers with thousa
 
 import pytest
 
-from omni_local.api.events import ContextUse, Finished, MediaCounts, SpeechReport, Timings, TokenCounts
 from omni_local.metrics_line import metrics_line
+from omni_local.protocol.events import ContextUse, Finished, MediaCounts, SpeechReport, Timings, TokenCounts
 
 
 def finished(**fields) -> Finished:

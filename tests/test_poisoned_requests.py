@@ -25,8 +25,8 @@ from omni_local.engine.kv_store import GraphedKVWriter, KVStore
 from omni_local.engine.prefix_cache import PrefixCache
 from omni_local.engine.thinker import ThinkerRunner
 from omni_local.errors import RequestError
-from omni_local.api.messages import Message
 from omni_local.prompts import build_prompt
+from omni_local.protocol.messages import Message
 
 REPLY_TOKENS = 12
 HEARD = "What do you hear?"

@@ -10,8 +10,8 @@ from PIL import Image
 
 from samples import TYPED_CONTROL_TOKENS
 from omni_local.errors import RequestError
-from omni_local.api.messages import Message
 from omni_local.prompts import Prompt, build_prompt, image_grid
+from omni_local.protocol.messages import Message
 
 SYSTEM = "You are a careful assistant."
 RATE = 16_000

@@ -26,15 +26,15 @@ from recorded_server import (
 )
 from samples import clip, picture, video_file
 from omni_local.api import AudioChunk, Finished, TextDelta
-from omni_local.api.events import (ContextUse, MediaCounts, SpeechReport, Timings, TokenChoice, TokenCounts,
-                                   TokenLogprob)
-from omni_local.api.messages import Message
-from omni_local.api.params import SamplingParams, SpeechParams
 from omni_local.backends.remote import RemoteBackend
 from omni_local.errors import MediaError, OmniLocalError, RequestError
 from omni_local.media import MediaLimits
 from omni_local.media.video import Video, read_video_file
 from omni_local.metrics_line import metrics_line
+from omni_local.protocol.events import (ContextUse, MediaCounts, SpeechReport, Timings, TokenChoice, TokenCounts,
+                                   TokenLogprob)
+from omni_local.protocol.messages import Message
+from omni_local.protocol.params import SamplingParams, SpeechParams
 from omni_local.settings import Settings
 
 QUESTION = [Message("user", ["Hi?"])]
@@ -555,8 +555,8 @@ sys.path.insert(0, {str(Path(__file__).parent)!r})
 from recorded_server import RecordedServer, text_stream
 server = RecordedServer(replies=[text_stream(["Hi"])])
 backend = server.backend(cache_dir={str(tmp_path)!r})
-from omni_local.api.messages import Message
-from omni_local.api.params import SamplingParams
+from omni_local.protocol.messages import Message
+from omni_local.protocol.params import SamplingParams
 print(list(backend.send("s", [Message("user", ["Hi?"])], SamplingParams(), None).events())[-1].text)
 print("torch" in sys.modules)
 """

@@ -14,8 +14,8 @@ from conftest import TEST_DEVICE
 from omni_local.engine.sampling import (
     Sampler, SamplingRows, SeatSampler, _filtered, _hash32, _penalize_repeats, _uniform, uniform_numbers,
 )
-from omni_local.api.params import SamplingParams
 from omni_local.errors import RequestError
+from omni_local.protocol.params import SamplingParams
 
 CPU = torch.device("cpu")
 VOCAB = 300

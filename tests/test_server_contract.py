@@ -11,9 +11,9 @@ import pytest
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
-from omni_local.api.events import (ContextUse, Finished, TextDelta, Timings, TokenChoice, TokenCounts,
+from omni_local.protocol.events import (ContextUse, Finished, TextDelta, Timings, TokenChoice, TokenCounts,
                                    TokenLogprob)
-from omni_local.api.messages import Message
+from omni_local.protocol.messages import Message
 from omni_local.server.routes import api_mount
 from replies import NEW_TOKENS, model_logprobs, reference_tokens
 

@@ -11,9 +11,9 @@ from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
 from omni_local.access import LOCAL_USER
-from omni_local.api.events import ContextUse, Finished, TextDelta, Timings, TokenCounts
-from omni_local.api.messages import Message
 from omni_local.errors import RequestError
+from omni_local.protocol.events import ContextUse, Finished, TextDelta, Timings, TokenCounts
+from omni_local.protocol.messages import Message
 from omni_local.server.conversations import Conversations
 from omni_local.server.routes import api_mount
 from omni_local.server.stops import StopStrings

@@ -6,8 +6,8 @@ import torch
 from replies import NEW_TOKENS, media, model_inputs, reference_tokens
 from samples import clip, picture
 from omni_local.api import OmniLocal
-from omni_local.api.messages import Message
 from omni_local.prompts import build_prompt
+from omni_local.protocol.messages import Message
 
 CASES = {
     "text": lambda: ["Tell me a story about a lighthouse keeper."],

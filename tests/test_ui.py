@@ -27,8 +27,8 @@ from chats import written_tokens
 from samples import video_file, wait_for
 from served_app import free_port, running_app
 from omni_local.media import load_image
+from omni_local.protocol.messages import Message
 from omni_local.settings import Settings
-from omni_local.api.messages import Message
 from omni_local.ui.history import ERROR_TITLE, to_messages
 
 METRICS = re.compile(

@@ -12,8 +12,8 @@ import soundfile
 
 from samples import clip
 from omni_local.api import OmniLocal
-from omni_local.api.kinds import CAPTIONER_TAKES_NO_TEXT
-from omni_local.api.messages import Message, reply_key
+from omni_local.protocol.kinds import CAPTIONER_TAKES_NO_TEXT
+from omni_local.protocol.messages import Message, reply_key
 from omni_local.ui import sidebar
 from omni_local.ui.chat import ChatTurns, build_ui
 from omni_local.ui.chats import ChatShelves, ChatStore, SavedChat

@@ -10,12 +10,12 @@ import pytest
 
 from chats import written
 from samples import picture
-import omni_local.ui.chat as chat_module
-from omni_local.api.messages import reply_key
+from omni_local.protocol.messages import reply_key
 from omni_local.ui.chat import ChatTurns, with_ended_turn
 from omni_local.ui.chats import ChatShelves
 from omni_local.ui.edits import edited_question
 from omni_local.ui.history import ChatMemory, to_messages
+import omni_local.ui.chat as chat_module
 
 LONG = 200  # tokens: the demo's greedy replies to these questions do not end sooner
 OPTIONS = {"system_prompt": "", "max_new_tokens": LONG, "temperature": 0.0, "top_p": 1.0, "speak": False,

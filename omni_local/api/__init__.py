@@ -17,8 +17,8 @@ The same API runs on the engine in this process or on a remote server (`backend 
 """
 
 from omni_local.api.app import OmniLocal
-from omni_local.api.events import AudioChunk, Finished, ReasoningDelta, TextDelta
 from omni_local.api.session import Reply, Session
 from omni_local.errors import OmniLocalError
+from omni_local.protocol.events import AudioChunk, Finished, ReasoningDelta, TextDelta
 
 __all__ = ["OmniLocal", "Session", "Reply", "TextDelta", "ReasoningDelta", "AudioChunk", "Finished", "OmniLocalError"]

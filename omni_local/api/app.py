@@ -4,12 +4,11 @@ from pathlib import Path
 
 from omni_local.access import LOCAL_USER
 from omni_local.api.arguments import VIDEOS, checked
-from omni_local.api.backend import Backend, BackendInfo
-from omni_local.api.messages import Part
-from omni_local.api.params import SamplingParams
-from omni_local.api.session import Session, VideoInput
-from omni_local.errors import RequestError
+from omni_local.api.session import Session, VideoInput, sampling_params
 from omni_local.media import MediaLimits
+from omni_local.protocol.backend import Backend, BackendInfo
+from omni_local.protocol.messages import Part
+from omni_local.protocol.params import SamplingParams
 from omni_local.settings import Settings, load_settings
 
 
@@ -34,24 +33,11 @@ class OmniLocal:
                 principal: str = LOCAL_USER) -> Session:
         """A new chat; `session_id` names it for the prefix cache (a fresh one by default). `principal`
         says whose it is (access.py): caches are shared only among one principal's chats."""
-        return Session(self, system_prompt, session_id, principal)
+        return Session(self.backend, self.settings, self.limits, system_prompt, session_id, principal)
 
     def sampling(self, **overrides: object) -> SamplingParams:
         """Sampling parameters: the settings' defaults, with a request's own values on top."""
-        s = self.settings
-        values = dict(
-            max_new_tokens=s.max_new_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            repetition_penalty=s.repetition_penalty,
-            max_reasoning_tokens=s.max_reasoning_tokens,
-        )
-        unknown = sorted(set(overrides) - {*values, "seed", "logprobs"})
-        if unknown:
-            raise RequestError(f"unknown sampling parameter '{unknown[0]}'")
-        values.update(overrides)
-        return SamplingParams(**values)
+        return sampling_params(self.settings, **overrides)
 
     def read_video(self, item: VideoInput | str | Path) -> Part:
         """The video as the backend takes it: decoded here, or checked and sent on as a file."""

@@ -1,27 +1,28 @@
-"""A conversation (`Session`) and one reply as it streams (`Reply`), on any backend."""
+"""A conversation (`Session`) and one reply as it streams (`Reply`), on any backend.
+
+A session is given the backend, settings and media limits it uses, not its app (api/app.py, which
+makes sessions), so the facade's two modules import one way.
+"""
 
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 from PIL import Image
 
 from omni_local.access import LOCAL_USER
 from omni_local.api.arguments import AUDIO, IMAGES, VIDEOS, listed
-from omni_local.api.backend import ReplyStream
-from omni_local.api.events import AudioChunk, Finished, TextDelta
-from omni_local.api.messages import Message, Part, check_text
-from omni_local.api.params import SpeechParams
 from omni_local.errors import OmniLocalError, RequestError
 from omni_local.media import MediaLimits, load_audio, load_image, prepare_image
 from omni_local.media.audio import samples_from_array
 from omni_local.media.video import Video
-
-if TYPE_CHECKING:
-    from omni_local.api.app import OmniLocal
+from omni_local.protocol.backend import Backend, ReplyStream
+from omni_local.protocol.events import AudioChunk, Finished, TextDelta
+from omni_local.protocol.messages import Message, Part, check_text
+from omni_local.protocol.params import SamplingParams, SpeechParams
+from omni_local.settings import Settings
 
 ImageInput = str | Path | bytes | Image.Image
 # An ndarray is 16 kHz samples: (samples,), or (samples, channels) / (channels, samples) with at most
@@ -84,9 +85,11 @@ class Reply:
 class Session:
     """A conversation: its system prompt and history; each reply is added when it finishes."""
 
-    def __init__(self, app: "OmniLocal", system_prompt: str | None, session_id: str | None = None,
-                 principal: str = LOCAL_USER) -> None:
-        self._app = app
+    def __init__(self, backend: Backend, settings: Settings, limits: MediaLimits, system_prompt: str | None,
+                 session_id: str | None = None, principal: str = LOCAL_USER) -> None:
+        self._backend = backend
+        self._settings = settings
+        self._limits = limits
         self.id = session_id or uuid.uuid4().hex  # the prefix cache keeps one entry per id ...
         self.principal = principal  # ... and shares what it holds only among this principal's sessions
         if system_prompt is not None:
@@ -116,11 +119,11 @@ class Session:
         parts = self._parts(text, images, audio, videos)
         if not parts:
             raise RequestError("the message is empty: type a question or attach an image, audio or video file")
-        params = self._app.sampling(**sampling)
+        params = sampling_params(self._settings, **sampling)
         speech = self._speech(speak, voice, talker_temperature)
         self.wait()
         user = Message("user", parts)
-        stream = self._app.backend.send(self.id, [*self.history, user], params, speech, self.principal)
+        stream = self._backend.send(self.id, [*self.history, user], params, speech, self.principal)
         self._pending = Reply(stream, lambda final: self._record(user, final))
         return self._pending
 
@@ -130,10 +133,10 @@ class Session:
         check_text(text, "the message")
         images, audio = listed("images", images, IMAGES), listed("audio", audio, AUDIO)
         videos = listed("videos", videos, VIDEOS)
-        limits = self._app.limits
+        limits = self._limits
         parts: list[Part] = [_image(item, limits, f"images[{n}]") for n, item in enumerate(images)]
         parts += [_audio(item, limits, f"audio[{n}]") for n, item in enumerate(audio)]
-        parts += [self._app.read_video(_named_video(item, f"videos[{n}]")) for n, item in enumerate(videos)]
+        parts += [self._backend.read_video(_named_video(item, f"videos[{n}]")) for n, item in enumerate(videos)]
         return parts + [text] if text else parts
 
     def _speech(self, speak: object, voice: object, temperature: float) -> SpeechParams | None:
@@ -143,7 +146,7 @@ class Session:
             raise RequestError(f"speak: expected True or False, got {type(speak).__name__}")
         if voice is not None:
             check_text(voice, "the voice")
-        return SpeechParams(voice or self._app.settings.voice, temperature) if speak else None
+        return SpeechParams(voice or self._settings.voice, temperature) if speak else None
 
     def wait(self) -> None:
         """Let a reply still streaming finish (or fail) before the history changes."""
@@ -157,6 +160,23 @@ class Session:
     def _record(self, user: Message, final: Finished) -> None:
         self.history += [user, Message("assistant", [final.text], token_ids=final.token_ids,
                                        reasoning=final.reasoning)]
+
+
+def sampling_params(settings: Settings, **overrides: object) -> SamplingParams:
+    """Sampling parameters: the settings' defaults, with a request's own values on top."""
+    values = dict(
+        max_new_tokens=settings.max_new_tokens,
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        top_k=settings.top_k,
+        repetition_penalty=settings.repetition_penalty,
+        max_reasoning_tokens=settings.max_reasoning_tokens,
+    )
+    unknown = sorted(set(overrides) - {*values, "seed", "logprobs"})
+    if unknown:
+        raise RequestError(f"unknown sampling parameter '{unknown[0]}'")
+    values.update(overrides)
+    return SamplingParams(**values)
 
 
 def _image(item: ImageInput, limits: MediaLimits, name: str) -> Image.Image:

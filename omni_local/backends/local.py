@@ -10,11 +10,6 @@ import numpy as np
 import torch
 
 from omni_local.access import LOCAL_USER
-from omni_local.api.backend import BackendInfo
-from omni_local.api.events import Event, Finished
-from omni_local.api.kinds import conversation_for
-from omni_local.api.messages import Message
-from omni_local.api.params import SamplingParams, SpeechParams
 from omni_local.engine import host_memory
 from omni_local.engine.engine import Engine
 from omni_local.engine.memory_plan import MemoryPlan, engine_baseline, plan_memory, remember_engine_bytes
@@ -25,6 +20,11 @@ from omni_local.media.audio import check_samples
 from omni_local.media.video import Video, load_video
 from omni_local.model.loader import LoadedModel, load_model, quiet_library_logs, resolve_device
 from omni_local.model.workarounds import video_refusal, video_supported
+from omni_local.protocol.backend import BackendInfo
+from omni_local.protocol.events import Event, Finished
+from omni_local.protocol.kinds import conversation_for
+from omni_local.protocol.messages import Message
+from omni_local.protocol.params import SamplingParams, SpeechParams
 from omni_local.settings import Settings
 from omni_local.start_up_steps import start_up_step
 

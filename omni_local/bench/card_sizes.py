@@ -3,6 +3,7 @@ app serving a spoken reply and a question on a 480x640 image with 10 s of audio.
 
     python -m omni_local.bench.card_sizes --random-weights CONFIG.json --weights int4 --speech true --card-gib 24
     python -m omni_local.bench.card_sizes ... --card-gib 24 --plan     # the KV as the memory plan sizes it
+    python -m omni_local.bench.card_sizes ... --card-gib 14.5 --plan   # and the experts it puts in host memory
 
 The weights are loaded first (random ones are built in full precision and quantized on the device,
 so the cap comes after them: it bounds what serving takes, the weights included); then the process
@@ -10,6 +11,11 @@ is capped at --card-gib with `torch.cuda.set_per_process_memory_fraction`, the a
 graphs) and each request is sent --runs times after a warm-up, a new question each time. Prints one
 table row (medians; times are the engine's own), or where the app did not fit, what ran out. The
 start-up's steps go to stderr, each with the GPU memory it kept: which part of the engine's take is which.
+
+Experts in host memory (model/host_experts.py: `--experts-on-gpu N`, or where --plan moves them) are
+not in the weights' GiB (the GPU's) nor under the cap: the row says how many layers' experts are
+there, the bytes a decoded token reads of them over the bus, and the tokens a second that bound
+allows on PCIe 4.0 x16 (about 25 GB/s), beside the decode step measured on this machine's bus.
 """
 
 import statistics
@@ -18,19 +24,21 @@ import sys
 import torch
 
 from omni_local.api import OmniLocal
-from omni_local.api.messages import Message
 from omni_local.bench.common import bench_parser, settings_and_model, synced_now
 from omni_local.bench.decode_steps import step_ms
 from omni_local.bench.scenarios import SPOKEN_QUESTION, SYSTEM, noise_clip, noise_image
-from omni_local.engine.memory_plan import MARGIN_BYTES, GiB, plan_memory
+from omni_local.engine.memory_plan import BUS_BYTES_PER_S, MARGIN_BYTES, GiB, bus_bytes_per_token, plan_memory
 from omni_local.errors import SettingsError
+from omni_local.model.host_experts import held_in_host_memory, layers_in_host_memory, move_to_host_memory, thinker_experts
 from omni_local.model.loader import LoadedModel
+from omni_local.protocol.messages import Message
 from omni_local.settings import Settings
 from omni_local.start_up_steps import show_start_up_steps
 
 ASKED = Message("user", [noise_image((480, 640)), noise_clip(10.0), "What do you see and hear?"])
-HEAD = ("| weights | speech | card GiB | weights GiB | allocated after start-up GiB | peak allocated GiB | start-up s "
-        "| image + audio TTFT ms | first audio ms | RTF | decode step ms (1 chat, 256 rows) |")
+HEAD = ("| weights | speech | card GiB | weights GiB | experts in host memory | bus MB a token | tokens/s on PCIe 4.0 "
+        "x16 at most | allocated after start-up GiB | peak allocated GiB | start-up s | image + audio TTFT ms "
+        "| first audio ms | RTF | decode step ms (1 chat, 256 rows) |")
 
 
 def gib(count: int) -> str:
@@ -38,8 +46,22 @@ def gib(count: int) -> str:
 
 
 def held_bytes(model: torch.nn.Module) -> int:
-    """The bytes of the model's parameters and buffers (quantized ones at their stored size)."""
-    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    """The GPU's bytes of the model's parameters and buffers (quantized ones at their stored size; not
+    the experts in host memory)."""
+    held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    return held - held_in_host_memory(model)
+
+
+def host_cells(model: torch.nn.Module, weights: str) -> list[str]:
+    """The experts in host memory (layers, GiB), the bytes a decoded token reads of them, and the
+    tokens a second that allows at BUS_BYTES_PER_S."""
+    layers = layers_in_host_memory(model)
+    if not layers:
+        return ["none", "0", "-"]
+    bus = bus_bytes_per_token(model, weights, layers)
+    count = len(thinker_experts(model))
+    return [f"{len(layers)} of {count} layers, {gib(held_in_host_memory(model))} GiB", f"{bus / 1e6:.0f}",
+            f"{BUS_BYTES_PER_S / bus:.0f}"]
 
 
 def cap(card_gib: float | None) -> None:
@@ -69,22 +91,27 @@ def served(app: OmniLocal, runs: int, new_tokens: int) -> list[str]:
     return [f"{ttft:.1f}", first_audio, rtf, f"{decode:.2f}"]
 
 
-def row(settings: Settings, card_gib: float | None, weights_bytes: int, cells: list[str]) -> str:
+def row(settings: Settings, card_gib: float | None, model: torch.nn.Module, cells: list[str]) -> str:
     card = f"{card_gib:g}" if card_gib else "-"
-    head = [settings.weights, "on" if settings.speech else "off", card, gib(weights_bytes)]
+    head = [settings.weights, "on" if settings.speech else "off", card, gib(held_bytes(model)),
+            *host_cells(model, settings.weights)]
     return "| " + " | ".join(head + cells) + " |"
 
 
-def planned(settings: Settings, loaded: LoadedModel, card_gib: float, weights_bytes: int) -> Settings:
-    """`settings` with the caches (KV, encoder outputs) the memory plan sizes on a card of `card_gib`;
-    exits with the plan's refusal as the row where it refuses."""
+def planned(settings: Settings, loaded: LoadedModel, card_gib: float) -> Settings:
+    """`settings` with the caches (KV, encoder outputs) the memory plan sizes on a card of `card_gib`,
+    and the experts it puts in host memory moved there; exits with the plan's refusal as the row
+    where it refuses."""
     card = settings.replace(gpu_memory_bytes=int(card_gib * GiB) - MARGIN_BYTES)
     try:
         plan = plan_memory(loaded.model, card, loaded.device)
     except SettingsError as refusal:
-        print(row(settings, card_gib, weights_bytes, [f"refused by the memory plan: {refusal}"]))
+        print(row(settings, card_gib, loaded.model, [f"refused by the memory plan: {refusal}"]))
         sys.exit(1)
     print(plan.line(), file=sys.stderr)
+    move_to_host_memory(loaded.model, plan.experts_on_gpu)
+    if loaded.device.type == "cuda":
+        torch.cuda.empty_cache()  # the experts' GPU copies, given back
     return plan.applied(settings)
 
 
@@ -98,13 +125,12 @@ def main() -> None:
     args = parser.parse_args()
     show_start_up_steps()
     settings, loaded = settings_and_model(args)
-    weights_bytes = held_bytes(loaded.model)
     on_gpu = loaded.device.type == "cuda"
     if on_gpu:
         cap(args.card_gib)
     print(HEAD + "\n|" + " --- |" * HEAD.count(" | ") + " --- |", flush=True)
     if args.plan:
-        settings = planned(settings, loaded, args.card_gib, weights_bytes)
+        settings = planned(settings, loaded, args.card_gib)
     try:
         start = synced_now()
         with OmniLocal(settings, loaded=loaded) as app:
@@ -112,10 +138,10 @@ def main() -> None:
             started = torch.cuda.memory_allocated() if on_gpu else 0
             cells = served(app, args.runs, args.new_tokens)
     except torch.OutOfMemoryError as error:
-        print(row(settings, args.card_gib, weights_bytes, ["did not fit: " + str(error).splitlines()[0]]))
+        print(row(settings, args.card_gib, loaded.model, ["did not fit: " + str(error).splitlines()[0]]))
         sys.exit(1)
     peak = torch.cuda.max_memory_allocated() if on_gpu else 0
-    print(row(settings, args.card_gib, weights_bytes, [gib(started), gib(peak), f"{start_up_s:.1f}", *cells]))
+    print(row(settings, args.card_gib, loaded.model, [gib(started), gib(peak), f"{start_up_s:.1f}", *cells]))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import numpy as np
 from PIL import Image
 
 from omni_local.api import AudioChunk, Finished, OmniLocal, OmniLocalError, Reply, TextDelta
-from omni_local.api.events import SPEECH_SAMPLE_RATE
+from omni_local.protocol.events import SPEECH_SAMPLE_RATE
 from omni_local.settings import Settings
 
 MEDIA = ("none", "image", "audio")

@@ -11,8 +11,8 @@ from PIL import Image
 
 from omni_local.api import OmniLocal, Reply, Session
 from omni_local.media.video import Video
-from omni_local.api.messages import Message, Part
 from omni_local.model.workarounds import video_supported
+from omni_local.protocol.messages import Message, Part
 
 SYSTEM = (
     "You are a helpful assistant who looks carefully at pictures and listens to sounds, then answers "

@@ -7,10 +7,10 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from omni_local.api import OmniLocal
-from omni_local.api.events import SPEECH_SAMPLE_RATE
 from omni_local.bench.common import elapsed_s, medians, synced_now
 from omni_local.bench.scenarios import Scenario, opened, question
 from omni_local.prompts import Prompt, build_prompt
+from omni_local.protocol.events import SPEECH_SAMPLE_RATE
 
 
 def transformers_run(app: OmniLocal, scenario: Scenario, run: int, new_tokens: int) -> dict[str, float]:

@@ -44,7 +44,6 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from omni_local.api.messages import Message
 from omni_local.bench.common import bench_model, bench_parser
 from omni_local.bench.scenarios import AUDIO_QUESTION, QUESTION, SYSTEM, noise_clip, noise_image
 from omni_local.model.demo import WIDE, ensure_demo_checkpoint
@@ -53,6 +52,7 @@ from omni_local.model.quantized import (
     ATTENTION_PROJECTIONS, QuantizedExperts, QuantizedLinear, WeightsSetting, layer_formats, quantized_places,
 )
 from omni_local.prompts import build_prompt
+from omni_local.protocol.messages import Message
 from omni_local.settings import Settings, settings_from_arguments
 
 FORMATS: tuple[WeightsSetting, ...] = ("bf16", "fp8", "int4")

@@ -57,9 +57,6 @@ from typing import TypeVar
 import torch
 
 from omni_local.access import LOCAL_USER
-from omni_local.api.events import AudioChunk, ContextUse, Finished, ReasoningDelta, StopReason, TextDelta
-from omni_local.api.messages import Message
-from omni_local.api.params import SamplingParams, SpeechParams
 from omni_local.cache.encoder_cache import EncoderCache, encoder_namespace
 from omni_local.cache.folders import keep_compiled_code_in
 from omni_local.engine.attention import attention_kernels, without_cudnn_attention
@@ -87,6 +84,9 @@ from omni_local.engine.thinker import ThinkerRunner
 from omni_local.errors import OmniLocalError, RequestError
 from omni_local.model.loader import LoadedModel, media_markup_token_ids, thinker_eos_token_ids
 from omni_local.model.reasoning import reasoning_marks
+from omni_local.protocol.events import AudioChunk, ContextUse, Finished, ReasoningDelta, StopReason, TextDelta
+from omni_local.protocol.messages import Message
+from omni_local.protocol.params import SamplingParams, SpeechParams
 from omni_local.settings import Settings
 from omni_local.start_up_steps import gpu_memory, log_start_up_step, start_up_step
 

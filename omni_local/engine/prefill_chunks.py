@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from omni_local.api.events import MediaCounts
+from omni_local.protocol.events import MediaCounts
 
 
 @dataclass(frozen=True)

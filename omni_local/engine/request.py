@@ -7,7 +7,14 @@ import time
 from dataclasses import dataclass, field
 
 from omni_local.access import LOCAL_USER
-from omni_local.api.events import (
+from omni_local.engine.detokenizer import IncrementalDetokenizer
+from omni_local.engine.kv_store import BlockTable
+from omni_local.engine.prefill_chunks import PreparedPrompt
+from omni_local.engine.prefix_cache import Claim
+from omni_local.engine.reasoning import ReasoningText
+from omni_local.engine.speech import SpokenReply
+from omni_local.prompts import Prompt
+from omni_local.protocol.events import (
     AudioChunk,
     Finished,
     MediaCounts,
@@ -18,15 +25,8 @@ from omni_local.api.events import (
     TokenLogprob,
     Timings,
 )
-from omni_local.api.messages import Message
-from omni_local.api.params import SamplingParams, SpeechParams
-from omni_local.engine.detokenizer import IncrementalDetokenizer
-from omni_local.engine.kv_store import BlockTable
-from omni_local.engine.prefix_cache import Claim
-from omni_local.engine.reasoning import ReasoningText
-from omni_local.engine.speech import SpokenReply
-from omni_local.engine.prefill_chunks import PreparedPrompt
-from omni_local.prompts import Prompt
+from omni_local.protocol.messages import Message
+from omni_local.protocol.params import SamplingParams, SpeechParams
 
 
 @dataclass(frozen=True)

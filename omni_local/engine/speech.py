@@ -20,8 +20,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from omni_local.api.events import SPEECH_SAMPLE_RATE, SpeechReport
-from omni_local.api.params import SamplingParams, SpeechParams
 from omni_local.engine.attention import AttentionKernels
 from omni_local.engine.host_copies import Readback, to_device
 from omni_local.engine.kv_store import BlockTable, KVStore
@@ -31,6 +29,8 @@ from omni_local.engine.sampling import Sampler
 from omni_local.engine.talker import OPENING_ROWS, TalkerPrompt, TalkerRunner, user_positions
 from omni_local.engine.vocoder import AudioStream, Vocoder
 from omni_local.prompts import Prompt
+from omni_local.protocol.events import SPEECH_SAMPLE_RATE, SpeechReport
+from omni_local.protocol.params import SamplingParams, SpeechParams
 from omni_local.settings import Settings
 from omni_local.start_up_steps import start_up_step
 

@@ -21,17 +21,17 @@ from functools import partial
 import numpy as np
 import torch
 
-from omni_local.api.params import SamplingParams
 from omni_local.engine.attention import AttentionKernels
 from omni_local.engine.cuda_graphs import BatchGraphs, StaticGraph, graphable
 from omni_local.engine.decoder_stack import LayerRegions, mrope_positions, run_layers
 from omni_local.engine.fused_qkv import fuse_qkv
-from omni_local.engine.kv_store import BlockTable, GraphedKVWriter, KVShape, KVStore, KVWriter
 from omni_local.engine.host_copies import Readback, to_device
+from omni_local.engine.kv_store import BlockTable, GraphedKVWriter, KVShape, KVStore, KVWriter
 from omni_local.engine.moe import TORCH, MoeBackend
 from omni_local.engine.sampling import SampleBatch, Sampler, SeatSampler
 from omni_local.errors import RequestError
 from omni_local.prompts import Prompt
+from omni_local.protocol.params import SamplingParams
 
 ASSISTANT_OPENING = 3  # <|im_start|> assistant \n
 OPENING_ROWS = ASSISTANT_OPENING + 6  # the Talker's assistant rows: the opening, 4 pads, BOS, the first token

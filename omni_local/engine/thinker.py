@@ -20,8 +20,6 @@ import torch
 from PIL import Image
 
 from omni_local.access import LOCAL_USER
-from omni_local.api.events import MediaCounts
-from omni_local.api.messages import Message
 from omni_local.engine.attention import AttentionKernels
 from omni_local.engine.cuda_graphs import BatchGraphs, graphable, size_buckets
 from omni_local.engine.decoder_stack import LayerRegions, mrope_positions, run_layers
@@ -32,9 +30,11 @@ from omni_local.engine.media_encoder import MediaEncoder, deepstack_levels
 from omni_local.engine.moe import TORCH, MoeBackend
 from omni_local.engine.phases import ENCODE_MEDIA, phase
 from omni_local.engine.prefill_chunks import PreparedPrompt
-from omni_local.errors import SettingsError
 from omni_local.engine.talker import TalkerRows
+from omni_local.errors import SettingsError
 from omni_local.prompts import Prompt, build_prompt
+from omni_local.protocol.events import MediaCounts
+from omni_local.protocol.messages import Message
 from omni_local.start_up_steps import start_up_step
 
 

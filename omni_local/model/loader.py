@@ -25,7 +25,6 @@ import torch
 from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration, Qwen3OmniMoeProcessor
 from transformers.utils import is_flash_attn_2_available
 
-from omni_local.api.kinds import ModelKind
 from omni_local.engine.triton_support import refuse_without_fp8
 from omni_local.errors import CheckpointError, SettingsError
 from omni_local.model.demo import ensure_demo_checkpoint
@@ -35,6 +34,7 @@ from omni_local.model.quantized.stored import StoredLayers, filled_from_disk
 from omni_local.model.reasoning import template_opens_reasoning
 from omni_local.model.weights import load_weights, weight_files
 from omni_local.model.workarounds import apply_workarounds, load_processor
+from omni_local.protocol.kinds import ModelKind
 from omni_local.settings import Settings
 from omni_local.start_up_steps import start_up_step
 

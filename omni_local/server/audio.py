@@ -7,8 +7,8 @@ import io
 import numpy as np
 import soundfile
 
-from omni_local.api.events import SPEECH_SAMPLE_RATE
 from omni_local.media.pcm16 import to_pcm16
+from omni_local.protocol.events import SPEECH_SAMPLE_RATE
 
 
 def base64_wav(samples: np.ndarray) -> str:

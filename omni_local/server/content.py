@@ -16,9 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from omni_local.api.messages import Message, Part, Role, check_text
 from omni_local.errors import RequestError
 from omni_local.media import MediaLimits, load_audio, load_image
+from omni_local.protocol.messages import Message, Part, Role, check_text
 from omni_local.server.schemas import AudioPart, ChatMessage, ImagePart, TextPart, VideoPart
 
 ReadVideo = Callable[[bytes | Path], Part]

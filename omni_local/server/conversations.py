@@ -27,10 +27,10 @@ from typing import Generic, TypeVar
 import blake3
 import numpy as np
 
-from omni_local.api.events import Finished
-from omni_local.api.messages import Message, reply_key
 from omni_local.cache.digests import media_digest
 from omni_local.media.video import VideoFile
+from omni_local.protocol.events import Finished
+from omni_local.protocol.messages import Message, reply_key
 
 K, V = TypeVar("K"), TypeVar("V")
 REMEMBERED_REPLIES = 4096  # token ids as int32: 4096 replies of 512 tokens are 8 MB

@@ -12,7 +12,7 @@ string reports the engine's "cancelled" there, and "stop" as its finish_reason.
 
 import dataclasses
 
-from omni_local.api.events import Finished
+from omni_local.protocol.events import Finished
 
 
 def finish_reason(final: Finished) -> str:

@@ -16,8 +16,8 @@ from dataclasses import replace
 import anyio
 from anyio import to_thread
 
-from omni_local.api.backend import ReplyStream
-from omni_local.api.events import AudioChunk, Event, Finished, ReasoningDelta, TextDelta, TokenLogprob
+from omni_local.protocol.backend import ReplyStream
+from omni_local.protocol.events import AudioChunk, Event, Finished, ReasoningDelta, TextDelta, TokenLogprob
 from omni_local.server.stops import StopStrings
 
 

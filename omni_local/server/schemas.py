@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from omni_local.api.params import MAX_TOP_LOGPROBS
+from omni_local.protocol.params import MAX_TOP_LOGPROBS
 
 TOOLS = "tools are not supported yet: this server answers in text (and speech) only"
 # (field, whether the request asks for what this server does not do, why it is refused)

@@ -18,7 +18,7 @@ Streamed (server-sent events, each `data:` one JSON chunk; the first delta carri
 With `logprobs: true`, each chunk of the answer's text carries `choices[0].logprobs = {"content":
 [...], "refusal": null}`: an entry per token whose text the chunk completes, `{"token", "logprob",
 "bytes", "top_logprobs": [{"token", "logprob", "bytes"}, ...]}` (the `top_logprobs` likeliest, best
-first; api/events.py says which distribution), as OpenAI's; a whole reply's choice carries them all.
+first; protocol/events.py says which distribution), as OpenAI's; a whole reply's choice carries them all.
 
 Not streamed: `choices[0].message` holds the text as `content` (and any reasoning as
 `reasoning_content`); with audio, `content` is null and
@@ -32,8 +32,8 @@ import uuid
 
 import numpy as np
 
-from omni_local.api.events import AudioChunk, Finished, ReasoningDelta, TextDelta, TokenChoice, TokenLogprob
 from omni_local.media.pcm16 import base64_pcm16
+from omni_local.protocol.events import AudioChunk, Finished, ReasoningDelta, TextDelta, TokenChoice, TokenLogprob
 from omni_local.server.audio import base64_wav
 from omni_local.server.figures import finish_reason, omni_local_figures, usage
 

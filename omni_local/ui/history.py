@@ -22,12 +22,12 @@ import soundfile
 from PIL import Image
 
 from omni_local.api import OmniLocal
-from omni_local.api.events import SPEECH_SAMPLE_RATE, Finished
-from omni_local.api.messages import Message, Part, reply_key
 from omni_local.errors import RequestError
 from omni_local.media import load_audio, load_image
 from omni_local.media.video import Video, VideoFile
 from omni_local.metrics_line import metrics_line
+from omni_local.protocol.events import SPEECH_SAMPLE_RATE, Finished
+from omni_local.protocol.messages import Message, Part, reply_key
 from omni_local.ui.access import upload_folder
 from omni_local.ui.messages import block_text, blocks, file_path
 from omni_local.ui.uploads import check_own

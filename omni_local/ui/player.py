@@ -10,8 +10,8 @@ a stop item cuts it too (barge-in in voice mode).
 import time
 from typing import Any
 
-from omni_local.api.events import AudioChunk
 from omni_local.media.pcm16 import base64_pcm16
+from omni_local.protocol.events import AudioChunk
 
 PLAYER_JS = """
 (payload) => {

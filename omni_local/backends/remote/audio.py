@@ -9,10 +9,10 @@ import numpy as np
 import soundfile
 import soxr
 
-from omni_local.api.events import SPEECH_SAMPLE_RATE
 from omni_local.errors import RequestError
 from omni_local.media import SAMPLE_RATE
 from omni_local.media.pcm16 import from_pcm16
+from omni_local.protocol.events import SPEECH_SAMPLE_RATE
 
 _WAV_MAGIC = b"RIFF"
 _NOTHING = np.zeros(0, np.float32)

@@ -8,11 +8,6 @@ import httpx
 import openai
 
 from omni_local.access import LOCAL_USER, cache_key_of
-from omni_local.api.backend import BackendInfo
-from omni_local.api.events import ContextUse
-from omni_local.api.kinds import ModelKind, conversation_for
-from omni_local.api.messages import Message
-from omni_local.api.params import SamplingParams, SpeechParams
 from omni_local.backends.remote.chunks import ChunkReader
 from omni_local.backends.remote.errors import request_error, unreachable
 from omni_local.backends.remote.figures import Asked
@@ -21,6 +16,11 @@ from omni_local.backends.remote.request import VIDEO_AS_FILE, chat_body
 from omni_local.errors import MediaError, OmniLocalError, RequestError
 from omni_local.media import MediaLimits
 from omni_local.media.video import Video, VideoFile, read_video_file
+from omni_local.protocol.backend import BackendInfo
+from omni_local.protocol.events import ContextUse
+from omni_local.protocol.kinds import ModelKind, conversation_for
+from omni_local.protocol.messages import Message
+from omni_local.protocol.params import SamplingParams, SpeechParams
 from omni_local.settings import BackendDialect, Settings
 
 # Chats the page lets stream at once. A server queues what it cannot decode together (and answers

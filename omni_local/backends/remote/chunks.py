@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from omni_local.api.events import AudioChunk, ReasoningDelta, TextDelta, TokenChoice, TokenLogprob
 from omni_local.backends.remote.audio import SpeechDecoder
 from omni_local.errors import RequestError
+from omni_local.protocol.events import AudioChunk, ReasoningDelta, TextDelta, TokenChoice, TokenLogprob
 from omni_local.settings import BackendDialect
 
 

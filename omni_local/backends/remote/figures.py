@@ -2,7 +2,7 @@
 `usage` says and what this side measures; a figure neither knows is None (shown as unknown).
 
 Our server (`python -m omni_local serve`) puts an `"omni_local"` object on its last chunk with the
-engine's own figures, by the names of api/events.py (server/figures.py, which writes it, lists them).
+engine's own figures, by the names of protocol/events.py (server/figures.py, which writes it, lists them).
 Another server's `usage` gives the prompt and reply token counts, and `cached_tokens` the prompt
 tokens its prefix cache supplied (device and host memory together); the time to the first token and
 the decode rate are then measured here, so they include the network.
@@ -12,7 +12,8 @@ import time
 from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any, get_args
 
-from omni_local.api.events import (
+from omni_local.backends.remote.chunks import ChunkReader
+from omni_local.protocol.events import (
     SPEECH_SAMPLE_RATE,
     AudioChunk,
     ContextUse,
@@ -25,7 +26,6 @@ from omni_local.api.events import (
     Timings,
     TokenCounts,
 )
-from omni_local.backends.remote.chunks import ChunkReader
 
 _FINISH_REASONS: dict[str, StopReason] = {"length": "max_new_tokens", "stop": "end_of_turn"}
 

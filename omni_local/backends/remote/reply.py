@@ -17,11 +17,11 @@ import httpx
 import openai
 from openai import Stream
 
-from omni_local.api.events import AudioChunk, Event, ReasoningDelta, TextDelta
 from omni_local.backends.remote.chunks import ChunkReader
 from omni_local.backends.remote.errors import lost_connection, request_error, unreachable
 from omni_local.backends.remote.figures import Asked, ReplyTally, finished
 from omni_local.errors import OmniLocalError, RequestError
+from omni_local.protocol.events import AudioChunk, Event, ReasoningDelta, TextDelta
 
 OpenStream = Callable[[], Stream[Any]]  # sends the request; returns once the server answered
 

@@ -14,11 +14,11 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from omni_local.api.messages import Message, Part
-from omni_local.api.params import SamplingParams, SpeechParams
 from omni_local.backends.remote.audio import wav_base64
 from omni_local.errors import MediaError
 from omni_local.media.video import Video, VideoFile
+from omni_local.protocol.messages import Message, Part
+from omni_local.protocol.params import SamplingParams, SpeechParams
 from omni_local.settings import BackendDialect
 
 # OpenAI streams spoken replies only as PCM16, at 24 kHz; vLLM-Omni sends WAV unless told otherwise.

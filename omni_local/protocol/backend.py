@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Protocol
 
 from omni_local.access import LOCAL_USER
-from omni_local.api.events import Event
-from omni_local.api.kinds import ModelKind, kind_title
-from omni_local.api.messages import Message, Part
-from omni_local.api.params import SamplingParams, SpeechParams
 from omni_local.media.video import Video
+from omni_local.protocol.events import Event
+from omni_local.protocol.kinds import ModelKind, kind_title
+from omni_local.protocol.messages import Message, Part
+from omni_local.protocol.params import SamplingParams, SpeechParams
 
 
 @dataclass(frozen=True)

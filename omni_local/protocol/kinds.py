@@ -10,8 +10,8 @@ from typing import Literal
 
 import numpy as np
 
-from omni_local.api.messages import Message
 from omni_local.errors import RequestError
+from omni_local.protocol.messages import Message
 
 ModelKind = Literal["instruct", "thinking", "captioner"]
 _TITLES: dict[ModelKind, str] = {"instruct": "Instruct", "thinking": "Thinking", "captioner": "Captioner"}
