@@ -5,8 +5,9 @@ expert GEMMs, paged attention, the RMSNorm, the sampler's kernels) on meta-devic
 real model's shapes, with the kernels and tiles the engine's tables choose for `gpu`
 (triton_support.building_for), and records each launch instead of making it. `compile_launch`
 compiles a recorded launch for an architecture as Triton's own launch would (its binder's types,
-specialisations and options), for the compiled kernel's shared memory. fp8 weights are built only
-where the engine takes them (compute capability 8.9 on: `has_fp8_units`).
+specialisations and options), for the compiled kernel's shared memory. fp8 weights and fp8 KV (the
+Thinker's paged attention over fp8 pools) are built only where the engine takes them (compute
+capability 8.9 on: `has_fp8_units`).
 
 `python -m omni_local.engine.kernel_builds [--json PATH]` prints each architecture's builds;
 tests/test_kernel_builds.py checks that each compiles and fits its architecture's shared memory.
@@ -52,6 +53,7 @@ class StackShape:
     moe_intermediate: int
     top_k: int
     vocab: int
+    fp8_kv: bool  # whether kv_dtype = 'fp8' stores its KV in fp8 (the Thinker's; the Talker's stays)
     dtype: torch.dtype = torch.bfloat16  # the activations' ('auto' on a GPU)
 
 
@@ -59,8 +61,8 @@ class StackShape:
 # the Thinker's text model, the Talker's. (The demo model's, in float32 as the GPU tests run it, built
 # too on 2026-12-06: its largest, the prefill's gate_up tile, took 98,304 bytes, inside 99 KiB. It
 # is left out for the test's time: float32's attention builds take seconds each.)
-STACKS = (StackShape("thinker", 2048, 32, 4, 128, 128, 768, 8, 152064),
-          StackShape("talker", 1024, 16, 2, 128, 128, 384, 6, 3072))
+STACKS = (StackShape("thinker", 2048, 32, 4, 128, 128, 768, 8, 152064, fp8_kv=True),
+          StackShape("talker", 1024, 16, 2, 128, 128, 384, 6, 3072, fp8_kv=False))
 # fused_draw's vocabularies, and whether their samplers suppress ids: the Talker's codec head (its
 # special ids), its code predictor's (none).
 DRAWS = ((3072, True), (2048, False))
@@ -97,15 +99,19 @@ def recorded_launches(into: list[Launch], what: str) -> Iterator[None]:
 
 
 def engine_launches(gpu: KernelGpu) -> list[Launch]:
-    """The launches the engine makes on `gpu`, for each stack and weights format it takes there."""
+    """The launches the engine makes on `gpu`, for each stack and weights format it takes there, and
+    its attention over fp8 KV where it takes that."""
     launches: list[Launch] = []
     token = building_for.set(gpu)
     try:
-        meta = torch.device("meta")
-        formats = [w for w in WEIGHTS if w != "fp8" or has_fp8_units(meta)]
+        fp8 = has_fp8_units(torch.device("meta"))
+        formats = [w for w in WEIGHTS if w != "fp8" or fp8]
         for stack in STACKS:
             for weights in formats:
                 _stack_launches(launches, stack, weights)
+            if stack.fp8_kv and fp8:
+                with recorded_launches(launches, f"{_dtype_tag(stack)}, fp8 KV"):
+                    _attention_launches(stack, fp8_kv=True)
         _sampler_launches(launches)
     finally:
         building_for.reset(token)
@@ -116,13 +122,16 @@ def _empty(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
+def _dtype_tag(stack: StackShape) -> str:
+    return f"{stack.name} {str(stack.dtype).removeprefix('torch.')}"
+
+
 def _stack_launches(into: list[Launch], stack: StackShape, weights: str) -> None:
-    tag = f"{stack.name} {str(stack.dtype).removeprefix('torch.')}, {weights} weights"
-    with recorded_launches(into, tag):
+    with recorded_launches(into, f"{_dtype_tag(stack)}, {weights} weights"):
         _gemv_launches(stack, weights)
         _moe_launches(stack, weights)
         if weights == "bf16":  # attention and norms do not depend on the weights' format
-            _attention_launches(stack)
+            _attention_launches(stack, fp8_kv=False)
             _rms_norm_launches(stack)
 
 
@@ -173,14 +182,19 @@ def _stored(quantized: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return quantized.values, quantized.scales
 
 
-def _attention_launches(stack: StackShape) -> None:
+def _attention_launches(stack: StackShape, fp8_kv: bool) -> None:
     """A decode step, a short tail and a prefill chunk on a cached prefix, each with the query's
-    norm and rotary in the kernel and without, and in the batch-invariant form."""
+    norm and rotary in the kernel and without, and in the batch-invariant form; over pools in the
+    stack's dtype, or with `fp8_kv` fp8 ones with their rows' scales (engine/kv_fp8.py)."""
     from omni_local.engine.attention import QueryNormRope
     from omni_local.engine.attention.paged import SPLIT_TAIL_TOKENS, paged_attention
+    from omni_local.engine.kv_fp8 import SCALE_DTYPE
+    from omni_local.model.quantized.formats import FP8
 
     blocks = 256  # a table of 4,096 rows
-    pool = _empty(blocks, stack.kv_heads, KV_BLOCK_TOKENS, stack.head_dim, dtype=stack.dtype)
+    pool = _empty(blocks, stack.kv_heads, KV_BLOCK_TOKENS, stack.head_dim, dtype=FP8 if fp8_kv else stack.dtype)
+    row_scales = _empty(*pool.shape[:3], dtype=SCALE_DTYPE)
+    scales = (row_scales, row_scales) if fp8_kv else None
     for length in (1, SPLIT_TAIL_TOKENS // 2, 4 * SPLIT_TAIL_TOKENS):
         batch = 4 if length == 1 else 1
         query = _empty(batch, stack.heads, length, stack.head_dim, dtype=stack.dtype)
@@ -191,7 +205,7 @@ def _attention_launches(stack: StackShape) -> None:
         for batch_invariant in (False, True):
             for query_norm_rope in (None, norm_rope):
                 paged_attention(query, pool, pool, tables, rows, 0.088, batch_invariant=batch_invariant,
-                                norm_rope=query_norm_rope)
+                                norm_rope=query_norm_rope, scales=scales)
 
 
 def _rms_norm_launches(stack: StackShape) -> None:
