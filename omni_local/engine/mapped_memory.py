@@ -71,8 +71,10 @@ def _mapped(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) ->
                               "(experts_on_gpu) or use smaller weights")
         interface = _Interface(host)
         weakref.finalize(interface, _unregister, host)  # when the last tensor over it is freed
-        mapped = torch.as_tensor(interface)  # on the device current when it was registered
-        assert mapped.device.index == torch.cuda.current_device() and mapped.data_ptr() == host.data_ptr()
+        # The device named, so that torch never takes the default device (the CPU) and copies there;
+        # the assertion says nothing was copied.
+        mapped = torch.as_tensor(interface, device=torch.device("cuda", torch.cuda.current_device()))
+        assert mapped.is_cuda and mapped.data_ptr() == host.data_ptr(), "the host memory was copied, not mapped"
     return (mapped[:count].view(dtype).view(shape), host[:count].view(dtype).view(shape))
 
 
