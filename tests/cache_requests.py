@@ -5,9 +5,8 @@ import numpy as np
 import torch
 
 from omni_local.access import LOCAL_USER
-from omni_local.cache.digests import token_keys
 from omni_local.engine.prefix_cache import PrefixCache
-from omni_local.prompts import MediaItem, Prompt
+from omni_local.engine.prompt.builder import MediaItem, Prompt, token_keys
 
 
 def prompt(ids: list[int], media: list[tuple[int, int, bytes]] = ()) -> Prompt:

@@ -38,9 +38,9 @@ from transformers.utils import is_torchvision_available
 from bad_files import write_bad_files
 from checkpoint_family import write_captioner, write_thinking
 from gpu_groups import GROUPS, group_of
+from omni_local.engine.prompt.builder import Prompt, build_prompt
 from omni_local.model import LoadedModel, load_model
 from omni_local.model.demo import ensure_demo_checkpoint
-from omni_local.prompts import Prompt, build_prompt
 from omni_local.protocol.messages import Message
 from omni_local.settings import Settings
 
@@ -145,7 +145,7 @@ def apps(demo_settings: Settings, make_apps):
 @pytest.fixture
 def built_prompts(monkeypatch: pytest.MonkeyPatch) -> list[Prompt]:
     """Every prompt an engine builds while the test runs, in order: the ids the model is given."""
-    import omni_local.engine.context_window as context_window
+    import omni_local.engine.prompt.context_window as context_window
 
     built: list[Prompt] = []
 

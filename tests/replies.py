@@ -6,7 +6,8 @@ import torch
 from PIL import Image
 
 from omni_local.api import AudioChunk, Finished, OmniLocal, TextDelta
-from omni_local.prompts import Prompt, build_prompt
+from omni_local.engine.prompt.builder import Prompt, build_prompt
+from omni_local.engine.prompt.encoder_inputs import transformers_inputs
 from omni_local.protocol.messages import Message
 
 NEW_TOKENS = 24
@@ -36,7 +37,7 @@ def model_inputs(app: OmniLocal, prompt: Prompt) -> dict:
     """`prompt`'s inputs to transformers' generate, on the model's device, its pixels preprocessed
     there as the engine's are (on CUDA a resize rounds otherwise than on the CPU)."""
     device = app.backend.loaded.device
-    inputs = prompt.model_inputs(app.backend.loaded.processor, device)
+    inputs = transformers_inputs(prompt, app.backend.loaded.processor, device)
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
 

@@ -27,7 +27,7 @@ from omni_local.bench.profile_turn import busy_ms, longest_read_gap, within
 from omni_local.bench.scenarios import QUESTION, SYSTEM, Scenario, noise_image, question, scenarios
 from omni_local.engine.phases import (BEGIN_SPEECH, BUILD_PROMPT, CLAIM_KV, COLLECT, DECODE, ENCODE_MEDIA, FIRST_TOKEN,
                                       PREFILL, PREPARE, SPEECH_FRAME, phase)
-from omni_local.prompts import build_prompt
+from omni_local.engine.prompt.builder import build_prompt
 from omni_local.protocol.messages import Message
 
 REPO = Path(__file__).resolve().parent.parent

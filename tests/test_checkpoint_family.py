@@ -14,10 +14,10 @@ from replies import NEW_TOKENS, model_inputs, reference_tokens
 from samples import clip, picture
 from omni_local.api import OmniLocal, ReasoningDelta, TextDelta
 from omni_local.cli import DIM, ReasoningPrinter, main
+from omni_local.engine.prompt.builder import build_prompt
 from omni_local.errors import CheckpointError, RequestError
 from omni_local.model import load_model
 from omni_local.model.reasoning import reasoning_marks
-from omni_local.prompts import build_prompt
 from omni_local.protocol.kinds import CAPTIONER_TAKES_NO_TEXT, CAPTIONER_TAKES_ONE_CLIP
 from omni_local.protocol.messages import Message
 

@@ -21,8 +21,8 @@ from chats import Chat, written
 from replies import GREEDY, media, reference_tokens
 from samples import clip, picture
 from omni_local.api import AudioChunk, OmniLocal, TextDelta
+from omni_local.engine.prompt.builder import build_prompt
 from omni_local.errors import RequestError
-from omni_local.prompts import build_prompt
 from omni_local.protocol.messages import Message
 
 CHUNK = 16

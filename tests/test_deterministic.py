@@ -12,8 +12,9 @@ import torch
 from PIL import Image
 
 from omni_local.engine.attention.reference import gathered
+from omni_local.engine.prompt.builder import Prompt, build_prompt
 from omni_local.errors import SettingsError
-from omni_local.prompts import Message, Prompt, build_prompt
+from omni_local.protocol.messages import Message
 from conftest import TEST_DEVICE
 from replies import send
 

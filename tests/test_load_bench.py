@@ -13,8 +13,8 @@ import pytest
 from omni_local.bench.load import COLUMNS, percentile, row_figures
 from omni_local.bench.load_clients import LoadSpec, Sample, one_token_words, question_text
 from omni_local.bench.scenarios import SYSTEM
+from omni_local.engine.prompt.builder import build_prompt
 from omni_local.model.workarounds import load_processor
-from omni_local.prompts import build_prompt
 from omni_local.protocol.messages import Message
 
 REPO = Path(__file__).resolve().parent.parent

@@ -9,10 +9,10 @@ import pytest
 from chats import written
 from samples import clip, picture
 from omni_local.api import Finished, OmniLocal
-from omni_local.engine.context_window import fit_prompt, turns_to_leave_out
+from omni_local.engine.prompt.builder import build_prompt
+from omni_local.engine.prompt.context_window import fit_prompt, turns_to_leave_out
 from omni_local.errors import RequestError
 from omni_local.metrics_line import metrics_line
-from omni_local.prompts import build_prompt
 from omni_local.protocol.messages import Message
 
 CONTEXT, LIMIT = 512, 448  # max_context_tokens, max_prompt_tokens: a quarter of the limit is 112 tokens

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from samples import picture
+from omni_local.engine.prompt.encoder_inputs import image_inputs, video_inputs
 from omni_local.media.video import Video
-from omni_local.prompts import image_inputs, video_inputs
 
 CPU = torch.device("cpu")
 

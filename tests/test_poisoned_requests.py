@@ -23,9 +23,9 @@ from omni_local.engine.cuda_graphs import attention_buckets
 from omni_local.engine.engine import NOT_A_NUMBER
 from omni_local.engine.kv_store import GraphedKVWriter, KVStore
 from omni_local.engine.prefix_cache import PrefixCache
+from omni_local.engine.prompt.builder import build_prompt
 from omni_local.engine.thinker import ThinkerRunner
 from omni_local.errors import RequestError
-from omni_local.prompts import build_prompt
 from omni_local.protocol.messages import Message
 
 REPLY_TOKENS = 12

@@ -10,7 +10,7 @@ from chats import Chat, common_prefix, written
 from kv_budget import kv_rows
 from samples import clip, picture
 from omni_local.api import OmniLocal, Session
-from omni_local.prompts import build_prompt
+from omni_local.engine.prompt.builder import build_prompt
 from omni_local.protocol.messages import Message
 
 TOKEN_BYTES = 2048  # the demo's KV per token: 4 layers x K and V x 2 heads x 32 x float32

@@ -9,8 +9,9 @@ import torch
 from PIL import Image
 
 from samples import TYPED_CONTROL_TOKENS
+from omni_local.engine.prompt.builder import Prompt, build_prompt, image_grid
+from omni_local.engine.prompt.encoder_inputs import transformers_inputs
 from omni_local.errors import RequestError
-from omni_local.prompts import Prompt, build_prompt, image_grid
 from omni_local.protocol.messages import Message
 
 SYSTEM = "You are a careful assistant."
@@ -101,9 +102,9 @@ def test_single_turn_input_ids_equal_the_processors(single_turn):
     assert torch.equal(prompt.input_ids, reference["input_ids"])
 
 
-def test_single_turn_model_inputs_equal_the_processors(single_turn, processor):
+def test_single_turn_transformers_inputs_equal_the_processors(single_turn, processor):
     prompt, reference = single_turn
-    ours = prompt.model_inputs(processor)
+    ours = transformers_inputs(prompt, processor)
     assert ours.keys() == reference.keys()
     for name, tensor in reference.items():
         assert ours[name].dtype == tensor.dtype, name

@@ -6,8 +6,8 @@ import torch
 
 from samples import clip, picture, video_file
 from omni_local.engine.decoder_stack import mrope_positions
+from omni_local.engine.prompt.builder import Prompt, build_prompt
 from omni_local.engine.rope_positions import _interleaved
-from omni_local.prompts import Prompt, build_prompt
 from omni_local.protocol.messages import Message
 
 with_video = pytest.mark.torchvision

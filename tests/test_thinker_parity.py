@@ -6,7 +6,7 @@ import torch
 from replies import NEW_TOKENS, media, model_inputs, reference_tokens
 from samples import clip, picture
 from omni_local.api import OmniLocal
-from omni_local.prompts import build_prompt
+from omni_local.engine.prompt.builder import build_prompt
 from omni_local.protocol.messages import Message
 
 CASES = {

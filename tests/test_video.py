@@ -15,12 +15,12 @@ from PIL import Image
 from chats import Chat, common_prefix, written
 from samples import clip, picture, video_file
 from omni_local.api import OmniLocal
+from omni_local.engine.prompt.builder import build_prompt, video_grid
 from omni_local.errors import MediaError
 from omni_local.media.limits import MediaLimits
 from omni_local.media.video import DECODING_SLACK_SECONDS, Video, load_video
 from omni_local.metrics_line import metrics_line
 from omni_local.model import workarounds
-from omni_local.prompts import build_prompt, video_grid
 from omni_local.protocol.messages import Message
 
 NEW_TOKENS = 12

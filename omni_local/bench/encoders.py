@@ -24,9 +24,9 @@ from omni_local.bench.common import bench_parser, elapsed_s, median_wall_ms, set
 from omni_local.bench.scenarios import IMAGE_SIZES as SCENARIO_IMAGE_SIZES
 from omni_local.bench.scenarios import noise_image, ten_second_video
 from omni_local.engine.encoders import Encoders
+from omni_local.engine.prompt.encoder_inputs import audio_inputs, image_inputs, video_inputs
 from omni_local.model.loader import LoadedModel
 from omni_local.model.workarounds import video_supported
-from omni_local.prompts import audio_inputs, image_inputs, video_inputs
 
 IMAGE_SIZES = [(224, 224), (333, 517), (480, 640), (640, 480), (1024, 768), (1216, 1600)]  # (height, width)
 CLIP_SECONDS = [1.0, 3.0, 7.5, 10.0, 30.0]

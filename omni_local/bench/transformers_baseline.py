@@ -9,7 +9,8 @@ from transformers.generation.streamers import BaseStreamer
 from omni_local.api import OmniLocal
 from omni_local.bench.common import elapsed_s, medians, synced_now
 from omni_local.bench.scenarios import Scenario, opened, question
-from omni_local.prompts import Prompt, build_prompt
+from omni_local.engine.prompt.builder import Prompt, build_prompt
+from omni_local.engine.prompt.encoder_inputs import transformers_inputs
 from omni_local.protocol.events import SPEECH_SAMPLE_RATE
 
 
@@ -34,7 +35,7 @@ def transformers_run(app: OmniLocal, scenario: Scenario, run: int, new_tokens: i
 def _inputs(app: OmniLocal, prompt: Prompt) -> dict:
     device = app.backend.loaded.device  # the pixels preprocessed there, as the engine's are
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v
-            for k, v in prompt.model_inputs(app.backend.loaded.processor, device).items()}
+            for k, v in transformers_inputs(prompt, app.backend.loaded.processor, device).items()}
 
 
 class _TokenClock(BaseStreamer):

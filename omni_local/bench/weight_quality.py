@@ -46,12 +46,13 @@ import transformers
 
 from omni_local.bench.common import bench_model, bench_parser
 from omni_local.bench.scenarios import AUDIO_QUESTION, QUESTION, SYSTEM, noise_clip, noise_image
+from omni_local.engine.prompt.builder import build_prompt
+from omni_local.engine.prompt.encoder_inputs import transformers_inputs
 from omni_local.model.demo import WIDE, ensure_demo_checkpoint
 from omni_local.model.loader import LoadedModel, media_markup_token_ids, quiet_library_logs, thinker_eos_token_ids
 from omni_local.model.quantized import (
     ATTENTION_PROJECTIONS, QuantizedExperts, QuantizedLinear, WeightsSetting, layer_formats, quantized_places,
 )
-from omni_local.prompts import build_prompt
 from omni_local.protocol.messages import Message
 from omni_local.settings import Settings, settings_from_arguments
 
@@ -100,7 +101,7 @@ def messages(ask: list) -> list[Message]:
 
 def model_inputs(loaded: LoadedModel, ask: list) -> dict:
     prompt = build_prompt(messages(ask), loaded.processor)
-    inputs = prompt.model_inputs(loaded.processor, loaded.device)
+    inputs = transformers_inputs(prompt, loaded.processor, loaded.device)
     return {k: v.to(loaded.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
 

@@ -1,4 +1,4 @@
-"""Content digests of media, and the per-token keys a prompt is matched by.
+"""Content digests of media, by which the encoder cache and a prompt's token keys know them.
 
 A medium is keyed by what the model sees of it: an image's RGB pixels after orientation and mode
 conversion (with its size), a clip's 16 kHz samples, a video's sampled frames with their rate and
@@ -32,14 +32,3 @@ def media_digest(part: Image.Image | np.ndarray | Video) -> bytes:
         hasher = blake3.blake3(_AUDIO + f"{samples.size}\0".encode())
         hasher.update(memoryview(samples).cast("B"))
     return hasher.digest()
-
-
-def token_keys(ids: np.ndarray, media: list[tuple[int, int, bytes]]) -> np.ndarray:
-    """One int64 per token: a text token's id, or for the i-th token of a medium a negative number
-    from its digest and i. Comparing keys finds a common prefix fast; the media's full digests are
-    then compared too (see PrefixCache), so a 63-bit clash cannot pass as a hit."""
-    keys = ids.astype(np.int64).copy()
-    for start, length, digest in media:
-        base = int.from_bytes(digest[:7], "little") << 4
-        keys[start : start + length] = -1 - (base + np.arange(length, dtype=np.int64))
-    return keys

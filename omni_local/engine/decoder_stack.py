@@ -29,8 +29,8 @@ from omni_local.engine.kv_fp8 import write_rows
 from omni_local.engine.kv_store import GraphedKVWriter, KVWriter
 from omni_local.engine.moe import TORCH, MoeBackend, mlp_output
 from omni_local.engine.moe.block import is_sparse_moe
+from omni_local.engine.prompt.builder import Prompt
 from omni_local.engine.rope_positions import rope_positions
-from omni_local.prompts import Prompt
 
 
 def attention_inputs(layer: torch.nn.Module, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

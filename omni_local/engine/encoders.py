@@ -39,7 +39,7 @@ from transformers.vision_utils import (
     get_vision_position_ids,
 )
 
-from omni_local.prompts import audio_inputs, image_inputs
+from omni_local.engine.prompt.encoder_inputs import audio_inputs, image_inputs
 
 # What warm_up encodes: a batch of each kind, so the first trace sees several segments. The graphs
 # serve every size, so these need not resemble what requests send.

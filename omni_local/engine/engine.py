@@ -61,7 +61,6 @@ from omni_local.cache.encoder_cache import EncoderCache, encoder_namespace
 from omni_local.cache.folders import keep_compiled_code_in
 from omni_local.engine.attention import attention_kernels, without_cudnn_attention
 from omni_local.engine.batch_invariant import make_batch_invariant
-from omni_local.engine.context_window import fit_prompt
 from omni_local.engine.cuda_graphs import prefill_lengths
 from omni_local.engine.detokenizer import IncrementalDetokenizer
 from omni_local.engine.encoders import Encoders
@@ -74,6 +73,7 @@ from omni_local.engine.phases import (BEGIN_SPEECH, BUILD_PROMPT, CHOOSE_FIRST, 
                                       PREFILL, PREPARE, SPEECH_FRAME, phase)
 from omni_local.engine.prefill_chunks import chunk_end
 from omni_local.engine.prefix_cache import PrefixCache
+from omni_local.engine.prompt.context_window import fit_prompt
 from omni_local.engine.reasoning import ReasoningText, prompt_opens_reasoning
 from omni_local.engine.request import Failed, Request
 from omni_local.engine.sampling import SeatSampler

@@ -46,6 +46,6 @@ class ReasoningText:
 
 def prompt_opens_reasoning(prompt_ids: np.ndarray, marks: ReasoningMarks) -> bool:
     """Whether the prompt ends inside a reasoning block: its last `<think>` has no `</think>` after it.
-    (Typed text never holds the markers' ids: prompts.py encodes it as plain text.)"""
+    (Typed text never holds the markers' ids: prompt/builder.py encodes it as plain text.)"""
     starts, ends = np.flatnonzero(prompt_ids == marks.start), np.flatnonzero(prompt_ids == marks.end)
     return starts.size > 0 and (ends.size == 0 or starts[-1] > ends[-1])

@@ -13,7 +13,7 @@ in float32, so the positions are the same bits (tests compare them on every kind
 
 import torch
 
-from omni_local.prompts import MediaItem, Prompt
+from omni_local.engine.prompt.builder import MediaItem, Prompt
 
 
 def rope_positions(prompt: Prompt, merge: int, per_second: int) -> tuple[torch.Tensor, int]:

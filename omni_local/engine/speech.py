@@ -25,10 +25,10 @@ from omni_local.engine.host_copies import Readback, to_device
 from omni_local.engine.kv_store import BlockTable, KVStore
 from omni_local.engine.moe import TORCH, MoeBackend
 from omni_local.engine.prefix_cache import Claim, Match, PrefixCache, common_prefix
+from omni_local.engine.prompt.builder import Prompt
 from omni_local.engine.sampling import Sampler
 from omni_local.engine.talker import OPENING_ROWS, TalkerPrompt, TalkerRunner, user_positions
 from omni_local.engine.vocoder import AudioStream, Vocoder
-from omni_local.prompts import Prompt
 from omni_local.protocol.events import SPEECH_SAMPLE_RATE, SpeechReport
 from omni_local.protocol.params import SamplingParams, SpeechParams
 from omni_local.settings import Settings

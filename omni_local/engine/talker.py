@@ -28,9 +28,9 @@ from omni_local.engine.fused_qkv import fuse_qkv
 from omni_local.engine.host_copies import Readback, to_device
 from omni_local.engine.kv_store import BlockTable, GraphedKVWriter, KVShape, KVStore, KVWriter
 from omni_local.engine.moe import TORCH, MoeBackend
+from omni_local.engine.prompt.builder import Prompt
 from omni_local.engine.sampling import SampleBatch, Sampler, SeatSampler
 from omni_local.errors import RequestError
-from omni_local.prompts import Prompt
 from omni_local.protocol.params import SamplingParams
 
 ASSISTANT_OPENING = 3  # <|im_start|> assistant \n

@@ -30,9 +30,9 @@ from omni_local.engine.media_encoder import MediaEncoder, deepstack_levels
 from omni_local.engine.moe import TORCH, MoeBackend
 from omni_local.engine.phases import ENCODE_MEDIA, phase
 from omni_local.engine.prefill_chunks import PreparedPrompt
+from omni_local.engine.prompt.builder import Prompt, build_prompt
 from omni_local.engine.talker import TalkerRows
 from omni_local.errors import SettingsError
-from omni_local.prompts import Prompt, build_prompt
 from omni_local.protocol.events import MediaCounts
 from omni_local.protocol.messages import Message
 from omni_local.start_up_steps import start_up_step

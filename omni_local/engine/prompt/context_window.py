@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from omni_local.engine.prompt.builder import Prompt, build_prompt
 from omni_local.errors import RequestError
 from omni_local.model.reasoning import ReasoningMarks
-from omni_local.prompts import Prompt, build_prompt
 from omni_local.protocol.messages import Message
 
 STEPS_PER_LIMIT = 4  # turns are left out a quarter of the prompt limit at a time

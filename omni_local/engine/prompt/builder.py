@@ -2,7 +2,7 @@
 
 Building a prompt does no image resizing and no feature extraction: placeholder counts and M-RoPE
 grids follow from each medium's size alone. Pixels and mel features are made later, and only for
-the media the prefix cache could not supply (`preprocess`).
+the media the prefix cache could not supply (encoder_inputs.py).
 """
 
 import re
@@ -16,12 +16,12 @@ from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import _get_feat_extract_output_lengths
 
-from omni_local.cache.digests import media_digest, token_keys
+from omni_local.cache.digests import media_digest
+from omni_local.engine.prompt.template_tokens import TemplateIds
 from omni_local.errors import RequestError
 from omni_local.media.video import Video
 from omni_local.model.reasoning import ReasoningMarks
 from omni_local.protocol.messages import Message, Part, check_text
-from omni_local.template_tokens import TemplateIds
 
 
 @dataclass(frozen=True)
@@ -91,15 +91,6 @@ class Prompt:
     @property
     def use_audio_in_video(self) -> bool:
         return any(m.is_video and m.has_audio for m in self.media)
-
-    def model_inputs(self, processor: Any, device: torch.device | None = None) -> dict[str, torch.Tensor]:
-        """Every input transformers' own Thinker takes, all media preprocessed (the parity reference);
-        `device` as for `preprocess` (give the engine's, so both are given the same pixels)."""
-        inputs = {"input_ids": self.input_ids, "attention_mask": torch.ones_like(self.input_ids)}
-        if self.video_grid_thw is not None:
-            inputs |= {"video_second_per_grid": self.video_second_per_grid,
-                       "use_audio_in_video": self.use_audio_in_video}
-        return {**inputs, **preprocess(self.media, processor, device)}
 
 
 def build_prompt(messages: list[Message], processor: Any, reasoning: ReasoningMarks | None = None) -> Prompt:
@@ -309,49 +300,12 @@ def image_grid(image: Image.Image, image_processor: Any) -> tuple[int, int, int]
     return (1, height // patch, width // patch)
 
 
-def preprocess(media: list[MediaItem], processor: Any, device: torch.device | None = None) -> dict[str, torch.Tensor]:
-    """Pixels for the images and videos and mel features for the sounds (clips and videos' tracks)
-    among `media`, each kind in order.
-
-    `device`: where the image and video processors resize, rescale, normalise and patchify: the
-    decoded pixels go there once, as uint8, and `pixel_values` / `pixel_values_videos` come back on
-    it (grids stay on the CPU; None, or a processor without torchvision: all on the CPU). On the CPU
-    the result is bit for bit the plain call's. On CUDA torchvision resizes uint8 in float32 and
-    rounds, where the CPU has a uint8 kernel that rounds and clamps between its two passes: about a
-    fifth of the pixels of a photo-like image differ by one level (0.015 after normalising), a noise
-    image's by more. So compare the model with transformers given the same device's pixels. Mel
-    features are made on the CPU (the feature extractor's output is numpy).
-    """
-    images = [m.part for m in media if m.is_image]
-    videos = [m.part for m in media if m.is_video]
-    sounds = [m.part.audio if m.is_video else m.part for m in media if m.has_audio]
-    return {
-        **(image_inputs(images, processor, device) if images else {}),
-        **(video_inputs(videos, processor, device) if videos else {}),
-        **(audio_inputs(sounds, processor) if sounds else {}),
-    }
-
-
-def video_inputs(videos: list[Video], processor: Any, device: torch.device | None = None) -> dict[str, torch.Tensor]:
-    """`pixel_values_videos` and `video_grid_thw` as the video processor makes them from the frames
-    (on `device`, as in `preprocess`)."""
-    encoded = processor.video_processor(videos=[v.frames for v in videos], do_sample_frames=False, device=device,
-                                        return_tensors="pt")
-    return {"pixel_values_videos": encoded["pixel_values_videos"], "video_grid_thw": encoded["video_grid_thw"]}
-
-
-def image_inputs(images: list[Image.Image], processor: Any,
-                 device: torch.device | None = None) -> dict[str, torch.Tensor]:
-    """`pixel_values` [patches, C*T*P*P] and `image_grid_thw` [images, 3], as the processor makes them
-    (on `device`, as in `preprocess`)."""
-    encoded = processor.image_processor(images=images, device=device, return_tensors="pt")
-    return {"pixel_values": encoded["pixel_values"], "image_grid_thw": encoded["image_grid_thw"]}
-
-
-def audio_inputs(clips: list[np.ndarray], processor: Any) -> dict[str, torch.Tensor]:
-    """`input_features` [clips, mel, frames] and `feature_attention_mask` [clips, frames], with the
-    processor's own audio settings (padded to the longest clip, never truncated)."""
-    encoded = processor.feature_extractor(
-        clips, sampling_rate=16_000, padding=True, truncation=False, return_attention_mask=True, return_tensors="pt"
-    )
-    return {"input_features": encoded["input_features"], "feature_attention_mask": encoded["attention_mask"]}
+def token_keys(ids: np.ndarray, media: list[tuple[int, int, bytes]]) -> np.ndarray:
+    """One int64 per token: a text token's id, or for the i-th token of a medium a negative number
+    from its digest and i. Comparing keys finds a common prefix fast; the media's full digests are
+    then compared too (see PrefixCache), so a 63-bit clash cannot pass as a hit."""
+    keys = ids.astype(np.int64).copy()
+    for start, length, digest in media:
+        base = int.from_bytes(digest[:7], "little") << 4
+        keys[start : start + length] = -1 - (base + np.arange(length, dtype=np.int64))
+    return keys
