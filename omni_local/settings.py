@@ -52,6 +52,14 @@ class Settings:
         " so a smaller card and faster decode, at some quality; a bf16 checkpoint is quantized as it loads, and the"
         " result kept in cache_dir for the next start",
     )
+    experts_on_gpu: int = setting(
+        "model", -1,
+        "how many of the Thinker's first layers keep their routed experts on the GPU; the rest keep them in"
+        " page-locked host memory, and each decoded token reads its routed experts of those layers over the bus"
+        " (about 19 MB a layer in int4: a card of 16 GB runs, slower); -1: the GPU memory plan decides (all on the"
+        " GPU where they fit, else the fewest last layers in host memory that make it fit); on the CPU, nothing to"
+        " move",
+    )
     model_kind: Literal["auto", "instruct", "thinking", "captioner"] = setting(
         "model", "auto",
         "which Qwen3-Omni checkpoint it is; 'auto': one with a Talker is Instruct, one whose chat template opens a"
@@ -315,6 +323,9 @@ class Settings:
         if self.host_cache_bytes < -1:
             raise SettingsError("setting 'host_cache_bytes' must be -1 (sized from the machine's memory), 0 (none) or "
                                 f"more, got {self.host_cache_bytes!r}")
+        if self.experts_on_gpu < -1:
+            raise SettingsError("setting 'experts_on_gpu' must be -1 (the memory plan decides) or a number of layers, "
+                                f"got {self.experts_on_gpu!r}")
         for name in ("max_reasoning_tokens", "gpu_memory_bytes", "shutdown_grace_s"):
             if getattr(self, name) < 0:
                 raise SettingsError(f"setting '{name}' must be 0 or more, got {getattr(self, name)!r}")

@@ -29,7 +29,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
     ),
     # The checkpoints, weights formats and media beyond text: speech, video, quantized weights.
     "models": (
-        "test_checkpoint_family.py", "test_gptq_checkpoints.py", "test_media_device.py", "test_quantized_app.py",
+        "test_checkpoint_family.py", "test_gptq_checkpoints.py", "test_host_experts.py", "test_media_device.py",
+        "test_quantized_app.py",
         "test_quantized_checkpoints.py", "test_quantized_weights.py", "test_speech.py", "test_video.py",
         "test_vocoder_graphs.py", "test_weight_quality.py",
     ),

@@ -11,7 +11,9 @@ from omni_local.engine import memory_plan
 from omni_local.engine.thinker import kv_shape, least_kv_bytes
 from omni_local.errors import SettingsError
 from omni_local.model import load_model, weights as weights_module
+from omni_local.model.host_experts import in_host_memory, thinker_experts
 from omni_local.model.quantized import weights_bytes
+from omni_local.settings import Settings
 
 MiB = 1 << 20
 ENGINE = 1 * MiB  # the engine's take a first start plans with, at the demo's size
@@ -66,12 +68,89 @@ def test_settings_that_cannot_fit_stop_start_up_before_any_weight_is_read_saying
         raise AssertionError("a weight was read")
 
     monkeypatch.setattr(weights_module, "_stream_file", read)
-    with pytest.raises(SettingsError) as refusal:
-        OmniLocal(planned.replace(gpu_memory_bytes=available))
+    with pytest.raises(SettingsError) as refusal:  # every layer's experts kept on the GPU
+        OmniLocal(planned.replace(gpu_memory_bytes=available, experts_on_gpu=LAYERS))
 
     message = str(refusal.value)
     assert message.startswith("the model needs ") and " of GPU memory (weights " in message
-    assert message.endswith("is free: try encoder_cache = false or weights = 'fp8' or weights = 'int4' or speech = false")
+    assert message.endswith("is free: try encoder_cache = false or experts_on_gpu = 3 or weights = 'fp8' or "
+                            "weights = 'int4' or speech = false")
+
+
+def test_where_the_weights_do_not_fit_the_plan_puts_the_experts_of_the_fewest_last_layers_in_host_memory(planned):
+    model = load_model(planned).model
+    each = layer_bytes(model)
+    weights = weights_bytes(model, "bf16")
+    fits = weights + ENGINE + MiB + one_conversation_kv(model, planned)
+
+    plans = {short: plan(model, planned.replace(gpu_memory_bytes=fits - short)) for short in (0, 1, each, each + 1)}
+
+    assert {short: p.experts_on_gpu for short, p in plans.items()} == {0: 4, 1: 3, each: 3, each + 1: 2}
+    two = plans[each + 1]
+    assert (two.weights, two.host_experts, two.layers) == (weights - 2 * each, 2 * each, LAYERS)
+    expert = each // 4  # the demo's 4 experts, 2 of them routed a token
+    assert two.bus_bytes_per_token == 2 * 2 * expert
+    assert (f"weights {memory_plan.size(two.weights)} (the experts of the last 2 of 4 layers in host memory, "
+            f"{memory_plan.size(2 * each)}: 0 MB over the bus a decoded token, at most ") in two.line()
+    assert "host memory" not in plans[0].line()
+
+
+def test_experts_on_gpu_keeps_the_first_n_layers_experts_on_the_gpu_whatever_the_room(planned):
+    model = load_model(planned).model
+    each = layer_bytes(model)
+    roomy = plan(model, planned.replace(gpu_memory_bytes=1 << 30, experts_on_gpu=1))
+    past_the_layers = plan(model, planned.replace(gpu_memory_bytes=1 << 30, experts_on_gpu=9))
+
+    assert (roomy.experts_on_gpu, roomy.host_experts) == (1, 3 * each)
+    assert (past_the_layers.experts_on_gpu, past_the_layers.host_experts) == (4, 0)
+
+
+def test_a_card_too_small_with_every_layers_experts_in_host_memory_is_refused_saying_so(planned):
+    model = load_model(planned).model
+    least = weights_bytes(model, "bf16") - LAYERS * layer_bytes(model) + ENGINE + MiB + one_conversation_kv(model, planned)
+
+    fitting = plan(model, planned.replace(gpu_memory_bytes=least))
+    with pytest.raises(SettingsError) as refusal:
+        plan(model, planned.replace(gpu_memory_bytes=least - 1))
+
+    assert fitting.experts_on_gpu == 0
+    assert f" (weights {memory_plan.size(least - ENGINE - MiB - one_conversation_kv(model, planned))} with the " \
+           "experts of 4 of 4 layers in host memory, the engine, " in str(refusal.value)
+    assert str(refusal.value).endswith("is free: try encoder_cache = false or weights = 'fp8' or weights = 'int4' or "
+                                       "speech = false")
+
+
+@pytest.mark.parametrize("weights", ["bf16", "fp8", "int4"])
+def test_the_app_starts_with_the_experts_the_plan_puts_in_host_memory_marked_and_answers(planned, weights):
+    # On the CPU every tensor is in host memory already: the marks are all that placement changes here.
+    model = load_model(planned).model
+    fits = weights_bytes(model, weights) + ENGINE + MiB + one_conversation_kv(model, planned)
+    with OmniLocal(planned.replace(weights=weights, gpu_memory_bytes=fits - 1)) as app:  # a byte short
+        assert app.backend.memory.experts_on_gpu == 3
+        assert [in_host_memory(e) for e in thinker_experts(app.backend.loaded.model)] == [False, False, False, True]
+        assert app.session().send("Hello there", max_new_tokens=4).result().tokens.generated > 0
+
+
+def test_experts_on_gpu_below_minus_one_is_refused():
+    with pytest.raises(SettingsError, match="setting 'experts_on_gpu' must be -1 .* got -2"):
+        Settings(experts_on_gpu=-2)
+
+
+LAYERS = 4  # the demo Thinker's
+
+
+def layer_bytes(model: torch.nn.Module) -> int:
+    """One demo Thinker layer's experts in float32 (each layer's are the same size)."""
+    experts = thinker_experts(model)[0]
+    return (experts.gate_up_proj.numel() + experts.down_proj.numel()) * 4
+
+
+def one_conversation_kv(model: torch.nn.Module, settings) -> int:
+    return memory_plan.least_conversation_kv_bytes(model, settings, torch.float32)
+
+
+def plan(model: torch.nn.Module, settings) -> memory_plan.MemoryPlan:
+    return memory_plan.plan_memory(model, settings, torch.device("cpu"))
 
 
 def test_where_memory_is_short_the_encoder_outputs_shrink_to_their_floor_before_the_kv_falls_below_four_chats(

@@ -18,6 +18,7 @@ from omni_local.errors import MediaError, RequestError
 from omni_local.media import SAMPLE_RATE, MediaLimits
 from omni_local.media.audio import check_samples
 from omni_local.media.video import Video, load_video
+from omni_local.model.host_experts import keep_in_host_memory
 from omni_local.model.loader import LoadedModel, load_model, quiet_library_logs, resolve_device
 from omni_local.model.workarounds import video_refusal, video_supported
 from omni_local.protocol.backend import BackendInfo
@@ -96,6 +97,7 @@ class LocalBackend:
     def _plan_memory(self, model: torch.nn.Module) -> None:
         self.memory = plan_memory(model, self.settings, resolve_device(self.settings.device))
         if self.memory is not None:
+            keep_in_host_memory(model, self.memory.experts_on_gpu)
             log.info("%s", self.memory.line())
 
     def send(self, session: str, messages: list[Message], params: SamplingParams,

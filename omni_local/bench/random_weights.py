@@ -5,7 +5,7 @@ The token ids of the config are mapped onto the demo model's tokenizer, so the d
 (same patch, merge and mel settings as the real one) builds the prompts. With quantized `weights`
 the model is built in full precision on the device, then quantized layer by layer: a card smaller
 than the full-precision model cannot build it this way (the loader from a checkpoint quantizes each
-tensor as it reads it).
+tensor as it reads it). Experts that `experts_on_gpu` = N puts in host memory move there last.
 """
 
 import json
@@ -15,6 +15,7 @@ import torch
 from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 
 from omni_local.model.demo import VISION_END, ensure_demo_checkpoint, media_token_ids
+from omni_local.model.host_experts import AUTO, move_to_host_memory
 from omni_local.model.loader import LoadedModel, end_of_turn_ids, resolve_device, resolve_dtype
 from omni_local.model.quantized import quantize_layers
 from omni_local.model.workarounds import apply_workarounds, init_talker_experts, load_processor
@@ -35,6 +36,8 @@ def load_random_weights(config_path: Path, settings: Settings) -> LoadedModel:
         init_talker_experts(model, config.initializer_range)
     apply_workarounds(model, end_of_turn_ids(processor), processor.tokenizer.pad_token_id)
     quantize_layers(model, settings.weights)  # one layer at a time: the full-precision layer is freed as it goes
+    if settings.experts_on_gpu != AUTO:
+        move_to_host_memory(model, settings.experts_on_gpu)  # a layer at a time too
     if device.type == "cuda":
         torch.cuda.empty_cache()  # give the freed full-precision layers back, for a cap on the process to measure
     return LoadedModel(model=model.eval(), processor=processor, path=Path(config_path), device=device, dtype=dtype)

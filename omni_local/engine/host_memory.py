@@ -6,7 +6,8 @@ the Thinker's KV blocks (`gpu_cache_bytes`) live in the machine's memory too, be
 and both fill as chats do. No fixed size suits every machine: 8 GiB is half of a 16 GB desktop.
 
 The rule: the KV in host memory takes at most a quarter (1 / KV_SHARE) of the machine's memory left
-after the weights held there (all of them on the CPU, hardly any on a GPU); the rest is for the OS,
+after the weights held there (all of them on the CPU; on a GPU, the experts the memory plan left in
+host memory, model/host_experts.py); the rest is for the OS,
 the desktop's other programs, this process and the page cache the checkpoint is read through. On the
 CPU the Thinker's blocks take that share first, up to `gpu_cache_bytes` (but never less than one
 conversation, without which nothing runs); the host tier takes what is left, up to HOST_TIER_MOST.
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from omni_local.engine.memory_plan import GiB, least_conversation_kv_bytes, size
+from omni_local.model.host_experts import held_in_host_memory
 from omni_local.model.loader import LoadedModel
 from omni_local.settings import Settings
 
@@ -52,7 +54,8 @@ class HostPlan:
 
 def plan_for(loaded: LoadedModel, settings: Settings) -> HostPlan:
     """The plan for the model `loaded`, its weights in place, on this machine."""
-    weights = sum(t.nbytes for t in (*loaded.model.parameters(), *loaded.model.buffers()) if t.device.type == "cpu")
+    weights = held_in_host_memory(loaded.model) + sum(
+        t.nbytes for t in (*loaded.model.parameters(), *loaded.model.buffers()) if t.device.type == "cpu")
     least_kv = least_conversation_kv_bytes(loaded.model, settings, loaded.dtype)
     return plan_host_memory(settings, machine_memory_bytes(), weights, least_kv, loaded.device.type == "cpu")
 

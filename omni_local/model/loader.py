@@ -28,6 +28,7 @@ from transformers.utils import is_flash_attn_2_available
 from omni_local.engine.triton_support import refuse_without_fp8
 from omni_local.errors import CheckpointError, SettingsError
 from omni_local.model.demo import ensure_demo_checkpoint
+from omni_local.model.host_experts import AUTO, keep_in_host_memory
 from omni_local.model.quantized import quantize_layers
 from omni_local.model.quantized.prequantized import CheckpointQuantization, read_quantization_config
 from omni_local.model.quantized.stored import StoredLayers, filled_from_disk
@@ -62,7 +63,7 @@ class LoadedModel:
 def load_model(settings: Settings, before_loading: Callable[[torch.nn.Module], None] | None = None) -> LoadedModel:
     """The checkpoint (or the demo) as `settings` ask. `before_loading` is shown the empty model,
     full precision with its parameters on the meta device, before any weight is read (the memory
-    plan); it may raise to stop."""
+    plan); it may raise to stop, and mark experts to be held in host memory (model/host_experts.py)."""
     path = ensure_demo_checkpoint(settings.demo_path) if settings.model == "demo" else Path(settings.model)
     path = path.expanduser().resolve()
     check_checkpoint(path)
@@ -83,7 +84,8 @@ def load_model(settings: Settings, before_loading: Callable[[torch.nn.Module], N
     if quantization is not None:
         formats = _checkpoint_formats(path, quantization, settings.weights)
         _check_weights(formats, True, settings, device)
-        model = load_weights(path, config, dtype, device, settings.attn_implementation, prepare=before_loading,
+        prepare = partial(_placed, settings=settings, before_loading=before_loading)
+        model = load_weights(path, config, dtype, device, settings.attn_implementation, prepare=prepare,
                              quantization=quantization)
         quantized = f"{' and '.join(formats)} weights, as the checkpoint holds them"
         log.info("checkpoint '%s' is quantized (%s): %s", path, quantization.method, quantized)
@@ -195,12 +197,21 @@ def _prepare(model: torch.nn.Module, settings: Settings, path: Path, dtype: torc
     the places `settings.weights` quantizes, read back from disk where they were kept, else
     quantizing each tensor on the device as the loader reads it (no full-precision copy of the
     model is ever made)."""
-    if before_loading is not None:
-        before_loading(model)
-    quantize_layers(model, settings.weights)
+    _placed(model, settings, before_loading)
+    quantize_layers(model, settings.weights)  # the quantized experts keep their place (host_experts.carry_mark)
     if settings.weights != "bf16":
         with start_up_step("the quantized layers' store looked up (the checkpoint's fingerprint) and read"):
             _stored_layers(settings, path, dtype).fill(model, device)
+
+
+def _placed(model: torch.nn.Module, settings: Settings,
+            before_loading: Callable[[torch.nn.Module], None] | None) -> None:
+    """The empty model shown to `before_loading` (the memory plan, which marks the experts it puts in
+    host memory), and the experts `experts_on_gpu` = N puts there marked so (model/host_experts.py)."""
+    if before_loading is not None:
+        before_loading(model)
+    if settings.experts_on_gpu != AUTO:
+        keep_in_host_memory(model, settings.experts_on_gpu)
 
 
 def _stored_layers(settings: Settings, path: Path, dtype: torch.dtype) -> StoredLayers:

@@ -31,6 +31,7 @@ from transformers import GenerationConfig, Qwen3OmniMoeConfig, Qwen3OmniMoeForCo
 
 from omni_local.errors import CheckpointError
 from omni_local.model.checkpoint_names import SPEECH_PARTS, ExpertSlice, expert_slice, fused_rows, model_name, per_expert
+from omni_local.model.host_experts import experts_empty
 from omni_local.model.quantized.prequantized import CheckpointQuantization, PrequantizedLayers
 
 Prepare = Callable[[torch.nn.Module], None]
@@ -232,7 +233,8 @@ def _place_expert(experts: torch.nn.Module, part: ExpertSlice, tensor: torch.Ten
     fused_name, rows = fused_rows(part.projection, intermediate=experts.gate_up_proj.shape[1] // 2)
     fused = getattr(experts, fused_name)
     if fused.is_meta:  # the layer's first expert: its fused parameter is allocated once, then filled
-        fused = torch.nn.Parameter(torch.empty_like(fused, device=tensor.device), fused.requires_grad)
+        fused = torch.nn.Parameter(experts_empty(experts, tuple(fused.shape), fused.dtype, tensor.device),
+                                   fused.requires_grad)
         setattr(experts, fused_name, fused)
     fused[part.expert, rows].copy_(tensor)
 

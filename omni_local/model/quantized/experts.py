@@ -4,7 +4,8 @@ It holds what transformers' module holds, `gate_up_proj` [E, 2I, H] (each expert
 its up rows) and `down_proj` [E, H, I], as `Quantized` weights (formats.py): values and scales
 buffers, filled whole (`replacing` a loaded module) or one expert's projection at a time: quantized
 here (`take_expert_weight`, from the loader, so no full-precision copy of a layer's experts is
-made), or as a checkpoint quantized before loading holds it (`take_expert_quantized`).
+made), or as a checkpoint quantized before loading holds it (`take_expert_quantized`). Experts marked
+for host memory (model/host_experts.py) allocate them there.
 
 Its `forward` is transformers' eager experts loop with each chosen expert's weights dequantized
 first: the reference, and the `torch` MoE backend's path on the CPU. The `triton` backend reads
@@ -14,6 +15,7 @@ the quantized weights in its kernels instead (engine/moe/).
 import torch
 import torch.nn.functional as F
 
+from omni_local.model.host_experts import carry_mark, experts_empty
 from omni_local.model.quantized.formats import QuantFormat, Quantized, dequantize, quantize, quantized_bytes
 
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -36,6 +38,7 @@ class QuantizedExperts(torch.nn.Module):
         are still on the meta device (a skeleton being loaded)."""
         num, double, hidden = experts.gate_up_proj.shape
         layer = cls(num, hidden, double // 2, experts.act_fn, format)
+        carry_mark(experts, layer)
         if not experts.gate_up_proj.is_meta:
             for expert in range(num):
                 gate, up = experts.gate_up_proj[expert].detach().chunk(2)
@@ -96,9 +99,9 @@ class QuantizedExperts(torch.nn.Module):
 
     def _allocate(self, target: str, first: Quantized) -> None:
         rows = 2 * self.intermediate_dim if target == "gate_up" else self.hidden_dim
-        values, scales = first.values, first.scales
-        setattr(self, f"{target}_values", values.new_empty((self.num_experts, rows, *values.shape[1:])))
-        setattr(self, f"{target}_scales", scales.new_empty((self.num_experts, rows, *scales.shape[1:])))
+        for part, tensor in (("values", first.values), ("scales", first.scales)):
+            shape = (self.num_experts, rows, *tensor.shape[1:])
+            setattr(self, f"{target}_{part}", experts_empty(self, shape, tensor.dtype, tensor.device))
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, "

@@ -33,6 +33,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from omni_local.cache.folders import private_folder
+from omni_local.model.host_experts import placed
 from omni_local.model.quantized import QUANTIZED_LAYERS
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class StoredLayers:
             if stored != {name: _tensor_names(layer) for name, layer in layers.items()}:
                 raise ValueError("its tensors are not this model's quantized layers'")
             _check_digests(self.folder, shards)
-            held = _by_layer(_read(self.folder, shards, device))
+            held = _by_layer(_read(self.folder, shards, layers, device))
         except (OSError, SafetensorError, ValueError) as error:
             log.warning("the quantized layers in '%s' cannot be read (%s): quantizing the checkpoint again",
                         self.folder, error)
@@ -170,12 +171,15 @@ def _keys(folder: Path, shards: dict[str, str]) -> dict[str, None]:
     return keys
 
 
-def _read(folder: Path, shards: dict[str, str], device: torch.device) -> dict[str, torch.Tensor]:
+def _read(folder: Path, shards: dict[str, str], layers: dict[str, torch.nn.Module], device: torch.device
+          ) -> dict[str, torch.Tensor]:
+    """Each stored tensor, where its layer holds it: on `device`, or experts marked for host memory
+    there (model/host_experts.py), never on the GPU first."""
     read = {}
     for shard in shards:
         with safe_open(folder / shard, framework="pt", device="cpu") as opened:
             for key in opened.keys():
-                read[key] = opened.get_tensor(key).to(device)
+                read[key] = placed(layers[key.rpartition(".")[0]], opened.get_tensor(key), device)
     return read
 
 

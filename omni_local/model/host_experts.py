@@ -1,0 +1,105 @@
+"""The routed experts of the Thinker's last layers kept in host memory, where the GPU is too small.
+
+At full size the experts are 93% of the Thinker's weights (13.7 GiB of them in int4), and a decode
+step reads only the top-k routed experts of each layer: 8 of 128, about 19 MB a layer in int4. So a
+card too small for every layer's experts keeps the last layers' experts in page-locked host memory
+(engine/mapped_memory.py), and the MoE kernels read the routed ones over the bus as they read any
+other weight: no kernel, graph or forward changes, and nothing is copied back. (Prefill reads more
+of each layer's experts, once per prompt chunk.)
+
+The `experts_on_gpu` setting says how many: -1 (AUTO) lets the memory plan (engine/memory_plan.py)
+move the fewest last layers that make its floors fit; N keeps the experts of the first N layers on
+the GPU and the rest in host memory (N at or past the layer count: all on the GPU).
+
+Placement is a mark on each experts module (`keep_in_host_memory`, on the empty model before its
+weights load): the loader allocates a marked module's tensors in mapped host memory
+(`experts_empty`), so they never pass through the GPU's memory whole (int4 and fp8 quantize one
+expert's matrix at a time on the GPU, then write it there). A model built whole on the GPU (the
+benchmarks' random weights) moves them afterwards, a layer at a time (`move_to_host_memory`).
+On the CPU every tensor is in host memory already: the mark changes nothing there.
+"""
+
+import torch
+
+from omni_local.engine.mapped_memory import mapped_copy, mapped_empty
+
+AUTO = -1  # experts_on_gpu: the memory plan decides
+_MARK = "experts_in_host_memory"
+
+
+def thinker_experts(model: torch.nn.Module) -> list[torch.nn.Module | None]:
+    """Each Thinker decoder layer's routed experts module, in layer order (None for a dense layer)."""
+    return [getattr(layer.mlp, "experts", None) for layer in model.thinker.model.language_model.layers]
+
+
+def host_layers(layer_count: int, experts_on_gpu: int) -> range:
+    """The layers whose experts `experts_on_gpu` (a count, not AUTO) puts in host memory: the last ones."""
+    assert experts_on_gpu >= 0, "AUTO is the memory plan's to resolve"
+    return range(min(experts_on_gpu, layer_count), layer_count)
+
+
+def keep_in_host_memory(model: torch.nn.Module, experts_on_gpu: int) -> None:
+    """Mark the experts of the Thinker layers past the first `experts_on_gpu` to be held in host
+    memory when their weights load."""
+    experts = thinker_experts(model)
+    for index in host_layers(len(experts), experts_on_gpu):
+        if experts[index] is not None:
+            setattr(experts[index], _MARK, True)
+
+
+def in_host_memory(experts: torch.nn.Module) -> bool:
+    """Whether `experts` is marked to hold its weights in host memory."""
+    return getattr(experts, _MARK, False)
+
+
+def carry_mark(old: torch.nn.Module, new: torch.nn.Module) -> None:
+    """`new`, put in `old`'s place (a quantized layer for a full-precision one), keeps its placement."""
+    if in_host_memory(old):
+        setattr(new, _MARK, True)
+
+
+def experts_empty(experts: torch.nn.Module, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+                  ) -> torch.Tensor:
+    """An uninitialised tensor for one of `experts`' weights: in mapped host memory if it is marked,
+    else on `device`."""
+    if in_host_memory(experts):
+        return mapped_empty(shape, dtype, device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def placed(module: torch.nn.Module, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor`, one of `module`'s weights read from anywhere, where `module` holds it: in mapped host
+    memory for experts marked so, else on `device`."""
+    return mapped_copy(tensor, device) if in_host_memory(module) else tensor.to(device)
+
+
+def move_to_host_memory(model: torch.nn.Module, experts_on_gpu: int) -> None:
+    """Move the experts of a loaded model's Thinker layers past the first `experts_on_gpu` to mapped
+    host memory, one layer at a time (each layer's GPU copy is freed before the next is moved), and
+    mark them."""
+    experts = thinker_experts(model)
+    for index in host_layers(len(experts), experts_on_gpu):
+        module = experts[index]
+        if module is None or in_host_memory(module):
+            continue
+        setattr(module, _MARK, True)
+        for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            moved = placed(module, tensor.detach(), tensor.device)
+            setattr(module, name, torch.nn.Parameter(moved, requires_grad=False) if name in module._parameters
+                    else moved)
+
+
+def held_in_host_memory(model: torch.nn.Module) -> int:
+    """The bytes of the experts held in mapped host memory (none on the CPU, where it is all host memory)."""
+    experts = thinker_experts(model)
+    return sum(t.nbytes for index in layers_in_host_memory(model) for t in _tensors(experts[index]))
+
+
+def layers_in_host_memory(model: torch.nn.Module) -> list[int]:
+    """The Thinker layers whose experts are held in mapped host memory (none on the CPU)."""
+    return [index for index, experts in enumerate(thinker_experts(model))
+            if experts is not None and in_host_memory(experts) and all(t.is_cuda for t in _tensors(experts))]
+
+
+def _tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [*module.parameters(), *module.buffers()]

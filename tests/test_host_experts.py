@@ -1,0 +1,124 @@
+"""The experts of the Thinker's last layers in host memory (model/host_experts.py, engine/mapped_memory.py):
+`experts_on_gpu` = N marks the layers past the first N in every weights format, their weights load
+into page-locked host memory that torch sees as CUDA tensors (never the caching allocator's), and
+the app answers token for token as with every expert on the GPU, CUDA graphs on. On the CPU every
+tensor is host memory already: the same tests check the marks there, and that nothing moved."""
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import TEST_DEVICE
+from omni_local.api import OmniLocal
+from omni_local.engine.mapped_memory import mapped_empty
+from omni_local.model.host_experts import (held_in_host_memory, host_layers, in_host_memory, layers_in_host_memory,
+                                           move_to_host_memory, thinker_experts)
+from omni_local.model.loader import load_model
+from omni_local.model.quantized.linear import has_fp8_units
+
+ON_GPU = TEST_DEVICE == "cuda"
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="mapped host memory is a GPU's: run with OMNI_LOCAL_TEST_DEVICE=cuda")
+QUESTION = "Tell me about the lighthouse on the rock."
+
+
+def formats() -> list[str]:
+    runs_fp8 = not ON_GPU or has_fp8_units(torch.device("cuda"))
+    return ["bf16", *(["fp8"] if runs_fp8 else []), "int4"]
+
+
+def allocator_ranges() -> list[tuple[int, int]]:
+    """The address ranges of the caching allocator's segments: every device allocation torch made."""
+    return [(s["address"], s["address"] + s["total_size"]) for s in torch.cuda.memory_snapshot()]
+
+
+def is_device_allocation(tensor: torch.Tensor) -> bool:
+    return any(first <= tensor.data_ptr() < last for first, last in allocator_ranges())
+
+
+def expert_tensors(model: torch.nn.Module, layer: int) -> list[torch.Tensor]:
+    experts = thinker_experts(model)[layer]
+    return [*experts.parameters(), *experts.buffers()]
+
+
+def test_the_experts_in_host_memory_are_the_last_layers_past_the_first_n():
+    assert host_layers(4, 1) == range(1, 4)
+    assert host_layers(4, 0) == range(0, 4)
+    assert host_layers(4, 9) == range(4, 4)
+
+
+@pytest.mark.parametrize("weights", formats())
+def test_experts_on_gpu_marks_the_layers_past_the_first_n_quantized_as_they_load_or_read_back_from_the_store(
+    demo_settings, demo_checkpoint, tmp_path, weights
+):
+    settings = demo_settings.replace(weights=weights, experts_on_gpu=1, cache_dir=str(tmp_path / "cache"))
+    for _ in range(2):  # quantized from the checkpoint, then (fp8, int4) read back from the store
+        model = load_model(settings).model
+        assert [in_host_memory(e) for e in thinker_experts(model)] == [False, True, True, True]
+        expected = [1, 2, 3] if ON_GPU else []  # on the CPU nothing is moved: it is host memory already
+        assert layers_in_host_memory(model) == expected
+        assert held_in_host_memory(model) == sum(t.nbytes for layer in expected for t in expert_tensors(model, layer))
+        if ON_GPU:
+            assert not any(is_device_allocation(t) for layer in expected for t in expert_tensors(model, layer))
+            assert all(is_device_allocation(t) for t in expert_tensors(model, 0))
+
+
+@pytest.mark.parametrize("weights", formats())
+def test_the_app_with_experts_in_host_memory_answers_token_for_token_as_with_every_expert_on_the_gpu(
+    demo_settings, demo_checkpoint, weights
+):
+    replies = []
+    for experts_on_gpu in (-1, 2):  # the demo fits: -1 keeps every layer's experts on the GPU
+        with OmniLocal(demo_settings.replace(weights=weights, experts_on_gpu=experts_on_gpu)) as app:
+            assert app.settings.cuda_graphs
+            replies.append(app.session().send(QUESTION, max_new_tokens=24).result().token_ids)
+            assert layers_in_host_memory(app.backend.loaded.model) == ([2, 3] if experts_on_gpu == 2 and ON_GPU
+                                                                       else [])
+    assert replies[1] == replies[0] and len(replies[0]) > 0
+
+
+@gpu_only
+def test_deterministic_replies_with_experts_in_host_memory_are_those_with_every_expert_on_the_gpu(
+    demo_settings, demo_checkpoint
+):
+    replies = []
+    for experts_on_gpu in (-1, 1):
+        with OmniLocal(demo_settings.replace(weights="int4", deterministic=True, experts_on_gpu=experts_on_gpu)) as app:
+            replies.append([app.session().send(QUESTION, max_new_tokens=24).result().token_ids for _ in range(2)])
+    assert replies[1] == replies[0]
+
+
+def test_moving_a_loaded_models_experts_to_host_memory_keeps_their_values_and_frees_their_gpu_copies(
+    demo_settings, demo_checkpoint
+):
+    model = load_model(demo_settings).model
+    before = [t.clone() for t in expert_tensors(model, 3)]
+
+    move_to_host_memory(model, 3)
+
+    assert [in_host_memory(e) for e in thinker_experts(model)] == [False, False, False, True]
+    after = expert_tensors(model, 3)
+    assert all(torch.equal(a, b) and a.device == b.device for a, b in zip(after, before))
+    if ON_GPU:
+        assert layers_in_host_memory(model) == [3] and not any(is_device_allocation(t) for t in after)
+
+
+@gpu_only
+def test_mapped_memory_is_host_memory_that_kernels_read_and_write_in_place_and_no_device_allocation():
+    device = torch.device("cuda", torch.cuda.current_device())
+    allocated = torch.cuda.memory_allocated(device)
+
+    mapped = mapped_empty((256, 64), torch.float32, device)
+
+    assert mapped.is_cuda and mapped.device == device and mapped.shape == (256, 64)
+    assert torch.cuda.memory_allocated(device) == allocated and not is_device_allocation(mapped)
+    # The host sees the same bytes at the same address: what a kernel writes, and what the host writes.
+    host = np.ctypeslib.as_array((ctypes.c_float * mapped.numel()).from_address(mapped.data_ptr()))
+    mapped.fill_(1.5)
+    torch.cuda.synchronize()
+    assert (host == 1.5).all()
+    host[:] = np.arange(mapped.numel(), dtype=np.float32)
+    assert torch.equal(mapped.flatten().cpu(), torch.arange(mapped.numel(), dtype=torch.float32))
+    assert (mapped * 2).sum().item() == float(np.arange(mapped.numel()).sum() * 2)
+
