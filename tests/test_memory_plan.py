@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from omni_local.api import OmniLocal
-from omni_local.engine import memory_plan
+from omni_local.engine import expert_placement, memory_plan
 from omni_local.engine.thinker import kv_shape, least_kv_bytes
 from omni_local.errors import SettingsError
 from omni_local.model import load_model, weights as weights_module
@@ -107,17 +107,39 @@ def test_experts_on_gpu_keeps_the_first_n_layers_experts_on_the_gpu_whatever_the
 
 def test_a_card_too_small_with_every_layers_experts_in_host_memory_is_refused_saying_so(planned):
     model = load_model(planned).model
-    least = weights_bytes(model, "bf16") - LAYERS * layer_bytes(model) + ENGINE + MiB + one_conversation_kv(model, planned)
+    on_gpu = weights_bytes(model, "bf16") - LAYERS * layer_bytes(model)  # every layer's experts in host memory
+    least = on_gpu + ENGINE + MiB + one_conversation_kv(model, planned)
 
     fitting = plan(model, planned.replace(gpu_memory_bytes=least))
     with pytest.raises(SettingsError) as refusal:
         plan(model, planned.replace(gpu_memory_bytes=least - 1))
 
     assert fitting.experts_on_gpu == 0
-    assert f" (weights {memory_plan.size(least - ENGINE - MiB - one_conversation_kv(model, planned))} with the " \
-           "experts of 4 of 4 layers in host memory, the engine, " in str(refusal.value)
+    assert f" (weights {memory_plan.size(on_gpu)} with the experts of 4 of 4 layers in host memory, the engine, " \
+        in str(refusal.value)
     assert str(refusal.value).endswith("is free: try encoder_cache = false or weights = 'fp8' or weights = 'int4' or "
                                        "speech = false")
+
+
+def test_experts_that_would_take_more_than_half_the_machines_memory_are_refused_naming_what_fits(
+    planned, monkeypatch
+):
+    model = load_model(planned).model
+    each = layer_bytes(model)
+    fits = weights_bytes(model, "bf16") + ENGINE + MiB + one_conversation_kv(model, planned)
+    settings = planned.replace(gpu_memory_bytes=fits - 2 * each)  # two layers' experts to host memory
+    monkeypatch.setattr(expert_placement, "machine_memory_bytes", lambda: 4 * each - 2)  # half: one byte short
+
+    with pytest.raises(SettingsError) as refusal:
+        plan(model, settings)
+    monkeypatch.setattr(expert_placement, "machine_memory_bytes", lambda: 4 * each)
+
+    assert plan(model, settings).host_experts == 2 * each
+    assert str(refusal.value) == (
+        f"the model fits {memory_plan.size(fits - 2 * each)} of GPU memory with the experts of 2 of 4 layers in host "
+        f"memory, but they take {memory_plan.size(2 * each)} of it, more than the {memory_plan.size(2 * each - 1)} "
+        "page-locked weights may take (1/2 of this machine's memory): try encoder_cache = false or weights = 'fp8' "
+        "or weights = 'int4' or speech = false")  # at the demo's size, 1 MiB of encoder outputs outweighs 2 layers
 
 
 @pytest.mark.parametrize("weights", ["bf16", "fp8", "int4"])
@@ -175,7 +197,8 @@ def test_where_memory_is_short_the_encoder_outputs_shrink_to_their_floor_before_
     assert (shortest.encoder_outputs, shortest.kv) == (2 * MiB, four_chats - 2 * MiB)
     tokens = (shortest.kv // block - 1) * thinker_kv.block_tokens
     assert shortest.kv_tokens == tokens and tokens < memory_plan.KV_TARGET_TOKENS
-    assert shortest.line().endswith(f"encoder outputs 2.0 MiB (of 64.0 MiB: shrunk to fit), KV {memory_plan.size(shortest.kv)} "
+    assert shortest.line().endswith(f"encoder outputs 2.0 MiB (of 64.0 MiB: shrunk to fit), KV "
+                                    f"{memory_plan.size(shortest.kv)} "
                                     f"({tokens:,} tokens: {tokens / 4096:.1f} chats of 4,096)")
 
 

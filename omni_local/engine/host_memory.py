@@ -13,14 +13,12 @@ CPU the Thinker's blocks take that share first, up to `gpu_cache_bytes` (but nev
 conversation, without which nothing runs); the host tier takes what is left, up to HOST_TIER_MOST.
 A `host_cache_bytes` of 0 or more is taken as it is; -1 (AUTO) asks for the rule.
 
-The machine's memory is what this process may use: the physical memory, or a cgroup's limit (a
-container's, or a service's) where that is lower.
+The machine's memory is what this process may use (machine_memory.py).
 """
 
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
+from omni_local.engine.machine_memory import machine_memory_bytes
 from omni_local.engine.memory_plan import GiB, least_conversation_kv_bytes, size
 from omni_local.model.host_experts import held_in_host_memory
 from omni_local.model.loader import LoadedModel
@@ -74,48 +72,3 @@ def plan_host_memory(settings: Settings, machine: int | None, weights: int, leas
     else:
         tier = min(HOST_TIER_MOST, max(0, share - (device_kv or 0)))
     return HostPlan(machine, weights, device_kv, tier)
-
-
-def machine_memory_bytes(proc_cgroup: Path = Path("/proc/self/cgroup"),
-                         cgroups: Path = Path("/sys/fs/cgroup")) -> int | None:
-    """The memory this process may use: the physical memory, or its cgroups' lowest limit where
-    lower; None where neither can be read (no sysconf, as on Windows)."""
-    known = [count for count in (_physical_bytes(), *_cgroup_limits(proc_cgroup, cgroups)) if count]
-    return min(known, default=None)
-
-
-def _physical_bytes() -> int | None:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None
-
-
-def _cgroup_limits(proc_cgroup: Path, cgroups: Path) -> list[int]:
-    """The memory limits of the process's cgroup and of those above it (an inner one may set none
-    while its parent does): cgroup v2's memory.max, v1's memory controller's memory.limit_in_bytes."""
-    try:
-        lines = proc_cgroup.read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return []
-    limits = []
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":
-            root, name = cgroups, "memory.max"
-        elif "memory" in controllers.split(","):
-            root, name = cgroups / "memory", "memory.limit_in_bytes"
-        else:
-            continue
-        parts = Path(path).parts[1:]  # below the root, "/" first
-        limits += [limit for i in range(len(parts) + 1) if (limit := _limit(root.joinpath(*parts[:i]) / name))]
-    return limits
-
-
-def _limit(file: Path) -> int | None:
-    """A limit file's bytes; None for none ('max') or no file. (v1 writes a huge number for none.)"""
-    try:
-        text = file.read_text(encoding="utf-8").strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None

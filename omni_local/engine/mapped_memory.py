@@ -3,15 +3,16 @@
 Under unified virtual addressing (every 64-bit process on Linux) host memory registered with
 `cudaHostRegister` is mapped into the GPU's address space, at its host address where the GPU can use
 the host pointer for registered memory (CUDA's cudaDevAttrCanUseHostPointerForRegisteredMem, which
-x86-64 Linux sets; tests/test_host_experts.py checks it on the GPU it runs on). A kernel handed that address reads the bytes over the bus as they are,
-with no copy and no wait on the host, inside a CUDA graph too. `mapped_empty` hands torch (and so
-Triton and the MoE kernels) such memory as a CUDA tensor, through the `__cuda_array_interface__`
-protocol: torch wraps the pointer without copying, and keeps the host buffer alive while any view
-of it is.
+x86-64 Linux sets; tests/test_host_experts.py checks it on the GPU it runs on). A kernel handed that
+address reads the bytes over the bus as they are, with no copy and no wait on the host, inside a
+CUDA graph too. `mapped_empty` hands torch (and so Triton and the MoE kernels) such memory as a
+CUDA tensor, through the `__cuda_array_interface__` protocol: torch wraps the pointer without
+copying, and keeps the host buffer alive while any view of it is.
 
 Registered, not allocated by torch's pinned allocator (`pin_memory()`, cudaHostAlloc), which would
 round each buffer up to a power of two of bytes and keep it (an int4 layer's gate_up values, 192
-MiB at full size, would pin 256). None of it is the caching allocator's: `torch.cuda.memory_allocated` does not count it.
+MiB at full size, would pin 256). None of it is the caching allocator's: `torch.cuda.memory_allocated`
+does not count it.
 """
 
 import math

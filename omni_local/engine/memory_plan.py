@@ -18,15 +18,15 @@ encoder's activations on the largest image or video are not in the measurement).
 and the floors (the engine's, the encoder outputs' and one conversation of `max_context_tokens`) do
 not fit, the routed experts of the Thinker's last layers go to host memory (model/host_experts.py;
 `experts_on_gpu` = -1): the fewest layers that make the floors fit. Decode then reads each token's
-routed experts of those layers over the bus, which the plan's line counts. Where even that does not
-fit (or `experts_on_gpu` = N keeps too many on the GPU), start-up stops before loading, with one line
-saying what would fit. On the CPU there is no plan unless `gpu_memory_bytes` is set.
+routed experts of those layers over the bus, which the plan's line counts; page-locked, they may take
+at most half the machine's memory (expert_placement.py). Where even that does not fit (or
+`experts_on_gpu` = N keeps too many on the GPU), start-up stops before loading, with one line saying
+what would fit. On the CPU there is no plan unless `gpu_memory_bytes` is set.
 """
 
 import json
 import logging
 import os
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,8 +38,10 @@ from omni_local.engine.kv_fp8 import fp8_kv
 from omni_local.engine.kv_store import KVShape
 from omni_local.engine.thinker import kv_shape, least_kv_bytes
 from omni_local.errors import SettingsError
-from omni_local.model.host_experts import AUTO, host_layers, thinker_experts
-from omni_local.model.quantized import QuantizedExperts, layer_formats, stored_bytes, weights_bytes
+from omni_local.engine.expert_placement import (BUS_BYTES_PER_S, HOST_SHARE, Placement, bus_bytes_per_token,
+                                                host_experts_most, place_experts)
+from omni_local.model.host_experts import AUTO
+from omni_local.model.quantized import weights_bytes
 from omni_local.model.quantized.linear import has_fp8_units
 from omni_local.settings import Settings
 
@@ -58,9 +60,6 @@ LEAST_ENCODER_CACHE_BYTES = 128 << 20
 # The KV the plan gives before the encoder outputs grow past their floor: four chats of 4,096 tokens.
 KV_TARGET_TOKENS = 16_384
 CHAT_TOKENS = 4096  # the chat the plan's line counts the KV in
-# What the line prices the bus at for experts read from host memory: PCIe 4.0 x16, about 25 GB/s of
-# the 32 it is rated for.
-BUS_BYTES_PER_S = 25e9
 
 
 @dataclass(frozen=True)
@@ -114,59 +113,19 @@ def plan_memory(model: torch.nn.Module, settings: Settings, device: torch.device
     kv = _kv_shape(model, settings)
     dtype = next(model.parameters()).dtype
     least_kv = least_kv_bytes(kv, dtype)
-    layers = layer_experts_bytes(model, settings.weights)
     floors = engine + least_encoder + least_kv
-    whole = weights_bytes(model, settings.weights, settings.speech)
-    on_gpu = experts_on_gpu(settings.experts_on_gpu, layers, whole + floors - available)
-    host = host_layers(len(layers), on_gpu)
-    weights = whole - sum(layers[i] for i in host)
-    room = available - weights - engine
-    if room < least_encoder + least_kv:
-        raise SettingsError(_refusal(model, settings, device, available, floors, weights, least_encoder, layers))
+    host_most = host_experts_most()
+    placed = place_experts(model, settings.weights, settings.speech, settings.experts_on_gpu, available - floors)
+    if not placed.fits(available - floors, host_most):
+        raise SettingsError(_refusal(model, settings, device, available, floors, least_encoder, placed, host_most))
+    room = available - placed.device_weights - engine
     target_kv = min(settings.gpu_cache_bytes, (kv.blocks_for(KV_TARGET_TOKENS) + 1) * kv.block_bytes(dtype))
     encoder_outputs = min(encoder_cap, max(least_encoder, room - target_kv))
     kv_bytes = min(settings.gpu_cache_bytes, room - encoder_outputs)
     kv_tokens = (kv_bytes // kv.block_bytes(dtype) - 1) * kv.block_tokens  # less the pad block
-    return MemoryPlan(available, weights, engine, encoder_outputs, encoder_cap, kv_bytes, kv_tokens, key, on_gpu,
-                      len(layers), whole - weights, bus_bytes_per_token(model, settings.weights, host))
-
-
-def experts_on_gpu(setting: int, layers: list[int], short: int) -> int:
-    """How many of the first Thinker layers keep their experts on the GPU: `setting` (AUTO: all, unless
-    the GPU is `short` of bytes; then the most that leave the experts of at least `short` bytes, of
-    the last layers, to host memory; none where no number does). `layers`: each layer's experts' bytes."""
-    if setting != AUTO:
-        return min(setting, len(layers))
-    for on_gpu in range(len(layers), -1, -1):
-        if sum(layers[on_gpu:]) >= short:
-            return on_gpu
-    return 0
-
-
-def layer_experts_bytes(model: torch.nn.Module, weights: str) -> list[int]:
-    """The bytes each Thinker layer's experts take with `weights` (0 for a dense layer), for `model`
-    loaded or still empty (its full-precision experts on the meta device, or a checkpoint's quantized
-    ones not filled yet)."""
-    dtype = next(model.parameters()).dtype
-    return [_experts_bytes(experts, weights, dtype) for experts in thinker_experts(model)]
-
-
-def bus_bytes_per_token(model: torch.nn.Module, weights: str, layers: Iterable[int]) -> int:
-    """The expert bytes a decoded token reads from host memory: its top-k routed experts in each of
-    Thinker `layers` (each expert of a layer weighs the same)."""
-    config = model.thinker.model.language_model.config
-    each = layer_experts_bytes(model, weights)
-    return sum(each[i] // config.num_experts * config.num_experts_per_tok for i in layers)
-
-
-def _experts_bytes(experts: torch.nn.Module | None, weights: str, dtype: torch.dtype) -> int:
-    if experts is None:
-        return 0
-    if isinstance(experts, QuantizedExperts):  # a checkpoint's, or ours once loaded
-        return experts.planned_bytes(dtype)
-    if weights == "bf16":
-        return (experts.gate_up_proj.numel() + experts.down_proj.numel()) * dtype.itemsize
-    return stored_bytes(experts, layer_formats(weights)[1], dtype)
+    return MemoryPlan(available, placed.device_weights, engine, encoder_outputs, encoder_cap, kv_bytes, kv_tokens,
+                      key, placed.experts_on_gpu, placed.layers, placed.host_experts,
+                      bus_bytes_per_token(model, settings.weights, placed.host_layers))
 
 
 def least_conversation_kv_bytes(model: torch.nn.Module, settings: Settings, dtype: torch.dtype) -> int:
@@ -225,43 +184,35 @@ def remember_engine_bytes(plan: MemoryPlan, settings: Settings, device: torch.de
 
 
 def _refusal(model: torch.nn.Module, settings: Settings, device: torch.device, available: int, rest: int,
-             weights: int, least_encoder: int, layers: list[int]) -> str:
-    """One line: what the settings need at the least (`weights`: on the device, with the experts
-    `experts_on_gpu` lets go to host memory there), what is free, and the changes that would fit (the
-    fewest; first the encoder cache off, which keeps the format and speech, then fewer experts on the
-    GPU, which keeps them too). A format fits if it does with those experts in host memory."""
+             least_encoder: int, placed: Placement, host_most: int | None) -> str:
+    """One line: what the settings need at the least (`placed`: the weights on the GPU, and the
+    experts `experts_on_gpu` lets go to host memory), what is short, the GPU's memory or the host's,
+    and the changes that would fit (the fewest; first the encoder cache off, which keeps the format
+    and speech, then fewer experts on the GPU, which keeps them too)."""
+    def fits(weights: str, speech: bool, setting: int = settings.experts_on_gpu, room: int = available - rest) -> bool:
+        return place_experts(model, weights, speech, setting, room).fits(room, host_most)
+
     formats = [f for f in ("bf16", "fp8", "int4") if f != "fp8" or _fp8_runs(device)]
     speech = [True, False] if settings.speech else [False]
-    fits = [(f, s) for s in speech for f in formats if _least_weights(model, settings, f, s) + rest <= available]
-    changes = [_change(settings, f, s) for f, s in fits]
-    on_gpu = _least_on_gpu(settings.experts_on_gpu, len(layers))
-    if on_gpu:  # experts_on_gpu = N: as many as fit instead
-        whole = weights + sum(layers[on_gpu:])
-        fitting = experts_on_gpu(AUTO, layers, whole + rest - available)
-        if whole - sum(layers[fitting:]) + rest <= available:
-            changes.insert(0, f"experts_on_gpu = {fitting}")
-    if least_encoder and weights + rest - least_encoder <= available:
+    changes = [_change(settings, f, s) for s in speech for f in formats if fits(f, s)]
+    if settings.experts_on_gpu != AUTO and fits(settings.weights, settings.speech, AUTO):
+        fitting = place_experts(model, settings.weights, settings.speech, AUTO, available - rest)
+        changes.insert(0, f"experts_on_gpu = {fitting.experts_on_gpu}")
+    if least_encoder and fits(settings.weights, settings.speech, room=available - rest + least_encoder):
         changes.insert(0, "encoder_cache = false")
     fewest = [c for c in changes if c.count(" and ") == min(c.count(" and ") for c in changes)] if changes else []
-    advice = (f": try {' or '.join(fewest)}" if fewest else
-              ": no weights format fits; lower max_context_tokens, or use a larger GPU")
-    host = len(host_layers(len(layers), on_gpu))
-    where = f" with the experts of {host} of {len(layers)} layers in host memory" if host else ""
-    return (f"the model needs {size(weights + rest)} of GPU memory (weights {size(weights)}{where}, the engine, "
-            f"{size(least_encoder)} of encoder outputs and one conversation's KV {size(rest)}), {size(available)} is "
-            f"free{advice}")
-
-
-def _least_on_gpu(setting: int, layer_count: int) -> int:
-    """The fewest layers whose experts `experts_on_gpu` keeps on the GPU: none for AUTO."""
-    return 0 if setting == AUTO else min(setting, layer_count)
-
-
-def _least_weights(model: torch.nn.Module, settings: Settings, weights: str, speech: bool) -> int:
-    """The device bytes of the weights in format `weights`, with as many experts in host memory as
-    `experts_on_gpu` allows."""
-    layers = layer_experts_bytes(model, weights)
-    return weights_bytes(model, weights, speech) - sum(layers[_least_on_gpu(settings.experts_on_gpu, len(layers)):])
+    if placed.device_weights + rest > available:
+        advice = (f": try {' or '.join(fewest)}" if fewest else
+                  ": no weights format fits; lower max_context_tokens, or use a larger GPU")
+        host = len(placed.host_layers)
+        where = f" with the experts of {host} of {placed.layers} layers in host memory" if host else ""
+        return (f"the model needs {size(placed.device_weights + rest)} of GPU memory (weights "
+                f"{size(placed.device_weights)}{where}, the engine, {size(least_encoder)} of encoder outputs and one "
+                f"conversation's KV {size(rest)}), {size(available)} is free{advice}")
+    advice = f": try {' or '.join(fewest)}" if fewest else ": no weights format fits; use a larger GPU, or more memory"
+    return (f"the model fits {size(available)} of GPU memory with the experts of {len(placed.host_layers)} of "
+            f"{placed.layers} layers in host memory, but they take {size(placed.host_experts)} of it, more than the "
+            f"{size(host_most)} page-locked weights may take (1/{HOST_SHARE} of this machine's memory){advice}")
 
 
 def _change(settings: Settings, weights: str, speech: bool) -> str:
