@@ -57,8 +57,8 @@ class Settings:
         "how many of the Thinker's first layers keep their routed experts on the GPU; the rest keep them in"
         " page-locked host memory, and each decoded token reads its routed experts of those layers over the bus"
         " (about 19 MB a layer in int4: a card of 16 GB runs, slower); -1: the GPU memory plan decides (all on the"
-        " GPU where they fit, else the fewest last layers in host memory that make it fit); on the CPU, nothing to"
-        " move",
+        " GPU where they fit, else the fewest last layers in host memory that make it fit, up to half the machine's"
+        " memory); on the CPU, nothing to move",
     )
     model_kind: Literal["auto", "instruct", "thinking", "captioner"] = setting(
         "model", "auto",
