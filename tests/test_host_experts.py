@@ -64,6 +64,19 @@ def test_experts_on_gpu_marks_the_layers_past_the_first_n_quantized_as_they_load
             assert all(is_device_allocation(t) for t in expert_tensors(model, 0))
 
 
+def test_a_checkpoint_quantized_before_loading_holds_the_experts_past_the_first_n_in_host_memory(
+    demo_settings, demo_checkpoint, tmp_path
+):
+    pytest.importorskip("compressed_tensors", reason="compressed-tensors writes the checkpoint")
+    from compressed_checkpoints import write_compressed
+
+    checkpoint = write_compressed(demo_checkpoint, tmp_path / "w4a16", "W4A16")
+    model = load_model(demo_settings.replace(model=str(checkpoint), experts_on_gpu=2)).model
+
+    assert [in_host_memory(e) for e in thinker_experts(model)] == [False, False, True, True]
+    assert layers_in_host_memory(model) == ([2, 3] if ON_GPU else [])
+
+
 @pytest.mark.parametrize("weights", formats())
 def test_the_app_with_experts_in_host_memory_answers_token_for_token_as_with_every_expert_on_the_gpu(
     demo_settings, demo_checkpoint, weights
