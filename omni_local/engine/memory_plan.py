@@ -1,6 +1,7 @@
 """How the GPU's memory is split at start-up, decided before any weight is read.
 
-- weights: their exact size in the chosen format (`weights_bytes`, from the empty model);
+- weights: their exact size in the chosen format (`weights_bytes`, from the empty model), less the
+  experts the plan puts in host memory;
 - engine: what the engine takes besides the Thinker's KV blocks and the encoder outputs: CUDA graphs
   and their pools, the activations of the largest graphed forward, the Talker's and its code
   predictor's KV. Measured at each start (its allocations' peak while it starts, less the Thinker's
@@ -65,17 +66,17 @@ CHAT_TOKENS = 4096  # the chat the plan's line counts the KV in
 @dataclass(frozen=True)
 class MemoryPlan:
     available: int
-    weights: int
+    weights: int  # on the GPU
     engine: int  # graphs, activations, the Talker's KV: measured, or FIRST_START_ENGINE_BYTES
     encoder_outputs: int  # up to encoder_cache_bytes
     encoder_cap: int  # encoder_cache_bytes (0 with the encoder cache off)
     kv: int  # the Thinker's KV blocks, up to gpu_cache_bytes
     kv_tokens: int  # the tokens those blocks hold
     key: str  # what the engine's measurement is remembered under
-    experts_on_gpu: int = 0  # the first Thinker layers whose experts stay on the GPU; the rest in host memory
-    layers: int = 0  # the Thinker's layers
-    host_experts: int = 0  # the bytes of the experts in host memory (not in `weights`)
-    bus_bytes_per_token: int = 0  # of them, what a decoded token reads: its routed experts
+    experts_on_gpu: int  # the first Thinker layers whose experts stay on the GPU; the rest in host memory
+    layers: int  # the Thinker's layers
+    host_experts: int  # the bytes of the experts in host memory (not in `weights`)
+    bus_bytes_per_token: int  # of them, what a decoded token reads: its routed experts
 
     def line(self) -> str:
         shrunk = f" (of {size(self.encoder_cap)}: shrunk to fit)" if self.encoder_outputs < self.encoder_cap else ""
@@ -187,32 +188,40 @@ def _refusal(model: torch.nn.Module, settings: Settings, device: torch.device, a
              least_encoder: int, placed: Placement, host_most: int | None) -> str:
     """One line: what the settings need at the least (`placed`: the weights on the GPU, and the
     experts `experts_on_gpu` lets go to host memory), what is short, the GPU's memory or the host's,
-    and the changes that would fit (the fewest; first the encoder cache off, which keeps the format
-    and speech, then fewer experts on the GPU, which keeps them too)."""
-    def fits(weights: str, speech: bool, setting: int = settings.experts_on_gpu, room: int = available - rest) -> bool:
-        return place_experts(model, weights, speech, setting, room).fits(room, host_most)
-
-    formats = [f for f in ("bf16", "fp8", "int4") if f != "fp8" or _fp8_runs(device)]
-    speech = [True, False] if settings.speech else [False]
-    changes = [_change(settings, f, s) for s in speech for f in formats if fits(f, s)]
-    if settings.experts_on_gpu != AUTO and fits(settings.weights, settings.speech, AUTO):
-        fitting = place_experts(model, settings.weights, settings.speech, AUTO, available - rest)
-        changes.insert(0, f"experts_on_gpu = {fitting.experts_on_gpu}")
-    if least_encoder and fits(settings.weights, settings.speech, room=available - rest + least_encoder):
-        changes.insert(0, "encoder_cache = false")
-    fewest = [c for c in changes if c.count(" and ") == min(c.count(" and ") for c in changes)] if changes else []
+    and the changes that would fit."""
+    changes = _changes(model, settings, device, available - rest, least_encoder, host_most)
     if placed.device_weights + rest > available:
-        advice = (f": try {' or '.join(fewest)}" if fewest else
+        advice = (f": try {' or '.join(changes)}" if changes else
                   ": no weights format fits; lower max_context_tokens, or use a larger GPU")
         host = len(placed.host_layers)
         where = f" with the experts of {host} of {placed.layers} layers in host memory" if host else ""
         return (f"the model needs {size(placed.device_weights + rest)} of GPU memory (weights "
                 f"{size(placed.device_weights)}{where}, the engine, {size(least_encoder)} of encoder outputs and one "
                 f"conversation's KV {size(rest)}), {size(available)} is free{advice}")
-    advice = f": try {' or '.join(fewest)}" if fewest else ": no weights format fits; use a larger GPU, or more memory"
+    advice = (f": try {' or '.join(changes)}" if changes else
+              ": no weights format fits; use a larger GPU, or more memory")
     return (f"the model fits {size(available)} of GPU memory with the experts of {len(placed.host_layers)} of "
             f"{placed.layers} layers in host memory, but they take {size(placed.host_experts)} of it, more than the "
             f"{size(host_most)} page-locked weights may take (1/{HOST_SHARE} of this machine's memory){advice}")
+
+
+def _changes(model: torch.nn.Module, settings: Settings, device: torch.device, room: int, least_encoder: int,
+             host_most: int | None) -> list[str]:
+    """The fewest changes of settings with which the weights fit `room` bytes of GPU memory and the
+    experts in host memory `host_most`: first the encoder cache off, which keeps the format and speech,
+    then fewer experts on the GPU, which keeps them too, then other formats, then speech off."""
+    def fits(weights: str, speech: bool, setting: int = settings.experts_on_gpu, room: int = room) -> bool:
+        return place_experts(model, weights, speech, setting, room).fits(room, host_most)
+
+    formats = [f for f in ("bf16", "fp8", "int4") if f != "fp8" or _fp8_runs(device)]
+    speech = [True, False] if settings.speech else [False]
+    changes = [_change(settings, f, s) for s in speech for f in formats if fits(f, s)]
+    if settings.experts_on_gpu != AUTO and fits(settings.weights, settings.speech, AUTO):
+        fitting = place_experts(model, settings.weights, settings.speech, AUTO, room)
+        changes.insert(0, f"experts_on_gpu = {fitting.experts_on_gpu}")
+    if least_encoder and fits(settings.weights, settings.speech, room=room + least_encoder):
+        changes.insert(0, "encoder_cache = false")
+    return [c for c in changes if c.count(" and ") == min(c.count(" and ") for c in changes)] if changes else []
 
 
 def _change(settings: Settings, weights: str, speech: bool) -> str:
