@@ -165,7 +165,7 @@ def test_compiled_layers_around_the_invariant_kernels_keep_a_rows_bits_whatever_
 
 
 def test_the_invariant_ops_pass_torch_librarys_checks_of_their_fakes_and_schemas():
-    import omni_local.engine.rms_norm  # noqa: F401 (registers the op)
+    import omni_local.kernels.rms_norm  # noqa: F401 (registers the op)
 
     rows = torch.randn((3, 40), generator=torch.Generator().manual_seed(4)).to(TEST_DEVICE)
     torch.library.opcheck(torch.ops.omni_local.rms_norm.default, (rows, torch.rand(40, device=TEST_DEVICE), 1e-6))
@@ -173,7 +173,7 @@ def test_the_invariant_ops_pass_torch_librarys_checks_of_their_fakes_and_schemas
 
 # The norm as the engine launches it at the Thinker's width and at a head's (q_norm, k_norm).
 COMPILE_RMS_NORM_FOR_SM90 = """
-from omni_local.engine.rms_norm import _rms_norm_kernel
+from omni_local.kernels.rms_norm import _rms_norm_kernel
 
 for width in (2048, 128):
     compiled(_rms_norm_kernel, dict(x_ptr="*bf16", weight_ptr="*bf16", out_ptr="*bf16", eps="fp32"),

@@ -7,10 +7,11 @@ CPU (torch.cuda's answers)."""
 import pytest
 import torch
 
-from omni_local.engine import kv_fp8, triton_support
+from omni_local.engine import kv_fp8
+from omni_local.kernels import triton_support
 from omni_local.engine.dense.gemv_tiles import DEFAULT, TUNED, gemv_tile
 from omni_local.engine.moe.tile_configs import SMALL_BATCH_DEFAULT, tile_config
-from omni_local.engine.triton_support import FORCE_ARCH_VARIABLE, KernelGpu, has_fp8_units, kernel_gpu
+from omni_local.kernels.triton_support import FORCE_ARCH_VARIABLE, KernelGpu, has_fp8_units, kernel_gpu
 from omni_local.errors import SettingsError
 from omni_local.model import loader
 from omni_local.settings import Settings

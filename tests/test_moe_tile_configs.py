@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from omni_local.engine.moe import tile_configs
-from omni_local.engine.triton_support import KernelGpu, building_for
+from omni_local.kernels.triton_support import KernelGpu, building_for
 from omni_local.engine.moe.tile_configs import (
     PREFILL_DEFAULT,
     SMALL_BATCH_DEFAULT,

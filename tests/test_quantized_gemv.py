@@ -147,7 +147,7 @@ def test_on_the_cpu_a_quantized_layer_keeps_the_librarys_matmuls():
 COMPILE_GEMV_FOR_SM90 = """
 from omni_local.engine.dense.gemv import _gemv_kernel
 from omni_local.engine.dense.gemv_tiles import DEFAULT, TUNED
-from omni_local.engine.weight_tiles import INT4_GROUPS, PLAIN, ROW_SCALED
+from omni_local.kernels.weight_tiles import INT4_GROUPS, PLAIN, ROW_SCALED
 
 aligned = ("x_ptr", "weight_ptr", "scales_ptr", "out_ptr", "partials_ptr", "out_features", "in_features",
            "split_depth", "x_row_stride", "weight_row_stride", "scale_row_stride", "out_row_stride",

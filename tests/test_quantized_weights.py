@@ -13,7 +13,7 @@ from moe_cases import ROUTES, experts, logits_choosing, router_over_logits, text
 from omni_local.model.quantized import (QuantizedEmbedding, QuantizedExperts, QuantizedLinear, Quantized, dequantize,
                                         quantize)
 from omni_local.model.quantized import linear as linear_module
-from omni_local.engine.weight_tiles import int4_nibbles
+from omni_local.kernels.weight_tiles import int4_nibbles
 from omni_local.model.quantized.formats import int4_values
 
 HIDDEN, INTERMEDIATE = 64, 32  # int4 groups of 64 and 32 inputs
@@ -205,7 +205,7 @@ COMPILE_GEMMS_FOR_SM90 = """
 from omni_local.engine.moe.kernels.down import _down_kernel
 from omni_local.engine.moe.kernels.gate_up import _gate_up_kernel
 from omni_local.engine.moe.kernels.pairs import _down_pairs_kernel, _gate_up_pairs_kernel
-from omni_local.engine.weight_tiles import INT4_GROUPS, PLAIN, ROW_SCALED
+from omni_local.kernels.weight_tiles import INT4_GROUPS, PLAIN, ROW_SCALED
 
 weights = {PLAIN.value: "*bf16", ROW_SCALED.value: "*fp8e4nv", INT4_GROUPS.value: "*u8"}
 for format, weight in weights.items():

@@ -87,7 +87,7 @@ class LayerRegions:
         self.moe = moe
         self.compiled = compiled
         if compiled:
-            import omni_local.engine.rms_norm  # noqa: F401 (registers omni_local::rms_norm; imports Triton)
+            import omni_local.kernels.rms_norm  # noqa: F401 (registers omni_local::rms_norm; imports Triton)
         self._regions: dict[type, tuple[Callable, Callable]] = {}  # by layer class: the Thinker's, the Talker's, ...
 
     def run(self, layer: torch.nn.Module, hidden: torch.Tensor, normed: torch.Tensor, mask: torch.Tensor | None,
@@ -120,7 +120,7 @@ class LayerRegions:
 
     def norm(self, norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """`hidden` through `norm`, a transformers RMSNorm outside the layers' regions (a stack's first
-        input norm, its final norm). Compiled, by our one-kernel RMSNorm (engine/rms_norm.py), where
+        input norm, its final norm). Compiled, by our one-kernel RMSNorm (kernels/rms_norm.py), where
         transformers' is six kernels eager; not a compiled region of its own, which dynamo would trace
         at start-up for every stack and batch shape."""
         if not self.compiled:

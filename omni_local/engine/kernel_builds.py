@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from omni_local.engine.triton_support import KernelGpu, building_for, has_fp8_units
+from omni_local.kernels.triton_support import KernelGpu, building_for, has_fp8_units
 
 ARCHITECTURES = (80, 86, 89, 90, 100, 120)
 # Shared memory a block may take (opt-in), in bytes, by architecture: NVIDIA's CUDA C++ Programming
@@ -210,7 +210,7 @@ def _attention_launches(stack: StackShape, fp8_kv: bool) -> None:
 
 def _rms_norm_launches(stack: StackShape) -> None:
     """The deterministic setting's RMSNorms: over hidden, and over head_dim (q_norm, k_norm)."""
-    from omni_local.engine.rms_norm import rms_norm
+    from omni_local.kernels.rms_norm import rms_norm
 
     for width in (stack.hidden, stack.head_dim):
         # The op's own function: the op itself takes meta tensors to its fake, which launches nothing.

@@ -18,7 +18,7 @@ same keys quantized, and a cached turn would differ from the same turn computed.
 
 import torch
 
-from omni_local.engine.triton_support import refuse_without_fp8
+from omni_local.kernels.triton_support import refuse_without_fp8
 from omni_local.model.quantized.formats import FP8, Quantized, dequantize, quantize
 
 SCALE_DTYPE = torch.float32  # formats.py's fp8 scales

@@ -18,7 +18,7 @@ from typing import TypeVar
 import torch
 
 from omni_local.engine.host_copies import to_device
-from omni_local.engine.triton_support import uses_triton
+from omni_local.kernels.triton_support import uses_triton
 from omni_local.protocol.params import SamplingParams
 
 _LOW32 = 0xFFFFFFFF

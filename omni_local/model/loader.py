@@ -25,7 +25,7 @@ import torch
 from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration, Qwen3OmniMoeProcessor
 from transformers.utils import is_flash_attn_2_available
 
-from omni_local.engine.triton_support import refuse_without_fp8
+from omni_local.kernels.triton_support import refuse_without_fp8
 from omni_local.errors import CheckpointError, SettingsError
 from omni_local.model.demo import ensure_demo_checkpoint
 from omni_local.model.host_experts import AUTO, keep_in_host_memory

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import torch
 
 from omni_local.engine.attention.reference import gathered_attention
-from omni_local.engine.triton_support import triton_refusal, uses_triton
+from omni_local.kernels.triton_support import triton_refusal, uses_triton
 from omni_local.errors import SettingsError
 
 __all__ = ["AttentionKernels", "PagedAttention", "QueryNormRope", "attention_kernels", "backend_kernel",

@@ -11,7 +11,7 @@ this forward's own rows, numbers unless the forward itself made NaN.)
 - A decode step (L = 1), the fast path: the KV walk is split among programs (flash-decoding), so
   B = 1 with a long context still fills the GPU; each program writes its partial (max, sum,
   unnormalised output) to a float32 scratch buffer, and the last of a tile's splits to finish
-  (engine/last_arrival.py) merges each query's splits in split order. A query's splits are
+  (kernels/last_arrival.py) merges each query's splits in split order. A query's splits are
   DECODE_SPLIT_ROWS rows each, or as many more (in whole BLOCK_N) as keep them to MAX_DECODE_SPLITS:
   chosen on the device from the query's own rows, never from the batch or the table's width, so its
   reduction order is the same however the batch looks. (On an H200, 64-row splits took a 256-row
@@ -39,8 +39,8 @@ import triton
 import triton.language as tl
 
 from omni_local.engine.attention import QueryNormRope
-from omni_local.engine.last_arrival import arrival_counters, last_to_arrive
-from omni_local.engine.triton_support import dot_precision
+from omni_local.kernels.last_arrival import arrival_counters, last_to_arrive
+from omni_local.kernels.triton_support import dot_precision
 
 DECODE_SPLIT_ROWS = 64  # the fewest KV rows a decode step's program walks (a multiple of BLOCK_N)
 MAX_DECODE_SPLITS = 16  # the most programs a decode step's query splits its rows among

@@ -3,7 +3,7 @@
 For a decode batch (M of 1 to 16) through the attention projections: the product is bound by reading
 W, so each program reads its BLOCK_N rows of W once, in their stored bytes (fp8 e4m3 or int8, one
 scale a row; or int4, two values a byte, one scale per group of inputs), each tile converted to the
-rows' dtype as it is loaded (engine/weight_tiles.py), and multiplies them by its BLOCK_M rows of x
+rows' dtype as it is loaded (kernels/weight_tiles.py), and multiplies them by its BLOCK_M rows of x
 with float32 sums. A row's scale is the same for every k, so it multiplies the finished sums; an
 int4 group's multiplies its tile's (BLOCK_K divides the group). The result is rounded once to x's
 dtype. A weight in x's own dtype has no scales (`invariant_matmul`, the deterministic setting's
@@ -12,7 +12,7 @@ product for any M: batch_invariant.py).
 Programs: (N tiles, M blocks, K splits). With one split (the default), a program walks all of K in
 BLOCK_K steps and writes out directly. With SPLIT_K splits, split s walks its own run of whole
 BLOCK_K steps and writes its float32 sums to partials [SPLIT_K, M, N]; the tile's last split to
-finish (engine/last_arrival.py) adds them in split order, then scales and rounds. A row's reduction
+finish (kernels/last_arrival.py) adds them in split order, then scales and rounds. A row's reduction
 order depends on K and the tile alone (gemv_tiles.py picks the tile from the weight's shape), not on
 M, the run, or which split came last.
 """
@@ -22,9 +22,9 @@ import triton
 import triton.language as tl
 
 from omni_local.engine.dense.gemv_tiles import GemvTile, gemv_tile
-from omni_local.engine.last_arrival import arrival_counters, last_to_arrive
-from omni_local.engine.triton_support import dot_precision
-from omni_local.engine.weight_tiles import (INT4_GROUPS, PLAIN, ROW_SCALED, even_odd_columns, group_scales,
+from omni_local.kernels.last_arrival import arrival_counters, last_to_arrive
+from omni_local.kernels.triton_support import dot_precision
+from omni_local.kernels.weight_tiles import (INT4_GROUPS, PLAIN, ROW_SCALED, even_odd_columns, group_scales,
                                             int4_tile_dot, row_scales, weight_tile)
 
 # int4's BLOCK_K is at most a group (one scale a tile) and at least 32 (two dots of half of it, and

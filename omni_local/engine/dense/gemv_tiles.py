@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from omni_local.engine.triton_support import kernel_gpu
+from omni_local.kernels.triton_support import kernel_gpu
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ import torch
 
 from omni_local.engine.moe.backend import MoeBackend
 from omni_local.engine.moe.torch_backend import TORCH
-from omni_local.engine.triton_support import uses_triton
+from omni_local.kernels.triton_support import uses_triton
 
 
 def moe_backend(setting: str, device: torch.device, batch_invariant: bool = False) -> MoeBackend:

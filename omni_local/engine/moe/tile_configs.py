@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from omni_local.engine.triton_support import kernel_gpu
+from omni_local.kernels.triton_support import kernel_gpu
 
 TILE_CONFIG_DIR = Path(__file__).resolve().parent / "tile_configs"
 # The token counts the tuning script times, most used first: decode batches (up to 16 tokens, the

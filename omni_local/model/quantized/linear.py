@@ -25,7 +25,7 @@ a compiled encoder's token count, which may be unbacked, meets no guard on its s
 import torch
 import torch.nn.functional as F
 
-from omni_local.engine.triton_support import has_fp8_units, triton_refusal
+from omni_local.kernels.triton_support import has_fp8_units, triton_refusal
 from omni_local.model.quantized.formats import (FP8, FP8_MAX, QuantFormat, Quantized, dequantize, quantize,
                                                 quantized_bytes)
 

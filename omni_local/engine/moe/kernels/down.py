@@ -5,7 +5,7 @@ rows times its expert's down projection, times each pair's routing weight, in fl
 the pair's own row of a [pairs, hidden] float32 output. Every pair has its own row, so no two
 programs write one place: the top-k sum is left to a fixed-order sum over k afterwards (see
 routed_experts.py), not to atomics whose order changes from run to run. The weight may be
-quantized (engine/weight_tiles.py), as in gate_up.py."""
+quantized (kernels/weight_tiles.py), as in gate_up.py."""
 
 import torch
 import triton
@@ -14,8 +14,8 @@ import triton.language as tl
 from omni_local.engine.moe.kernels.sorting import sorted_block
 from omni_local.engine.moe.kernels.expert_weights import KernelWeight
 from omni_local.engine.moe.tile_configs import GemmTile
-from omni_local.engine.triton_support import dot_precision
-from omni_local.engine.weight_tiles import (INT4_GROUPS, ROW_SCALED, even_odd_columns, group_scales, int4_tile_dot,
+from omni_local.kernels.triton_support import dot_precision
+from omni_local.kernels.weight_tiles import (INT4_GROUPS, ROW_SCALED, even_odd_columns, group_scales, int4_tile_dot,
                                            row_scales, weight_tile)
 
 

@@ -1,10 +1,10 @@
-"""An expert weight [E, N, K] as the GEMM kernels take it (its tiles read by engine/weight_tiles.py)."""
+"""An expert weight [E, N, K] as the GEMM kernels take it (its tiles read by kernels/weight_tiles.py)."""
 
 from dataclasses import dataclass
 
 import torch
 
-from omni_local.engine.weight_tiles import INT4_GROUPS, PLAIN, ROW_SCALED
+from omni_local.kernels.weight_tiles import INT4_GROUPS, PLAIN, ROW_SCALED
 
 
 @dataclass(frozen=True)

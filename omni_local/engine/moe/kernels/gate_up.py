@@ -3,7 +3,7 @@
 One program per (block of BLOCK_M sorted rows, BLOCK_N columns of the intermediate): the block's
 tokens times its expert's gate rows and up rows (two dots over the same loaded activations), then
 silu(gate) * up in float32, rounded once to the activations' dtype and written at each pair's row
-of the [pairs, intermediate] output. The weight may be quantized (engine/weight_tiles.py): its tiles are
+of the [pairs, intermediate] output. The weight may be quantized (kernels/weight_tiles.py): its tiles are
 dequantized as they are read, its scales applied to the float32 sums."""
 
 import torch
@@ -13,8 +13,8 @@ import triton.language as tl
 from omni_local.engine.moe.kernels.sorting import sorted_block
 from omni_local.engine.moe.kernels.expert_weights import KernelWeight
 from omni_local.engine.moe.tile_configs import GemmTile
-from omni_local.engine.triton_support import dot_precision
-from omni_local.engine.weight_tiles import (INT4_GROUPS, ROW_SCALED, even_odd_columns, group_scales, int4_tile_dot,
+from omni_local.kernels.triton_support import dot_precision
+from omni_local.kernels.weight_tiles import (INT4_GROUPS, ROW_SCALED, even_odd_columns, group_scales, int4_tile_dot,
                                            row_scales, weight_tile)
 
 
