@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_local.engine.dense.gemv_tiles import TUNED
+from omni_local.kernels.gemv_tiles import TUNED
 from omni_local.engine.kernel_builds import ARCHITECTURES, SHARED_MEMORY_PER_BLOCK, TUNED_GPUS
 from omni_local.engine.moe.tile_configs import TILE_CONFIG_DIR, config_file_name
 

@@ -1,4 +1,4 @@
-"""Our GEMV (engine/dense/gemv.py): a decode batch's few rows times an fp8 or int8 weight with one
+"""Our GEMV (kernels/gemv.py): a decode batch's few rows times an fp8 or int8 weight with one
 scale a row, or an int4 one with a scale per group, against the rows times the dequantized weight. In Triton's CPU interpreter here (float32
 and float16 rows: it multiplies bfloat16 wrongly), at shapes whose last tiles are ragged; compiled
 for an H200 in bfloat16; and on a GPU (OMNI_LOCAL_TEST_DEVICE=cuda) at the Thinker's projection
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import TEST_DEVICE
-from omni_local.engine.dense.gemv_tiles import GemvTile
+from omni_local.kernels.gemv_tiles import GemvTile
 from omni_local.model.quantized import QuantizedLinear, dequantize, quantize
 from omni_local.model.quantized.formats import Quantized
 
@@ -53,7 +53,7 @@ def small_tile(split_k: int = 1) -> GemvTile:
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("format", FORMATS)
 def test_the_gemv_multiplies_rows_by_the_dequantized_weight(format, dtype, rows):
-    from omni_local.engine.dense.gemv import gemv
+    from omni_local.kernels.gemv import gemv
 
     weight = stored(format, dtype)
     x = normal(rows, width(format), seed=rows).to(dtype)
@@ -69,7 +69,7 @@ def test_the_gemv_multiplies_rows_by_the_dequantized_weight(format, dtype, rows)
 @pytest.mark.parametrize("split_k", [2, 4])  # 4: K's three steps in splits of one step, the last split empty
 @pytest.mark.parametrize("format", FORMATS)
 def test_split_k_gives_the_rows_times_the_dequantized_weight_too(format, split_k, rows):
-    from omni_local.engine.dense.gemv import gemv
+    from omni_local.kernels.gemv import gemv
 
     weight = stored(format, torch.float32)
     x = normal(rows, width(format), seed=rows)
@@ -82,7 +82,7 @@ def test_split_k_gives_the_rows_times_the_dequantized_weight_too(format, split_k
 @interpreted
 @pytest.mark.parametrize("split_k", [1, 4])
 def test_every_output_is_written_over_whatever_its_buffers_held(split_k):
-    from omni_local.engine.dense.gemv import gemv_into
+    from omni_local.kernels.gemv import gemv_into
 
     weight = stored("int8", torch.float16)
     x = normal(17, IN_FEATURES, seed=5).half()  # a second block of rows with one real row
@@ -100,7 +100,7 @@ def test_a_rows_output_has_the_same_bits_alone_and_in_batches_of_any_size():
     # The tile comes from the weight's shape alone: each row's sums run in one order whatever the batch.
     # The interpreter's tl.dot adds each K step's whole product to the sums, so here this catches K
     # steps that change with the rows; on a GPU (below) a split or a BLOCK_M that does too.
-    from omni_local.engine.dense.gemv import quantized_gemv
+    from omni_local.kernels.gemv import quantized_gemv
 
     weight = stored("fp8", torch.float32, out_features=48, in_features=300)  # three K steps of the default tile
     batch = normal(20, 300, seed=6)
@@ -116,7 +116,7 @@ def test_a_rows_output_has_the_same_bits_alone_and_in_batches_of_any_size():
 def test_an_unscaled_weight_in_the_rows_dtype_gives_any_rows_its_product_with_the_same_bits_in_any_batch(split_k):
     # invariant_matmul, the deterministic setting's dense product: a prefill's rows and a decode
     # step's go through one kernel and one tile.
-    from omni_local.engine.dense.gemv import gemv
+    from omni_local.kernels.gemv import gemv
 
     weight = normal(OUT_FEATURES, IN_FEATURES, seed=8)
     batch = normal(37, IN_FEATURES, seed=9)  # three blocks of 16 rows, the last ragged
@@ -129,7 +129,7 @@ def test_an_unscaled_weight_in_the_rows_dtype_gives_any_rows_its_product_with_th
 
 @interpreted
 def test_the_ops_pass_torch_librarys_checks_of_their_fakes_and_schemas():
-    from omni_local.engine.dense.gemv import invariant_matmul, quantized_gemv
+    from omni_local.kernels.gemv import invariant_matmul, quantized_gemv
 
     weight = stored("int8", torch.float16)  # its schema check compares tensors, which float8 ones refuse
     rows = normal(2, IN_FEATURES, seed=7).half()
@@ -145,8 +145,8 @@ def test_on_the_cpu_a_quantized_layer_keeps_the_librarys_matmuls():
 
 
 COMPILE_GEMV_FOR_SM90 = """
-from omni_local.engine.dense.gemv import _gemv_kernel
-from omni_local.engine.dense.gemv_tiles import DEFAULT, TUNED
+from omni_local.kernels.gemv import _gemv_kernel
+from omni_local.kernels.gemv_tiles import DEFAULT, TUNED
 from omni_local.kernels.weight_tiles import INT4_GROUPS, PLAIN, ROW_SCALED
 
 aligned = ("x_ptr", "weight_ptr", "scales_ptr", "out_ptr", "partials_ptr", "out_features", "in_features",
@@ -205,7 +205,7 @@ THINKER_PROJECTIONS = [(2048, 4096), (2048, 512), (4096, 2048)]
 @pytest.mark.parametrize("rows", [1, 5, 16])
 @torch.inference_mode()
 def test_on_a_gpu_the_gemv_multiplies_bfloat16_rows_by_the_dequantized_weight(shape, format, rows):
-    from omni_local.engine.dense.gemv import quantized_gemv
+    from omni_local.kernels.gemv import quantized_gemv
 
     in_features, out_features = shape
     generator = torch.Generator("cuda").manual_seed(rows)
@@ -227,7 +227,7 @@ def test_on_a_gpu_the_gemv_multiplies_bfloat16_rows_by_the_dequantized_weight(sh
 @torch.inference_mode()
 def test_on_a_gpu_a_quantized_layer_takes_the_gemv_for_a_decode_batch_compiled_and_graphed(format):
     from omni_local.engine.cuda_graphs import capture_graph
-    from omni_local.engine.dense.gemv import quantized_gemv
+    from omni_local.kernels.gemv import quantized_gemv
     from omni_local.model.quantized.linear import GEMV_MAX_ROWS
 
     linear = torch.nn.Linear(2048, 512, bias=False, device="cuda", dtype=torch.bfloat16)  # the Thinker's k_proj
@@ -255,7 +255,7 @@ def test_on_a_gpu_a_quantized_layer_takes_the_gemv_for_a_decode_batch_compiled_a
 @pytest.mark.parametrize("format", FORMATS)
 @torch.inference_mode()
 def test_on_a_gpu_a_rows_output_has_the_same_bits_alone_and_in_a_decode_batch(format):
-    from omni_local.engine.dense.gemv import quantized_gemv
+    from omni_local.kernels.gemv import quantized_gemv
 
     generator = torch.Generator("cuda").manual_seed(8)
     weight = quantize(torch.randn((512, 2048), device="cuda", generator=generator), format)
@@ -276,7 +276,7 @@ def test_on_a_gpu_split_sums_added_by_the_last_split_to_finish_give_the_same_bit
     # Whichever split of a tile finishes last adds them all, in split order: a race in counting them (a
     # sum before every part is written, or a counter left uncleared for the next launch) would show.
     from omni_local.engine.cuda_graphs import capture_graph
-    from omni_local.engine.dense.gemv import gemv
+    from omni_local.kernels.gemv import gemv
 
     generator = torch.Generator("cuda").manual_seed(9)
     weight = torch.randn((2048, 4096), device="cuda", generator=generator)  # o_proj's shape

@@ -2,7 +2,7 @@
 
 - linear: F.linear with the weight in the rows' dtype (the bf16 model's);
 - fp8 scaled_mm: each row rounded to float8, then torch._scaled_mm (the fp8 layer's path for many rows);
-- fp8 gemv: our GEMV (engine/dense/gemv.py) over the fp8 weight;
+- fp8 gemv: our GEMV (kernels/gemv.py) over the fp8 weight;
 - int8 pack_mm: torch._weight_int8pack_mm (the int8 layer's path on the CPU; on a GPU, past the GEMV, it
   dequantizes and multiplies as `linear` does);
 - int8 gemv: our GEMV over the int8 weight.
@@ -56,7 +56,7 @@ def quantized(weight: torch.Tensor, format: str) -> Quantized:
 
 def calls(x: torch.Tensor, weight: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
     """Each way's call for rows `x` through `weight` [N, K] (the GEMV's checked on the way)."""
-    from omni_local.engine.dense.gemv import quantized_gemv  # imports triton
+    from omni_local.kernels.gemv import quantized_gemv  # imports triton
 
     fp8, int8 = quantized(weight, "fp8"), quantized(weight, "int8")
     for stored in (fp8, int8):
@@ -108,7 +108,7 @@ def print_table(shapes: dict[str, tuple[int, int]], row_counts: list[int], dtype
 
 def print_router_table(shapes: dict[str, tuple[int, int]], row_counts: list[int], dtype: torch.dtype, device: str,
                        runs: int) -> None:
-    from omni_local.engine.dense.gemv import invariant_matmul  # imports triton
+    from omni_local.kernels.gemv import invariant_matmul  # imports triton
 
     print("\n| router | rows | linear (µs) | gemv (µs) |")
     print("| --- | --- | --- | --- |")
@@ -124,8 +124,8 @@ def print_router_table(shapes: dict[str, tuple[int, int]], row_counts: list[int]
 def print_sweep(shapes: dict[str, tuple[int, int]], row_counts: list[int], dtype: torch.dtype, runs: int) -> None:
     """Each shape's GEMV tiles timed at every row count, both formats; the best by the sum of them all
     (one tile a shape: the reduction order may not change with the rows), against the default."""
-    from omni_local.engine.dense.gemv import gemv
-    from omni_local.engine.dense.gemv_tiles import DEFAULT
+    from omni_local.kernels.gemv import gemv
+    from omni_local.kernels.gemv_tiles import DEFAULT
 
     device_name = torch.cuda.get_device_name()
     print("| projection | default (µs) | best (µs) | block_n | block_k | split_k | stages | best per case (µs) |")

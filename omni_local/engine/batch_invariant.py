@@ -11,7 +11,7 @@ cached prefix rounds differently; on random weights, near-ties make greedy repli
 With it, the engine runs:
 - dense layers (every Linear of the Thinker's text stack and lm_head, and of the Talker's modules;
   the MoE routers): our GEMV's kernel for every row count, its tile fixed by the weight's shape
-  (`omni_local::invariant_matmul`, engine/dense/gemv.py); quantized layers its quantized form;
+  (`omni_local::invariant_matmul`, kernels/gemv.py); quantized layers its quantized form;
 - RMSNorms: one program a row (kernels/rms_norm.py);
 - attention: our paged kernel with one query tile for every length and a tail's rows split and
   merged as a decode step's (engine/attention/paged.py, `batch_invariant`), for prefills too;
@@ -56,7 +56,7 @@ def make_batch_invariant(model: torch.nn.Module, speech: bool) -> None:
     encoders and Code2Wav keep theirs: they compute one medium, or one reply's codes, the same way
     every time. q, k and v are fused first (fuse_qkv), so the fused projection is the one swapped.
     A model made so stays so (apps sharing it, as the bench's, all compute rows alone)."""
-    import omni_local.engine.dense.gemv  # registers omni_local::invariant_matmul (imports Triton)
+    import omni_local.kernels.gemv  # registers omni_local::invariant_matmul (imports Triton)
     import omni_local.kernels.rms_norm  # noqa: F401 (registers omni_local::rms_norm)
 
     thinker = model.thinker

@@ -34,7 +34,7 @@ ARCHITECTURES = (80, 86, 89, 90, 100, 120)
 # thread block": 163 KB on 8.0, 99 KB on 8.6, 8.9 and 12.0, 227 KB on 9.0 and 10.0).
 SHARED_MEMORY_PER_BLOCK = {80: 163 << 10, 86: 99 << 10, 89: 99 << 10, 90: 227 << 10, 100: 227 << 10,
                            120: 99 << 10}
-# GPUs with tuned tile tables (engine/dense/gemv_tiles.py, engine/moe/tile_configs/), built beside
+# GPUs with tuned tile tables (kernels/gemv_tiles.py, engine/moe/tile_configs/), built beside
 # their architecture's defaults.
 TUNED_GPUS = (KernelGpu("NVIDIA H200", (9, 0)),)
 WEIGHTS = ("bf16", "fp8", "int4")
@@ -138,7 +138,7 @@ def _stack_launches(into: list[Launch], stack: StackShape, weights: str) -> None
 def _gemv_launches(stack: StackShape, weights: str) -> None:
     """The attention projections (q, k and v fused; o), the router and the head, each as the
     `weights` setting stores it (bf16: the deterministic setting's invariant_matmul)."""
-    from omni_local.engine.dense.gemv import gemv
+    from omni_local.kernels.gemv import gemv
     from omni_local.model.quantized.formats import quantize
 
     projections = [((stack.heads + 2 * stack.kv_heads) * stack.head_dim, stack.hidden),

@@ -1,9 +1,13 @@
-"""Our Triton kernels and their tile tables, testable and timed alone (tests/, bench/): they import
-nothing of the engine, which chooses among them (engine/attention/, engine/moe/, engine/sampling.py,
-engine/batch_invariant.py) and the model's quantized layers, which call the GEMV.
+"""Our Triton kernels and their tile tables, tested and timed alone (tests/, bench/). They import
+nothing of the engine or the model: the engine chooses among them (engine/attention/, engine/moe/,
+engine/sampling.py, engine/batch_invariant.py), and the model's quantized layers call the GEMV.
 
 - triton_support.py: where the kernels can run, the GPU their tiles are chosen for, FP8 units.
 - last_arrival.py: a split reduction added by its last program to finish, in one launch.
 - weight_tiles.py: how every GEMM kernel reads a weight tile, in each storage format.
 - rms_norm.py: an RMSNorm in one kernel, a row a program.
+- gemv.py: a few rows times a weight, quantized (fp8, int8, int4) or not, the weight read once in its
+  stored bytes: the quantized attention projections and the routers at decode batch sizes, and any
+  weight at any row count in one order (the deterministic setting); gemv_tiles.py: its tile, per
+  weight shape.
 """

@@ -71,7 +71,7 @@ class KernelGpu:
     capability: tuple[int, int]
 
 
-# The GPU kernel_builds.py builds the engine's kernels for, its tensors on the meta device.
+# The GPU engine/kernel_builds.py builds the engine's kernels for, its tensors on the meta device.
 building_for: ContextVar[KernelGpu | None] = ContextVar("building_for", default=None)
 
 

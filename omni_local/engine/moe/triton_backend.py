@@ -6,7 +6,7 @@ default on CUDA."""
 import torch
 import torch.nn.functional as F
 
-from omni_local.engine.dense.gemv import invariant_matmul
+from omni_local.kernels.gemv import invariant_matmul
 from omni_local.engine.moe.backend import MoeBackend
 from omni_local.engine.moe.block import experts_use_silu, renormalizes
 from omni_local.engine.moe.kernels.expert_weights import kernel_weight

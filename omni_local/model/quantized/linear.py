@@ -2,7 +2,7 @@
 
 How it multiplies, by format and device:
 - a decode batch's few rows (up to GEMV_MAX_ROWS) on a GPU that runs our Triton kernels (and for
-  `fp8`, has FP8 units): our GEMV (engine/dense/gemv.py), which reads the weight once in its stored
+  `fp8`, has FP8 units): our GEMV (kernels/gemv.py), which reads the weight once in its stored
   bytes (int4's two values a byte too), converts each tile to the rows' dtype as it loads it, and
   scales the float32 sums; the rows stay as they are (no float8 rounding of the activations);
 - `fp8` on a GPU with FP8 matrix units (compute capability 8.9 or newer), more rows: each input row
@@ -138,7 +138,7 @@ class QuantizedLinear(torch.nn.Module):
     def make_batch_invariant(self) -> None:
         """Multiply every row count by one kernel (the deterministic setting): our GEMV, reading the
         weight in place, or for int4 in groups it does not read, its kernel on the weight dequantized."""
-        from omni_local.engine.dense.gemv import reads_int4_groups  # registers the ops; imports Triton
+        from omni_local.kernels.gemv import reads_int4_groups  # registers the ops; imports Triton
 
         self.batch_invariant = True
         self.invariant_dequantizes = self.format == "int4" and not reads_int4_groups(self.weight.group)
@@ -157,7 +157,7 @@ def runs_gemv(device: torch.device, format: QuantFormat, group: int = 0) -> bool
     if format == "fp8" and not has_fp8_units(device):
         return False
     # Imported here: it imports Triton, which torch's CPU wheels lack.
-    from omni_local.engine.dense.gemv import reads_int4_groups  # registers omni_local::quantized_gemv
+    from omni_local.kernels.gemv import reads_int4_groups  # registers omni_local::quantized_gemv
 
     return format != "int4" or reads_int4_groups(group)
 
