@@ -75,7 +75,7 @@ from omni_local.engine.prefill_chunks import chunk_end
 from omni_local.engine.prefix_cache import PrefixCache
 from omni_local.engine.prompt.context_window import fit_prompt
 from omni_local.engine.reasoning import ReasoningText, prompt_opens_reasoning
-from omni_local.engine.request import Failed, Request
+from omni_local.engine.request import Failed, Request, State
 from omni_local.engine.sampling import SeatSampler
 from omni_local.engine.seats import Seats
 from omni_local.engine.speech import Speaker
@@ -323,9 +323,7 @@ class Engine:
                 return
             self._waiting.popleft()
             request.seat = self.seats.take()
-            request.prefilled = request.claim.start
-            request.reused = (request.claim.reused_gpu, request.claim.reused_host)
-            request.started_at = time.perf_counter()
+            request.admit()
             self._running.append(request)
 
     def _rows_for(self, request: Request) -> int:
@@ -341,7 +339,7 @@ class Engine:
 
     def _parked(self) -> list[Request]:
         """The preempted requests, oldest first."""
-        return [r for r in self._running if r.parked and not r.ended]
+        return [r for r in self._running if r.state is State.PARKED]
 
     def _run_turn(self) -> None:
         """Prefills (the oldest waiting prompt's next part, and the short prompts after it that fit in
@@ -350,23 +348,23 @@ class Engine:
         for request in [r for r in self._running if r.cancelled.is_set()]:
             self._finish(request, "cancelled")
         # A request whose rows are still coming back from host memory sits this turn out.
-        active = [r for r in self._running if not r.ended and not r.text_done and r.claim.ready]
-        decoding = [r for r in active if not r.prefilling and not r.parked]
-        waiting = [r for r in active if r.prefilling]
+        ready = [r for r in self._running if r.state in (State.PREFILLING, State.DECODING) and r.claim.ready]
+        decoding = [r for r in ready if r.state is State.DECODING]
+        waiting = [r for r in ready if r.state is State.PREFILLING]
         if waiting:
             # Those a long prefill would hold up: the replies decoding and the ones still speaking. (A
             # prompt waiting for its own prefill comes after this one's, in chunks or not.)
-            speaking = any(not r.ended and r.spoken is not None and not r.spoken.done for r in self._running)
+            speaking = any(r.speaking for r in self._running)
             self._prefills(waiting, bool(decoding) or speaking or self.settings.chunk_every_prefill)
         decoding = self._room_to_decode(decoding)
         previous, self._in_flight = self._in_flight, self._launch(decoding)
         if previous is not None:
             self._collect(previous)
         self._read_first_tokens()
-        for request in [r for r in self._running if not r.ended and r.spoken is not None and not r.spoken.done]:
+        for request in [r for r in self._running if r.speaking]:
             self._guarded([request], lambda: self._speak(request))
         for request in self._running:
-            if not request.ended and request.text_done and (request.spoken is None or request.spoken.done):
+            if request.state is State.TEXT_DONE and not request.speaking:
                 self._finish(request, request.stop_reason)
         self._running = [r for r in self._running if not r.ended]
 
@@ -378,15 +376,15 @@ class Engine:
         parked ones come back, oldest first, while blocks are left (so none is parked again at once)."""
         for request in [r for r in decoding if r.launched < r.max_new_tokens]:  # in order of admission
             rows = self._next_rows(request)
-            while not self._ended_or_parked(request) and not self.cache.grow(request.claim, rows):
+            while request.state is State.DECODING and not self.cache.grow(request.claim, rows):
                 self._drain()  # a request is preempted with no step in flight: its rows are all known
-                if not self._ended_or_parked(request):
+                if request.state is State.DECODING:
                     self._park(max((r for r in decoding if self._preemptible(r)), key=lambda r: r.started_at))
-        decoding = [r for r in decoding if not self._ended_or_parked(r)]
+        decoding = [r for r in decoding if r.state is State.DECODING]
         for request in self._parked():
             if not self.cache.resume(request.claim, self._next_rows(request)):
                 break
-            request.parked = False
+            request.move(State.DECODING)
             if request.claim.ready:
                 decoding.append(request)
         return decoding
@@ -399,11 +397,7 @@ class Engine:
         return rows if rows <= held else min(rows + REPLY_ROWS_AHEAD, self._rows_for(request))
 
     def _preemptible(self, request: Request) -> bool:
-        return not self._ended_or_parked(request) and request.speech is None
-
-    @staticmethod
-    def _ended_or_parked(request: Request) -> bool:
-        return request.ended or request.text_done or request.parked
+        return request.state is State.DECODING and request.speech is None
 
     def _drain(self) -> None:
         """Read the decode step in flight now, not in the next turn."""
@@ -417,7 +411,7 @@ class Engine:
         it its sampler's state (its last token, its random stream), and resumes where it stopped."""
         self.cache.publish(request.claim, request.prompt, request.output_ids, request.written)
         self.cache.park(request.claim, request.written)
-        request.parked = True
+        request.move(State.PARKED)
         log.info("KV full: a reply of %d tokens waits in host memory for blocks to free", request.written)
 
     def _guarded(self, requests: list[Request], work: Callable[[], T]) -> T | None:
@@ -478,7 +472,7 @@ class Engine:
         with phase(PREFILL):
             logits = self.runner.prefill(request.table, request.prepared.rows(request.prefilled, end))
         request.advance_prefill(end)
-        if not request.prefilling:
+        if request.state is State.DECODING:
             with phase(CHOOSE_FIRST):
                 self._choose_first_token(request, logits)
 
@@ -572,7 +566,7 @@ class Engine:
         with phase(COLLECT):
             (tokens, finite), logprobs = self._guarded(step.requests, step.chosen.read) or (([], []), {})
         for row, (request, token, numbers) in enumerate(zip(step.requests, tokens, finite)):
-            if request.ended or request.text_done:
+            if request.text_done:
                 continue
             if not numbers:
                 self._fail_poisoned(request)
@@ -626,7 +620,8 @@ class Engine:
     def _end_text(self, request: Request, reason: StopReason) -> None:
         """The Thinker is done with `request`: the rest of its text goes out, its seat is given back
         and so are its blocks (its KV kept for the session's next turn); speech may go on."""
-        request.text_done, request.text_done_at, request.stop_reason = True, time.perf_counter(), reason
+        request.move(State.TEXT_DONE)
+        request.text_done_at, request.stop_reason = time.perf_counter(), reason
         if request.reasoning is not None and request.reasoning.inside:  # it stopped while reasoning
             self._stream_reasoning(request, request.reasoning.rest())
         if request.detokenizer is not None:  # what it held back (an unfinished character) goes out now
@@ -662,7 +657,7 @@ class Engine:
         reasoning = request.reasoning.streamed if request.reasoning is not None else ""
         request.events.put(Finished(request.streamed, reply_ids, reason, counts, request.timings(), request.seed,
                                     context, speech, request.media, reasoning))
-        request.ended = True
+        request.move(State.DONE)
 
     def _fail_poisoned(self, request: Request) -> None:
         """`request`'s logits were not numbers: it fails alone. Its KV would make whatever attends
@@ -681,7 +676,7 @@ class Engine:
             self._end_text(request, "cancelled")
         self._end_speech(request)
         request.events.put(Failed(message))
-        request.ended = True
+        request.move(State.DONE)
 
     def _end_speech(self, request: Request) -> None:
         if request.spoken is not None:

@@ -5,6 +5,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from enum import Enum, auto
 
 from omni_local.access import LOCAL_USER
 from omni_local.engine.detokenizer import IncrementalDetokenizer
@@ -37,6 +38,29 @@ class Failed:
 
 
 Event = TextDelta | ReasoningDelta | AudioChunk | Finished | Failed
+
+
+class State(Enum):
+    """Where a request is in the engine. Speech is no state of its own: a spoken reply speaks from
+    its first token on, while it decodes and after its text is done."""
+
+    WAITING = auto()  # in line for a seat and blocks, its prompt built (or why it could not be)
+    PREFILLING = auto()  # admitted: part of its prompt is not in its blocks yet
+    DECODING = auto()  # its prompt computed: a token a turn, the first chosen after its prompt's last part
+    PARKED = auto()  # preempted: its KV in host memory, its seat kept, until blocks free
+    TEXT_DONE = auto()  # the Thinker is done: its seat and blocks given back; its speech may go on
+    DONE = auto()  # Finished or Failed was sent: the engine is done with it
+
+
+# Where each state may go. The text may end from any state before TEXT_DONE: a cancel, a failure.
+MOVES: dict[State, frozenset[State]] = {
+    State.WAITING: frozenset({State.PREFILLING, State.TEXT_DONE}),
+    State.PREFILLING: frozenset({State.DECODING, State.TEXT_DONE}),
+    State.DECODING: frozenset({State.PARKED, State.TEXT_DONE}),
+    State.PARKED: frozenset({State.DECODING, State.TEXT_DONE}),
+    State.TEXT_DONE: frozenset({State.DONE}),
+    State.DONE: frozenset(),
+}
 
 
 @dataclass
@@ -76,27 +100,48 @@ class Request:
     reasoning: ReasoningText | None = None  # a Thinking checkpoint's reply
     started_at: float = 0.0  # admitted: a seat taken and its blocks claimed
     first_token_at: float = 0.0
-    text_done: bool = False  # the Thinker has finished; its seat and blocks are given back
     text_done_at: float = 0.0
     stop_reason: StopReason = "end_of_turn"
-    parked: bool = False  # preempted: its KV in host memory, its seat kept, until blocks free
     spoken: SpokenReply | None = None  # the speech, once the first token is known
-    ended: bool = False  # Finished or Failed was sent: the engine is done with it
+    state: State = State.WAITING  # changed by `move` alone
+
+    def move(self, to: State) -> None:
+        assert to in MOVES[self.state], f"a request cannot go from {self.state.name} to {to.name}"
+        self.state = to
+
+    @property
+    def text_done(self) -> bool:
+        """The Thinker has finished with it: its seat and blocks are given back."""
+        return self.state in (State.TEXT_DONE, State.DONE)
+
+    @property
+    def ended(self) -> bool:
+        return self.state is State.DONE
+
+    @property
+    def speaking(self) -> bool:
+        """Its speech has frames to come: a spoken reply that has begun and not ended."""
+        return self.spoken is not None and not self.spoken.done and not self.ended
 
     @property
     def table(self) -> BlockTable:
         return self.claim.entry.table
 
-    @property
-    def prefilling(self) -> bool:
-        """Part of its prompt is not in its blocks yet: its next engine turn computes that part, or a chunk of it."""
-        return self.prompt is not None and self.prefilled < self.prompt.num_tokens
+    def admit(self) -> None:
+        """A seat and blocks are its: its prompt's rows from the cached prefix on are its to compute."""
+        self.prefilled = self.claim.start
+        self.reused = (self.claim.reused_gpu, self.claim.reused_host)
+        self.started_at = time.perf_counter()
+        self.move(State.PREFILLING)
 
     def advance_prefill(self, end: int) -> None:
-        """Its prompt rows up to `end` are in its blocks now."""
+        """Its prompt rows up to `end` are in its blocks now; after the last, it decodes."""
+        assert self.state is State.PREFILLING, self.state
         assert self.claim.start <= self.prefilled < end <= self.prompt.num_tokens, (self.prefilled, end)
         self.prefilled = end
         self.computed = end - self.claim.start
+        if end == self.prompt.num_tokens:
+            self.move(State.DECODING)
 
     def counts(self, generated: int) -> TokenCounts:
         prompt = self.prompt.num_tokens if self.prompt else 0
