@@ -6,7 +6,7 @@ test_triton_settings.py; the graphed prefills' kernel on a prefix: test_graph_wr
 import torch
 
 from omni_local.api import OmniLocal
-from omni_local.engine.attention import paged_attention
+from omni_local.kernels.attention.paged import paged_attention
 from replies import send
 
 

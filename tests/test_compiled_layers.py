@@ -100,7 +100,7 @@ def test_compiled_layers_match_eager_and_one_graph_serves_every_prefill_length_a
 @pytest.mark.parametrize("name", ["thinker", "talker"])
 @torch.inference_mode()
 def test_compiled_layers_over_our_attention_kernel_leave_it_the_queries_norm_and_rotation(speaking_app, name):
-    from omni_local.engine.attention import paged_attention
+    from omni_local.kernels.attention.paged import paged_attention
 
     stack = stacks(speaking_app.backend.loaded.model)[name]
     config, weight = stack.config, stack.norm.weight

@@ -11,13 +11,14 @@ from chats import Chat, written
 from samples import picture
 from test_paged_attention import FLOAT32, SCALING, case_inputs, full_size, on_cpu, on_gpu, paged_call
 from omni_local.engine import kv_fp8, memory_plan
-from omni_local.kernels import triton_support
-from omni_local.engine.attention import gathered_attention, paged_attention
+from omni_local.engine.attention import gathered_attention
 from omni_local.engine.host_arena import HostArena
 from omni_local.engine.kv_fp8 import FP8, write_rows
 from omni_local.engine.kv_store import NO_PREFIX, GraphedKVWriter, KVShape, KVStore
-from omni_local.kernels.triton_support import FORCE_ARCH_VARIABLE
 from omni_local.errors import SettingsError
+from omni_local.kernels import triton_support
+from omni_local.kernels.attention.paged import paged_attention
+from omni_local.kernels.triton_support import FORCE_ARCH_VARIABLE
 from omni_local.model import load_model
 from omni_local.model.quantized.formats import dequantize, quantize
 

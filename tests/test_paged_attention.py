@@ -16,9 +16,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from compile_for_h200 import compile_for_h200
 from conftest import TEST_DEVICE
-from omni_local.engine.attention import QueryNormRope, gathered_attention, paged_attention
+from omni_local.engine.attention import gathered_attention
 from omni_local.engine.attention.reference import normed_and_rotated
-from omni_local.engine.attention.paged import DECODE_SPLIT_ROWS, MAX_DECODE_SPLITS, SPLIT_ROWS
+from omni_local.kernels.attention import QueryNormRope
+from omni_local.kernels.attention.paged import DECODE_SPLIT_ROWS, MAX_DECODE_SPLITS, SPLIT_ROWS, paged_attention
 
 on_cpu = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the interpreter tests run on the CPU run")
 on_gpu = pytest.mark.skipif(TEST_DEVICE != "cuda", reason="the GPU tests run with OMNI_LOCAL_TEST_DEVICE=cuda")
@@ -361,7 +362,7 @@ def test_pools_of_different_layouts_are_refused():
 # kernel; each also batch-invariant (a tail's splits in its program, no fused multiply-adds), and
 # each with the queries normed and rotated as it loads them.
 COMPILE_FOR_SM90 = """
-from omni_local.engine.attention.paged import _attention_kernel, query_tile
+from omni_local.kernels.attention.paged import _attention_kernel, query_tile
 
 for invariant in (False, True):
     for length, table, partial in ((1, "*i32", True), (8, "*i64", not invariant), (64, "*i64", False)):

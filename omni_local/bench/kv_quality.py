@@ -78,7 +78,7 @@ def attention_errors(device: torch.device, dtype: torch.dtype) -> list[dict]:
         row = {"context": context, "torch": _relative(gathered_attention(
             query, *fp8[0], tables, query_rows, HEAD_DIM ** -0.5, scales=tuple(fp8[1])), exact)}
         if device.type == "cuda":
-            from omni_local.engine.attention.paged import paged_attention  # imports triton
+            from omni_local.kernels.attention.paged import paged_attention  # imports triton
 
             row["kernel"] = _relative(paged_attention(query, *fp8[0], tables, query_rows, HEAD_DIM ** -0.5,
                                                       scales=tuple(fp8[1])), exact)

@@ -5,7 +5,7 @@
   index_select, then SDPA under a boolean mask;
 - gathered: `gathered_attention`, the blocks of a paged KV gathered, then the same SDPA;
 - paged: `paged_attention`, our Triton kernel reading the blocks in place, its KV walk split in runs
-  of DECODE_SPLIT_ROWS rows or more (engine/attention/paged.py); with --split-rows N ..., also the
+  of DECODE_SPLIT_ROWS rows or more (kernels/attention/paged.py); with --split-rows N ..., also the
   kernel with runs of N rows or more, a column each (a split is the rows one program walks: more
   programs for a short context, more partial results to merge for a long one).
 
@@ -29,10 +29,10 @@ import torch
 
 from omni_local.bench.common import median_wall_ms
 from omni_local.bench.cuda_timing import median_cuda_ms
-from omni_local.engine.attention import gathered_attention, paged_attention
-from omni_local.engine.attention.paged import BLOCK_N
+from omni_local.engine.attention import gathered_attention
 from omni_local.engine.attention.reference import grouped_sdpa
 from omni_local.engine.cuda_graphs import capture_graph
+from omni_local.kernels.attention.paged import BLOCK_N, paged_attention
 
 BATCHES = [1, 2, 4, 8, 16]
 CONTEXTS = [256, 1024, 4096]

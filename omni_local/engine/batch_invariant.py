@@ -14,7 +14,7 @@ With it, the engine runs:
   (`omni_local::invariant_matmul`, kernels/gemv.py); quantized layers its quantized form;
 - RMSNorms: one program a row (kernels/rms_norm.py);
 - attention: our paged kernel with one query tile for every length and a tail's rows split and
-  merged as a decode step's (engine/attention/paged.py, `batch_invariant`), for prefills too;
+  merged as a decode step's (kernels/attention/paged.py, `batch_invariant`), for prefills too;
 - MoE experts: our kernels with the decode batch's tile config for every token count, and the top-k
   rows added in k order (engine/moe/, `TritonMoe(batch_invariant=True)`).
 The rest is row by row already (embeddings, rotary embedding, residual adds, routing's softmax and

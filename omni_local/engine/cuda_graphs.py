@@ -148,7 +148,7 @@ class BatchGraphs:
         holding = [rows for rows in self.buckets if rows >= length]
         if kernel is None:
             return holding
-        from omni_local.engine.attention.paged import grid_follows_rows  # imports triton, as the kernel has
+        from omni_local.kernels.attention.paged import grid_follows_rows  # imports triton, as the kernel has
 
         return holding if grid_follows_rows(length) else holding[-1:]
 

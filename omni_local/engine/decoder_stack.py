@@ -22,7 +22,6 @@ from collections.abc import Callable, Hashable, Iterable
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from omni_local.engine.attention import QueryNormRope
 from omni_local.engine.fused_qkv import split_qkv
 from omni_local.engine.host_copies import to_device
 from omni_local.engine.kv_fp8 import write_rows
@@ -31,6 +30,7 @@ from omni_local.engine.moe import TORCH, MoeBackend, mlp_output
 from omni_local.engine.moe.block import is_sparse_moe
 from omni_local.engine.prompt.builder import Prompt
 from omni_local.engine.rope_positions import rope_positions
+from omni_local.kernels.attention import QueryNormRope
 
 
 def attention_inputs(layer: torch.nn.Module, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -2,8 +2,8 @@
 [num_blocks, kv_heads, block_size, head_dim], and per sequence a row of `block_tables` listing its
 blocks in order (token t of sequence b at pool[block_tables[b, t // block_size], :, t % block_size]).
 
-- `paged_attention` (paged.py): our Triton kernels, reading the blocks in place; CUDA-graph
-  capturable. It imports Triton, so it is imported only when asked for.
+- `paged_attention` (kernels/attention/paged.py): our Triton kernels, reading the blocks in place;
+  CUDA-graph capturable. It imports Triton, so it is imported only when asked for.
 - `gathered_attention` (reference.py): the blocks gathered into contiguous KV, then PyTorch's
   SDPA; the reference the kernel is tested and benchmarked against.
 
@@ -25,28 +25,17 @@ way: decoder_stack.py).
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
 from omni_local.engine.attention.reference import gathered_attention
+from omni_local.kernels.attention import QueryNormRope
 from omni_local.kernels.triton_support import triton_refusal, uses_triton
 from omni_local.errors import SettingsError
 
-__all__ = ["AttentionKernels", "PagedAttention", "QueryNormRope", "attention_kernels", "backend_kernel",
-           "gathered_attention", "paged_attention", "without_cudnn_attention"]
-
-
-@dataclass(frozen=True)
-class QueryNormRope:
-    """What a Qwen3-style layer does to its queries before attention: its q_norm, an RMSNorm over
-    head_dim (`weight` [head_dim], `eps`), then the rotary embedding (`cos`, `sin` [B or 1, L,
-    head_dim], as transformers' apply_rotary_pos_emb takes them)."""
-
-    weight: torch.Tensor
-    eps: float
-    cos: torch.Tensor
-    sin: torch.Tensor
+__all__ = ["AttentionKernels", "PagedAttention", "attention_kernels", "backend_kernel", "gathered_attention",
+           "without_cudnn_attention"]
 
 
 class PagedAttention(Protocol):
@@ -92,7 +81,7 @@ def attention_kernels(setting: str, device: torch.device, deterministic: bool = 
     refusal = triton_refusal(device)
     if refusal:
         raise SettingsError(f"setting 'deterministic' runs our Triton kernels, but {refusal}: set it to false")
-    from omni_local.engine.attention.paged import paged_attention  # imports triton
+    from omni_local.kernels.attention.paged import paged_attention  # imports triton
 
     kernel = partial(paged_attention, batch_invariant=True)
     return AttentionKernels(kernel, kernel, everywhere=True)
@@ -103,7 +92,7 @@ def backend_kernel(setting: str, device: torch.device) -> PagedAttention | None:
     CUDA GPU that runs it. 'triton' where Triton cannot run is a SettingsError saying why."""
     if not uses_triton("attention_backend", setting, device):
         return None
-    from omni_local.engine.attention.paged import paged_attention  # imports triton
+    from omni_local.kernels.attention.paged import paged_attention  # imports triton
 
     return paged_attention
 
@@ -117,10 +106,3 @@ def without_cudnn_attention() -> None:
     takes them instead."""
     torch.backends.cuda.enable_cudnn_sdp(False)
 
-
-def __getattr__(name: str) -> Any:
-    if name == "paged_attention":
-        from omni_local.engine.attention.paged import paged_attention  # imports triton
-
-        return paged_attention
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

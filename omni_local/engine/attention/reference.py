@@ -6,20 +6,16 @@ It reads a fixed number of blocks per sequence (`blocks`, default the table's wi
 sequences' lengths: a CUDA graph captured for a bucket of rows replays it unchanged.
 """
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 
 from omni_local.engine.kv_fp8 import read_rows
-
-if TYPE_CHECKING:
-    from omni_local.engine.attention import QueryNormRope
+from omni_local.kernels.attention import QueryNormRope
 
 
 def gathered_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
                        block_tables: torch.Tensor, query_rows: torch.Tensor, scaling: float,
-                       blocks: int | None = None, norm_rope: "QueryNormRope | None" = None,
+                       blocks: int | None = None, norm_rope: QueryNormRope | None = None,
                        scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention [B, L, heads, head_dim] of `query` [B, heads, L, head_dim] (first through
     `norm_rope`, where given) over the first `blocks` blocks of each sequence's `block_tables` row
@@ -41,7 +37,7 @@ def gathered_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: 
     return grouped_sdpa(query, keys, values, allowed, scaling)
 
 
-def normed_and_rotated(query: torch.Tensor, norm_rope: "QueryNormRope") -> torch.Tensor:
+def normed_and_rotated(query: torch.Tensor, norm_rope: QueryNormRope) -> torch.Tensor:
     """`query` [B, heads, L, head_dim] through a layer's q_norm and rotary embedding, as transformers'
     RMSNorm and apply_rotary_pos_emb compute them."""
     dtype = query.dtype
