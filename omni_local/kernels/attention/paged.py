@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from omni_local.engine.attention import QueryNormRope
+from omni_local.kernels.attention import QueryNormRope
 from omni_local.kernels.last_arrival import arrival_counters, last_to_arrive
 from omni_local.kernels.triton_support import dot_precision
 
