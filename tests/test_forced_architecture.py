@@ -10,7 +10,7 @@ import torch
 from omni_local.engine import kv_fp8
 from omni_local.kernels import triton_support
 from omni_local.kernels.gemv_tiles import DEFAULT, TUNED, gemv_tile
-from omni_local.engine.moe.tile_configs import SMALL_BATCH_DEFAULT, tile_config
+from omni_local.kernels.moe.tile_configs import SMALL_BATCH_DEFAULT, tile_config
 from omni_local.kernels.triton_support import FORCE_ARCH_VARIABLE, KernelGpu, has_fp8_units, kernel_gpu
 from omni_local.errors import SettingsError
 from omni_local.model import loader

@@ -19,7 +19,7 @@ import pytest
 
 from omni_local.kernels.gemv_tiles import TUNED
 from omni_local.engine.kernel_builds import ARCHITECTURES, SHARED_MEMORY_PER_BLOCK, TUNED_GPUS
-from omni_local.engine.moe.tile_configs import TILE_CONFIG_DIR, config_file_name
+from omni_local.kernels.moe.tile_configs import TILE_CONFIG_DIR, config_file_name
 
 ROOT = Path(__file__).resolve().parent.parent
 # Every kernel the package launches (`name[grid](...)`), read from its source.

@@ -7,8 +7,8 @@ import torch
 
 from omni_local.api import OmniLocal
 from omni_local.engine.moe import TORCH, mlp_output, moe_backend
-from omni_local.engine.moe.kernels import sorting
-from omni_local.engine.moe.kernels.expert_weights import kernel_weight
+from omni_local.kernels.moe import sorting
+from omni_local.kernels.moe.expert_weights import kernel_weight
 from replies import send
 
 # torch's own float32 tolerance: the kernels sum each expert's 768 or 2,048 products in another order
@@ -88,7 +88,8 @@ def test_greedy_replies_spoken_and_not_with_the_triton_backend_are_the_torch_bac
 @pytest.mark.parametrize("block", ["thinker", "talker, with its shared expert"])
 def test_the_triton_backends_warm_up_runs_every_plan_its_block_takes_up_to_the_longest_forward(
         speaking_app, block, monkeypatch):
-    from omni_local.engine.moe import routed_experts, triton_backend
+    from omni_local.engine.moe import triton_backend
+    from omni_local.kernels.moe import routed_experts
 
     mlp = moe_blocks(speaking_app.backend.loaded.model)[block]
     triton = moe_backend("triton", mlp.gate.weight.device)

@@ -13,9 +13,9 @@ if TEST_DEVICE != "cpu":
     pytest.skip("the interpreter tests run on the CPU run; the GPU run has tests/test_moe_on_gpu.py",
                 allow_module_level=True)
 
-from omni_local.engine.moe.kernels.route_and_sort import route_and_sort  # noqa: E402 (after the skip: imports triton)
-from omni_local.engine.moe.kernels.routing import route  # noqa: E402
-from omni_local.engine.moe.kernels.sorting import (  # noqa: E402
+from omni_local.kernels.moe.route_and_sort import route_and_sort  # noqa: E402 (after the skip: imports triton)
+from omni_local.kernels.moe.routing import route  # noqa: E402
+from omni_local.kernels.moe.sorting import (  # noqa: E402
     CHUNK_PAIRS,
     CHUNKED_FROM_PAIRS,
     sort_by_expert,
@@ -23,8 +23,8 @@ from omni_local.engine.moe.kernels.sorting import (  # noqa: E402
     sort_in_one_program,
     sorted_rows,
 )
-from omni_local.engine.moe.routed_experts import weighted_expert_rows  # noqa: E402
-from omni_local.engine.moe.tile_configs import GemmTile, TileConfig  # noqa: E402
+from omni_local.kernels.moe.routed_experts import weighted_expert_rows  # noqa: E402
+from omni_local.kernels.moe.tile_configs import GemmTile, TileConfig  # noqa: E402
 
 # Tiles of 16, the smallest tl.dot takes, over a hidden size and an intermediate size that are not
 # multiples of them: several tiles each way, with ragged edges.
@@ -121,10 +121,10 @@ def test_the_sort_cases_have_the_loads_they_say():
 
 # The routing and sort kernels at the Thinker's 128 experts, for a decode batch's BLOCK_M and a prefill's.
 COMPILE_SORT_FOR_SM90 = """
-from omni_local.engine.moe.kernels.sorting import (CHUNK, CHUNK_PAIRS, CHUNK_ROWS, _count_kernel, _offsets_kernel,
-                                                   _scatter_kernel, _sort_kernel)
-from omni_local.engine.moe.kernels.route_and_sort import _route_and_sort_kernel
-from omni_local.engine.moe.kernels.routing import TOKENS_PER_PROGRAM, _route_kernel
+from omni_local.kernels.moe.sorting import (CHUNK, CHUNK_PAIRS, CHUNK_ROWS, _count_kernel, _offsets_kernel,
+                                            _scatter_kernel, _sort_kernel)
+from omni_local.kernels.moe.route_and_sort import _route_and_sort_kernel
+from omni_local.kernels.moe.routing import TOKENS_PER_PROGRAM, _route_kernel
 
 for block_m in (16, 64):
     compiled(_sort_kernel, dict(experts_ptr="*i32", sorted_ptr="*i32"), dict(BLOCK_M=block_m, BLOCK_E=128, CHUNK=CHUNK),

@@ -51,7 +51,7 @@ def routed(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("tokens", [1, 4, 16, 128, 512])
 @torch.inference_mode()
 def test_the_kernels_at_full_size_in_bfloat16_match_transformers_experts(full_size, tokens):
-    from omni_local.engine.moe.routed_experts import weighted_expert_rows
+    from omni_local.kernels.moe.routed_experts import weighted_expert_rows
 
     _, module, exact = full_size
     hidden = torch.randn((tokens, HIDDEN), device="cuda", generator=torch.Generator("cuda").manual_seed(tokens))
@@ -69,7 +69,7 @@ def test_the_kernels_at_full_size_in_bfloat16_match_transformers_experts(full_si
 
 @torch.inference_mode()
 def test_the_kernels_replay_in_a_cuda_graph_with_the_eager_result(full_size):
-    from omni_local.engine.moe.routed_experts import weighted_expert_rows
+    from omni_local.kernels.moe.routed_experts import weighted_expert_rows
 
     _, module, _ = full_size
     tokens = 16
@@ -107,7 +107,7 @@ def test_graphed_decode_steps_and_prefills_with_the_triton_backend_give_the_torc
 @pytest.mark.parametrize("tokens", [1, 16, 512])
 @torch.inference_mode()
 def test_the_kernels_at_full_size_read_quantized_experts_as_their_dequantized_weights(full_size, format, tokens):
-    from omni_local.engine.moe.routed_experts import weighted_expert_rows
+    from omni_local.kernels.moe.routed_experts import weighted_expert_rows
     from omni_local.model.quantized import QuantizedExperts
 
     _, module, _ = full_size

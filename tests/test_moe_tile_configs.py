@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from omni_local.engine.moe import tile_configs
+from omni_local.kernels.moe import tile_configs
 from omni_local.kernels.triton_support import KernelGpu, building_for
-from omni_local.engine.moe.tile_configs import (
+from omni_local.kernels.moe.tile_configs import (
     PREFILL_DEFAULT,
     SMALL_BATCH_DEFAULT,
     TILE_CONFIG_DIR,

@@ -167,8 +167,8 @@ def test_our_expert_kernels_read_the_checkpoints_experts_as_their_dequantized_we
     scheme, demo_settings, compressed
 ):
     from omni_local.engine.moe.block import renormalizes
-    from omni_local.engine.moe.routed_experts import weighted_expert_rows
-    from omni_local.engine.moe.tile_configs import GemmTile, TileConfig
+    from omni_local.kernels.moe.routed_experts import weighted_expert_rows
+    from omni_local.kernels.moe.tile_configs import GemmTile, TileConfig
 
     model = load_model(demo_settings.replace(model=str(compressed[scheme]))).model
     mlp = model.thinker.model.language_model.layers[1].mlp

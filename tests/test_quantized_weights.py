@@ -145,8 +145,8 @@ def test_quantized_experts_run_transformers_loop_over_their_dequantized_weights(
 @pytest.mark.parametrize("format", FORMATS)
 @pytest.mark.parametrize("case", ROUTES)
 def test_the_expert_kernels_read_quantized_experts_as_their_dequantized_weights(case, format, dtype):
-    from omni_local.engine.moe.routed_experts import weighted_expert_rows
-    from omni_local.engine.moe.tile_configs import GemmTile, TileConfig
+    from omni_local.kernels.moe.routed_experts import weighted_expert_rows
+    from omni_local.kernels.moe.tile_configs import GemmTile, TileConfig
 
     config = text_config(num_experts=4, top_k=2, hidden=HIDDEN, intermediate=INTERMEDIATE)
     quantized = QuantizedExperts.replacing(experts(config, torch.float32), format)
@@ -176,8 +176,8 @@ PAIR_HIDDEN, PAIR_INTERMEDIATE = 512, 192
 @pytest.mark.parametrize("weights", ["int4", "fp8"])
 def test_a_decode_steps_quantized_experts_run_by_pair_as_their_dequantized_weights(weights, case, dtype, steps,
                                                                                    monkeypatch):
-    from omni_local.engine.moe import routed_experts as routed
-    from omni_local.engine.moe.kernels import pairs
+    from omni_local.kernels.moe import routed_experts as routed
+    from omni_local.kernels.moe import pairs
 
     monkeypatch.setitem(pairs.GATE_UP_TILES, weights, pairs.PairTile(16, steps[0], 4))
     monkeypatch.setitem(pairs.DOWN_TILES, weights, pairs.PairTile(32, steps[0], 4))
@@ -202,9 +202,9 @@ def test_a_decode_steps_quantized_experts_run_by_pair_as_their_dequantized_weigh
 
 
 COMPILE_GEMMS_FOR_SM90 = """
-from omni_local.engine.moe.kernels.down import _down_kernel
-from omni_local.engine.moe.kernels.gate_up import _gate_up_kernel
-from omni_local.engine.moe.kernels.pairs import _down_pairs_kernel, _gate_up_pairs_kernel
+from omni_local.kernels.moe.down import _down_kernel
+from omni_local.kernels.moe.gate_up import _gate_up_kernel
+from omni_local.kernels.moe.pairs import _down_pairs_kernel, _gate_up_pairs_kernel
 from omni_local.kernels.weight_tiles import INT4_GROUPS, PLAIN, ROW_SCALED
 
 weights = {PLAIN.value: "*bf16", ROW_SCALED.value: "*fp8e4nv", INT4_GROUPS.value: "*u8"}

@@ -11,7 +11,7 @@ count can use, each the median of --runs CUDA-event-timed runs with the L2 cache
 the BLOCK_M and tiles of the fastest pair. Tiles a GPU cannot hold (shared memory) are skipped. The
 JSON goes to DIR/experts<E>_hidden<H>_intermediate<I>_<GPU>[_<weights>].json, one per shape, written
 after each count, so a run stopped by --seconds leaves every count it finished (a count that is not
-there takes the next one above at run time). Commit the files to omni_local/engine/moe/tile_configs/.
+there takes the next one above at run time). Commit the files to omni_local/kernels/moe/tile_configs/.
 """
 
 import argparse
@@ -23,12 +23,12 @@ import torch
 
 from omni_local.bench.cuda_timing import median_cuda_ms
 from omni_local.bench.moe_shapes import SHAPES, MoeShape, moe_block
-from omni_local.engine.moe.kernels.down import weighted_down
-from omni_local.engine.moe.kernels.gate_up import gate_up_silu
-from omni_local.engine.moe.kernels.routing import route
-from omni_local.engine.moe.kernels.sorting import sort_by_expert
-from omni_local.engine.moe.kernels.expert_weights import KernelWeight, kernel_weight
-from omni_local.engine.moe.tile_configs import (
+from omni_local.kernels.moe.down import weighted_down
+from omni_local.kernels.moe.gate_up import gate_up_silu
+from omni_local.kernels.moe.routing import route
+from omni_local.kernels.moe.sorting import sort_by_expert
+from omni_local.kernels.moe.expert_weights import KernelWeight, kernel_weight
+from omni_local.kernels.moe.tile_configs import (
     TILE_CONFIG_DIR,
     TUNED_TOKENS,
     GemmTile,

@@ -1,4 +1,4 @@
-"""Time the pair kernels (engine/moe/kernels/pairs.py: a decode step's quantized experts at up to 4
+"""Time the pair kernels (kernels/moe/pairs.py: a decode step's quantized experts at up to 4
 tokens) over their tiles on this GPU, and print a table per format, kernel and shape, fastest first.
 
     python -m omni_local.bench.pair_tiles                 # int4 and fp8, Thinker and Talker, 1 token
@@ -18,10 +18,10 @@ import torch
 from omni_local.bench.cuda_timing import median_cuda_ms
 from omni_local.bench.moe_shapes import SHAPES, moe_block
 from omni_local.bench.moe_tuning import expert_weights
-from omni_local.engine.moe.kernels.expert_weights import KernelWeight
-from omni_local.engine.moe.kernels.pairs import (DOWN_TILES, GATE_UP_TILES, PairTile, gate_up_silu_by_pair,
-                                                 weighted_down_by_pair)
-from omni_local.engine.moe.kernels.routing import route
+from omni_local.kernels.moe.expert_weights import KernelWeight
+from omni_local.kernels.moe.pairs import (DOWN_TILES, GATE_UP_TILES, PairTile, gate_up_silu_by_pair,
+                                          weighted_down_by_pair)
+from omni_local.kernels.moe.routing import route
 
 # Each tile compiles once per kernel (about a second): 60 tiles, a minute or two a kernel and shape.
 TILES = [PairTile(n, inputs, warps)

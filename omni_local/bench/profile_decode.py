@@ -47,7 +47,7 @@ CATEGORIES = [EXPERTS, ROUTING, DENSE, ATTENTION, KV, ELEMENTWISE, OTHER]
 # the tokens by expert alike (all KV); on the GPU, the torch backend's experts outside bfloat16, which
 # a graph runs as batched GEMMs (`capturable_experts`), are cuBLAS kernels named as the dense ones.
 PATTERNS = [
-    # the triton backend's (engine/moe/kernels/): the sorted blocks', and quantized experts' by pair
+    # the triton backend's (kernels/moe/): the sorted blocks', and quantized experts' by pair
     (r"_gate_up_kernel|_down_kernel|_pairs_kernel", EXPERTS),
     # the triton backend on the CPU, in Triton's interpreter: one op, its routing and sort included
     (r"omni_local::routed_experts", EXPERTS),

@@ -34,7 +34,7 @@ ARCHITECTURES = (80, 86, 89, 90, 100, 120)
 # thread block": 163 KB on 8.0, 99 KB on 8.6, 8.9 and 12.0, 227 KB on 9.0 and 10.0).
 SHARED_MEMORY_PER_BLOCK = {80: 163 << 10, 86: 99 << 10, 89: 99 << 10, 90: 227 << 10, 100: 227 << 10,
                            120: 99 << 10}
-# GPUs with tuned tile tables (kernels/gemv_tiles.py, engine/moe/tile_configs/), built beside
+# GPUs with tuned tile tables (kernels/gemv_tiles.py, kernels/moe/tile_configs/), built beside
 # their architecture's defaults.
 TUNED_GPUS = (KernelGpu("NVIDIA H200", (9, 0)),)
 WEIGHTS = ("bf16", "fp8", "int4")
@@ -159,8 +159,8 @@ def _gemv_launches(stack: StackShape, weights: str) -> None:
 def _moe_launches(stack: StackShape, weights: str) -> None:
     """Every kernel plan of 1 to PREFILL_TOKENS tokens, as start-up's warm-up meets them, in the
     default and the deterministic (pinned) form."""
-    from omni_local.engine.moe.kernels.expert_weights import kernel_weight
-    from omni_local.engine.moe.routed_experts import first_count_of_each_plan, weighted_expert_rows
+    from omni_local.kernels.moe.expert_weights import kernel_weight
+    from omni_local.kernels.moe.routed_experts import first_count_of_each_plan, weighted_expert_rows
     from omni_local.model.quantized.formats import quantize
 
     gate_up = _empty(stack.experts, 2 * stack.moe_intermediate, stack.hidden, dtype=stack.dtype)

@@ -25,7 +25,7 @@ from omni_local.kernels.gemv_tiles import GemvTile, gemv_tile
 from omni_local.kernels.last_arrival import arrival_counters, last_to_arrive
 from omni_local.kernels.triton_support import dot_precision
 from omni_local.kernels.weight_tiles import (INT4_GROUPS, PLAIN, ROW_SCALED, even_odd_columns, group_scales,
-                                            int4_tile_dot, row_scales, weight_tile)
+                                             int4_tile_dot, row_scales, weight_tile)
 
 # int4's BLOCK_K is at most a group (one scale a tile) and at least 32 (two dots of half of it, and
 # tl.dot takes 16 at least): smaller groups are not read here.

@@ -1,4 +1,4 @@
-"""How our GEMM kernels (the MoE experts', engine/moe/kernels/; the dense layers', gemv.py) read
+"""How our GEMM kernels (the MoE experts', kernels/moe/; the dense layers', gemv.py) read
 a tile of a weight, in each storage format (model/quantized/).
 
 A tile is [BLOCK_K, BLOCK_N]: element (k, n) is W[n, start + k] of a weight W [N, K].

@@ -3,8 +3,8 @@ and the Talker's shared expert, the routed experts run by a backend behind `MoeB
 
 - `torch` (torch_backend.py): transformers' own router and experts modules, bit for bit; the
   reference, and the default off CUDA.
-- `triton` (triton_backend.py): our kernels (kernels/, put together in routed_experts.py) with
-  tile configs per shape and GPU (tile_configs.py); the default on CUDA.
+- `triton` (triton_backend.py): our kernels (kernels/moe/, put together in its routed_experts.py)
+  with tile configs per shape and GPU (its tile_configs.py); the default on CUDA.
 
 `moe_backend` (choice.py) makes the `moe_backend` setting a backend for the model's device.
 """

@@ -1,7 +1,7 @@
 """The `triton` MoE backend: the router's logits by the router's own weight (as transformers
 computes them: one GEMM; for a decode batch on a GPU, our GEMV), then our kernels
-(routed_experts.py), which read quantized experts (model/quantized/) in their own formats. The
-default on CUDA."""
+(kernels/moe/routed_experts.py), which read quantized experts (model/quantized/) in their own
+formats. The default on CUDA."""
 
 import torch
 import torch.nn.functional as F
@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from omni_local.kernels.gemv import invariant_matmul
 from omni_local.engine.moe.backend import MoeBackend
 from omni_local.engine.moe.block import experts_use_silu, renormalizes
-from omni_local.engine.moe.kernels.expert_weights import kernel_weight
-from omni_local.engine.moe.routed_experts import first_count_of_each_plan, routed_experts
+from omni_local.kernels.moe.expert_weights import kernel_weight
+from omni_local.kernels.moe.routed_experts import first_count_of_each_plan, routed_experts
 from omni_local.model.quantized import QuantizedExperts
 from omni_local.model.quantized.linear import GEMV_MAX_ROWS
 

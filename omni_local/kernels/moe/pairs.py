@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from omni_local.engine.moe.kernels.expert_weights import KernelWeight
+from omni_local.kernels.moe.expert_weights import KernelWeight
 from omni_local.kernels.weight_tiles import INT4_GROUPS, ROW_SCALED, int4_nibbles, row_scales
 
 SLOT_BYTES = 16  # a thread's load of a weight row: the widest one instruction makes

@@ -11,12 +11,12 @@ import torch
 import triton
 import triton.language as tl
 
-from omni_local.engine.moe.kernels.sorting import sorted_block
-from omni_local.engine.moe.kernels.expert_weights import KernelWeight
-from omni_local.engine.moe.tile_configs import GemmTile
+from omni_local.kernels.moe.sorting import sorted_block
+from omni_local.kernels.moe.expert_weights import KernelWeight
+from omni_local.kernels.moe.tile_configs import GemmTile
 from omni_local.kernels.triton_support import dot_precision
 from omni_local.kernels.weight_tiles import (INT4_GROUPS, ROW_SCALED, even_odd_columns, group_scales, int4_tile_dot,
-                                           row_scales, weight_tile)
+                                             row_scales, weight_tile)
 
 
 @triton.jit(do_not_specialize=["pairs"])

@@ -6,10 +6,10 @@ leaves it whole inside the compiled decoder layers (the kernels pick their tile 
 token count at run time) and a CUDA graph captures its launches.
 
 The top-k sum: the down kernel writes each (token, k) pair's weighted row apart, in float32, and
-the backend adds a token's k rows in one fixed order (triton_backend.top_k_sum). Atomic adds into
-one row would need a zeroed float32 buffer and a cast pass anyway, and their order changes from run
-to run; this order does not depend on the token count, the batch or the tile config, which a
-deterministic mode needs.
+the backend adds a token's k rows in one fixed order (engine/moe/triton_backend.py, top_k_sum).
+Atomic adds into one row would need a zeroed float32 buffer and a cast pass anyway, and their order
+changes from run to run; this order does not depend on the token count, the batch or the tile
+config, which a deterministic mode needs.
 It costs a [tokens, top_k, hidden] float32 round trip (64 KiB a layer for one token at full size;
 32 MiB for a 512-token prefill, against 1.2 GB of expert weights read), and in the compiled layers
 the sum fuses into the residual add that follows.
@@ -27,16 +27,16 @@ from dataclasses import dataclass
 
 import torch
 
-from omni_local.engine.moe.kernels.down import weighted_down
-from omni_local.engine.moe.kernels.gate_up import gate_up_silu
-from omni_local.engine.moe.kernels.pairs import gate_up_silu_by_pair, weighted_down_by_pair
-from omni_local.engine.moe.kernels.route_and_sort import fits_one_program, route_and_sort
-from omni_local.engine.moe.kernels.routing import route
-from omni_local.engine.moe.kernels.sorting import sort_by_expert, sorts_in_chunks
-from omni_local.engine.moe.kernels.expert_weights import KernelWeight, kernel_weight
-from omni_local.engine.moe.tile_configs import TileConfig, tile_config
+from omni_local.kernels.moe.down import weighted_down
+from omni_local.kernels.moe.gate_up import gate_up_silu
+from omni_local.kernels.moe.pairs import gate_up_silu_by_pair, weighted_down_by_pair
+from omni_local.kernels.moe.route_and_sort import fits_one_program, route_and_sort
+from omni_local.kernels.moe.routing import route
+from omni_local.kernels.moe.sorting import sort_by_expert, sorts_in_chunks
+from omni_local.kernels.moe.expert_weights import KernelWeight, kernel_weight
+from omni_local.kernels.moe.tile_configs import TileConfig, tile_config
 
-# Up to this many tokens, quantized (int4, fp8) experts run by pair (kernels/pairs.py), each pair's
+# Up to this many tokens, quantized (int4, fp8) experts run by pair (pairs.py), each pair's
 # expert rows read as a GEMV reads them; more tokens share experts, which the sorted blocks read once
 # for all of them.
 PAIR_KERNEL_TOKENS = 4
@@ -46,7 +46,7 @@ PAIR_KERNEL_TOKENS = 4
 class KernelPlan:
     """Which kernels run a forward's experts, with which tiles: what Triton compiles kernels for."""
 
-    by_pair: bool  # quantized experts at a few tokens: kernels/pairs.py, no sort
+    by_pair: bool  # quantized experts at a few tokens: pairs.py, no sort
     config: TileConfig | None  # the sorted blocks' tiles (None by pair)
     one_program: bool  # routing and sort in one launch (a decode batch)
     chunked_sort: bool  # the sort in three launches over chunks of pairs

@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from omni_local.engine.moe.kernels.routing import TOKENS_PER_PROGRAM, route_tokens, routing_blocks, routing_outputs
-from omni_local.engine.moe.kernels.sorting import CHUNK, sort_pairs, sorted_rows
+from omni_local.kernels.moe.routing import TOKENS_PER_PROGRAM, route_tokens, routing_blocks, routing_outputs
+from omni_local.kernels.moe.sorting import CHUNK, sort_pairs, sorted_rows
 
 
 @triton.jit(do_not_specialize=["tokens", "rows"])
