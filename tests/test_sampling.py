@@ -82,7 +82,7 @@ def test_every_hash_gives_a_uniform_number_strictly_inside_0_and_1_so_the_noise_
 
 
 def test_the_gpus_one_kernel_gives_the_uniform_numbers_of_the_tensor_ops_bit_for_bit():
-    from omni_local.engine.uniform_noise import BLOCK, kernel_uniform_numbers  # the interpreter on a CPU run
+    from omni_local.kernels.sampling.uniform_noise import BLOCK, kernel_uniform_numbers  # the interpreter on a CPU run
 
     vocab = BLOCK + 301  # a ragged last tile
     token_keys = _hash32(torch.arange(vocab, device=TEST_DEVICE))
@@ -95,7 +95,7 @@ def test_the_uniform_numbers_kernel_compiles_for_an_h200_without_a_gpu():
     from compile_for_h200 import compile_for_h200
 
     done = compile_for_h200("""
-from omni_local.engine.uniform_noise import BLOCK, _uniform_kernel
+from omni_local.kernels.sampling.uniform_noise import BLOCK, _uniform_kernel
 compiled(_uniform_kernel, dict(keys_ptr="*i64", token_keys_ptr="*i64", out_ptr="*fp32"), dict(BLOCK=BLOCK),
          aligned=("token_keys_ptr", "out_ptr"), num_warps=4)
 """)
@@ -104,9 +104,10 @@ compiled(_uniform_kernel, dict(keys_ptr="*i64", token_keys_ptr="*i64", out_ptr="
 
 
 def fused_draws(table: SeatSampler, scores: torch.Tensor, seats: list[int], draw_index: int) -> list[int]:
-    """engine/fused_draw.py's kernel choosing for `seats` of `table` (a CPU table, its rows copied to
-    TEST_DEVICE and back): its tokens, with the table's seen and last rows updated as the kernel left them."""
-    from omni_local.engine.fused_draw import fused_draw  # the interpreter on a CPU run
+    """kernels/sampling/fused_draw.py's kernel choosing for `seats` of `table` (a CPU table, its rows
+    copied to TEST_DEVICE and back): its tokens, with the table's seen and last rows updated as the
+    kernel left them."""
+    from omni_local.kernels.sampling.fused_draw import fused_draw  # the interpreter on a CPU run
 
     batch = table.batch(seats, [draw_index] * len(seats))
     rows = [t.to(TEST_DEVICE) for t in (table.rows.temperature, table.rows.top_k, table.rows.top_p,
@@ -151,7 +152,7 @@ def test_the_one_kernel_draw_compiles_for_an_h200_without_a_gpu():
     from compile_for_h200 import compile_for_h200
 
     done = compile_for_h200("""
-from omni_local.engine.fused_draw import _draw_kernel
+from omni_local.kernels.sampling.fused_draw import _draw_kernel
 pointers = dict(logits_ptr="*fp32", seats_ptr="*i64", keys_ptr="*i64", temperature_ptr="*fp32", top_k_ptr="*i64",
                 top_p_ptr="*fp32", penalty_ptr="*fp32", seen_ptr="*u8", suppressed_ptr="*u8", token_keys_ptr="*i64",
                 last_ptr="*i64", tokens_ptr="*i64")

@@ -219,8 +219,8 @@ def _rms_norm_launches(stack: StackShape) -> None:
 
 def _sampler_launches(into: list[Launch]) -> None:
     """The sampler's uniform numbers, and the Talker's one-kernel draws, greedy and sampled."""
-    from omni_local.engine.fused_draw import fused_draw
-    from omni_local.engine.uniform_noise import kernel_uniform_numbers
+    from omni_local.kernels.sampling.fused_draw import fused_draw
+    from omni_local.kernels.sampling.uniform_noise import kernel_uniform_numbers
 
     long = torch.long
     with recorded_launches(into, "sampler"):

@@ -18,16 +18,12 @@ from typing import TypeVar
 import torch
 
 from omni_local.engine.host_copies import to_device
+from omni_local.kernels.sampling.hash32 import HASH_MULTIPLIERS, HASH_SHIFTS, UNIFORM_BITS
 from omni_local.kernels.triton_support import uses_triton
 from omni_local.protocol.params import SamplingParams
 
 _LOW32 = 0xFFFFFFFF
 T = TypeVar("T", int, torch.Tensor)
-# The hash ("lowbias32", from Chris Wellons' hash prospector): x ^= x >> 16, x *= 0x7FEB352D,
-# x ^= x >> 15, x *= 0x846CA68B, x ^= x >> 16, mod 2**32 (uniform_noise.py's kernel does the same)
-HASH_SHIFTS = (16, 15, 16)
-HASH_MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
-UNIFORM_BITS = 23  # of a hash, the top ones make a uniform number (see `_uniform`)
 
 
 @dataclass(frozen=True)
@@ -128,7 +124,7 @@ class SeatSampler:
         """The tokens [B] chosen from `logits` [B, vocab] float32, on the device: repeats penalised,
         sampled rows over their temperature, suppressed ids out, then the best (greedy rows, exactly
         as argmax picks it, ties to the first) or a draw (the others). On a GPU a small vocabulary's
-        (the Talker's) is one kernel (engine/fused_draw.py), the rest tensor ops."""
+        (the Talker's) is one kernel (kernels/sampling/fused_draw.py), the rest tensor ops."""
         if self._draw is not None and not batch.limits_reasoning:
             rows = self.rows
             return self._draw(logits, batch.seats, batch.keys, rows.temperature, rows.top_k, rows.top_p, rows.penalty,
@@ -232,7 +228,7 @@ def _uniform_numbers_on(device: torch.device) -> UniformNumbers:
     that runs it (compiled here, not at a first sampled reply), tensor ops elsewhere."""
     if not uses_triton("sampling", "auto", device):
         return uniform_numbers
-    from omni_local.engine.uniform_noise import kernel_uniform_numbers  # imports triton
+    from omni_local.kernels.sampling.uniform_noise import kernel_uniform_numbers  # imports triton
 
     kernel_uniform_numbers(torch.zeros(1, dtype=torch.long, device=device),
                            torch.zeros(1, dtype=torch.long, device=device))
@@ -240,12 +236,12 @@ def _uniform_numbers_on(device: torch.device) -> UniformNumbers:
 
 
 def _fused_draw_on(device: torch.device, vocab: int) -> Callable[..., torch.Tensor] | None:
-    """engine/fused_draw.py's one-kernel draw where `device` runs our Triton kernels and one program
-    holds `vocab` (the Talker's and its code predictor's vocabularies, not the Thinker's); None: the
-    tensor ops."""
+    """kernels/sampling/fused_draw.py's one-kernel draw where `device` runs our Triton kernels and one
+    program holds `vocab` (the Talker's and its code predictor's vocabularies, not the Thinker's);
+    None: the tensor ops."""
     if not uses_triton("sampling", "auto", device):
         return None
-    from omni_local.engine.fused_draw import MOST_VOCAB, fused_draw  # imports triton
+    from omni_local.kernels.sampling.fused_draw import MOST_VOCAB, fused_draw  # imports triton
 
     return fused_draw if vocab <= MOST_VOCAB else None
 
@@ -258,7 +254,7 @@ def _uniform(bits: torch.Tensor) -> torch.Tensor:
 
 
 def _hash32(x: T) -> T:
-    """A bijective mix of 32-bit values, Python ints or int64 tensors (HASH_SHIFTS, HASH_MULTIPLIERS)."""
+    """A bijective mix of 32-bit values, Python ints or int64 tensors: kernels/sampling/hash32.py's."""
     first, second, third = HASH_SHIFTS
     x = x ^ (x >> first)
     x = _mul32(x, HASH_MULTIPLIERS[0])

@@ -1,6 +1,7 @@
-"""The sampler's uniform numbers (sampling.py's `uniform_numbers`) as one Triton kernel, on a GPU.
+"""The sampler's uniform numbers (engine/sampling.py's `uniform_numbers`) as one Triton kernel, on a
+GPU.
 
-sampling.py hashes each (row key, token key) pair with int64 tensor ops that emulate 32-bit
+engine/sampling.py hashes each (row key, token key) pair with int64 tensor ops that emulate 32-bit
 products: 23 kernels a draw of the Thinker's batch. Here each program hashes a tile of a row's
 tokens in uint32 arithmetic, which wraps as the emulation does, and keeps the top 23 bits as a
 float32, an exact conversion: the same bits. The logarithms of the Gumbel noise stay torch's, whose
@@ -10,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from omni_local.engine.sampling import HASH_MULTIPLIERS, HASH_SHIFTS, UNIFORM_BITS
+from omni_local.kernels.sampling.hash32 import HASH_MULTIPLIERS, HASH_SHIFTS, UNIFORM_BITS
 
 BLOCK = 1024  # tokens a program
 _FIRST_SHIFT, _SECOND_SHIFT, _THIRD_SHIFT = (tl.constexpr(shift) for shift in HASH_SHIFTS)

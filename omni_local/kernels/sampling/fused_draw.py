@@ -1,4 +1,5 @@
-"""A whole draw of sampling.py's rule for a small vocabulary, one Triton program a row, on a GPU.
+"""A whole draw of engine/sampling.py's rule for a small vocabulary, one Triton program a row, on a
+GPU.
 
 A spoken reply draws 16 codes a frame (the Talker's first, then the code predictor's 15 in one
 graph), each from a vocabulary of a few thousand. As sampling.py's tensor ops a draw is about 35
@@ -18,13 +19,13 @@ import torch
 import triton
 import triton.language as tl
 
-from omni_local.engine.uniform_noise import hashed_uniform
+from omni_local.kernels.sampling.uniform_noise import hashed_uniform
 
 MOST_VOCAB = 8192  # the largest vocabulary one program holds (the Talker's is 3,072, its code predictor's 2,048)
 
 
 # A frame's keys are slices of one tensor, at any offset: one compile serves them all (a vocabulary
-# and sampling's flags each compile their own, at start-up: talker.py's warm-up).
+# and sampling's flags each compile their own, at start-up: engine/talker.py's warm-up).
 @triton.jit(do_not_specialize=["vocab", "logits_stride"], do_not_specialize_on_alignment=["keys_ptr", "seats_ptr"])
 def _draw_kernel(logits_ptr, seats_ptr, keys_ptr, temperature_ptr, top_k_ptr, top_p_ptr, penalty_ptr, seen_ptr,
                  suppressed_ptr, token_keys_ptr, last_ptr, tokens_ptr, vocab, logits_stride,
