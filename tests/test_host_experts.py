@@ -1,8 +1,9 @@
-"""The experts of the Thinker's last layers in host memory (model/host_experts.py, engine/mapped_memory.py):
-`experts_on_gpu` = N marks the layers past the first N in every weights format, their weights load
-into page-locked host memory that torch sees as CUDA tensors (never the caching allocator's), and
-the app answers token for token as with every expert on the GPU, CUDA graphs on. On the CPU every
-tensor is host memory already: the same tests check the marks there, and that nothing moved."""
+"""The experts of the Thinker's last layers, and its input embeddings, in host memory
+(model/host_experts.py, engine/mapped_memory.py): `experts_on_gpu` = N marks the layers past the
+first N in every weights format, the memory plan the embeddings where the KV target does not fit;
+their weights load into page-locked host memory that torch sees as CUDA tensors (never the caching
+allocator's), and the app answers token for token as with them on the GPU, CUDA graphs on. On the
+CPU every tensor is host memory already: the same tests check the marks there, and that nothing moved."""
 
 import ctypes
 
@@ -12,9 +13,10 @@ import torch
 
 from conftest import TEST_DEVICE
 from omni_local.api import OmniLocal
+from omni_local.engine import memory_plan
 from omni_local.engine.mapped_memory import mapped_empty
-from omni_local.model.host_experts import (held_in_host_memory, host_layers, in_host_memory, layers_in_host_memory,
-                                           move_to_host_memory, thinker_experts)
+from omni_local.model.host_experts import (embeddings_in_host_memory, held_in_host_memory, host_layers, in_host_memory,
+                                           layers_in_host_memory, move_to_host_memory, thinker_experts)
 from omni_local.model.loader import load_model
 from omni_local.model.quantized.linear import has_fp8_units
 
@@ -108,7 +110,7 @@ def test_moving_a_loaded_models_experts_to_host_memory_keeps_their_values_and_fr
     model = load_model(demo_settings).model
     before = [t.clone() for t in expert_tensors(model, 3)]
 
-    move_to_host_memory(model, 3)
+    move_to_host_memory(model, 3, embeddings=False)
 
     assert [in_host_memory(e) for e in thinker_experts(model)] == [False, False, False, True]
     after = expert_tensors(model, 3)
@@ -135,3 +137,60 @@ def test_mapped_memory_is_host_memory_that_kernels_read_and_write_in_place_and_n
     assert torch.equal(mapped.flatten().cpu(), torch.arange(mapped.numel(), dtype=torch.float32))
     assert (mapped * 2).sum().item() == float(np.arange(mapped.numel()).sum() * 2)
 
+
+
+def embedding_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    table = model.thinker.get_input_embeddings()
+    return [*table.parameters(), *table.buffers()]
+
+
+def short_of_the_kv_target(settings, tmp_path) -> object:
+    """`settings` with `gpu_memory_bytes` a byte short of the memory plan's KV target beside the
+    weights, the first start's engine and the encoder outputs' floor: the plan puts the input
+    embeddings in host memory, no experts. (A cache folder of its own: no measured engine take.)"""
+    from omni_local.engine.kv_sizes import kv_sizes
+    from omni_local.model.quantized import weights_bytes
+
+    model = load_model(settings).model
+    kv = kv_sizes(model, settings)
+    least_encoder = min(settings.encoder_cache_bytes, memory_plan.LEAST_ENCODER_CACHE_BYTES)
+    target = kv.bytes(kv.blocks_for(memory_plan.KV_TARGET_TOKENS))
+    available = (weights_bytes(model, settings.weights, settings.speech) + memory_plan.FIRST_START_ENGINE_BYTES
+                 + least_encoder + target - 1)
+    return settings.replace(gpu_memory_bytes=available, gpu_cache_bytes=1 << 30, cache_dir=str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("weights", formats())
+def test_the_app_with_the_input_embeddings_in_host_memory_answers_token_for_token_as_with_them_on_the_gpu(
+    demo_settings, demo_checkpoint, tmp_path, weights
+):
+    settings = demo_settings.replace(weights=weights)
+    replies = []
+    for where in ("gpu", "host"):
+        planned = settings if where == "gpu" else short_of_the_kv_target(settings, tmp_path / where)
+        with OmniLocal(planned) as app:
+            assert app.settings.cuda_graphs
+            model = app.backend.loaded.model
+            assert in_host_memory(model.thinker.get_input_embeddings()) == (where == "host")
+            assert layers_in_host_memory(model) == []
+            assert embeddings_in_host_memory(model) == (where == "host" and ON_GPU)
+            if ON_GPU and where == "host":
+                assert not any(is_device_allocation(t) for t in embedding_tensors(model))
+                assert held_in_host_memory(model) == sum(t.nbytes for t in embedding_tensors(model))
+            replies.append(app.session().send(QUESTION, max_new_tokens=24).result().token_ids)
+    assert replies[1] == replies[0] and len(replies[0]) > 0
+
+
+def test_moving_a_loaded_models_input_embeddings_to_host_memory_keeps_their_values_and_frees_their_gpu_copy(
+    demo_settings, demo_checkpoint
+):
+    model = load_model(demo_settings.replace(weights="int4")).model
+    before = [t.clone() for t in embedding_tensors(model)]
+
+    move_to_host_memory(model, 4, embeddings=True)
+
+    assert in_host_memory(model.thinker.get_input_embeddings()) and layers_in_host_memory(model) == []
+    after = embedding_tensors(model)
+    assert len(after) == 2 and all(torch.equal(a, b) and a.device == b.device for a, b in zip(after, before))
+    if ON_GPU:
+        assert embeddings_in_host_memory(model) and not any(is_device_allocation(t) for t in after)

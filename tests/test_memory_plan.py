@@ -7,11 +7,14 @@ import pytest
 import torch
 
 from omni_local.api import OmniLocal
+from omni_local.backends import local as local_backend
 from omni_local.engine import expert_placement, memory_plan
+from omni_local.engine.speech import talker_sequence_rows
+from omni_local.engine.talker import talker_kv_shape
 from omni_local.engine.thinker import kv_shape, least_kv_bytes
 from omni_local.errors import SettingsError
 from omni_local.model import load_model, weights as weights_module
-from omni_local.model.host_experts import in_host_memory, thinker_experts
+from omni_local.model.host_experts import in_host_memory, thinker_embeddings, thinker_experts
 from omni_local.model.quantized import weights_bytes
 from omni_local.settings import Settings
 
@@ -39,30 +42,63 @@ def test_the_planned_weights_are_the_loaded_models_bytes_in_each_format(planned,
     assert weights_bytes(full_precision, weights, speech) == held_bytes(loaded)
 
 
-def test_the_kv_is_what_the_plan_leaves_up_to_gpu_cache_bytes(planned, tmp_path):
+def test_the_kv_is_what_the_plan_leaves_up_to_gpu_cache_bytes_the_talkers_beside_it(planned, tmp_path):
     with OmniLocal(planned.replace(gpu_memory_bytes=1 << 30)) as roomy:
-        assert roomy.backend.memory.kv == planned.gpu_cache_bytes
+        kv = roomy.backend.engine.runner.kv
+        block = kv.shape.block_bytes(kv.dtype)
+        assert roomy.backend.memory.kv == kv.allocated_bytes == planned.gpu_cache_bytes // block * block
+        assert roomy.backend.memory.talker_kv == roomy.backend.engine.speaker.runner.kv.allocated_bytes
         weights = held_bytes(roomy.backend.loaded.model)
         assert roomy.backend.memory.weights == weights
 
+    # Room for 5 MiB of KV, the Talker's included; the KV target does not fit, so the embeddings move.
     available = weights + ENGINE + MiB + 5 * MiB
     # A cache folder of its own: on a GPU the first start's measured take is remembered in the other.
     with OmniLocal(planned.replace(gpu_memory_bytes=available, cache_dir=str(tmp_path / "first start"))) as tight:
-        plan = tight.backend.memory
-        assert plan.kv == 5 * MiB and plan.engine == ENGINE and plan.encoder_outputs == MiB
-        assert tight.backend.engine.settings.encoder_cache_bytes == plan.encoder_outputs
-        kv = tight.backend.engine.runner.kv
-        assert kv.allocated_bytes <= plan.kv and kv.allocated_bytes > plan.kv - kv.shape.block_bytes(kv.dtype)
+        plan, engine = tight.backend.memory, tight.backend.engine
+        assert plan.engine == ENGINE and plan.encoder_outputs == MiB and plan.host_embeddings > 0
+        assert engine.settings.encoder_cache_bytes == plan.encoder_outputs
+        thinker, talker = engine.runner.kv.allocated_bytes, engine.speaker.runner.kv.allocated_bytes
+        assert (plan.kv, plan.talker_kv) == (thinker, talker)
+        room = 5 * MiB + plan.host_embeddings
+        assert thinker + talker <= room and talker > 0
+        # One more block of the Thinker's (and the Talker's it brings) would not fit.
+        with_one_more = thinker + block + talker_bytes(tight.backend.loaded.model, planned, thinker // block + 1)
+        assert with_one_more > room
         assert tight.session().send("Hello there", max_new_tokens=4).result().tokens.generated > 0
+
+
+def test_the_talkers_kv_holds_a_spoken_chat_of_max_context_tokens_per_chat_the_thinkers_kv_holds(planned):
+    model = load_model(planned).model
+    thinker = thinker_kv(model, planned)
+    block = thinker.block_bytes(torch.float32)
+    chat_blocks = planned.max_context_tokens // thinker.block_tokens  # 1,024 tokens: 64 blocks of 16
+    for blocks, chats in ((chat_blocks, 0), (chat_blocks + 1, 1), (3 * chat_blocks, 2), (3 * chat_blocks + 1, 3)):
+        room = blocks * block + talker_bytes(model, planned, blocks)
+        sized = plan(model, planned.replace(gpu_memory_bytes=1 << 30, gpu_cache_bytes=blocks * block))
+        assert (sized.kv, sized.talker_chats) == (blocks * block, chats)
+        assert sized.kv + sized.talker_kv == room
+    assert sized.line().endswith(f", and the Talker's KV {memory_plan.size(sized.talker_kv)} (3 spoken chats of 1,024)")
+    without_speech = plan(model, planned.replace(speech=False, gpu_memory_bytes=1 << 30))
+    assert (without_speech.talker_kv, without_speech.talker_chats) == (0, 0)
+    assert "Talker" not in without_speech.line()
+
+
+def test_the_engines_measured_take_leaves_out_the_talkers_kv_with_the_thinkers(planned, monkeypatch):
+    measured = []
+    monkeypatch.setattr(local_backend, "remember_engine_bytes", lambda plan, settings, device, baseline, kv:
+                        measured.append(kv))
+    with OmniLocal(planned.replace(gpu_memory_bytes=1 << 30)) as app:
+        engine = app.backend.engine
+        assert measured == [engine.runner.kv.allocated_bytes + engine.speaker.runner.kv.allocated_bytes]
 
 
 def test_settings_that_cannot_fit_stop_start_up_before_any_weight_is_read_saying_what_would(planned, monkeypatch):
     model = load_model(planned).model
-    thinker_kv = kv_shape(model.thinker.model.language_model.config, planned.max_context_tokens,
-                          planned.kv_block_tokens, model.config.talker_config.text_config.hidden_size)
-    one_conversation = least_kv_bytes(thinker_kv, torch.float32)
-    available = weights_bytes(model, "bf16") + ENGINE + MiB + one_conversation - 1  # the others fit
-    assert weights_bytes(model, "fp8") < weights_bytes(model, "bf16") - 1
+    embeddings = embeddings_bytes(model)
+    # A byte short with the embeddings in host memory; the others fit.
+    available = weights_bytes(model, "bf16") + ENGINE + MiB + one_conversation_kv(model, planned) - embeddings - 1
+    assert weights_bytes(model, "fp8") < weights_bytes(model, "bf16") - embeddings - 1
 
     def read(*args):
         raise AssertionError("a weight was read")
@@ -77,22 +113,53 @@ def test_settings_that_cannot_fit_stop_start_up_before_any_weight_is_read_saying
                             "weights = 'int4' or speech = false")
 
 
-def test_where_the_weights_do_not_fit_the_plan_puts_the_experts_of_the_fewest_last_layers_in_host_memory(planned):
+def test_short_of_the_kv_target_the_plan_puts_the_input_embeddings_in_host_memory_and_no_experts(planned):
     model = load_model(planned).model
-    each = layer_bytes(model)
+    weights, embeddings = weights_bytes(model, "bf16"), embeddings_bytes(model)
+    target = weights + ENGINE + MiB + kv_target(model, planned)
+
+    fits, short = plan(model, planned.replace(gpu_memory_bytes=target)), plan(model, planned.replace(
+        gpu_memory_bytes=target - 1))
+
+    assert (fits.host_embeddings, fits.weights, fits.experts_on_gpu) == (0, weights, LAYERS)
+    assert (short.host_embeddings, short.weights, short.experts_on_gpu) == (embeddings, weights - embeddings, LAYERS)
+    row = embeddings // model.config.thinker_config.text_config.vocab_size  # a token's: 64 float32 values
+    assert short.bus_bytes_per_token == row == 256
+    assert (f"weights {memory_plan.size(weights - embeddings)} (in host memory: the input embeddings, "
+            f"{memory_plan.size(embeddings)}: 0.3 kB over the bus a decoded token), engine ") in short.line()
+    assert "host memory" not in fits.line()
+
+
+def test_where_the_floors_do_not_fit_the_plan_puts_the_experts_of_the_fewest_last_layers_in_host_memory_too(planned):
+    model = load_model(planned).model
+    each, embeddings = layer_bytes(model), embeddings_bytes(model)
     weights = weights_bytes(model, "bf16")
     fits = weights + ENGINE + MiB + one_conversation_kv(model, planned)
+    shorts = (0, embeddings, embeddings + 1, embeddings + each, embeddings + each + 1)
 
-    plans = {short: plan(model, planned.replace(gpu_memory_bytes=fits - short)) for short in (0, 1, each, each + 1)}
+    plans = {short: plan(model, planned.replace(gpu_memory_bytes=fits - short)) for short in shorts}
 
-    assert {short: p.experts_on_gpu for short, p in plans.items()} == {0: 4, 1: 3, each: 3, each + 1: 2}
-    two = plans[each + 1]
-    assert (two.weights, two.host_experts, two.layers) == (weights - 2 * each, 2 * each, LAYERS)
+    assert [plans[short].experts_on_gpu for short in shorts] == [4, 4, 3, 3, 2]
+    assert all(p.host_embeddings == embeddings for p in plans.values())
+    two = plans[embeddings + each + 1]
+    assert (two.weights, two.host_experts, two.layers) == (weights - embeddings - 2 * each, 2 * each, LAYERS)
     expert = each // 4  # the demo's 4 experts, 2 of them routed a token
-    assert two.bus_bytes_per_token == 2 * 2 * expert
-    assert (f"weights {memory_plan.size(two.weights)} (the experts of the last 2 of 4 layers in host memory, "
-            f"{memory_plan.size(2 * each)}: 0 MB over the bus a decoded token, at most ") in two.line()
-    assert "host memory" not in plans[0].line()
+    assert two.bus_bytes_per_token == 2 * 2 * expert + 256
+    assert (f"weights {memory_plan.size(two.weights)} (in host memory: the input embeddings, "
+            f"{memory_plan.size(embeddings)}; the experts of the last 2 of 4 layers, {memory_plan.size(2 * each)}: "
+            "98.6 kB over the bus a decoded token, at most ") in two.line()
+
+
+def test_embeddings_tied_to_lm_head_stay_on_the_gpu_where_the_kv_target_does_not_fit(planned, monkeypatch):
+    model = load_model(planned).model
+    weights = weights_bytes(model, "bf16")
+    # As transformers marks a checkpoint whose config ties them (tie_word_embeddings): one table.
+    tied = {"thinker.lm_head.weight": "thinker.model.language_model.embed_tokens.weight"}
+    monkeypatch.setattr(model, "all_tied_weights_keys", tied)
+    short = plan(model, planned.replace(gpu_memory_bytes=weights + ENGINE + MiB + kv_target(model, planned) - 1))
+
+    assert thinker_embeddings(model) is None
+    assert (short.host_embeddings, short.weights, short.experts_on_gpu) == (0, weights, LAYERS)
 
 
 def test_experts_on_gpu_keeps_the_first_n_layers_experts_on_the_gpu_whatever_the_room(planned):
@@ -107,7 +174,8 @@ def test_experts_on_gpu_keeps_the_first_n_layers_experts_on_the_gpu_whatever_the
 
 def test_a_card_too_small_with_every_layers_experts_in_host_memory_is_refused_saying_so(planned):
     model = load_model(planned).model
-    on_gpu = weights_bytes(model, "bf16") - LAYERS * layer_bytes(model)  # every layer's experts in host memory
+    # The embeddings and every layer's experts in host memory
+    on_gpu = weights_bytes(model, "bf16") - LAYERS * layer_bytes(model) - embeddings_bytes(model)
     least = on_gpu + ENGINE + MiB + one_conversation_kv(model, planned)
 
     fitting = plan(model, planned.replace(gpu_memory_bytes=least))
@@ -115,8 +183,8 @@ def test_a_card_too_small_with_every_layers_experts_in_host_memory_is_refused_sa
         plan(model, planned.replace(gpu_memory_bytes=least - 1))
 
     assert fitting.experts_on_gpu == 0
-    assert f" (weights {memory_plan.size(on_gpu)} with the experts of 4 of 4 layers in host memory, the engine, " \
-        in str(refusal.value)
+    assert (f" (weights {memory_plan.size(on_gpu)} with the input embeddings and the experts of 4 of 4 layers in host "
+            "memory, the engine, ") in str(refusal.value)
     assert str(refusal.value).endswith("is free: try encoder_cache = false or weights = 'fp8' or weights = 'int4' or "
                                        "speech = false")
 
@@ -125,21 +193,23 @@ def test_experts_that_would_take_more_than_half_the_machines_memory_are_refused_
     planned, monkeypatch
 ):
     model = load_model(planned).model
-    each = layer_bytes(model)
+    each, embeddings = layer_bytes(model), embeddings_bytes(model)
+    host = embeddings + 2 * each
     fits = weights_bytes(model, "bf16") + ENGINE + MiB + one_conversation_kv(model, planned)
-    settings = planned.replace(gpu_memory_bytes=fits - 2 * each)  # two layers' experts to host memory
-    monkeypatch.setattr(expert_placement, "machine_memory_bytes", lambda: 4 * each - 2)  # half: one byte short
+    settings = planned.replace(gpu_memory_bytes=fits - host)  # the embeddings and two layers' experts to host memory
+    monkeypatch.setattr(expert_placement, "machine_memory_bytes", lambda: 2 * host - 2)  # half: one byte short
 
     with pytest.raises(SettingsError) as refusal:
         plan(model, settings)
-    monkeypatch.setattr(expert_placement, "machine_memory_bytes", lambda: 4 * each)
+    monkeypatch.setattr(expert_placement, "machine_memory_bytes", lambda: 2 * host)
 
-    assert plan(model, settings).host_experts == 2 * each
+    assert (plan(model, settings).host_experts, plan(model, settings).host_embeddings) == (2 * each, embeddings)
     assert str(refusal.value) == (
-        f"the model fits {memory_plan.size(fits - 2 * each)} of GPU memory with the experts of 2 of 4 layers in host "
-        f"memory, but they take {memory_plan.size(2 * each)} of it, more than the {memory_plan.size(2 * each - 1)} "
-        "page-locked weights may take (1/2 of this machine's memory): try encoder_cache = false or weights = 'fp8' "
-        "or weights = 'int4' or speech = false")  # at the demo's size, 1 MiB of encoder outputs outweighs 2 layers
+        f"the model fits {memory_plan.size(fits - host)} of GPU memory with the input embeddings and the experts of 2 "
+        f"of 4 layers in host memory, but they take {memory_plan.size(host)} of it, more than the "
+        f"{memory_plan.size(host - 1)} page-locked weights may take (1/2 of this machine's memory): try encoder_cache = "
+        "false or weights = 'fp8' or weights = 'int4' or speech = false")  # at the demo's size 1 MiB of encoder
+    # outputs outweighs the embeddings and 2 layers
 
 
 @pytest.mark.parametrize("weights", ["bf16", "fp8", "int4"])
@@ -147,9 +217,12 @@ def test_the_app_starts_with_the_experts_the_plan_puts_in_host_memory_marked_and
     # On the CPU every tensor is in host memory already: the marks are all that placement changes here.
     model = load_model(planned).model
     fits = weights_bytes(model, weights) + ENGINE + MiB + one_conversation_kv(model, planned)
-    with OmniLocal(planned.replace(weights=weights, gpu_memory_bytes=fits - 1)) as app:  # a byte short
+    short = fits - embeddings_bytes(model, weights) - 1  # a byte short with the embeddings in host memory
+    with OmniLocal(planned.replace(weights=weights, gpu_memory_bytes=short)) as app:
         assert app.backend.memory.experts_on_gpu == 3
-        assert [in_host_memory(e) for e in thinker_experts(app.backend.loaded.model)] == [False, False, False, True]
+        loaded = app.backend.loaded.model
+        assert [in_host_memory(e) for e in thinker_experts(loaded)] == [False, False, False, True]
+        assert in_host_memory(loaded.thinker.get_input_embeddings())
         assert app.session().send("Hello there", max_new_tokens=4).result().tokens.generated > 0
 
 
@@ -167,8 +240,36 @@ def layer_bytes(model: torch.nn.Module) -> int:
     return (experts.gate_up_proj.numel() + experts.down_proj.numel()) * 4
 
 
+def embeddings_bytes(model: torch.nn.Module, weights: str = "bf16") -> int:
+    """The demo Thinker's input embeddings: 545 rows of 64 float32 values (int4: int8, a scale a row)."""
+    rows, width = model.thinker.get_input_embeddings().weight.shape
+    return rows * (width + 4) if weights == "int4" else rows * width * 4
+
+
+def thinker_kv(model: torch.nn.Module, settings):
+    return kv_shape(model.thinker.model.language_model.config, settings.max_context_tokens, settings.kv_block_tokens,
+                    model.config.talker_config.text_config.hidden_size)
+
+
+def talker_bytes(model: torch.nn.Module, settings, thinker_blocks: int) -> int:
+    """The Talker's KV beside `thinker_blocks` (the pad block among them): one of its longest sequences
+    per chat of max_context_tokens those hold, and its pad block."""
+    shape = talker_kv_shape(model.config.talker_config.text_config, talker_sequence_rows(settings, model.code2wav))
+    chats = (thinker_blocks - 1) * settings.kv_block_tokens // settings.max_context_tokens
+    return (chats * shape.table_blocks + 1) * shape.block_bytes(torch.float32)
+
+
 def one_conversation_kv(model: torch.nn.Module, settings) -> int:
-    return memory_plan.least_conversation_kv_bytes(model, settings, torch.float32)
+    """One conversation's Thinker KV, and the Talker's beside it."""
+    thinker = thinker_kv(model, settings)
+    return least_kv_bytes(thinker, torch.float32) + talker_bytes(model, settings, thinker.table_blocks + 1)
+
+
+def kv_target(model: torch.nn.Module, settings) -> int:
+    """The KV of four chats of 4,096 tokens, and the Talker's beside it."""
+    thinker = thinker_kv(model, settings)
+    blocks = thinker.blocks_for(memory_plan.KV_TARGET_TOKENS) + 1  # and the pad block
+    return blocks * thinker.block_bytes(torch.float32) + talker_bytes(model, settings, blocks)
 
 
 def plan(model: torch.nn.Module, settings) -> memory_plan.MemoryPlan:
@@ -180,22 +281,25 @@ def test_where_memory_is_short_the_encoder_outputs_shrink_to_their_floor_before_
 ):
     monkeypatch.setattr(memory_plan, "LEAST_ENCODER_CACHE_BYTES", 2 * MiB)
     model = load_model(planned).model
-    thinker_kv = kv_shape(model.thinker.model.language_model.config, planned.max_context_tokens,
-                          planned.kv_block_tokens, model.config.talker_config.text_config.hidden_size)
-    block = thinker_kv.block_bytes(torch.float32)
-    four_chats = (thinker_kv.blocks_for(memory_plan.KV_TARGET_TOKENS) + 1) * block  # and the pad block
-    settings = planned.replace(encoder_cache_bytes=64 * MiB, gpu_cache_bytes=1 << 30)
-    base = weights_bytes(model, "bf16", speech=True) + ENGINE
+    settings = planned.replace(speech=False, encoder_cache_bytes=64 * MiB, gpu_cache_bytes=1 << 30)
+    thinker = kv_shape(model.thinker.model.language_model.config, planned.max_context_tokens, planned.kv_block_tokens, 0)
+    block = thinker.block_bytes(torch.float32)
+    four_chats = (thinker.blocks_for(memory_plan.KV_TARGET_TOKENS) + 1) * block  # and the pad block
+    base = weights_bytes(model, "bf16", speech=False) + ENGINE
 
     def plan(spare: int) -> memory_plan.MemoryPlan:
         return memory_plan.plan_memory(model, settings.replace(gpu_memory_bytes=base + four_chats + spare),
                                        torch.device("cpu"))
 
-    assert (plan(74 * MiB).encoder_outputs, plan(74 * MiB).kv) == (64 * MiB, four_chats + 10 * MiB)
+    def blocks(room: int) -> int:  # whole blocks
+        return room // block * block
+
+    assert (plan(74 * MiB).encoder_outputs, plan(74 * MiB).kv) == (64 * MiB, four_chats + blocks(10 * MiB))
     assert (plan(16 * MiB).encoder_outputs, plan(16 * MiB).kv) == (16 * MiB, four_chats)
-    shortest = plan(0)
-    assert (shortest.encoder_outputs, shortest.kv) == (2 * MiB, four_chats - 2 * MiB)
-    tokens = (shortest.kv // block - 1) * thinker_kv.block_tokens
+    shortest = plan(0)  # short of the KV target: the embeddings go to host memory first
+    embeddings = shortest.host_embeddings
+    assert (shortest.encoder_outputs, shortest.kv) == (2 * MiB, blocks(four_chats + embeddings - 2 * MiB))
+    tokens = (shortest.kv // block - 1) * thinker.block_tokens
     assert shortest.kv_tokens == tokens and tokens < memory_plan.KV_TARGET_TOKENS
     assert shortest.line().endswith(f"encoder outputs 2.0 MiB (of 64.0 MiB: shrunk to fit), KV "
                                     f"{memory_plan.size(shortest.kv)} "
@@ -204,13 +308,16 @@ def test_where_memory_is_short_the_encoder_outputs_shrink_to_their_floor_before_
 
 def test_with_the_encoder_cache_off_the_plan_keeps_no_room_for_encoder_outputs(planned):
     model = load_model(planned).model
-    settings = planned.replace(encoder_cache_bytes=64 * MiB, gpu_memory_bytes=1 << 30, gpu_cache_bytes=1 << 30)
+    settings = planned.replace(speech=False, encoder_cache_bytes=64 * MiB, gpu_memory_bytes=1 << 30,
+                               gpu_cache_bytes=1 << 30)
+    room = (1 << 30) - weights_bytes(model, "bf16", speech=False) - ENGINE
+    block = kv_shape(model.thinker.model.language_model.config, 1024, 16, 0).block_bytes(torch.float32)
 
     on = memory_plan.plan_memory(model, settings, torch.device("cpu"))
     off = memory_plan.plan_memory(model, settings.replace(encoder_cache=False), torch.device("cpu"))
 
     assert on.encoder_outputs == 64 * MiB and off.encoder_outputs == 0
-    assert off.kv == on.kv + 64 * MiB
+    assert (on.kv, off.kv) == ((room - 64 * MiB) // block * block, room // block * block)
 
 
 def test_no_plan_is_made_on_the_cpu_unless_gpu_memory_bytes_is_set(planned):

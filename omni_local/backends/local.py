@@ -91,13 +91,14 @@ class LocalBackend:
 
     def _remember_engine_bytes(self, baseline: int, engine: Engine) -> None:
         if self.memory is not None:
+            talker_kv = engine.speaker.runner.kv.allocated_bytes if engine.speaker else 0
             remember_engine_bytes(self.memory, self.settings, self.loaded.device, baseline,
-                                  engine.runner.kv.allocated_bytes)
+                                  engine.runner.kv.allocated_bytes + talker_kv)
 
     def _plan_memory(self, model: torch.nn.Module) -> None:
         self.memory = plan_memory(model, self.settings, resolve_device(self.settings.device))
         if self.memory is not None:
-            keep_in_host_memory(model, self.memory.experts_on_gpu)
+            keep_in_host_memory(model, self.memory.experts_on_gpu, self.memory.host_embeddings > 0)
             log.info("%s", self.memory.line())
 
     def send(self, session: str, messages: list[Message], params: SamplingParams,

@@ -12,10 +12,11 @@ graphs) and each request is sent --runs times after a warm-up, a new question ea
 table row (medians; times are the engine's own), or where the app did not fit, what ran out. The
 start-up's steps go to stderr, each with the GPU memory it kept: which part of the engine's take is which.
 
-Experts in host memory (model/host_experts.py: `--experts-on-gpu N`, or where --plan moves them) are
-not in the weights' GiB (the GPU's) nor under the cap: the row says how many layers' experts are
-there, the bytes a decoded token reads of them over the bus, and the tokens a second that bound
-allows on PCIe 4.0 x16 (about 25 GB/s), beside the decode step measured on this machine's bus.
+Experts in host memory (model/host_experts.py: `--experts-on-gpu N`, or where --plan moves them), and
+the input embeddings where --plan moves them, are not in the weights' GiB (the GPU's) nor under the
+cap: the row says how many layers' experts are there, the bytes a decoded token reads over the bus,
+and the tokens a second that bound allows on PCIe 4.0 x16 (about 25 GB/s), beside the decode step
+measured on this machine's bus.
 """
 
 import statistics
@@ -30,8 +31,8 @@ from omni_local.bench.scenarios import SPOKEN_QUESTION, SYSTEM, noise_clip, nois
 from omni_local.engine.expert_placement import BUS_BYTES_PER_S, bus_bytes_per_token
 from omni_local.engine.memory_plan import MARGIN_BYTES, GiB, plan_memory
 from omni_local.errors import SettingsError
-from omni_local.model.host_experts import (held_in_host_memory, layers_in_host_memory, move_to_host_memory,
-                                           thinker_experts)
+from omni_local.model.host_experts import (embeddings_in_host_memory, held_in_host_memory, layers_in_host_memory,
+                                           move_to_host_memory, thinker_experts)
 from omni_local.model.loader import LoadedModel
 from omni_local.protocol.messages import Message
 from omni_local.settings import Settings
@@ -55,14 +56,15 @@ def held_bytes(model: torch.nn.Module) -> int:
 
 
 def host_cells(model: torch.nn.Module, weights: str) -> list[str]:
-    """The experts in host memory (layers, GiB), the bytes a decoded token reads of them, and the
-    tokens a second that allows at BUS_BYTES_PER_S."""
-    layers = layers_in_host_memory(model)
-    if not layers:
+    """The weights in host memory (experts' layers, the input embeddings, GiB), the bytes a decoded
+    token reads of them, and the tokens a second that allows at BUS_BYTES_PER_S."""
+    layers, embeddings = layers_in_host_memory(model), embeddings_in_host_memory(model)
+    if not layers and not embeddings:
         return ["none", "0", "-"]
-    bus = bus_bytes_per_token(model, weights, layers)
-    count = len(thinker_experts(model))
-    return [f"{len(layers)} of {count} layers, {gib(held_in_host_memory(model))} GiB", f"{bus / 1e6:.0f}",
+    bus = bus_bytes_per_token(model, weights, layers, embeddings)
+    held = [*([f"{len(layers)} of {len(thinker_experts(model))} layers"] if layers else []),
+            *(["the input embeddings"] if embeddings else [])]
+    return [f"{' and '.join(held)}, {gib(held_in_host_memory(model))} GiB", f"{bus / 1e6:.3g}",
             f"{BUS_BYTES_PER_S / bus:.0f}"]
 
 
@@ -111,9 +113,9 @@ def planned(settings: Settings, loaded: LoadedModel, card_gib: float) -> Setting
         print(row(settings, card_gib, loaded.model, [f"refused by the memory plan: {refusal}"]))
         sys.exit(1)
     print(plan.line(), file=sys.stderr)
-    move_to_host_memory(loaded.model, plan.experts_on_gpu)
+    move_to_host_memory(loaded.model, plan.experts_on_gpu, plan.host_embeddings > 0)
     if loaded.device.type == "cuda":
-        torch.cuda.empty_cache()  # the experts' GPU copies, given back
+        torch.cuda.empty_cache()  # the moved weights' GPU copies, given back
     return plan.applied(settings)
 
 

@@ -37,7 +37,7 @@ def load_random_weights(config_path: Path, settings: Settings) -> LoadedModel:
     apply_workarounds(model, end_of_turn_ids(processor), processor.tokenizer.pad_token_id)
     quantize_layers(model, settings.weights)  # one layer at a time: the full-precision layer is freed as it goes
     if settings.experts_on_gpu != AUTO:
-        move_to_host_memory(model, settings.experts_on_gpu)  # a layer at a time too
+        move_to_host_memory(model, settings.experts_on_gpu, embeddings=False)  # a layer at a time too
     if device.type == "cuda":
         torch.cuda.empty_cache()  # give the freed full-precision layers back, for a cap on the process to measure
     return LoadedModel(model=model.eval(), processor=processor, path=Path(config_path), device=device, dtype=dtype)

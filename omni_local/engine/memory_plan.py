@@ -2,25 +2,28 @@
 
 - weights: their exact size in the chosen format (`weights_bytes`, from the empty model), less the
   experts the plan puts in host memory;
-- engine: what the engine takes besides the Thinker's KV blocks and the encoder outputs: CUDA graphs
-  and their pools, the activations of the largest graphed forward, the Talker's and its code
-  predictor's KV. Measured at each start (its allocations' peak while it starts, less the Thinker's
-  KV) and remembered per GPU, model and settings (<cache_dir>/memory.json); a first start takes
-  FIRST_START_ENGINE_BYTES, measured on an H200 at full size. Each start-up step logs its own part
-  (start_up_steps.py);
+- engine: what the engine takes besides the KV and the encoder outputs: CUDA graphs and their pools,
+  the activations of the largest graphed forward, the code predictor's KV. Measured at each start
+  (its allocations' peak while it starts, less the Thinker's and the Talker's KV) and remembered per
+  GPU, model and settings (<cache_dir>/memory.json); a first start takes FIRST_START_ENGINE_BYTES,
+  measured on an H200 at full size. Each start-up step logs its own part (start_up_steps.py);
 - encoder outputs and KV: caches, so caps the plan shrinks to fit, each down to a floor it states.
-  The KV first gets KV_TARGET_TOKENS (or `gpu_cache_bytes`, if less), then the encoder outputs up to
+  The KV is the Thinker's blocks and, with speech, the Talker's KV beside them (kv_sizes.py: as many
+  Talker sequences as the Thinker's blocks hold chats of `max_context_tokens`). It first gets
+  KV_TARGET_TOKENS (or `gpu_cache_bytes`, if less), then the encoder outputs up to
   `encoder_cache_bytes` (reserved whole on the device: they fill up as media come), then the KV the
-  rest, up to `gpu_cache_bytes`. Chats are worth more than resent images: on a small card the
-  encoder outputs shrink to LEAST_ENCODER_CACHE_BYTES before the KV holds fewer than four chats.
+  rest, up to `gpu_cache_bytes` of the Thinker's. Chats are worth more than resent images: on a small
+  card the encoder outputs shrink to LEAST_ENCODER_CACHE_BYTES before the KV holds fewer than four chats.
 
 What is split is `gpu_memory_bytes`, or by default what the GPU reports free, less MARGIN_BYTES (an
 encoder's activations on the largest image or video are not in the measurement). Where the weights
-and the floors (the engine's, the encoder outputs' and one conversation of `max_context_tokens`) do
-not fit, the routed experts of the Thinker's last layers go to host memory (model/host_experts.py;
-`experts_on_gpu` = -1): the fewest layers that make the floors fit. Decode then reads each token's
-routed experts of those layers over the bus, which the plan's line counts; page-locked, they may take
-at most half the machine's memory (expert_placement.py). Where even that does not fit (or
+leave less than the KV target (beside the engine and the encoder outputs' floor), the Thinker's input
+embeddings go to host memory (model/host_experts.py): a token reads one row of them over the bus.
+Where the weights and the floors (the engine's, the encoder outputs' and one conversation of
+`max_context_tokens`) still do not fit, the routed experts of the Thinker's last layers go there too
+(`experts_on_gpu` = -1): the fewest layers that make the floors fit. Decode then reads each token's
+routed experts of those layers over the bus, which the plan's line counts; page-locked, these weights
+may take at most half the machine's memory (expert_placement.py). Where even that does not fit (or
 `experts_on_gpu` = N keeps too many on the GPU), start-up stops before loading, with one line saying
 what would fit. On the CPU there is no plan unless `gpu_memory_bytes` is set.
 """
@@ -35,12 +38,13 @@ import blake3
 import torch
 
 from omni_local.cache.folders import private_folder
-from omni_local.engine.kv_fp8 import fp8_kv
-from omni_local.engine.kv_store import KVShape
-from omni_local.engine.thinker import kv_shape, least_kv_bytes
-from omni_local.errors import SettingsError
 from omni_local.engine.expert_placement import (BUS_BYTES_PER_S, HOST_SHARE, Placement, bus_bytes_per_token,
-                                                host_experts_most, place_experts)
+                                                host_experts_most, place_weights)
+from omni_local.engine.kv_fp8 import fp8_kv
+from omni_local.engine.kv_sizes import KVSizes, kv_sizes
+from omni_local.engine.speech import talker_sequences
+from omni_local.engine.thinker import least_kv_bytes
+from omni_local.errors import SettingsError
 from omni_local.model.host_experts import AUTO
 from omni_local.model.quantized import weights_bytes
 from omni_local.model.quantized.linear import has_fp8_units
@@ -50,10 +54,11 @@ log = logging.getLogger(__name__)
 
 GiB = 1 << 30
 MARGIN_BYTES = 1 * GiB
-# The engine's start-up take besides the Thinker's KV, at full size with speech and the default
-# settings: 2.6 GiB on an H200 (fp8, allocated after start-up less weights and 4 GiB of KV:
-# docs/benchmarks/2026-12-01-quantized-weights.md); rounded up for a first start.
-FIRST_START_ENGINE_BYTES = 3 * GiB
+# The engine's start-up take besides the KV, at full size with speech and the default settings:
+# 2.6 GiB on an H200 (fp8, allocated after start-up less weights and 4 GiB of Thinker KV:
+# docs/benchmarks/2026-12-01-quantized-weights.md), of which 0.93 GiB was the Talker's KV beside
+# those 4 GiB (computed: 5 sequences of 9,701 rows of 20 KiB); 1.7 GiB, rounded up for a first start.
+FIRST_START_ENGINE_BYTES = 2 * GiB
 # The encoder outputs' floor where memory is short (or encoder_cache_bytes, if less): a 480x640
 # image's outputs take about 6 MiB at full size (some 370 tokens, each its merged row and three
 # deepstack levels of 2,048 bfloat16 values: computed), so this keeps about 20 images.
@@ -67,31 +72,43 @@ CHAT_TOKENS = 4096  # the chat the plan's line counts the KV in
 class MemoryPlan:
     available: int
     weights: int  # on the GPU
-    engine: int  # graphs, activations, the Talker's KV: measured, or FIRST_START_ENGINE_BYTES
+    engine: int  # graphs, activations: measured, or FIRST_START_ENGINE_BYTES
     encoder_outputs: int  # up to encoder_cache_bytes
     encoder_cap: int  # encoder_cache_bytes (0 with the encoder cache off)
     kv: int  # the Thinker's KV blocks, up to gpu_cache_bytes
     kv_tokens: int  # the tokens those blocks hold
+    talker_kv: int  # the Talker's KV beside them (0 without speech)
+    talker_chats: int  # the spoken chats of max_context_tokens it holds
+    context_tokens: int  # max_context_tokens
     key: str  # what the engine's measurement is remembered under
     experts_on_gpu: int  # the first Thinker layers whose experts stay on the GPU; the rest in host memory
     layers: int  # the Thinker's layers
     host_experts: int  # the bytes of the experts in host memory (not in `weights`)
-    bus_bytes_per_token: int  # of them, what a decoded token reads: its routed experts
+    host_embeddings: int  # the bytes of the Thinker's input embeddings in host memory (0: on the GPU)
+    bus_bytes_per_token: int  # of them, what a decoded token reads: its routed experts, its embedding row
 
     def line(self) -> str:
         shrunk = f" (of {size(self.encoder_cap)}: shrunk to fit)" if self.encoder_outputs < self.encoder_cap else ""
         return (f"GPU memory plan, {size(self.available)}: weights {size(self.weights)}{self._host_part()}, engine "
                 f"{size(self.engine)}, encoder outputs {size(self.encoder_outputs)}{shrunk}, KV {size(self.kv)} "
-                f"({self.kv_tokens:,} tokens: {self.kv_tokens / CHAT_TOKENS:.1f} chats of {CHAT_TOKENS:,})")
+                f"({self.kv_tokens:,} tokens: {self.kv_tokens / CHAT_TOKENS:.1f} chats of {CHAT_TOKENS:,})"
+                f"{self._talker_part()}")
 
     def _host_part(self) -> str:
         host = self.layers - self.experts_on_gpu
-        if not host:
+        parts = ([f"the input embeddings, {size(self.host_embeddings)}"] if self.host_embeddings else []) + (
+            [f"the experts of the last {host} of {self.layers} layers, {size(self.host_experts)}"] if host else [])
+        if not parts:
             return ""
-        tokens_per_s = BUS_BYTES_PER_S / self.bus_bytes_per_token if self.bus_bytes_per_token else float("inf")
-        return (f" (the experts of the last {host} of {self.layers} layers in host memory, {size(self.host_experts)}: "
-                f"{self.bus_bytes_per_token / 1e6:,.0f} MB over the bus a decoded token, at most "
-                f"{tokens_per_s:,.0f} tokens/s at {BUS_BYTES_PER_S / 1e9:.0f} GB/s)")
+        bound = (f", at most {BUS_BYTES_PER_S / self.bus_bytes_per_token:,.0f} tokens/s at "
+                 f"{BUS_BYTES_PER_S / 1e9:.0f} GB/s" if host else "")
+        return f" (in host memory: {'; '.join(parts)}: {_bus(self.bus_bytes_per_token)} over the bus a decoded token{bound})"
+
+    def _talker_part(self) -> str:
+        if not self.talker_kv:
+            return ""
+        return (f", and the Talker's KV {size(self.talker_kv)} ({self.talker_chats:,} spoken chats of "
+                f"{self.context_tokens:,})")
 
     def applied(self, settings: Settings) -> Settings:
         """`settings` with the caches as planned."""
@@ -111,37 +128,43 @@ def plan_memory(model: torch.nn.Module, settings: Settings, device: torch.device
     engine = _measured(settings.cache_path).get(key, FIRST_START_ENGINE_BYTES)
     encoder_cap = settings.encoder_cache_bytes if settings.encoder_cache else 0
     least_encoder = min(encoder_cap, LEAST_ENCODER_CACHE_BYTES)
-    kv = _kv_shape(model, settings)
-    dtype = next(model.parameters()).dtype
-    least_kv = least_kv_bytes(kv, dtype)
-    floors = engine + least_encoder + least_kv
+    kv = kv_sizes(model, settings)
+    floors = engine + least_encoder + kv.bytes(kv.least_blocks)
+    first_kv = kv.bytes(max(kv.least_blocks, _target_blocks(kv, settings)))  # the KV target, or the floor if more
     host_most = host_experts_most()
-    placed = place_experts(model, settings.weights, settings.speech, settings.experts_on_gpu, available - floors)
+    placed = place_weights(model, settings.weights, settings.speech, settings.experts_on_gpu, available - floors,
+                           available - engine - least_encoder - first_kv)
     if not placed.fits(available - floors, host_most):
         raise SettingsError(_refusal(model, settings, device, available, floors, least_encoder, placed, host_most))
     room = available - placed.device_weights - engine
-    target_kv = min(settings.gpu_cache_bytes, (kv.blocks_for(KV_TARGET_TOKENS) + 1) * kv.block_bytes(dtype))
-    encoder_outputs = min(encoder_cap, max(least_encoder, room - target_kv))
-    kv_bytes = min(settings.gpu_cache_bytes, room - encoder_outputs)
-    kv_tokens = (kv_bytes // kv.block_bytes(dtype) - 1) * kv.block_tokens  # less the pad block
-    return MemoryPlan(available, placed.device_weights, engine, encoder_outputs, encoder_cap, kv_bytes, kv_tokens,
-                      key, placed.experts_on_gpu, placed.layers, placed.host_experts,
-                      bus_bytes_per_token(model, settings.weights, placed.host_layers))
+    encoder_outputs = min(encoder_cap, max(least_encoder, room - first_kv))
+    blocks = kv.most_blocks(room - encoder_outputs, settings.gpu_cache_bytes)
+    spoken = talker_sequences(kv.tokens(blocks), settings.max_context_tokens) if settings.speech else 0
+    return MemoryPlan(
+        available=available, weights=placed.device_weights, engine=engine, encoder_outputs=encoder_outputs,
+        encoder_cap=encoder_cap, kv=blocks * kv.block_bytes, kv_tokens=kv.tokens(blocks),
+        talker_kv=kv.talker_bytes(blocks), talker_chats=spoken, context_tokens=settings.max_context_tokens, key=key,
+        experts_on_gpu=placed.experts_on_gpu, layers=placed.layers, host_experts=placed.host_experts,
+        host_embeddings=placed.host_embeddings,
+        bus_bytes_per_token=bus_bytes_per_token(model, settings.weights, placed.host_layers, placed.host_embeddings > 0))
+
+
+def _target_blocks(kv: KVSizes, settings: Settings) -> int:
+    """The Thinker's blocks of KV_TARGET_TOKENS, or of `gpu_cache_bytes` if fewer."""
+    return min(kv.blocks_for(KV_TARGET_TOKENS), settings.gpu_cache_bytes // kv.block_bytes)
 
 
 def least_conversation_kv_bytes(model: torch.nn.Module, settings: Settings, dtype: torch.dtype) -> int:
     """The Thinker's KV blocks for one conversation of `max_context_tokens` (and the pad block)."""
-    return least_kv_bytes(_kv_shape(model, settings), dtype)
-
-
-def _kv_shape(model: torch.nn.Module, settings: Settings) -> KVShape:
-    talker_dim = model.config.talker_config.text_config.hidden_size if settings.speech else 0
-    return kv_shape(model.thinker.model.language_model.config, settings.max_context_tokens, settings.kv_block_tokens,
-                    talker_dim, settings.kv_dtype == "fp8")
+    return least_kv_bytes(kv_sizes(model, settings).thinker, dtype)
 
 
 def size(count: int) -> str:
     return f"{count / GiB:.1f} GiB" if count >= GiB else f"{count / (1 << 20):.1f} MiB"
+
+
+def _bus(count: int) -> str:
+    return f"{count / 1e6:,.0f} MB" if count >= 1e6 else f"{count / 1e3:,.1f} kB"
 
 
 def available_bytes(settings: Settings, device: torch.device) -> int | None:
@@ -165,7 +188,8 @@ def engine_baseline(device: torch.device) -> int:
 def remember_engine_bytes(plan: MemoryPlan, settings: Settings, device: torch.device, baseline: int,
                           kv_bytes: int) -> None:
     """After the engine's warm-up, every graph captured: its measured take at its peak since
-    `baseline` (engine_baseline), less the Thinker's KV, for the next start's plan. A request served
+    `baseline` (engine_baseline), less the KV (`kv_bytes`: the Thinker's and the Talker's, which the
+    plan counts with the KV), for the next start's plan. A request served
     while the prefill graphs were captured counts too, its activations and encoder outputs: the
     next plan keeps more for the engine than it needs, never less."""
     if device.type != "cuda":
@@ -193,16 +217,22 @@ def _refusal(model: torch.nn.Module, settings: Settings, device: torch.device, a
     if placed.device_weights + rest > available:
         advice = (f": try {' or '.join(changes)}" if changes else
                   ": no weights format fits; lower max_context_tokens, or use a larger GPU")
-        host = len(placed.host_layers)
-        where = f" with the experts of {host} of {placed.layers} layers in host memory" if host else ""
         return (f"the model needs {size(placed.device_weights + rest)} of GPU memory (weights "
-                f"{size(placed.device_weights)}{where}, the engine, {size(least_encoder)} of encoder outputs and one "
+                f"{size(placed.device_weights)}{_in_host_memory(placed)}, the engine, {size(least_encoder)} of encoder outputs and one "
                 f"conversation's KV {size(rest)}), {size(available)} is free{advice}")
     advice = (f": try {' or '.join(changes)}" if changes else
               ": no weights format fits; use a larger GPU, or more memory")
-    return (f"the model fits {size(available)} of GPU memory with the experts of {len(placed.host_layers)} of "
-            f"{placed.layers} layers in host memory, but they take {size(placed.host_experts)} of it, more than the "
+    return (f"the model fits {size(available)} of GPU memory{_in_host_memory(placed)}, but they take "
+            f"{size(placed.host_experts + placed.host_embeddings)} of it, more than the "
             f"{size(host_most)} page-locked weights may take (1/{HOST_SHARE} of this machine's memory){advice}")
+
+
+def _in_host_memory(placed: Placement) -> str:
+    """What `placed` puts in host memory, as the refusal says it ("" for nothing)."""
+    host = len(placed.host_layers)
+    parts = (["the input embeddings"] if placed.host_embeddings else []) + (
+        [f"the experts of {host} of {placed.layers} layers"] if host else [])
+    return f" with {' and '.join(parts)} in host memory" if parts else ""
 
 
 def _changes(model: torch.nn.Module, settings: Settings, device: torch.device, room: int, least_encoder: int,
@@ -211,13 +241,13 @@ def _changes(model: torch.nn.Module, settings: Settings, device: torch.device, r
     experts in host memory `host_most`: first the encoder cache off, which keeps the format and speech,
     then fewer experts on the GPU, which keeps them too, then other formats, then speech off."""
     def fits(weights: str, speech: bool, setting: int = settings.experts_on_gpu, room: int = room) -> bool:
-        return place_experts(model, weights, speech, setting, room).fits(room, host_most)
+        return place_weights(model, weights, speech, setting, room, room).fits(room, host_most)
 
     formats = [f for f in ("bf16", "fp8", "int4") if f != "fp8" or _fp8_runs(device)]
     speech = [True, False] if settings.speech else [False]
     changes = [_change(settings, f, s) for s in speech for f in formats if fits(f, s)]
     if settings.experts_on_gpu != AUTO and fits(settings.weights, settings.speech, AUTO):
-        fitting = place_experts(model, settings.weights, settings.speech, AUTO, room)
+        fitting = place_weights(model, settings.weights, settings.speech, AUTO, room, room)
         changes.insert(0, f"experts_on_gpu = {fitting.experts_on_gpu}")
     if least_encoder and fits(settings.weights, settings.speech, room=room + least_encoder):
         changes.insert(0, "encoder_cache = false")
@@ -235,9 +265,11 @@ def _fp8_runs(device: torch.device) -> bool:
 
 def _key(model: torch.nn.Module, settings: Settings, device: torch.device) -> str:
     """A full-length digest of what the engine's take depends on: the GPU, the model's dimensions, and
-    the settings that size graphs, activations and the Talker's KV."""
+    the settings that size graphs and activations. ("measured": what the take holds, so that one
+    measured while it held the Talker's KV is not read as one without.)"""
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    parts = {"gpu": gpu, "config": model.config.to_json_string(use_diff=False), "settings": {
+    parts = {"measured": "without the Talker's KV", "gpu": gpu, "config": model.config.to_json_string(use_diff=False),
+             "settings": {
         name: getattr(settings, name) for name in (
             "weights", "speech", "dtype", "max_context_tokens", "max_running_requests", "cuda_graphs",
             "compiled_layers", "prefill_chunk_tokens", "prefill_forward_tokens", "kv_block_tokens",

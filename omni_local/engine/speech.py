@@ -27,7 +27,8 @@ from omni_local.engine.moe import TORCH, MoeBackend
 from omni_local.engine.prefix_cache import Claim, Match, PrefixCache, common_prefix
 from omni_local.engine.prompt.builder import Prompt
 from omni_local.engine.sampling import Sampler
-from omni_local.engine.talker import OPENING_ROWS, TalkerPrompt, TalkerRunner, user_positions
+from omni_local.engine.talker import (OPENING_ROWS, TalkerPrompt, TalkerRunner, talker_kv_blocks, talker_kv_shape,
+                                      user_positions)
 from omni_local.engine.vocoder import AudioStream, Vocoder
 from omni_local.protocol.events import SPEECH_SAMPLE_RATE, SpeechReport
 from omni_local.protocol.params import SamplingParams, SpeechParams
@@ -82,6 +83,30 @@ class SpokenReply:
                             self.prompt.num_tokens, reused)
 
 
+def talker_sequences(thinker_tokens: int, max_context_tokens: int) -> int:
+    """The Talker's longest sequences its KV holds beside Thinker KV of `thinker_tokens`: as many as
+    those hold chats of `max_context_tokens`."""
+    return thinker_tokens // max_context_tokens
+
+
+def talker_kv_bytes(model: torch.nn.Module, settings: Settings, thinker_tokens: int, dtype: torch.dtype) -> int:
+    """The bytes of the Talker's KV beside Thinker KV of `thinker_tokens` (its blocks, and the pad block)."""
+    shape = talker_kv_shape(model.config.talker_config.text_config, talker_sequence_rows(settings, model.code2wav))
+    sequences = talker_sequences(thinker_tokens, settings.max_context_tokens)
+    return talker_kv_blocks(shape, sequences) * shape.block_bytes(dtype)
+
+
+def talker_sequence_rows(settings: Settings, code2wav: torch.nn.Module) -> int:
+    """The rows of the Talker's longest sequence: every user token of a full context, the assistant
+    rows and the frames."""
+    return settings.max_context_tokens + OPENING_ROWS + max_frames(settings, code2wav)
+
+
+def max_frames(settings: Settings, code2wav: torch.nn.Module) -> int:
+    """The frames of the longest spoken reply, `max_speech_seconds`."""
+    return max(1, round(settings.max_speech_seconds * SPEECH_SAMPLE_RATE / int(code2wav.total_upsample)))
+
+
 class Speaker:
     """The engine's speech part: the Talker runner, its KV cache, and Code2Wav."""
 
@@ -89,9 +114,8 @@ class Speaker:
                  attention: AttentionKernels = AttentionKernels()) -> None:
         self.vocoder = Vocoder(model.code2wav, settings.first_audio_frames, settings.audio_chunk_frames,
                                settings.audio_left_context_frames, cuda_graphs=settings.cuda_graphs)
-        self.max_frames = max(1, round(settings.max_speech_seconds * SPEECH_SAMPLE_RATE / self.vocoder.samples_per_frame))
-        # Room for every user token of a full context, the assistant rows and the frames.
-        self.runner = TalkerRunner(model, settings.max_context_tokens + OPENING_ROWS + self.max_frames, kv_sequences,
+        self.max_frames = max_frames(settings, model.code2wav)
+        self.runner = TalkerRunner(model, talker_sequence_rows(settings, model.code2wav), kv_sequences,
                                    cuda_graphs=settings.cuda_graphs, compiled_layers=settings.compiled_layers,
                                    moe=moe, attention=attention)
         # Talker KV of user turns is small; an entry pushed off the device is dropped, not moved.

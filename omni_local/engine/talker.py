@@ -37,6 +37,16 @@ ASSISTANT_OPENING = 3  # <|im_start|> assistant \n
 OPENING_ROWS = ASSISTANT_OPENING + 6  # the Talker's assistant rows: the opening, 4 pads, BOS, the first token
 
 
+def talker_kv_shape(config, max_tokens: int) -> KVShape:
+    """The Talker's KV blocks for its text model's `config`, a sequence holding `max_tokens` rows."""
+    return KVShape(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, max_tokens)
+
+
+def talker_kv_blocks(shape: KVShape, sequences: int) -> int:
+    """The Talker's KV blocks for `sequences` of its longest sequences, and the pad block."""
+    return sequences * shape.table_blocks + 1
+
+
 class TalkerRows:
     """The row the Talker reads for a Thinker token, made during the Thinker's prefill."""
 
@@ -91,13 +101,13 @@ class TalkerRunner:
         self.num_code_groups = talker_config.num_code_groups
         self.device = self.talker.codec_head.weight.device
         self.dtype = self.talker.codec_head.weight.dtype
-        shape = KVShape(text.num_hidden_layers, text.num_key_value_heads, text.head_dim, max_tokens)
+        shape = talker_kv_shape(text, max_tokens)
         # The Talker's own step is a decode step like the Thinker's (about 41 ms eager at full size,
         # 5 ms graphed): BatchGraphs, whose buckets under transformers' attention read rows past
         # each new token, so the blocks it hands out are zeroed then (the kernel reads a token's own
         # rows only). Blocks for `kv_sequences` sequences of `max_tokens`, and the pad block.
         self._capture_steps = cuda_graphs and graphable(self.stack.config, self.device)
-        self.kv = KVStore(shape, kv_sequences * shape.table_blocks + 1, self.dtype, self.device,
+        self.kv = KVStore(shape, talker_kv_blocks(shape, kv_sequences), self.dtype, self.device,
                           zeroed=self._capture_steps and attention.decode is None)
         self.step_graphs: BatchGraphs | None = None  # set once captured, by warm_up
         # The code predictor's KV: one frame's rows (the Talker's state, then each code), one

@@ -1,4 +1,5 @@
-"""The routed experts of the Thinker's last layers kept in host memory, where the GPU is too small.
+"""The routed experts of the Thinker's last layers, and its input embeddings, kept in host memory where
+the GPU is too small.
 
 At full size the experts are 93% of the Thinker's weights (13.7 GiB of them in int4), and a decode
 step reads only the top-k routed experts of each layer: 8 of 128, about 19 MB a layer in int4. So a
@@ -17,6 +18,10 @@ weights load): the loader allocates a marked module's tensors in mapped host mem
 expert's matrix at a time on the GPU, then write it there). A model built whole on the GPU (the
 benchmarks' random weights) moves them afterwards, a layer at a time (`move_to_host_memory`).
 On the CPU every tensor is in host memory already: the mark changes nothing there.
+
+The Thinker's input embeddings (152,064 rows of 2,048: 594 MiB in bf16, 297 in int4's int8) are read
+one row a token, a few KiB over the bus: the plan moves them before any experts. Not where lm_head is
+tied to them (one table), which reads all of it every token.
 """
 
 import torch
@@ -38,13 +43,25 @@ def host_layers(layer_count: int, experts_on_gpu: int) -> range:
     return range(min(experts_on_gpu, layer_count), layer_count)
 
 
-def keep_in_host_memory(model: torch.nn.Module, experts_on_gpu: int) -> None:
-    """Mark the experts of the Thinker layers past the first `experts_on_gpu` to be held in host
-    memory when their weights load."""
+def thinker_embeddings(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The Thinker's input embeddings, which may be held in host memory; None where lm_head is tied to them."""
+    if "thinker.lm_head.weight" in model.all_tied_weights_keys:
+        return None
+    return model.thinker.get_input_embeddings()
+
+
+def keep_in_host_memory(model: torch.nn.Module, experts_on_gpu: int, embeddings: bool) -> None:
+    """Mark the experts of the Thinker layers past the first `experts_on_gpu`, and its input embeddings
+    if `embeddings`, to be held in host memory when their weights load."""
+    for module in _host_modules(model, experts_on_gpu, embeddings):
+        setattr(module, _MARK, True)
+
+
+def _host_modules(model: torch.nn.Module, experts_on_gpu: int, embeddings: bool) -> list[torch.nn.Module]:
+    """The modules `experts_on_gpu` and `embeddings` put in host memory."""
     experts = thinker_experts(model)
-    for index in host_layers(len(experts), experts_on_gpu):
-        if experts[index] is not None:
-            setattr(experts[index], _MARK, True)
+    table = thinker_embeddings(model) if embeddings else None
+    return [m for m in [*(experts[i] for i in host_layers(len(experts), experts_on_gpu)), table] if m is not None]
 
 
 def in_host_memory(experts: torch.nn.Module) -> bool:
@@ -73,14 +90,12 @@ def placed(module: torch.nn.Module, tensor: torch.Tensor, device: torch.device) 
     return mapped_copy(tensor, device) if in_host_memory(module) else tensor.to(device)
 
 
-def move_to_host_memory(model: torch.nn.Module, experts_on_gpu: int) -> None:
-    """Move the experts of a loaded model's Thinker layers past the first `experts_on_gpu` to mapped
-    host memory, one layer at a time (each layer's GPU copy is freed before the next is moved), and
-    mark them."""
-    experts = thinker_experts(model)
-    for index in host_layers(len(experts), experts_on_gpu):
-        module = experts[index]
-        if module is None or in_host_memory(module):
+def move_to_host_memory(model: torch.nn.Module, experts_on_gpu: int, embeddings: bool) -> None:
+    """Move the experts of a loaded model's Thinker layers past the first `experts_on_gpu`, and its
+    input embeddings if `embeddings`, to mapped host memory, one module at a time (each one's GPU copy
+    is freed before the next is moved), and mark them."""
+    for module in _host_modules(model, experts_on_gpu, embeddings):
+        if in_host_memory(module):
             continue
         setattr(module, _MARK, True)
         for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
@@ -90,15 +105,27 @@ def move_to_host_memory(model: torch.nn.Module, experts_on_gpu: int) -> None:
 
 
 def held_in_host_memory(model: torch.nn.Module) -> int:
-    """The bytes of the experts held in mapped host memory (none on the CPU, where it is all host memory)."""
+    """The bytes of the weights held in mapped host memory, experts and embeddings (none on the CPU,
+    where it is all host memory)."""
     experts = thinker_experts(model)
-    return sum(t.nbytes for index in layers_in_host_memory(model) for t in _tensors(experts[index]))
+    held = [experts[index] for index in layers_in_host_memory(model)]
+    held += [thinker_embeddings(model)] if embeddings_in_host_memory(model) else []
+    return sum(t.nbytes for module in held for t in _tensors(module))
 
 
 def layers_in_host_memory(model: torch.nn.Module) -> list[int]:
     """The Thinker layers whose experts are held in mapped host memory (none on the CPU)."""
-    return [index for index, experts in enumerate(thinker_experts(model))
-            if experts is not None and in_host_memory(experts) and all(t.is_cuda for t in _tensors(experts))]
+    return [index for index, experts in enumerate(thinker_experts(model)) if experts is not None and _mapped(experts)]
+
+
+def embeddings_in_host_memory(model: torch.nn.Module) -> bool:
+    """Whether the Thinker's input embeddings are held in mapped host memory (never on the CPU)."""
+    table = thinker_embeddings(model)
+    return table is not None and _mapped(table)
+
+
+def _mapped(module: torch.nn.Module) -> bool:
+    return in_host_memory(module) and all(t.is_cuda for t in _tensors(module))
 
 
 def _tensors(module: torch.nn.Module) -> list[torch.Tensor]:

@@ -211,7 +211,7 @@ def _placed(model: torch.nn.Module, settings: Settings,
     if before_loading is not None:
         before_loading(model)
     if settings.experts_on_gpu != AUTO:
-        keep_in_host_memory(model, settings.experts_on_gpu)
+        keep_in_host_memory(model, settings.experts_on_gpu, embeddings=False)
 
 
 def _stored_layers(settings: Settings, path: Path, dtype: torch.dtype) -> StoredLayers:

@@ -31,7 +31,8 @@ from transformers import GenerationConfig, Qwen3OmniMoeConfig, Qwen3OmniMoeForCo
 
 from omni_local.errors import CheckpointError
 from omni_local.model.checkpoint_names import SPEECH_PARTS, ExpertSlice, expert_slice, fused_rows, model_name, per_expert
-from omni_local.model.host_experts import experts_empty
+from omni_local.engine.mapped_memory import mapped_copy
+from omni_local.model.host_experts import experts_empty, in_host_memory
 from omni_local.model.quantized.prequantized import CheckpointQuantization, PrequantizedLayers
 
 Prepare = Callable[[torch.nn.Module], None]
@@ -202,7 +203,7 @@ def _stream_file(
             if name not in expected or getattr(_owner(model, name), "prefilled", False):
                 continue  # skipped, as `_check_names` decided, or its module was filled by `prepare`
             tensor = shard.get_tensor(key)  # a view of the mapped file: its pages are read by the copy
-            _place(model, name, tensor.to(device, dtype if tensor.is_floating_point() else tensor.dtype))
+            _place(model, name, tensor, dtype if tensor.is_floating_point() else tensor.dtype, device)
 
 
 def _owner(model: torch.nn.Module, name: str) -> torch.nn.Module:
@@ -211,19 +212,23 @@ def _owner(model: torch.nn.Module, name: str) -> torch.nn.Module:
     return model.get_submodule(part.module if part is not None else name.rpartition(".")[0])
 
 
-def _place(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+def _place(model: torch.nn.Module, name: str, tensor: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
+    """`tensor` as read from the file, in `dtype`, where its module holds it: on `device`, or a weight
+    its module keeps in host memory (the input embeddings, model/host_experts.py) straight there, never
+    on the GPU first."""
     part = expert_slice(name)
     if part is not None:
-        _place_expert(model.get_submodule(part.module), part, tensor)
+        _place_expert(model.get_submodule(part.module), part, tensor.to(device, dtype))
         return
     owner_name, _, attribute = name.rpartition(".")
     owner = model.get_submodule(owner_name)
     if hasattr(owner, "take_weight"):
-        owner.take_weight(attribute, tensor)
+        owner.take_weight(attribute, tensor.to(device, dtype))
     elif attribute in owner._buffers:
-        setattr(owner, attribute, tensor)
+        setattr(owner, attribute, tensor.to(device, dtype))
     else:
-        setattr(owner, attribute, torch.nn.Parameter(tensor, getattr(owner, attribute).requires_grad))
+        held = mapped_copy(tensor.to(dtype), device) if in_host_memory(owner) else tensor.to(device, dtype)
+        setattr(owner, attribute, torch.nn.Parameter(held, getattr(owner, attribute).requires_grad))
 
 
 def _place_expert(experts: torch.nn.Module, part: ExpertSlice, tensor: torch.Tensor) -> None:

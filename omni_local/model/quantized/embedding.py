@@ -7,6 +7,7 @@ model's dtype, the dtype the full-precision table gave.
 
 import torch
 
+from omni_local.model.host_experts import carry_mark, placed
 from omni_local.model.quantized.formats import QuantFormat, Quantized, dequantize, quantize, quantized_bytes
 
 
@@ -25,6 +26,7 @@ class QuantizedEmbedding(torch.nn.Module):
         """A table for `embedding`'s place: quantized from its weight, unless that is still on the meta
         device (a skeleton being loaded: `take_weight` fills it)."""
         layer = cls(embedding.num_embeddings, embedding.embedding_dim, format)
+        carry_mark(embedding, layer)  # held in host memory if the plan put it there
         if not embedding.weight.is_meta:
             layer.take_weight("weight", embedding.weight.detach())
         return layer
@@ -34,8 +36,8 @@ class QuantizedEmbedding(torch.nn.Module):
         assert name == "weight" and tensor.shape == (self.num_embeddings, self.embedding_dim), (name, tensor.shape)
         weight = quantize(tensor, self.format)
         # int8's scales in the model's dtype, as a QuantizedLinear keeps them (formats.quantized_bytes).
-        self.hold(weight.values, weight.scales.to(tensor.dtype) if self.format == "int8" else weight.scales,
-                  tensor.dtype)
+        scales = weight.scales.to(tensor.dtype) if self.format == "int8" else weight.scales
+        self.hold(placed(self, weight.values, tensor.device), placed(self, scales, tensor.device), tensor.dtype)
 
     def hold(self, values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
         """Keep a quantized table (made here, or read back from disk) for a model in `dtype`."""
