@@ -107,8 +107,8 @@ class MemoryPlan:
     def _talker_part(self) -> str:
         if not self.talker_kv:
             return ""
-        return (f", and the Talker's KV {size(self.talker_kv)} ({self.talker_chats:,} spoken chats of "
-                f"{self.context_tokens:,})")
+        chats = f"{self.talker_chats:,} spoken chat{'' if self.talker_chats == 1 else 's'}"
+        return f", and the Talker's KV {size(self.talker_kv)} ({chats} of {self.context_tokens:,})"
 
     def applied(self, settings: Settings) -> Settings:
         """`settings` with the caches as planned."""
