@@ -7,7 +7,7 @@ from unittest.mock import patch
 import pytest
 
 from omni_local.api import OmniLocal
-from omni_local.engine.engine import REPLY_ROWS_AHEAD
+from omni_local.engine.scheduler import REPLY_ROWS_AHEAD
 
 REPLY = 600  # tokens each reply decodes: each fits the pool alone, not two side by side
 # (question, sampling): the demo's replies to these run to REPLY tokens; the sampled one checks that

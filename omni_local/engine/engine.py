@@ -47,7 +47,6 @@ import queue
 import secrets
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
@@ -69,14 +68,14 @@ from omni_local.engine.kv_fp8 import fp8_kv
 from omni_local.engine.logprobs import RowLogprobs, StepLogprobs, TokenTexts, step_logprobs
 from omni_local.engine.media_encoder import MediaEncoder
 from omni_local.engine.moe import moe_backend
-from omni_local.engine.phases import (BEGIN_SPEECH, BUILD_PROMPT, CHOOSE_FIRST, CLAIM_KV, COLLECT, DECODE, FIRST_TOKEN,
-                                      PREFILL, PREPARE, SPEECH_FRAME, phase)
-from omni_local.engine.prefill_chunks import chunk_end
+from omni_local.engine.phases import (BEGIN_SPEECH, BUILD_PROMPT, CHOOSE_FIRST, COLLECT, DECODE, FIRST_TOKEN, PREFILL,
+                                      PREPARE, SPEECH_FRAME, phase)
 from omni_local.engine.prefix_cache import PrefixCache
 from omni_local.engine.prompt.context_window import fit_prompt
 from omni_local.engine.reasoning import ReasoningText, prompt_opens_reasoning
 from omni_local.engine.request import Failed, Request, State
 from omni_local.engine.sampling import SeatSampler
+from omni_local.engine.scheduler import Scheduler
 from omni_local.engine.seats import Seats
 from omni_local.engine.speech import Speaker
 from omni_local.engine.talker import TalkerRows
@@ -92,7 +91,6 @@ from omni_local.start_up_steps import gpu_memory, log_start_up_step, start_up_st
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-REPLY_ROWS_AHEAD = 64  # a written reply's KV rows claimed at a time: after its prompt, then as it outgrows them
 NOT_A_NUMBER = "the model's output was not a number (NaN or infinity): this request's input may be corrupt"
 
 
@@ -172,12 +170,10 @@ class Engine:
         # worker, whom every decoding chat waits on, never stops for one.
         self._prompt_builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-prompts")
         self._inbox: "queue.Queue[Request | None]" = queue.Queue()  # requests with their prompts
-        self._waiting: deque[Request] = deque()
-        self._running: list[Request] = []
+        self.scheduler = Scheduler(settings, self.cache, self.seats, kv.shape.block_tokens)
         self._in_flight: DecodeStep | None = None  # the last decode step, read in the next turn
         # First tokens chosen this turn, read once the turn's decode step is queued (`_read_first_tokens`)
         self._first_choices: list[tuple[Request, Choices]] = []
-        self._short_of_blocks = False  # the first waiting request found too few blocks; a release clears it
         self.warm, self._when_warm = threading.Event(), when_warm  # every graph captured
         # The prefill graphs' time and memory, logged once the last is captured (a request served
         # meanwhile counts too).
@@ -237,7 +233,7 @@ class Engine:
     @property
     def busy(self) -> bool:
         """A request waits for a turn or is in one, or a decode step is in flight."""
-        return bool(self._waiting or self._running or self._in_flight)
+        return bool(self.scheduler.waiting or self.scheduler.running or self._in_flight)
 
     @property
     def queued(self) -> int:
@@ -252,12 +248,12 @@ class Engine:
             if not self._take_inbox(block=idle and warm):
                 self._shut_down()
                 return
-            if idle and not self._waiting and not warm:
+            if idle and not self.scheduler.waiting and not warm:
                 self._capture_a_graph()  # one at a time: a request that comes waits for one capture at most
                 continue
             self.cache.settle()  # the blocks of moves to host memory that have run, back to the pool
             self._admit()
-            if self._running or self._in_flight:
+            if self.scheduler.running or self._in_flight:
                 self._run_turn()
 
     def _capture_a_graph(self) -> None:
@@ -279,7 +275,7 @@ class Engine:
         self.warm.set()
 
     def _shut_down(self) -> None:
-        for request in [*self._running, *self._waiting]:
+        for request in [*self.scheduler.running, *self.scheduler.waiting]:
             self._fail(request, "the engine was closed")
         if self.encoder_cache is not None:
             self.encoder_cache.close()  # the worker's own database connection
@@ -291,128 +287,46 @@ class Engine:
             while True:
                 if item is None:
                     return False
-                self._waiting.append(item)
+                self.scheduler.waiting.append(item)
                 item = self._inbox.get_nowait()
         except queue.Empty:
             return True
 
     def _admit(self) -> None:
-        """Start waiting requests in order while seats and blocks can be had; the rest wait their turn."""
-        for request in [r for r in self._waiting if r.cancelled.is_set()]:
-            self._waiting.remove(request)
+        """Admit what the scheduler can; finish or fail those it took out of the line."""
+        admission = self.scheduler.admit()
+        for request in admission.cancelled:
             self._finish(request, "cancelled")
-        # A preempted request resumes before any newer one starts: it would take the blocks freed.
-        while self._waiting and not self._short_of_blocks and self.seats.free and not self._parked():
-            request = self._waiting[0]
-            try:
-                if request.build_error is not None:
-                    raise request.build_error
-                with phase(CLAIM_KV):
-                    match = self.cache.match(request.prompt, request.session, request.principal)
-                    request.claim = self.cache.claim(request.session, request.prompt, match,
-                                                     self._claimed_rows(request), at_most=self._rows_for(request),
-                                                     principal=request.principal)
-            except Exception as error:  # noqa: BLE001 - one request's failure must not stop the worker
-                self._waiting.popleft()
-                self._fail(request, self._failure_message(error))
-                continue
-            if request.claim is None:
-                # Running requests hold the blocks it needs: matching again before one lets go would
-                # only repeat the same work at every decode step.
-                self._short_of_blocks = True
-                return
-            self._waiting.popleft()
-            request.seat = self.seats.take()
-            request.admit()
-            self._running.append(request)
-
-    def _rows_for(self, request: Request) -> int:
-        """KV rows `request` may write: its prompt and its longest reply, within the context."""
-        return min(request.prompt.num_tokens + request.params.max_new_tokens, self.settings.max_context_tokens)
-
-    def _claimed_rows(self, request: Request) -> int:
-        """KV rows claimed at admission: a written reply's prompt and first REPLY_ROWS_AHEAD rows (it
-        grows as it goes, `_room_to_decode`); a spoken reply's every row, as it is never preempted
-        (its Talker reads the Thinker's rows while it speaks)."""
-        most = self._rows_for(request)
-        return most if request.speech is not None else min(most, request.prompt.num_tokens + REPLY_ROWS_AHEAD)
-
-    def _parked(self) -> list[Request]:
-        """The preempted requests, oldest first."""
-        return [r for r in self._running if r.state is State.PARKED]
+        for request, error in admission.failed:
+            self._fail(request, self._failure_message(error))
 
     def _run_turn(self) -> None:
         """Prefills (the oldest waiting prompt's next part, and the short prompts after it that fit in
         the turn's budget); one decode step of the requests decoding, queued before the step of the
         turn before is read; one frame of each spoken reply."""
-        for request in [r for r in self._running if r.cancelled.is_set()]:
+        plan = self.scheduler.plan()
+        for request in plan.cancelled:
             self._finish(request, "cancelled")
-        # A request whose rows are still coming back from host memory sits this turn out.
-        ready = [r for r in self._running if r.state in (State.PREFILLING, State.DECODING) and r.claim.ready]
-        decoding = [r for r in ready if r.state is State.DECODING]
-        waiting = [r for r in ready if r.state is State.PREFILLING]
-        if waiting:
-            # Those a long prefill would hold up: the replies decoding and the ones still speaking. (A
-            # prompt waiting for its own prefill comes after this one's, in chunks or not.)
-            speaking = any(r.speaking for r in self._running)
-            self._prefills(waiting, bool(decoding) or speaking or self.settings.chunk_every_prefill)
-        decoding = self._room_to_decode(decoding)
+        for part in plan.prefills:
+            self._guarded([part.request], lambda: self._prefill(part.request, part.end))
+        decoding = self.scheduler.make_room(plan.decoding, self._drain)
         previous, self._in_flight = self._in_flight, self._launch(decoding)
         if previous is not None:
             self._collect(previous)
         self._read_first_tokens()
-        for request in [r for r in self._running if r.speaking]:
+        running = self.scheduler.running
+        for request in [r for r in running if r.speaking]:
             self._guarded([request], lambda: self._speak(request))
-        for request in self._running:
+        for request in running:
             if request.state is State.TEXT_DONE and not request.speaking:
                 self._finish(request, request.stop_reason)
-        self._running = [r for r in self._running if not r.ended]
-
-    def _room_to_decode(self, decoding: list[Request]) -> list[Request]:
-        """The requests to decode this turn, each with blocks for the row its step writes. Oldest
-        first, each one whose next row is past its blocks is grown by REPLY_ROWS_AHEAD rows; where no
-        block can be had, the youngest written reply decoding is preempted (`_park`) until one can,
-        the growing request itself if it is that one: it waits, parked, for blocks to free. Then
-        parked ones come back, oldest first, while blocks are left (so none is parked again at once)."""
-        for request in [r for r in decoding if r.launched < r.max_new_tokens]:  # in order of admission
-            rows = self._next_rows(request)
-            while request.state is State.DECODING and not self.cache.grow(request.claim, rows):
-                self._drain()  # a request is preempted with no step in flight: its rows are all known
-                if request.state is State.DECODING:
-                    self._park(max((r for r in decoding if self._preemptible(r)), key=lambda r: r.started_at))
-        decoding = [r for r in decoding if r.state is State.DECODING]
-        for request in self._parked():
-            if not self.cache.resume(request.claim, self._next_rows(request)):
-                break
-            request.move(State.DECODING)
-            if request.claim.ready:
-                decoding.append(request)
-        return decoding
-
-    def _next_rows(self, request: Request) -> int:
-        """Rows `request` must hold for its next step, which writes row prompt + launched - 1: those,
-        and REPLY_ROWS_AHEAD more (within its longest reply) where its blocks end before them."""
-        rows = request.prompt.num_tokens + request.launched
-        held = len(request.table) * self.runner.kv.shape.block_tokens if request.table is not None else 0
-        return rows if rows <= held else min(rows + REPLY_ROWS_AHEAD, self._rows_for(request))
-
-    def _preemptible(self, request: Request) -> bool:
-        return request.state is State.DECODING and request.speech is None
+        self.scheduler.drop_ended()
 
     def _drain(self) -> None:
         """Read the decode step in flight now, not in the next turn."""
         previous, self._in_flight = self._in_flight, None
         if previous is not None:
             self._collect(previous)
-
-    def _park(self, request: Request) -> None:
-        """Preempt `request` (a written reply decoding, no step of it in flight): what it wrote is
-        published, its rows go to host memory and its blocks to the pool. It keeps its seat, and with
-        it its sampler's state (its last token, its random stream), and resumes where it stopped."""
-        self.cache.publish(request.claim, request.prompt, request.output_ids, request.written)
-        self.cache.park(request.claim, request.written)
-        request.move(State.PARKED)
-        log.info("KV full: a reply of %d tokens waits in host memory for blocks to free", request.written)
 
     def _guarded(self, requests: list[Request], work: Callable[[], T]) -> T | None:
         """What `work` for `requests` returns; if it raises, they fail with its message, the engine goes
@@ -433,34 +347,8 @@ class Engine:
             if self.runner.device.type == "cuda":
                 torch.cuda.empty_cache()  # give back what the failed forward reserved
             return "out of memory: try a shorter conversation, a smaller image or clip"
-        log.exception("request failed")
+        log.error("request failed", exc_info=error)  # as it may be read after its `except`
         return f"internal error: {type(error).__name__}: {error}"
-
-    def _prefills(self, waiting: list[Request], in_chunks: bool) -> None:
-        """The oldest waiting prompt's next part (`_part_end`), then, in order, each next prompt that
-        its last part finishes while the turn's prefills stay within prefill_chunk_tokens tokens.
-        So many short first questions at once get their first tokens a few per turn, not one per
-        decode step of the others, who wait no longer for them than for one chunk of a long prompt."""
-        budget = self.settings.prefill_chunk_tokens
-        for index, request in enumerate(waiting):
-            begin, end = request.prefilled, self._part_end(request, in_chunks)
-            if index and (end < request.prompt.num_tokens or end - begin > budget):
-                return  # it waits for a turn of its own: no prompt overtakes an older one
-            self._guarded([request], lambda: self._prefill(request, end))
-            budget -= end - begin
-
-    def _part_end(self, request: Request, in_chunks: bool) -> int:
-        """Where `request`'s next prefill part ends: `in_chunks`, at the next multiple of
-        prefill_chunk_tokens; else of prefill_forward_tokens (or at the end of its prompt)."""
-        # Chunks only buy other replies shorter waits, and cost the prompt time: each is a forward of
-        # its own, reading the experts' weights again. So a prompt that holds up nobody is one forward
-        # of as many tokens as a graph holds. Chosen again each turn: a prompt begun in chunks
-        # finishes in such forwards once nobody else decodes or speaks, from where a chunk ended, so
-        # every part of it still ends at a multiple of the chunk size, fixed by position whatever the
-        # cache supplied and whoever else ran.
-        settings = self.settings
-        size = settings.prefill_chunk_tokens if in_chunks else settings.prefill_forward_tokens
-        return chunk_end(request.prefilled, request.prompt.num_tokens, size)
 
     def _prefill(self, request: Request, end: int) -> None:
         """`request`'s prefill up to row `end`, in one forward. The first part prepares the whole tail
@@ -640,7 +528,7 @@ class Engine:
                 self.runner.kv.forget_rows(request.table, request.claim.start)
             self.cache.release(request.claim)
             request.claim = None
-            self._short_of_blocks = False
+            self.scheduler.blocks_freed()
         if request.seat is not None:
             self.seats.give_back(request.seat)
             request.seat = None
@@ -668,7 +556,7 @@ class Engine:
         self.runner.encoder.forget([m for m in request.prompt.media if m.start >= claim.start], request.principal)
         self.cache.discard(claim)
         request.claim = None
-        self._short_of_blocks = False
+        self.scheduler.blocks_freed()
         self._fail(request, NOT_A_NUMBER)
 
     def _fail(self, request: Request, message: str) -> None:
