@@ -2,19 +2,14 @@
 thread builds their prompts (the chat template, the tokenizer, the media's digests) in the order
 they come, so the worker never stops every decoding chat to build one.
 
-Each turn of the loop is schedule (admit waiting requests, their prompts built: match each in the
-prefix cache, claim blocks for all it may write, take a seat), run (forwards, and sampling on the
-device), postprocess (stream, finish). A turn runs the prefill of the oldest request still waiting
-for its first token (of what the cache could not supply), and of the short ones after it while the
-turn's prefills stay within one chunk's tokens, then one decode step of every request that was
-decoding (one batched forward when graphed), then the first tokens of the prompts that turn
+Each turn of the loop is schedule, run, postprocess. The scheduler (scheduler.py) admits waiting
+requests and plans the turn: the prefill parts (one chunk a turn while another reply decodes or
+speaks) and the requests to decode. The engine runs the parts, then one decode step of every request
+decoding (one batched forward when graphed), then reads the first tokens of the prompts that turn
 finished (chosen on the device after their last part, read once that step is queued, so the
-decoding replies do not wait for them), then one frame of every spoken reply. While another
-reply is decoding or speaking, the oldest prefill is one chunk a turn (prefill_chunks.py), so a new
-question, however long, holds up each reply by one chunk at a time; with nobody to hold up, it is
-the whole rest of the prompt in one forward. A long reply does not hold up a new question's first
-token. A spoken reply gives its seat and blocks back when its text ends and stays in the turns
-until its speech ends.
+decoding replies do not wait for them), then makes one frame of every spoken reply, and streams
+(reply_text.py). A spoken reply gives its seat and blocks back when its text ends and stays in the
+turns until its speech ends.
 
 The host does not wait for a decode step it queues. A step's tokens are chosen on the device
 (SeatSampler, one row per seat) and are the next step's input there; the host reads them one turn
@@ -50,7 +45,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -60,19 +54,18 @@ from omni_local.cache.encoder_cache import EncoderCache, encoder_namespace
 from omni_local.cache.folders import keep_compiled_code_in
 from omni_local.engine.attention import attention_kernels, without_cudnn_attention
 from omni_local.engine.batch_invariant import make_batch_invariant
+from omni_local.engine.choices import Choices, DecodeStep
 from omni_local.engine.cuda_graphs import prefill_lengths
-from omni_local.engine.detokenizer import IncrementalDetokenizer
 from omni_local.engine.encoders import Encoders
-from omni_local.engine.host_copies import Readback
 from omni_local.engine.kv_fp8 import fp8_kv
-from omni_local.engine.logprobs import RowLogprobs, StepLogprobs, TokenTexts, step_logprobs
+from omni_local.engine.logprobs import RowLogprobs
 from omni_local.engine.media_encoder import MediaEncoder
 from omni_local.engine.moe import moe_backend
 from omni_local.engine.phases import (BEGIN_SPEECH, BUILD_PROMPT, CHOOSE_FIRST, COLLECT, DECODE, FIRST_TOKEN, PREFILL,
                                       PREPARE, SPEECH_FRAME, phase)
 from omni_local.engine.prefix_cache import PrefixCache
 from omni_local.engine.prompt.context_window import fit_prompt
-from omni_local.engine.reasoning import ReasoningText, prompt_opens_reasoning
+from omni_local.engine.reply_text import ReplyText
 from omni_local.engine.request import Failed, Request, State
 from omni_local.engine.sampling import SeatSampler
 from omni_local.engine.scheduler import Scheduler
@@ -83,7 +76,7 @@ from omni_local.engine.thinker import ThinkerRunner
 from omni_local.errors import OmniLocalError, RequestError
 from omni_local.model.loader import LoadedModel, media_markup_token_ids, thinker_eos_token_ids
 from omni_local.model.reasoning import reasoning_marks
-from omni_local.protocol.events import AudioChunk, ContextUse, Finished, ReasoningDelta, StopReason, TextDelta
+from omni_local.protocol.events import AudioChunk, StopReason
 from omni_local.protocol.messages import Message
 from omni_local.protocol.params import SamplingParams, SpeechParams
 from omni_local.settings import Settings
@@ -92,27 +85,6 @@ from omni_local.start_up_steps import gpu_memory, log_start_up_step, start_up_st
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 NOT_A_NUMBER = "the model's output was not a number (NaN or infinity): this request's input may be corrupt"
-
-
-@dataclass(frozen=True)
-class Choices:
-    """Tokens chosen on the device, on their way to the host: with whether their logits were numbers
-    (`_chosen_and_finite`), and the log-probabilities of the rows that asked."""
-
-    chosen: Readback
-    logprobs: StepLogprobs | None = None
-
-    def read(self) -> tuple[list[list[int]], dict[int, RowLogprobs]]:
-        """The tokens and whether their logits were numbers; the log-probabilities by row."""
-        return self.chosen.tolist(), self.logprobs.read() if self.logprobs is not None else {}
-
-
-@dataclass(frozen=True)
-class DecodeStep:
-    """A decode step queued on the device and not read yet: its requests, and their next tokens."""
-
-    requests: list[Request]
-    chosen: Choices
 
 
 class Engine:
@@ -158,10 +130,10 @@ class Engine:
         self.eos_ids = set(thinker_eos_token_ids(loaded))
         # A reply is text: a media placeholder in it would be taken for a medium in the next prompt.
         self.suppressed_ids = media_markup_token_ids(loaded)
-        self.token_texts = TokenTexts(loaded.processor.tokenizer)  # for the replies that ask for logprobs
         suppressed = torch.tensor(self.suppressed_ids, dtype=torch.long, device=self.runner.device)
         # Only a Thinking checkpoint's replies are split into reasoning and answer.
         self.reasoning_marks = reasoning_marks(loaded.processor.tokenizer) if loaded.kind == "thinking" else None
+        self.text = ReplyText(loaded.processor.tokenizer, self.reasoning_marks, settings)
         self.seats = Seats(settings.max_running_requests)
         self.sampler = SeatSampler(self.seats.count, thinker.lm_head.out_features, self.runner.device, suppressed,
                                    self.reasoning_marks.end if self.reasoning_marks else None)
@@ -372,11 +344,10 @@ class Engine:
         prompt = request.prompt
         room = self.settings.max_context_tokens - prompt.num_tokens
         request.max_new_tokens = min(request.params.max_new_tokens, room)
-        reasoning_limit = self._start_text(request)
+        reasoning_limit = self.text.start(request)
         self.sampler.start(request.seat, request.params, request.seed, prompt.input_ids[0], reasoning_limit)
         tokens = self.sampler.sample(logits[None], self.sampler.batch([request.seat], [0]))
-        chosen = Readback(_chosen_and_finite(tokens, logits[None]))
-        self._first_choices.append((request, Choices(chosen, self._logprobs([request], logits[None], tokens))))
+        self._first_choices.append((request, Choices.queue([request], logits[None], tokens, self.sampler.suppressed)))
         request.launched = 1
 
     def _read_first_tokens(self) -> None:
@@ -399,17 +370,6 @@ class Engine:
         else:
             self._accept(request, token, logprobs.get(0))
 
-    def _start_text(self, request: Request) -> int:
-        """Make the reply's detokenizers: its answer's, and its reasoning's on a Thinking checkpoint.
-        Returns how many tokens it may reason for (0: no limit, or its prompt opened no reasoning)."""
-        tokenizer = self.loaded.processor.tokenizer
-        opened = False
-        if self.reasoning_marks is not None:
-            opened = prompt_opens_reasoning(request.prompt.input_ids[0].numpy(), self.reasoning_marks)
-            request.reasoning = ReasoningText(self.reasoning_marks, opened, tokenizer)
-        request.detokenizer = IncrementalDetokenizer(tokenizer, strip_leading=request.reasoning is not None)
-        return request.params.max_reasoning_tokens if opened else 0
-
     def _launch(self, requests: list[Request]) -> DecodeStep | None:
         """Queue one decode step of the `requests` whose next token is within their limits. A failure
         of the forward fails them all."""
@@ -430,20 +390,10 @@ class Engine:
         logits = self.runner.decode([r.table for r in requests], self.sampler.inputs(batch), indices,
                                     [r.prepared.rope_delta for r in requests])
         tokens = self.sampler.sample(logits, batch)
-        step = DecodeStep(requests, Choices(Readback(_chosen_and_finite(tokens, logits)),
-                                            self._logprobs(requests, logits, tokens)))
+        step = DecodeStep(requests, Choices.queue(requests, logits, tokens, self.sampler.suppressed))
         for request in requests:
             request.launched += 1
         return step
-
-    def _logprobs(self, requests: list[Request], logits: torch.Tensor, tokens: torch.Tensor) -> StepLogprobs | None:
-        """The log-probabilities of the `requests` that ask for them, of their `tokens` chosen from
-        `logits` (rows in the order of `requests`), queued; None (and nothing queued) if none asks."""
-        asking = [row for row, request in enumerate(requests) if request.params.logprobs is not None]
-        if not asking:
-            return None
-        most = max(requests[row].params.logprobs for row in asking)
-        return step_logprobs(logits, tokens, asking, most, self.sampler.suppressed)
 
     def _collect(self, step: DecodeStep) -> None:
         """Accept the tokens of the step queued in the turn before (the device computes this turn's
@@ -478,13 +428,7 @@ class Engine:
         request.output_ids.append(token)
         if token in self.eos_ids:
             return self._end_text(request, "end_of_turn")
-        reasoned = request.reasoning.take(token) if request.reasoning is not None else None
-        if reasoned is not None:
-            self._stream_reasoning(request, reasoned)  # reasoning is not the answer: no logprobs
-        else:
-            if found is not None:
-                request.unsent_logprobs.append(self.token_texts.logprob(token, found, request.params.logprobs))
-            self._stream(request, request.detokenizer.push(token))
+        self.text.take(request, token, found)
         if len(request.output_ids) >= request.max_new_tokens:
             full = request.max_new_tokens == request.params.max_new_tokens
             self._end_text(request, "max_new_tokens" if full else "context_full")
@@ -495,30 +439,12 @@ class Engine:
         if chunk is not None:
             request.events.put(AudioChunk(*chunk))
 
-    def _stream(self, request: Request, delta: str) -> None:
-        if delta:
-            request.streamed += delta
-            request.events.put(TextDelta(delta, tuple(request.unsent_logprobs)))
-            request.unsent_logprobs = []
-
-    def _stream_reasoning(self, request: Request, delta: str) -> None:
-        if delta:
-            request.events.put(ReasoningDelta(delta))
-
     def _end_text(self, request: Request, reason: StopReason) -> None:
         """The Thinker is done with `request`: the rest of its text goes out, its seat is given back
         and so are its blocks (its KV kept for the session's next turn); speech may go on."""
         request.move(State.TEXT_DONE)
         request.text_done_at, request.stop_reason = time.perf_counter(), reason
-        if request.reasoning is not None and request.reasoning.inside:  # it stopped while reasoning
-            self._stream_reasoning(request, request.reasoning.rest())
-        if request.detokenizer is not None:  # what it held back (an unfinished character) goes out now
-            full = request.detokenizer.text()
-            if full.startswith(request.streamed):
-                self._stream(request, full[len(request.streamed):])
-        if request.unsent_logprobs:  # of tokens that made no text (markup the text leaves out, say)
-            request.events.put(TextDelta("", tuple(request.unsent_logprobs)))
-            request.unsent_logprobs = []
+        self.text.flush(request)
         if request.claim is not None:
             if request.written:  # what this request computed stays for the session's next turn
                 self.cache.publish(request.claim, request.prompt, request.output_ids, request.written)
@@ -538,13 +464,9 @@ class Engine:
         if not request.text_done:
             self._end_text(request, reason)
         reply_ids = [t for t in request.output_ids if t not in self.eos_ids]
-        counts = request.counts(generated=len(reply_ids))
         speech = request.spoken.report(request.submitted_at) if request.spoken is not None else None
         self._end_speech(request)
-        context = ContextUse(self.settings.max_context_tokens, self.settings.max_prompt_tokens, request.turns_left_out)
-        reasoning = request.reasoning.streamed if request.reasoning is not None else ""
-        request.events.put(Finished(request.streamed, reply_ids, reason, counts, request.timings(), request.seed,
-                                    context, speech, request.media, reasoning))
+        request.events.put(self.text.finished(request, reason, reply_ids, speech))
         request.move(State.DONE)
 
     def _fail_poisoned(self, request: Request) -> None:
@@ -570,14 +492,6 @@ class Engine:
         if request.spoken is not None:
             self.speaker.end(request.spoken)
             request.spoken.done = True
-
-
-def _chosen_and_finite(tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """[2, B] on the device: the tokens [B] chosen from `logits` [B, vocab], and under each a 1 if
-    its logit is a number, a 0 if it is a NaN or an infinity. The chosen one suffices, and reads B
-    values, not B x vocab, each step: a hidden state that is not numbers makes every logit NaN, and
-    argmax picks a NaN or a +inf wherever a row holds one."""
-    return torch.stack([tokens, logits.gather(1, tokens[:, None]).squeeze(1).isfinite().long()])
 
 
 def current_device(device: torch.device) -> AbstractContextManager:
