@@ -285,7 +285,7 @@ def test_an_app_serving_before_its_prefill_graphs_answers_eagerly_as_generate_th
         assert engine.runner.decode_graphs is not None and engine.runner.prefill_graphs_left > 1
         with replays(engine.runner.prefill_graphs) as early_prefills:
             early = app.session().send(text, max_new_tokens=24)
-            while engine._inbox.empty() and not engine.scheduler.waiting and not engine.scheduler.running:
+            while not engine.queued and not engine.scheduler.waiting and not engine.scheduler.running:
                 time.sleep(0.01)
             asked.set()
             early = early.result()

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-import omni_local.engine.engine as engine_module
+import omni_local.engine.inbox as inbox_module
 from kv_budget import kv_rows
 from omni_local.api import OmniLocal
 from omni_local.bench.beside import accepted_tokens
@@ -226,7 +226,7 @@ def test_a_request_waiting_for_blocks_is_not_matched_again_at_every_decode_step(
 
 
 def test_a_prompt_slow_to_build_holds_up_no_chat_that_is_decoding(app, monkeypatch):
-    build = engine_module.fit_prompt
+    build = inbox_module.fit_prompt
     decoding = app.session()
     with accepted_tokens(app.backend.engine, decoding.id) as arrivals:
         kept_coming = []
@@ -237,7 +237,7 @@ def test_a_prompt_slow_to_build_holds_up_no_chat_that_is_decoding(app, monkeypat
                 kept_coming.append(wait_until(lambda: len(arrivals) >= start + 5, seconds=10))
             return build(messages, *args)
 
-        monkeypatch.setattr(engine_module, "fit_prompt", slow_to_build)
+        monkeypatch.setattr(inbox_module, "fit_prompt", slow_to_build)
         story = decoding.send(QUESTION, max_new_tokens=400)
         reader = threading.Thread(target=story.result, daemon=True)
         reader.start()

@@ -1,6 +1,6 @@
 """The engine: one worker thread owns the model; requests arrive from any thread, and another
 thread builds their prompts (the chat template, the tokenizer, the media's digests) in the order
-they come, so the worker never stops every decoding chat to build one.
+they come (inbox.py), so the worker never stops every decoding chat to build one.
 
 Each turn of the loop is schedule, run, postprocess. The scheduler (scheduler.py) admits waiting
 requests and plans the turn: the prefill parts (one chunk a turn while another reply decodes or
@@ -38,12 +38,10 @@ computed beside the token and read with it (logprobs.py); a step in which none a
 """
 
 import logging
-import queue
 import secrets
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from typing import TypeVar
 
@@ -57,14 +55,14 @@ from omni_local.engine.batch_invariant import make_batch_invariant
 from omni_local.engine.choices import Choices, DecodeStep
 from omni_local.engine.cuda_graphs import prefill_lengths
 from omni_local.engine.encoders import Encoders
+from omni_local.engine.inbox import Inbox
 from omni_local.engine.kv_fp8 import fp8_kv
 from omni_local.engine.logprobs import RowLogprobs
 from omni_local.engine.media_encoder import MediaEncoder
 from omni_local.engine.moe import moe_backend
-from omni_local.engine.phases import (BEGIN_SPEECH, BUILD_PROMPT, CHOOSE_FIRST, COLLECT, DECODE, FIRST_TOKEN, PREFILL,
-                                      PREPARE, SPEECH_FRAME, phase)
+from omni_local.engine.phases import (BEGIN_SPEECH, CHOOSE_FIRST, COLLECT, DECODE, FIRST_TOKEN, PREFILL, PREPARE,
+                                      SPEECH_FRAME, phase)
 from omni_local.engine.prefix_cache import PrefixCache
-from omni_local.engine.prompt.context_window import fit_prompt
 from omni_local.engine.reply_text import ReplyText
 from omni_local.engine.request import Failed, Request, State
 from omni_local.engine.sampling import SeatSampler
@@ -137,11 +135,7 @@ class Engine:
         self.seats = Seats(settings.max_running_requests)
         self.sampler = SeatSampler(self.seats.count, thinker.lm_head.out_features, self.runner.device, suppressed,
                                    self.reasoning_marks.end if self.reasoning_marks else None)
-        # Prompts are built on a thread of their own, in the order requests come (the chat template,
-        # the tokenizer, each medium's digest: milliseconds for a long chat or a video), so the
-        # worker, whom every decoding chat waits on, never stops for one.
-        self._prompt_builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-prompts")
-        self._inbox: "queue.Queue[Request | None]" = queue.Queue()  # requests with their prompts
+        self._inbox = Inbox(loaded.processor, settings.max_prompt_tokens, self.reasoning_marks)
         self.scheduler = Scheduler(settings, self.cache, self.seats, kv.shape.block_tokens)
         self._in_flight: DecodeStep | None = None  # the last decode step, read in the next turn
         # First tokens chosen this turn, read once the turn's decode step is queued (`_read_first_tokens`)
@@ -170,27 +164,11 @@ class Engine:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         request = Request(session=session, messages=list(messages), params=params, seed=seed, speech=speech,
                           principal=principal)
-        try:
-            self._prompt_builder.submit(self._build_prompt, request)
-        except RuntimeError as error:  # the builder is shut down
-            raise RequestError("the engine was closed") from error
+        self._inbox.put(request)
         return request
 
-    def _build_prompt(self, request: Request) -> None:
-        """On the prompt builder's thread: `request`'s prompt, or why it has none; then it is the worker's."""
-        building = time.perf_counter()
-        try:
-            with phase(BUILD_PROMPT):
-                request.prompt, request.turns_left_out = fit_prompt(
-                    request.messages, self.loaded.processor, self.settings.max_prompt_tokens, self.reasoning_marks)
-        except Exception as error:  # noqa: BLE001 - the worker fails the request, as any request's failure
-            request.build_error = error
-        request.prompt_built_s = time.perf_counter() - building
-        self._inbox.put(request)
-
     def close(self) -> None:
-        self._prompt_builder.shutdown(wait=True)  # every request submitted reaches the worker, to serve or fail
-        self._inbox.put(None)
+        self._inbox.close()
         self._worker.join(timeout=30)
         if self.encoder_cache is not None:
             self.encoder_cache.close()  # the connection opened here, at start-up
@@ -210,7 +188,7 @@ class Engine:
     @property
     def queued(self) -> int:
         """Requests with their prompts built that the worker has yet to take in."""
-        return self._inbox.qsize()
+        return self._inbox.queued
 
     def _serve(self) -> None:
         while True:
@@ -254,15 +232,9 @@ class Engine:
 
     def _take_inbox(self, block: bool) -> bool:
         """Move new requests to the waiting line; False once the engine is closing."""
-        try:
-            item = self._inbox.get(block=block)
-            while True:
-                if item is None:
-                    return False
-                self.scheduler.waiting.append(item)
-                item = self._inbox.get_nowait()
-        except queue.Empty:
-            return True
+        requests, open_ = self._inbox.take(block)
+        self.scheduler.waiting.extend(requests)
+        return open_
 
     def _admit(self) -> None:
         """Admit what the scheduler can; finish or fail those it took out of the line."""
