@@ -42,35 +42,22 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from typing import TypeVar
 
 import torch
 
 from omni_local.access import LOCAL_USER
-from omni_local.cache.encoder_cache import EncoderCache, encoder_namespace
-from omni_local.cache.folders import keep_compiled_code_in
-from omni_local.engine.attention import attention_kernels, without_cudnn_attention
-from omni_local.engine.batch_invariant import make_batch_invariant
 from omni_local.engine.choices import Choices, DecodeStep
-from omni_local.engine.cuda_graphs import prefill_lengths
-from omni_local.engine.encoders import Encoders
 from omni_local.engine.inbox import Inbox
-from omni_local.engine.kv_fp8 import fp8_kv
 from omni_local.engine.logprobs import RowLogprobs
-from omni_local.engine.media_encoder import MediaEncoder
-from omni_local.engine.moe import moe_backend
+from omni_local.engine.parts import current_device, make_parts
 from omni_local.engine.phases import (BEGIN_SPEECH, CHOOSE_FIRST, COLLECT, DECODE, FIRST_TOKEN, PREFILL, PREPARE,
                                       SPEECH_FRAME, phase)
-from omni_local.engine.prefix_cache import PrefixCache
 from omni_local.engine.reply_text import ReplyText
 from omni_local.engine.request import Failed, Request, State
 from omni_local.engine.sampling import SeatSampler
 from omni_local.engine.scheduler import Scheduler
 from omni_local.engine.seats import Seats
-from omni_local.engine.speech import Speaker
-from omni_local.engine.talker import TalkerRows
-from omni_local.engine.thinker import ThinkerRunner
 from omni_local.errors import OmniLocalError, RequestError
 from omni_local.model.loader import LoadedModel, media_markup_token_ids, thinker_eos_token_ids
 from omni_local.model.reasoning import reasoning_marks
@@ -78,7 +65,7 @@ from omni_local.protocol.events import AudioChunk, StopReason
 from omni_local.protocol.messages import Message
 from omni_local.protocol.params import SamplingParams, SpeechParams
 from omni_local.settings import Settings
-from omni_local.start_up_steps import gpu_memory, log_start_up_step, start_up_step
+from omni_local.start_up_steps import gpu_memory, log_start_up_step
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -92,39 +79,9 @@ class Engine:
         `when_warm` runs once every graph is, on the thread that captured the last."""
         self.loaded = loaded
         self.settings = settings
-        without_cudnn_attention()  # before anything runs or is captured
-        if settings.compile or loaded.device.type == "cuda":  # on a GPU our Triton kernels compile too
-            keep_compiled_code_in(settings.cache_path / "compiled")
-        thinker = loaded.model.thinker
-        self.encoder_cache = _encoder_cache(thinker.model, loaded.processor, settings)
-        encoder = MediaEncoder(_encoders(thinker.model, loaded.processor, settings), loaded.processor,
-                               self.encoder_cache)
-        talker_rows = TalkerRows(loaded.model) if loaded.speech else None
-        deterministic = settings.deterministic
-        attention = attention_kernels(settings.attention_backend, loaded.device, deterministic)
-        moe = moe_backend("triton" if deterministic else settings.moe_backend, loaded.device, deterministic)
-        if deterministic:
-            make_batch_invariant(loaded.model, loaded.speech)
-        with current_device(loaded.device):  # the graphs' streams and pools, on the model's GPU
-            self.runner = ThinkerRunner(thinker, encoder, settings.gpu_cache_bytes, settings.max_context_tokens,
-                                        prefill_lengths(settings.prefill_chunk_tokens, settings.prefill_forward_tokens),
-                                        settings.max_running_requests,
-                                        settings.kv_block_tokens, talker_rows, cuda_graphs=settings.cuda_graphs,
-                                        compiled_layers=settings.compiled_layers, moe=moe, attention=attention,
-                                        kv_fp8=fp8_kv(settings.kv_dtype, loaded.device))
-            self.runner.warm_up(prefill_graphs_later=warm_up_later)
-            kv = self.runner.kv
-            # The Talker's blocks hold as many of its longest sequences as the Thinker's hold of its own.
-            sequences = kv.capacity_tokens // settings.max_context_tokens
-            self.speaker = Speaker(loaded.model, settings, sequences, moe, attention) if loaded.speech else None
-            if self.speaker is not None:
-                self.speaker.warm_up()
-        # Kept free while idle: a typical next request's blocks (a chunk of prompt and a default reply).
-        headroom = kv.shape.blocks_for(settings.prefill_chunk_tokens + settings.max_new_tokens)
-        self.cache = PrefixCache(kv, settings.host_cache_bytes, enabled=settings.prefix_cache, headroom_blocks=headroom)
-        log.info("KV: %s blocks of %d tokens, %s tokens in all (%d chats of %d tokens); in host memory %s blocks",
-                 f"{kv.pool.usable:,}", kv.shape.block_tokens, f"{kv.capacity_tokens:,}", sequences,
-                 settings.max_context_tokens, f"{self.cache.arena.blocks:,}" if self.cache.arena else "none")
+        parts = make_parts(loaded, settings, warm_up_later)
+        self.encoder_cache, self.runner, self.speaker, self.cache = (parts.encoder_cache, parts.runner, parts.speaker,
+                                                                     parts.cache)
         self.eos_ids = set(thinker_eos_token_ids(loaded))
         # A reply is text: a media placeholder in it would be taken for a medium in the next prompt.
         self.suppressed_ids = media_markup_token_ids(loaded)
@@ -133,10 +90,11 @@ class Engine:
         self.reasoning_marks = reasoning_marks(loaded.processor.tokenizer) if loaded.kind == "thinking" else None
         self.text = ReplyText(loaded.processor.tokenizer, self.reasoning_marks, settings)
         self.seats = Seats(settings.max_running_requests)
-        self.sampler = SeatSampler(self.seats.count, thinker.lm_head.out_features, self.runner.device, suppressed,
+        vocab = loaded.model.thinker.lm_head.out_features
+        self.sampler = SeatSampler(self.seats.count, vocab, self.runner.device, suppressed,
                                    self.reasoning_marks.end if self.reasoning_marks else None)
         self._inbox = Inbox(loaded.processor, settings.max_prompt_tokens, self.reasoning_marks)
-        self.scheduler = Scheduler(settings, self.cache, self.seats, kv.shape.block_tokens)
+        self.scheduler = Scheduler(settings, self.cache, self.seats, self.runner.kv.shape.block_tokens)
         self._in_flight: DecodeStep | None = None  # the last decode step, read in the next turn
         # First tokens chosen this turn, read once the turn's decode step is queued (`_read_first_tokens`)
         self._first_choices: list[tuple[Request, Choices]] = []
@@ -464,26 +422,3 @@ class Engine:
         if request.spoken is not None:
             self.speaker.end(request.spoken)
             request.spoken.done = True
-
-
-def current_device(device: torch.device) -> AbstractContextManager:
-    """`device` as the current CUDA device meanwhile (a no-op off CUDA): CUDA events, streams and
-    graph pools are made on the current device, which is cuda:0 in a new thread."""
-    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
-
-
-def _encoders(thinker_model: torch.nn.Module, processor: object, settings: Settings) -> Encoders:
-    encoders = Encoders(thinker_model, compile=settings.compile)
-    if settings.compile:
-        with start_up_step("the encoders"):
-            encoders.warm_up(processor)  # compiled now, so the first real image does not wait
-    return encoders
-
-
-def _encoder_cache(thinker_model: torch.nn.Module, processor: object, settings: Settings) -> EncoderCache | None:
-    if not settings.encoder_cache:
-        return None
-    disk = settings.cache_path / "encoders" if settings.disk_cache else None
-    device = next(thinker_model.parameters()).device
-    namespace = encoder_namespace(thinker_model, processor)
-    return EncoderCache(namespace, settings.encoder_cache_bytes, device, disk, settings.disk_cache_bytes)
