@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from omni_local.bench import engine_memory
-from omni_local.bench.engine_memory import (BEFORE_RECORDING, BETWEEN_STEPS, PACKAGE, Step, StepWindows, Total,
-                                            by_site, live_blocks, outputs_bytes, per_step, site, step_at,
+from omni_local.bench.engine_memory import (BEFORE_RECORDING, BETWEEN_STEPS, NO_STACK, PACKAGE, Step, StepWindows,
+                                            Total, by_site, live_blocks, outputs_bytes, per_step, site, step_at,
                                             unallocated, wall_clock)
 from omni_local.start_up_steps import log as start_up_log
 from omni_local.start_up_steps import log_start_up_step
@@ -63,7 +63,7 @@ STEPS = [Step("graphs", 2.4, 2.7), Step("warm-up", 1.5, 3.5)]
 def test_a_site_is_the_innermost_frame_of_ours_else_the_innermost_marked_outside():
     assert site(WARM_UP) == "omni_local/engine/thinker.py:112 warm_up"
     assert site([TORCH_FRAME]) == "outside omni_local: /venv/site-packages/torch/nn/functional.py:99 linear"
-    assert site([]) == BEFORE_RECORDING
+    assert site([]) == NO_STACK
 
 
 def test_live_blocks_are_summed_by_site_largest_first_on_their_device_only():
@@ -71,7 +71,7 @@ def test_live_blocks_are_summed_by_site_largest_first_on_their_device_only():
     assert sites == [("omni_local/engine/kv_store.py:40 for_budget", Total(2048, 1)),
                      ("omni_local/engine/cuda_graphs.py:250 capture_graph", Total(2048, 1)),
                      ("omni_local/engine/thinker.py:112 warm_up", Total(1024, 1)),
-                     (BEFORE_RECORDING, Total(512, 1))]
+                     (NO_STACK, Total(512, 1))]
     assert [pool for pool, _ in live_blocks(SNAPSHOT, 0)] == [(0, 0), (0, 0), (0, 0), GRAPH_POOL]
 
 
@@ -100,7 +100,7 @@ def test_per_step_holds_each_live_block_by_its_last_allocation_and_each_segment_
                                "reserved": {}}
     assert held[BETWEEN_STEPS] == {"sites": [("omni_local/engine/kv_store.py:40 for_budget", Total(2048, 1))],
                                    "reserved": {(0, 0): 4096}}
-    assert held[BEFORE_RECORDING] == {"sites": [(BEFORE_RECORDING, Total(512, 1))], "reserved": {(0, 0): 1024}}
+    assert held[BEFORE_RECORDING] == {"sites": [(NO_STACK, Total(512, 1))], "reserved": {(0, 0): 1024}}
 
 
 def test_a_start_up_steps_line_gives_its_window():

@@ -43,11 +43,12 @@ from omni_local.settings import Settings, settings_from_arguments
 from omni_local.start_up_steps import log as start_up_log
 from omni_local.start_up_steps import show_start_up_steps
 
-PACKAGE = Path(omni_local.__file__).resolve().parent
+PACKAGE = Path(omni_local.__file__).parent  # as code objects name their files: not resolved
 MiB = 1 << 20
 TOP = 30
 DEFAULT_POOL = (0, 0)  # the segment_pool_id of memory outside any CUDA graph pool
-BEFORE_RECORDING = "before the history began (no stack: the weights)"
+BEFORE_RECORDING = "before the history began (the weights)"  # no trace entry
+NO_STACK = "no Python stack: before the history began (the weights), or C++ alone"
 BETWEEN_STEPS = "between start-up steps"
 # A snapshot: torch.cuda.memory._snapshot()'s dict (its docstring gives the format); a block and a
 # trace entry are dicts of it.
@@ -91,7 +92,7 @@ def site(frames: list[dict[str, Any]], package: Path = PACKAGE) -> str:
     """Where an allocation was made: its stack's innermost frame in `package` ("omni_local/engine/
     thinker.py:123 warm_up"; frames are innermost first), else its innermost frame, marked outside."""
     if not frames:
-        return BEFORE_RECORDING
+        return NO_STACK
     ours = next((f for f in frames if Path(f["filename"]).is_relative_to(package)), None)
     if ours is None:
         return f"outside {package.name}: {frames[0]['filename']}:{frames[0]['line']} {frames[0]['name']}"
