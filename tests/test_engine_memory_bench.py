@@ -51,7 +51,7 @@ SNAPSHOT = {
     "device_traces": [[
         entry("segment_alloc", 1000, 1_000),
         entry("alloc", 2024, 1_100),  # the KV, between steps
-        entry("alloc", 1000, 2_000),  # an earlier block there, freed since
+        entry("alloc", 1000, 2_450),  # an earlier block there, in another step, freed since
         entry("segment_alloc", 10_000, 2_500),
         entry("alloc", 10_000, 2_600),
         entry("alloc", 1000, 3_000),  # the live one
