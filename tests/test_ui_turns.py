@@ -4,6 +4,7 @@
 import inspect
 import json
 import math
+import threading
 from contextlib import closing
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from chats import written
 from samples import picture
 from omni_local.protocol.messages import reply_key
+from omni_local.ui import sidebar
 from omni_local.ui.chat import ChatTurns, with_ended_turn
 from omni_local.ui.chats import ChatShelves
 from omni_local.ui.edits import edited_question
@@ -77,6 +79,27 @@ def test_a_stopped_reply_is_saved_marked_stopped_and_its_tokens_are_reused_by_th
     # after the step of its last token was read); recomputing it would leave only its prompt's.
     assert follow_up.tokens.computed <= follow_up.tokens.prompt - written(stopped)
     assert saved(turns, memory)["history"][:3] == chat
+
+
+def test_another_chat_is_shown_only_once_the_left_chats_streaming_reply_has_sent_its_last_update(turns):
+    memory = ChatMemory()
+    stream = turns.respond({"text": "Count to one thousand.", "files": []}, [], memory=memory, **OPTIONS)
+    sent, page_ready = [], threading.Event()
+
+    def gradio() -> None:  # iterates the reply's stream in a thread of its own, sending each update
+        for update in stream:
+            sent.append(update)
+            page_ready.wait()
+
+    thread = threading.Thread(target=gradio)
+    thread.start()
+    while not sent:  # the reply streams; its stream waits at a yield
+        thread.join(0.01)
+    threading.Timer(0.3, page_ready.set).start()
+    sidebar.switch(turns.shelves.of(None), None, memory)
+    assert memory.turn.ended.is_set(), "the new chat's view would be sent before the left chat's last update"
+    thread.join(5)
+    assert memory.turn.reply.result().stop_reason == "cancelled"
 
 
 def test_an_edited_question_is_answered_with_its_files_and_saved_in_place_of_the_old_one(turns, tmp_path,

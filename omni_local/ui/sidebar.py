@@ -47,6 +47,10 @@ def keep(store: ChatStore, history: list[dict[str, Any]], system_prompt: str, me
     return chooser(store, saved.id)
 
 
+# The longest a switch waits for the left chat's reply to stop streaming (as the stop button waits).
+LEAVE_WAIT_S = 30.0
+
+
 def show(store: ChatStore, saved: SavedChat | None, user: str | None) -> tuple[Any, ...]:
     """The page for `saved`, or a new empty chat: its messages (twice: the page's and
     ChatInterface's copy), system prompt, memory (its id is its cache session), the list, its title
@@ -58,8 +62,17 @@ def show(store: ChatStore, saved: SavedChat | None, user: str | None) -> tuple[A
 
 
 def switch(store: ChatStore, saved: SavedChat | None, leaving: ChatMemory) -> tuple[Any, ...]:
-    """The page for `saved` (or a new chat), instead of the chat whose memory is `leaving`."""
+    """The page for `saved` (or a new chat), instead of the chat whose memory is `leaving`. A reply
+    still streaming there stops, and the new view is returned only once its stream has ended: the
+    stream's updates are sent as it yields them, so each is then on its way before this view is. (On
+    a loaded machine, an update yielded just before the switch otherwise arrived after the new chat's
+    view, and the page showed the left chat in the new one.)"""
     leaving.left = True
+    turn = leaving.turn
+    if turn is not None:
+        if not turn.reply.done:
+            turn.reply.cancel()
+        turn.ended.wait(LEAVE_WAIT_S)
     return show(store, saved, leaving.user)
 
 
