@@ -1,5 +1,5 @@
 """The experts of the Thinker's last layers, and its input embeddings, in host memory
-(model/host_experts.py, engine/mapped_memory.py): `experts_on_gpu` = N marks the layers past the
+(model/host_experts.py, model/mapped_memory.py): `experts_on_gpu` = N marks the layers past the
 first N in every weights format, the memory plan the embeddings where the KV target does not fit;
 their weights load into page-locked host memory that torch sees as CUDA tensors (never the caching
 allocator's), and the app answers token for token as with them on the GPU, CUDA graphs on. On the
@@ -14,7 +14,7 @@ import torch
 from conftest import TEST_DEVICE
 from omni_local.api import OmniLocal
 from omni_local.engine import memory_plan
-from omni_local.engine.mapped_memory import mapped_empty
+from omni_local.model.mapped_memory import mapped_empty
 from omni_local.model.host_experts import (embeddings_in_host_memory, held_in_host_memory, host_layers, in_host_memory,
                                            layers_in_host_memory, move_to_host_memory, thinker_experts)
 from omni_local.model.loader import load_model

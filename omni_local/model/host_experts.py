@@ -4,7 +4,7 @@ the GPU is too small.
 At full size the experts are 93% of the Thinker's weights (13.7 GiB of them in int4), and a decode
 step reads only the top-k routed experts of each layer: 8 of 128, about 19 MB a layer in int4. So a
 card too small for every layer's experts keeps the last layers' experts in page-locked host memory
-(engine/mapped_memory.py), and the MoE kernels read the routed ones over the bus as they read any
+(mapped_memory.py), and the MoE kernels read the routed ones over the bus as they read any
 other weight: no kernel, graph or forward changes, and nothing is copied back. (Prefill reads more
 of each layer's experts, once per prompt chunk.)
 
@@ -26,7 +26,7 @@ tied to them (one table), which reads all of it every token.
 
 import torch
 
-from omni_local.engine.mapped_memory import mapped_copy, mapped_empty
+from omni_local.model.mapped_memory import mapped_copy, mapped_empty
 
 AUTO = -1  # experts_on_gpu: the memory plan decides
 _MARK = "experts_in_host_memory"

@@ -31,7 +31,7 @@ from transformers import GenerationConfig, Qwen3OmniMoeConfig, Qwen3OmniMoeForCo
 
 from omni_local.errors import CheckpointError
 from omni_local.model.checkpoint_names import SPEECH_PARTS, ExpertSlice, expert_slice, fused_rows, model_name, per_expert
-from omni_local.engine.mapped_memory import mapped_copy
+from omni_local.model.mapped_memory import mapped_copy
 from omni_local.model.host_experts import experts_empty, in_host_memory
 from omni_local.model.quantized.prequantized import CheckpointQuantization, PrequantizedLayers
 
