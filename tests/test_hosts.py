@@ -1,4 +1,4 @@
-"""Which names the API and the page answer to, and which pages may call them (omni_local/hosts.py),
+"""Which names the API and the page answer to, and which pages may call them (omni_local/server/hosts.py),
 met from outside: `python -m omni_local serve` and `python app.py --ui-serves-api true` in
 subprocesses, sent what a page in the user's own browser would send them after re-pointing its own
 name at 127.0.0.1 (DNS rebinding), and what a proxy's users and this machine's own clients send.
@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from omni_local.errors import SettingsError
-from omni_local.hosts import ServedNames
+from omni_local.server.hosts import ServedNames
 from served_api import served_api
 from served_app import served_app
 

@@ -55,7 +55,7 @@ from omni_local.api import OmniLocal
 from omni_local.bench.common import bench_parser, settings_and_model
 from omni_local.bench.load_clients import MEDIA, LoadSpec, Sample, one_token_words, run_row
 from omni_local.bench.scenarios import SYSTEM
-from omni_local.hosts import HostCheck, ServedNames
+from omni_local.server.hosts import HostCheck, ServedNames
 from omni_local.listening import listening
 from omni_local.server.routes import API_PATH, api_mount
 

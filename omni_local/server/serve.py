@@ -8,7 +8,7 @@ from starlette.middleware import Middleware
 
 from omni_local.access import api_keys
 from omni_local.api import OmniLocal
-from omni_local.hosts import HostCheck, ServedNames
+from omni_local.server.hosts import HostCheck, ServedNames
 from omni_local.listening import listening
 from omni_local.server.header_timeout import timing_out_headers
 from omni_local.server.routes import API_PATH, api_mount
