@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from omni_local.access import LOCAL_USER
-from omni_local.engine.prefix_cache import PrefixCache
+from omni_local.engine.memory.prefix_cache import PrefixCache
 from omni_local.engine.prompt.builder import MediaItem, Prompt, token_keys
 
 

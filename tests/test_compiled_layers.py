@@ -8,7 +8,7 @@ from transformers import DynamicCache
 from transformers.utils.output_capturing import install_all_output_capturing_hooks
 
 from omni_local.engine.decoder_stack import LayerRegions, run_layers
-from omni_local.engine.kv_store import GraphedKVWriter, KVShape, KVStore
+from omni_local.engine.memory.kv_store import GraphedKVWriter, KVShape, KVStore
 
 # float32 on the CPU: inductor fuses and reorders sums, so compiled outputs differ from eager in the
 # last bits.

@@ -17,7 +17,7 @@ from samples import picture
 from omni_local.api import OmniLocal
 from omni_local.kernels.attention.paged import SPLIT_TAIL_TOKENS
 from omni_local.engine.cuda_graphs import SMALLEST_BUCKET, BatchGraphs, prefill_lengths
-from omni_local.engine.kv_store import NO_PREFIX
+from omni_local.engine.memory.kv_store import NO_PREFIX
 from omni_local.engine.prompt.builder import Prompt, build_prompt
 from omni_local.engine.thinker import ThinkerRunner
 from omni_local.protocol.messages import Message

@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from omni_local.engine.attention.reference import gathered
+from omni_local.engine.memory.attention.reference import gathered
 from omni_local.engine.prompt.builder import Prompt, build_prompt
 from omni_local.errors import SettingsError
 from omni_local.protocol.messages import Message
@@ -139,7 +139,7 @@ def test_compiled_layers_around_the_invariant_kernels_keep_a_rows_bits_whatever_
     # On a GPU the layers' work around our kernels runs compiled (inductor fuses the row-wise rest):
     # fused whole, a prefill of 9 tokens and a prefill of 5 then 4 decode steps write the same rows.
     from omni_local.engine.decoder_stack import LayerRegions, run_layers
-    from omni_local.engine.kv_store import KVShape, KVStore
+    from omni_local.engine.memory.kv_store import KVShape, KVStore
     from omni_local.engine.moe.triton_backend import TritonMoe
 
     app = deterministic_apps[0]

@@ -68,7 +68,7 @@ def test_a_site_is_the_innermost_frame_of_ours_else_the_innermost_marked_outside
 
 def test_live_blocks_are_summed_by_site_largest_first_on_their_device_only():
     sites = by_site(b for _, b in live_blocks(SNAPSHOT, 0))
-    assert sites == [("omni_local/engine/kv_store.py:40 for_budget", Total(2048, 1)),
+    assert sites == [("omni_local/engine/memory/kv_store.py:40 for_budget", Total(2048, 1)),
                      ("omni_local/engine/cuda_graphs.py:250 capture_graph", Total(2048, 1)),
                      ("omni_local/engine/thinker.py:112 warm_up", Total(1024, 1)),
                      (NO_STACK, Total(512, 1))]
@@ -98,7 +98,7 @@ def test_per_step_holds_each_live_block_by_its_last_allocation_and_each_segment_
                               "reserved": {GRAPH_POOL: 8192}}
     assert held["warm-up"] == {"sites": [("omni_local/engine/thinker.py:112 warm_up", Total(1024, 1))],
                                "reserved": {}}
-    assert held[BETWEEN_STEPS] == {"sites": [("omni_local/engine/kv_store.py:40 for_budget", Total(2048, 1))],
+    assert held[BETWEEN_STEPS] == {"sites": [("omni_local/engine/memory/kv_store.py:40 for_budget", Total(2048, 1))],
                                    "reserved": {(0, 0): 4096}}
     assert held[BEFORE_RECORDING] == {"sites": [(NO_STACK, Total(512, 1))], "reserved": {(0, 0): 1024}}
 

@@ -7,7 +7,7 @@ CPU (torch.cuda's answers)."""
 import pytest
 import torch
 
-from omni_local.engine import kv_fp8
+from omni_local.engine.memory import kv_fp8
 from omni_local.kernels import triton_support
 from omni_local.kernels.gemv_tiles import DEFAULT, TUNED, gemv_tile
 from omni_local.kernels.moe.tile_configs import SMALL_BATCH_DEFAULT, tile_config

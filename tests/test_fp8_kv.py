@@ -1,4 +1,4 @@
-"""The Thinker's KV in fp8 (`kv_dtype = "fp8"`, engine/kv_fp8.py): each (token, kv head)'s row stored
+"""The Thinker's KV in fp8 (`kv_dtype = "fp8"`, engine/memory/kv_fp8.py): each (token, kv head)'s row stored
 as float8 e4m3 with a float32 scale; written quantized by every writer, read as values x scale by our
 kernel (Triton's interpreter on the CPU run) and the torch path alike; its scales carried with its
 blocks to host memory and back; counted at its own bytes by the memory plan; the same greedy replies
@@ -10,11 +10,12 @@ import torch
 from chats import Chat, written
 from samples import picture
 from test_paged_attention import FLOAT32, SCALING, case_inputs, full_size, on_cpu, on_gpu, paged_call
-from omni_local.engine import kv_fp8, memory_plan
-from omni_local.engine.attention import gathered_attention
-from omni_local.engine.host_arena import HostArena
-from omni_local.engine.kv_fp8 import FP8, write_rows
-from omni_local.engine.kv_store import NO_PREFIX, GraphedKVWriter, KVShape, KVStore
+from omni_local.engine import memory_plan
+from omni_local.engine.memory import kv_fp8
+from omni_local.engine.memory.attention import gathered_attention
+from omni_local.engine.memory.host_arena import HostArena
+from omni_local.engine.memory.kv_fp8 import FP8, write_rows
+from omni_local.engine.memory.kv_store import NO_PREFIX, GraphedKVWriter, KVShape, KVStore
 from omni_local.errors import SettingsError
 from omni_local.kernels import triton_support
 from omni_local.kernels.attention.paged import paged_attention

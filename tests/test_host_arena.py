@@ -13,9 +13,9 @@ import torch
 
 from cache_requests import prompt, run
 from omni_local.api import OmniLocal, TextDelta
-from omni_local.engine.host_arena import HostArena, Transfer
-from omni_local.engine.kv_store import KVShape, KVStore
-from omni_local.engine.prefix_cache import PrefixCache
+from omni_local.engine.memory.host_arena import HostArena, Transfer
+from omni_local.engine.memory.kv_store import KVShape, KVStore
+from omni_local.engine.memory.prefix_cache import PrefixCache
 
 SHAPE = KVShape(num_layers=2, kv_heads=1, head_dim=2, max_tokens=32, talker_dim=3, block_tokens=4)
 

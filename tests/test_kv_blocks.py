@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from omni_local.access import principal_salt
-from omni_local.engine.kv_blocks import PAD_BLOCK, BlockKey, BlockPool, chain
+from omni_local.engine.memory.kv_blocks import PAD_BLOCK, BlockKey, BlockPool, chain
 
 BLOCK = 4
 

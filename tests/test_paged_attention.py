@@ -16,8 +16,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from compile_for_h200 import compile_for_h200
 from conftest import TEST_DEVICE
-from omni_local.engine.attention import gathered_attention
-from omni_local.engine.attention.reference import normed_and_rotated
+from omni_local.engine.memory.attention import gathered_attention
+from omni_local.engine.memory.attention.reference import normed_and_rotated
 from omni_local.kernels.attention import QueryNormRope
 from omni_local.kernels.attention.paged import DECODE_SPLIT_ROWS, MAX_DECODE_SPLITS, SPLIT_ROWS, paged_attention
 

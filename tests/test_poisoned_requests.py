@@ -21,8 +21,8 @@ from kv_budget import kv_rows
 from omni_local.api import OmniLocal
 from omni_local.engine.cuda_graphs import attention_buckets
 from omni_local.engine.engine import NOT_A_NUMBER
-from omni_local.engine.kv_store import GraphedKVWriter, KVStore
-from omni_local.engine.prefix_cache import PrefixCache
+from omni_local.engine.memory.kv_store import GraphedKVWriter, KVStore
+from omni_local.engine.memory.prefix_cache import PrefixCache
 from omni_local.engine.prompt.builder import build_prompt
 from omni_local.engine.thinker import ThinkerRunner
 from omni_local.errors import RequestError

@@ -6,9 +6,9 @@ import torch
 
 from cache_requests import prompt, run
 from omni_local.access import LOCAL_USER, principal_salt
-from omni_local.engine.kv_blocks import chain
-from omni_local.engine.kv_store import KVShape, KVStore
-from omni_local.engine.prefix_cache import Match, PrefixCache
+from omni_local.engine.memory.kv_blocks import chain
+from omni_local.engine.memory.kv_store import KVShape, KVStore
+from omni_local.engine.memory.prefix_cache import Match, PrefixCache
 from omni_local.errors import RequestError
 
 SHAPE = KVShape(num_layers=2, kv_heads=1, head_dim=2, max_tokens=32, block_tokens=4)

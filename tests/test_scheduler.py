@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from omni_local.engine.prefix_cache import Claim, Entry
+from omni_local.engine.memory.prefix_cache import Claim, Entry
 from omni_local.engine.request import Request, State
 from omni_local.engine.scheduler import Part, Scheduler, TurnPlan
 from omni_local.engine.seats import Seats

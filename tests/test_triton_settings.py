@@ -5,7 +5,7 @@ is refused, saying why."""
 import pytest
 import torch
 
-from omni_local.engine.attention import attention_kernels, backend_kernel
+from omni_local.engine.memory.attention import attention_kernels, backend_kernel
 from omni_local.engine.moe import TORCH, moe_backend
 from omni_local.errors import SettingsError
 

@@ -1,4 +1,4 @@
-"""How far fp8 KV (`kv_dtype = "fp8"`, engine/kv_fp8.py) moves the Thinker from KV in the model's dtype.
+"""How far fp8 KV (`kv_dtype = "fp8"`, engine/memory/kv_fp8.py) moves the Thinker from KV in the model's dtype.
 
     python -m omni_local.bench.kv_quality                    # the demo model
     python -m omni_local.bench.kv_quality --wide-demo        # its variant of 256-wide rows
@@ -29,7 +29,7 @@ from omni_local.api import OmniLocal
 from omni_local.bench.common import bench_parser
 from omni_local.bench.scenarios import SYSTEM
 from omni_local.bench.weight_quality import ASKS, bench_settings
-from omni_local.engine.attention import gathered_attention
+from omni_local.engine.memory.attention import gathered_attention
 from omni_local.model.loader import resolve_device, resolve_dtype
 from omni_local.model.quantized.formats import quantize
 from omni_local.settings import Settings

@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from omni_local.engine.attention import PagedAttention
-from omni_local.engine.host_copies import copy_from_host
-from omni_local.engine.kv_blocks import PAD_BLOCK
-from omni_local.engine.kv_store import NO_PREFIX, BlockTable, GraphedKVWriter, KVStore
+from omni_local.engine.memory.attention import PagedAttention
+from omni_local.engine.memory.host_copies import copy_from_host
+from omni_local.engine.memory.kv_blocks import PAD_BLOCK
+from omni_local.engine.memory.kv_store import NO_PREFIX, BlockTable, GraphedKVWriter, KVStore
 
 # What a forward returns: a tensor, or a tuple of them (the Talker's hidden state and logits).
 Outputs = torch.Tensor | tuple[torch.Tensor, ...]

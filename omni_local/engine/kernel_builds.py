@@ -185,10 +185,10 @@ def _stored(quantized: Any) -> tuple[torch.Tensor, torch.Tensor]:
 def _attention_launches(stack: StackShape, fp8_kv: bool) -> None:
     """A decode step, a short tail and a prefill chunk on a cached prefix, each with the query's
     norm and rotary in the kernel and without, and in the batch-invariant form; over pools in the
-    stack's dtype, or with `fp8_kv` fp8 ones with their rows' scales (engine/kv_fp8.py)."""
+    stack's dtype, or with `fp8_kv` fp8 ones with their rows' scales (engine/memory/kv_fp8.py)."""
     from omni_local.kernels.attention import QueryNormRope
     from omni_local.kernels.attention.paged import SPLIT_TAIL_TOKENS, paged_attention
-    from omni_local.engine.kv_fp8 import SCALE_DTYPE
+    from omni_local.engine.memory.kv_fp8 import SCALE_DTYPE
     from omni_local.model.quantized.formats import FP8
 
     blocks = 256  # a table of 4,096 rows

@@ -14,7 +14,7 @@ from functools import partial
 
 import torch
 
-from omni_local.engine.kv_store import KVShape
+from omni_local.engine.memory.kv_store import KVShape
 from omni_local.engine.speech import talker_kv_bytes
 from omni_local.engine.thinker import kv_shape
 from omni_local.settings import Settings

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from omni_local.engine.host_copies import Readback, to_device
+from omni_local.engine.memory.host_copies import Readback, to_device
 from omni_local.protocol.events import TokenChoice, TokenLogprob
 
 # Of a row: its chosen token's log-probability, and the (id, log-probability) of the best ones.

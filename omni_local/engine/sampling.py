@@ -17,7 +17,7 @@ from typing import TypeVar
 
 import torch
 
-from omni_local.engine.host_copies import to_device
+from omni_local.engine.memory.host_copies import to_device
 from omni_local.kernels.sampling.hash32 import HASH_MULTIPLIERS, HASH_SHIFTS, UNIFORM_BITS
 from omni_local.kernels.triton_support import uses_triton
 from omni_local.protocol.params import SamplingParams

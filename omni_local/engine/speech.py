@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from omni_local.engine.attention import AttentionKernels
-from omni_local.engine.host_copies import Readback, to_device
-from omni_local.engine.kv_store import BlockTable, KVStore
+from omni_local.engine.memory.attention import AttentionKernels
+from omni_local.engine.memory.host_copies import Readback, to_device
+from omni_local.engine.memory.kv_store import BlockTable, KVStore
 from omni_local.engine.moe import TORCH, MoeBackend
-from omni_local.engine.prefix_cache import Claim, Match, PrefixCache, common_prefix
+from omni_local.engine.memory.prefix_cache import Claim, Match, PrefixCache, common_prefix
 from omni_local.engine.prompt.builder import Prompt
 from omni_local.engine.sampling import Sampler
 from omni_local.engine.talker import (OPENING_ROWS, TalkerPrompt, TalkerRunner, talker_kv_blocks, talker_kv_shape,

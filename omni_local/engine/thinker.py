@@ -20,12 +20,13 @@ import torch
 from PIL import Image
 
 from omni_local.access import LOCAL_USER
-from omni_local.engine.attention import AttentionKernels
+from omni_local.engine.memory.attention import AttentionKernels
 from omni_local.engine.cuda_graphs import BatchGraphs, graphable, size_buckets
 from omni_local.engine.decoder_stack import LayerRegions, mrope_positions, run_layers
 from omni_local.engine.fused_qkv import fuse_qkv
-from omni_local.engine.host_copies import to_device
-from omni_local.engine.kv_store import DEFAULT_BLOCK_TOKENS, BlockTable, GraphedKVWriter, KVShape, KVStore, KVWriter
+from omni_local.engine.memory.host_copies import to_device
+from omni_local.engine.memory.kv_store import (DEFAULT_BLOCK_TOKENS, BlockTable, GraphedKVWriter, KVShape, KVStore,
+                                               KVWriter)
 from omni_local.engine.media_encoder import MediaEncoder, deepstack_levels
 from omni_local.engine.moe import TORCH, MoeBackend
 from omni_local.engine.phases import ENCODE_MEDIA, phase

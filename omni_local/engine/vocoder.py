@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from omni_local.engine.cuda_graphs import capture_graph
-from omni_local.engine.host_copies import to_device
+from omni_local.engine.memory.host_copies import to_device
 
 
 @dataclass

@@ -9,7 +9,7 @@ sequences' lengths: a CUDA graph captured for a bucket of rows replays it unchan
 import torch
 import torch.nn.functional as F
 
-from omni_local.engine.kv_fp8 import read_rows
+from omni_local.engine.memory.kv_fp8 import read_rows
 from omni_local.kernels.attention import QueryNormRope
 
 

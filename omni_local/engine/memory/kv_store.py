@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-from omni_local.engine.attention import PagedAttention
-from omni_local.engine.attention.reference import gathered, gathered_rows
-from omni_local.engine.host_copies import to_device
-from omni_local.engine.kv_blocks import BlockPool
-from omni_local.engine.kv_fp8 import SCALE_BYTES, as_pools, empty_pools, read_rows
+from omni_local.engine.memory.attention import PagedAttention
+from omni_local.engine.memory.attention.reference import gathered, gathered_rows
+from omni_local.engine.memory.host_copies import to_device
+from omni_local.engine.memory.kv_blocks import BlockPool
+from omni_local.engine.memory.kv_fp8 import SCALE_BYTES, as_pools, empty_pools, read_rows
 from omni_local.kernels.attention import QueryNormRope
 
 DEFAULT_BLOCK_TOKENS = 16

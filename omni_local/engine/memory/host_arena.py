@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from omni_local.engine.host_copies import to_device
-from omni_local.engine.kv_store import BlockTable, KVStore
+from omni_local.engine.memory.host_copies import to_device
+from omni_local.engine.memory.kv_store import BlockTable, KVStore
 
 log = logging.getLogger(__name__)
 

@@ -37,9 +37,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from omni_local.access import LOCAL_USER, principal_salt
-from omni_local.engine.host_arena import HostArena, HostBlocks, Transfer
-from omni_local.engine.kv_blocks import PAD_BLOCK, chain
-from omni_local.engine.kv_store import BlockTable, HostCopy, KVStore
+from omni_local.engine.memory.host_arena import HostArena, HostBlocks, Transfer
+from omni_local.engine.memory.kv_blocks import PAD_BLOCK, chain
+from omni_local.engine.memory.kv_store import BlockTable, HostCopy, KVStore
 from omni_local.engine.prompt.builder import Prompt
 from omni_local.errors import RequestError
 

@@ -29,7 +29,7 @@ from typing import Protocol
 
 import torch
 
-from omni_local.engine.attention.reference import gathered_attention
+from omni_local.engine.memory.attention.reference import gathered_attention
 from omni_local.kernels.attention import QueryNormRope
 from omni_local.kernels.triton_support import triton_refusal, uses_triton
 from omni_local.errors import SettingsError
