@@ -7,7 +7,7 @@ import torch
 from PIL import Image
 from torch._dynamo.utils import counters
 
-from omni_local.engine.encoders import Encoders, audio_forward, audio_stack
+from omni_local.engine.forward.encoders import Encoders, audio_forward, audio_stack
 from conftest import TEST_DEVICE
 
 IMAGE_SIZES = [(224, 224), (333, 517), (480, 640), (640, 480), (1024, 768)]  # (width, height)

@@ -7,7 +7,7 @@ from torch._dynamo.utils import counters
 from transformers import DynamicCache
 from transformers.utils.output_capturing import install_all_output_capturing_hooks
 
-from omni_local.engine.decoder_stack import LayerRegions, run_layers
+from omni_local.engine.forward.decoder_stack import LayerRegions, run_layers
 from omni_local.engine.memory.kv_store import GraphedKVWriter, KVShape, KVStore
 
 # float32 on the CPU: inductor fuses and reorders sums, so compiled outputs differ from eager in the
@@ -181,7 +181,7 @@ def test_each_kind_of_store_compiles_regions_of_its_own_so_no_process_of_many_st
 
 @torch.inference_mode()
 def test_another_moe_backend_compiles_only_the_region_after_attention_again(speaking_app):
-    from omni_local.engine.moe.triton_backend import TritonMoe
+    from omni_local.engine.forward.moe.triton_backend import TritonMoe
 
     stack = stacks(speaking_app.backend.loaded.model)["thinker"]
     prefill_of_five(stack, LayerRegions(compiled=True))

@@ -16,10 +16,10 @@ from replies import model_inputs, reference_tokens, send, transformers_speech
 from samples import picture
 from omni_local.api import OmniLocal
 from omni_local.kernels.attention.paged import SPLIT_TAIL_TOKENS
-from omni_local.engine.cuda_graphs import SMALLEST_BUCKET, BatchGraphs, prefill_lengths
+from omni_local.engine.forward.cuda_graphs import SMALLEST_BUCKET, BatchGraphs, prefill_lengths
 from omni_local.engine.memory.kv_store import NO_PREFIX
 from omni_local.engine.prompt.builder import Prompt, build_prompt
-from omni_local.engine.thinker import ThinkerRunner
+from omni_local.engine.forward.thinker import ThinkerRunner
 from omni_local.protocol.messages import Message
 
 pytestmark = pytest.mark.cuda

@@ -1,4 +1,4 @@
-"""The deterministic setting (engine/batch_invariant.py) on the demo model, its kernels in Triton's
+"""The deterministic setting (engine/forward/batch_invariant.py) on the demo model, its kernels in Triton's
 interpreter on the CPU run: a token's KV rows, its Talker row and the logits after it are the same
 bits however the prompt was computed (one prefill, a tail on a cached prefix of any length, chunks,
 or decode steps), which the default setting does not promise; and with it the caches change no
@@ -111,7 +111,7 @@ def test_so_they_are_with_int4_weights(demo_settings, demo_checkpoint):
 def test_the_invariant_kernels_give_a_row_the_same_bits_alone_and_among_others(deterministic_apps):
     # The swapped model's RMSNorm, Linears (the fused q, k and v; lm_head) and MoE block, a row at a
     # time against 23 rows at once; each close to its default form (transformers', the library's).
-    from omni_local.engine.moe.triton_backend import TritonMoe
+    from omni_local.engine.forward.moe.triton_backend import TritonMoe
 
     model = deterministic_apps[0].backend.loaded.model
     layer = model.thinker.model.language_model.layers[0]
@@ -138,9 +138,9 @@ def test_the_invariant_kernels_give_a_row_the_same_bits_alone_and_among_others(d
 def test_compiled_layers_around_the_invariant_kernels_keep_a_rows_bits_whatever_the_forward(deterministic_apps):
     # On a GPU the layers' work around our kernels runs compiled (inductor fuses the row-wise rest):
     # fused whole, a prefill of 9 tokens and a prefill of 5 then 4 decode steps write the same rows.
-    from omni_local.engine.decoder_stack import LayerRegions, run_layers
+    from omni_local.engine.forward.decoder_stack import LayerRegions, run_layers
     from omni_local.engine.memory.kv_store import KVShape, KVStore
-    from omni_local.engine.moe.triton_backend import TritonMoe
+    from omni_local.engine.forward.moe.triton_backend import TritonMoe
 
     app = deterministic_apps[0]
     stack = app.backend.loaded.model.thinker.model.language_model

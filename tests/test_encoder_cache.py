@@ -16,7 +16,7 @@ import diskcache
 import pytest
 import torch
 
-import omni_local.engine.media_encoder as media_encoder
+import omni_local.engine.forward.media_encoder as media_encoder
 from samples import clip, picture
 from omni_local.access import LOCAL_USER
 from omni_local.api import OmniLocal

@@ -61,7 +61,7 @@ STEPS = [Step("graphs", 2.4, 2.7), Step("warm-up", 1.5, 3.5)]
 
 
 def test_a_site_is_the_innermost_frame_of_ours_else_the_innermost_marked_outside():
-    assert site(WARM_UP) == "omni_local/engine/thinker.py:112 warm_up"
+    assert site(WARM_UP) == "omni_local/engine/forward/thinker.py:112 warm_up"
     assert site([TORCH_FRAME]) == "outside omni_local: /venv/site-packages/torch/nn/functional.py:99 linear"
     assert site([]) == NO_STACK
 
@@ -69,8 +69,8 @@ def test_a_site_is_the_innermost_frame_of_ours_else_the_innermost_marked_outside
 def test_live_blocks_are_summed_by_site_largest_first_on_their_device_only():
     sites = by_site(b for _, b in live_blocks(SNAPSHOT, 0))
     assert sites == [("omni_local/engine/memory/kv_store.py:40 for_budget", Total(2048, 1)),
-                     ("omni_local/engine/cuda_graphs.py:250 capture_graph", Total(2048, 1)),
-                     ("omni_local/engine/thinker.py:112 warm_up", Total(1024, 1)),
+                     ("omni_local/engine/forward/cuda_graphs.py:250 capture_graph", Total(2048, 1)),
+                     ("omni_local/engine/forward/thinker.py:112 warm_up", Total(1024, 1)),
                      (NO_STACK, Total(512, 1))]
     assert [pool for pool, _ in live_blocks(SNAPSHOT, 0)] == [(0, 0), (0, 0), (0, 0), GRAPH_POOL]
 
@@ -94,9 +94,9 @@ def test_a_moment_belongs_to_the_innermost_step_that_holds_it():
 def test_per_step_holds_each_live_block_by_its_last_allocation_and_each_segment_by_its_cudamalloc():
     held = per_step(SNAPSHOT, 0, lambda us: us / 1000, STEPS)
     assert list(held) == ["graphs", "warm-up", BETWEEN_STEPS, BEFORE_RECORDING]
-    assert held["graphs"] == {"sites": [("omni_local/engine/cuda_graphs.py:250 capture_graph", Total(2048, 1))],
+    assert held["graphs"] == {"sites": [("omni_local/engine/forward/cuda_graphs.py:250 capture_graph", Total(2048, 1))],
                               "reserved": {GRAPH_POOL: 8192}}
-    assert held["warm-up"] == {"sites": [("omni_local/engine/thinker.py:112 warm_up", Total(1024, 1))],
+    assert held["warm-up"] == {"sites": [("omni_local/engine/forward/thinker.py:112 warm_up", Total(1024, 1))],
                                "reserved": {}}
     assert held[BETWEEN_STEPS] == {"sites": [("omni_local/engine/memory/kv_store.py:40 for_budget", Total(2048, 1))],
                                    "reserved": {(0, 0): 4096}}

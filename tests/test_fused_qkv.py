@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from omni_local.engine.fused_qkv import fuse_qkv, split_qkv
+from omni_local.engine.forward.fused_qkv import fuse_qkv, split_qkv
 from omni_local.model.quantized import QuantizedLinear
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 256, 4, 2, 32  # int4's groups of 128 need a multiple of 128 inputs

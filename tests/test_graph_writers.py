@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from omni_local.api import OmniLocal
-from omni_local.engine.cuda_graphs import attention_buckets
+from omni_local.engine.forward.cuda_graphs import attention_buckets
 from omni_local.engine.memory.kv_blocks import PAD_BLOCK
 from omni_local.engine.memory.kv_store import NO_PREFIX, GraphedKVWriter
 from omni_local.engine.prompt.builder import build_prompt

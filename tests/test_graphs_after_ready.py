@@ -11,7 +11,7 @@ import time
 import pytest
 
 from omni_local.api import OmniLocal
-from omni_local.engine.thinker import ThinkerRunner
+from omni_local.engine.forward.thinker import ThinkerRunner
 
 
 class StandInGraphs:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from omni_local.api import OmniLocal
-from omni_local.engine.moe import TORCH, mlp_output, moe_backend
+from omni_local.engine.forward.moe import TORCH, mlp_output, moe_backend
 from omni_local.kernels.moe import sorting
 from omni_local.kernels.moe.expert_weights import kernel_weight
 from replies import send
@@ -88,7 +88,7 @@ def test_greedy_replies_spoken_and_not_with_the_triton_backend_are_the_torch_bac
 @pytest.mark.parametrize("block", ["thinker", "talker, with its shared expert"])
 def test_the_triton_backends_warm_up_runs_every_plan_its_block_takes_up_to_the_longest_forward(
         speaking_app, block, monkeypatch):
-    from omni_local.engine.moe import triton_backend
+    from omni_local.engine.forward.moe import triton_backend
     from omni_local.kernels.moe import routed_experts
 
     mlp = moe_blocks(speaking_app.backend.loaded.model)[block]

@@ -166,7 +166,7 @@ def test_the_weights_setting_may_name_the_checkpoints_own_format_but_not_another
 def test_our_expert_kernels_read_the_checkpoints_experts_as_their_dequantized_weights(
     scheme, demo_settings, compressed
 ):
-    from omni_local.engine.moe.block import renormalizes
+    from omni_local.engine.forward.moe.block import renormalizes
     from omni_local.kernels.moe.routed_experts import weighted_expert_rows
     from omni_local.kernels.moe.tile_configs import GemmTile, TileConfig
 

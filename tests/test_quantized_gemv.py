@@ -226,7 +226,7 @@ def test_on_a_gpu_the_gemv_multiplies_bfloat16_rows_by_the_dequantized_weight(sh
 @pytest.mark.parametrize("format", FORMATS)
 @torch.inference_mode()
 def test_on_a_gpu_a_quantized_layer_takes_the_gemv_for_a_decode_batch_compiled_and_graphed(format):
-    from omni_local.engine.cuda_graphs import capture_graph
+    from omni_local.engine.forward.cuda_graphs import capture_graph
     from omni_local.kernels.gemv import quantized_gemv
     from omni_local.model.quantized.linear import GEMV_MAX_ROWS
 
@@ -275,7 +275,7 @@ def test_on_a_gpu_a_rows_output_has_the_same_bits_alone_and_in_a_decode_batch(fo
 def test_on_a_gpu_split_sums_added_by_the_last_split_to_finish_give_the_same_bits_every_launch_and_replay(format):
     # Whichever split of a tile finishes last adds them all, in split order: a race in counting them (a
     # sum before every part is written, or a counter left uncleared for the next launch) would show.
-    from omni_local.engine.cuda_graphs import capture_graph
+    from omni_local.engine.forward.cuda_graphs import capture_graph
     from omni_local.kernels.gemv import gemv
 
     generator = torch.Generator("cuda").manual_seed(9)

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from samples import clip, picture, video_file
-from omni_local.engine.decoder_stack import mrope_positions
+from omni_local.engine.forward.decoder_stack import mrope_positions
 from omni_local.engine.prompt.builder import Prompt, build_prompt
-from omni_local.engine.rope_positions import _interleaved
+from omni_local.engine.forward.rope_positions import _interleaved
 from omni_local.protocol.messages import Message
 
 with_video = pytest.mark.torchvision
@@ -66,7 +66,7 @@ def test_a_video_whose_sound_outlasts_its_frames_ends_on_its_sound_and_the_other
 @with_video
 def test_the_talkers_own_prompt_of_a_chat_with_every_kind_gets_the_positions_of_transformers(speaking_app):
     # The Talker's prompt keeps the user turns' tokens, its media renumbered, then its own rows.
-    from omni_local.engine.talker import user_positions
+    from omni_local.engine.forward.talker import user_positions
 
     speaker = speaking_app.backend.engine.speaker
     runner = speaker.runner

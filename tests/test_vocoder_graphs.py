@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from replies import send
-from omni_local.engine.vocoder import AudioStream, Vocoder
+from omni_local.engine.forward.vocoder import AudioStream, Vocoder
 from omni_local.model import load_model
 
 pytestmark = pytest.mark.cuda

@@ -8,7 +8,7 @@
 - int8 gemv: our GEMV over the int8 weight.
 
 Then the MoE routers' gates (bfloat16 in every format): F.linear against our GEMV, which the triton MoE
-backend takes for a decode batch (engine/moe/triton_backend.py).
+backend takes for a decode batch (engine/forward/moe/triton_backend.py).
 
     python -m omni_local.bench.dense_projections                    # on a GPU
     python -m omni_local.bench.dense_projections --sweep            # the GEMV's tiles, against the default
@@ -36,7 +36,7 @@ from omni_local.bench.cuda_timing import median_cuda_ms
 from omni_local.model.quantized.formats import Quantized, dequantize, quantize
 from omni_local.model.quantized.linear import fp8_matmul
 
-# Qwen3-Omni-30B-A3B's Thinker: (in, out) of each projection, q, k and v fused (engine/fused_qkv.py).
+# Qwen3-Omni-30B-A3B's Thinker: (in, out) of each projection, q, k and v fused (engine/forward/fused_qkv.py).
 THINKER = {"qkv_proj": (2048, 5120), "o_proj": (4096, 2048)}
 TINY = {"qkv_proj": (64, 192), "o_proj": (128, 64)}  # the CPU smoke run's
 # The routers' gates, (in, out): the Thinker's 128 experts over its hidden 2,048, the Talker's over 1,024.
@@ -77,7 +77,7 @@ def median_us(call: Callable[[], object], device: str, runs: int) -> float:
     """On a GPU, a CUDA graph of `call` replayed; elsewhere `call` itself, wall time."""
     if device != "cuda":
         return median_wall_ms(call, runs) * 1e3
-    from omni_local.engine.cuda_graphs import capture_graph
+    from omni_local.engine.forward.cuda_graphs import capture_graph
 
     graph, _ = capture_graph(call, torch.cuda.graph_pool_handle())
     return median_cuda_ms(graph.replay, runs) * 1e3

@@ -1,5 +1,5 @@
 """How many greedy replies the caches or a batch of other chats change: the measure of the
-`deterministic` setting (engine/batch_invariant.py).
+`deterministic` setting (engine/forward/batch_invariant.py).
 
     python -m omni_local.bench.determinism                                     # demo model, CPU smoke run
     python -m omni_local.bench.determinism --random-weights CONFIG.json --replies 20 --deterministic true

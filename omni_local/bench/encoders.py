@@ -23,7 +23,7 @@ from omni_local.api import OmniLocal
 from omni_local.bench.common import bench_parser, elapsed_s, median_wall_ms, settings_and_model
 from omni_local.bench.scenarios import IMAGE_SIZES as SCENARIO_IMAGE_SIZES
 from omni_local.bench.scenarios import noise_image, ten_second_video
-from omni_local.engine.encoders import Encoders
+from omni_local.engine.forward.encoders import Encoders
 from omni_local.engine.prompt.encoder_inputs import audio_inputs, image_inputs, video_inputs
 from omni_local.model.loader import LoadedModel
 from omni_local.model.workarounds import video_supported

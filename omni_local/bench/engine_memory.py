@@ -37,7 +37,7 @@ import omni_local
 from omni_local.api import OmniLocal
 from omni_local.bench.card_sizes import cap, planned
 from omni_local.bench.common import bench_model, bench_parser
-from omni_local.engine.cuda_graphs import BatchGraphs, Outputs
+from omni_local.engine.forward.cuda_graphs import BatchGraphs, Outputs
 from omni_local.model.loader import LoadedModel, quiet_library_logs
 from omni_local.settings import Settings, settings_from_arguments
 from omni_local.start_up_steps import log as start_up_log

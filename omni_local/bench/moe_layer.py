@@ -18,8 +18,8 @@ import torch
 
 from omni_local.bench.cuda_timing import median_cuda_ms
 from omni_local.bench.moe_shapes import SHAPES, MoeShape, moe_block
-from omni_local.engine.cuda_graphs import capture_graph
-from omni_local.engine.moe import TORCH, MoeBackend, mlp_output, moe_backend
+from omni_local.engine.forward.cuda_graphs import capture_graph
+from omni_local.engine.forward.moe import TORCH, MoeBackend, mlp_output, moe_backend
 from omni_local.kernels.moe.routing import route
 from omni_local.kernels.moe.sorting import CHUNK_PAIRS, sort_in_chunks, sort_in_one_program
 from omni_local.kernels.moe.tile_configs import tile_config

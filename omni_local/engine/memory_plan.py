@@ -42,8 +42,8 @@ from omni_local.engine.expert_placement import (BUS_BYTES_PER_S, HOST_SHARE, Pla
                                                 host_experts_most, place_weights)
 from omni_local.engine.memory.kv_fp8 import fp8_kv
 from omni_local.engine.kv_sizes import KVSizes, kv_sizes
-from omni_local.engine.speech import talker_sequences
-from omni_local.engine.thinker import least_kv_bytes
+from omni_local.engine.forward.speech import talker_sequences
+from omni_local.engine.forward.thinker import least_kv_bytes
 from omni_local.errors import SettingsError
 from omni_local.model.host_experts import AUTO
 from omni_local.model.quantized import weights_bytes

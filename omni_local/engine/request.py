@@ -14,7 +14,7 @@ from omni_local.engine.prefill_chunks import PreparedPrompt
 from omni_local.engine.memory.prefix_cache import Claim
 from omni_local.engine.prompt.builder import Prompt
 from omni_local.engine.reasoning import ReasoningText
-from omni_local.engine.speech import SpokenReply
+from omni_local.engine.forward.speech import SpokenReply
 from omni_local.protocol.events import (
     AudioChunk,
     Finished,

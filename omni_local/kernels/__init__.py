@@ -1,6 +1,6 @@
 """Our Triton kernels and their tile tables, tested and timed alone (tests/, bench/). They import
-nothing of the engine or the model: the engine chooses among them (engine/memory/attention/, engine/moe/,
-engine/sampling.py, engine/batch_invariant.py), and the model's quantized layers call the GEMV.
+nothing of the engine or the model: the engine chooses among them (engine/memory/attention/, engine/forward/moe/,
+engine/sampling.py, engine/forward/batch_invariant.py), and the model's quantized layers call the GEMV.
 
 - attention/: a decode step's attention over the KV blocks in place (paged.py), the layer's q_norm
   and rotation applied as it loads the queries (QueryNormRope).

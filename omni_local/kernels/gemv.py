@@ -7,7 +7,7 @@ rows' dtype as it is loaded (kernels/weight_tiles.py), and multiplies them by it
 with float32 sums. A row's scale is the same for every k, so it multiplies the finished sums; an
 int4 group's multiplies its tile's (BLOCK_K divides the group). The result is rounded once to x's
 dtype. A weight in x's own dtype has no scales (`invariant_matmul`, the deterministic setting's
-product for any M: engine/batch_invariant.py).
+product for any M: engine/forward/batch_invariant.py).
 
 Programs: (N tiles, M blocks, K splits). With one split (the default), a program walks all of K in
 BLOCK_K steps and writes out directly. With SPLIT_K splits, split s walks its own run of whole

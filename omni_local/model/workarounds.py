@@ -2,7 +2,7 @@
 
 The loader calls `load_processor` for the processor and `apply_workarounds` once on each loaded
 model; the demo builder calls `init_talker_experts` on the random weights it makes; the `torch` MoE
-backend (engine/moe/) calls each router by `router_past_hooks`, and its experts are captured in CUDA
+backend (engine/forward/moe/) calls each router by `router_past_hooks`, and its experts are captured in CUDA
 graphs inside `capturable_experts`. Nothing else in omni_local works around transformers.
 """
 

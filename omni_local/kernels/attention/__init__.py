@@ -1,7 +1,7 @@
 """Our attention over a paged KV (paged.py: the kernel, which imports Triton) and what a layer does
 to its queries first (`QueryNormRope`), which the kernel applies as it loads them: in a decode step
 that is one launch a layer fewer than a kernel of their own (the compiled layers' way:
-engine/decoder_stack.py). The engine chooses when it runs (engine/memory/attention/)."""
+engine/forward/decoder_stack.py). The engine chooses when it runs (engine/memory/attention/)."""
 
 from dataclasses import dataclass
 

@@ -6,7 +6,7 @@ leaves it whole inside the compiled decoder layers (the kernels pick their tile 
 token count at run time) and a CUDA graph captures its launches.
 
 The top-k sum: the down kernel writes each (token, k) pair's weighted row apart, in float32, and
-the backend adds a token's k rows in one fixed order (engine/moe/triton_backend.py, top_k_sum).
+the backend adds a token's k rows in one fixed order (engine/forward/moe/triton_backend.py, top_k_sum).
 Atomic adds into one row would need a zeroed float32 buffer and a cast pass anyway, and their order
 changes from run to run; this order does not depend on the token count, the batch or the tile
 config, which a deterministic mode needs.

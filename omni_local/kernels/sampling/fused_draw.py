@@ -25,7 +25,7 @@ MOST_VOCAB = 8192  # the largest vocabulary one program holds (the Talker's is 3
 
 
 # A frame's keys are slices of one tensor, at any offset: one compile serves them all (a vocabulary
-# and sampling's flags each compile their own, at start-up: engine/talker.py's warm-up).
+# and sampling's flags each compile their own, at start-up: engine/forward/talker.py's warm-up).
 @triton.jit(do_not_specialize=["vocab", "logits_stride"], do_not_specialize_on_alignment=["keys_ptr", "seats_ptr"])
 def _draw_kernel(logits_ptr, seats_ptr, keys_ptr, temperature_ptr, top_k_ptr, top_p_ptr, penalty_ptr, seen_ptr,
                  suppressed_ptr, token_keys_ptr, last_ptr, tokens_ptr, vocab, logits_stride,

@@ -9,7 +9,7 @@ for host memory (model/host_experts.py) allocate them there.
 
 Its `forward` is transformers' eager experts loop with each chosen expert's weights dequantized
 first: the reference, and the `torch` MoE backend's path on the CPU. The `triton` backend reads
-the quantized weights in its kernels instead (engine/moe/).
+the quantized weights in its kernels instead (engine/forward/moe/).
 """
 
 import torch

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from omni_local.engine.moe.backend import MoeBackend
+from omni_local.engine.forward.moe.backend import MoeBackend
 from omni_local.model.workarounds import capturable_experts, router_past_hooks
 
 

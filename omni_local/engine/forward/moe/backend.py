@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from omni_local.engine.moe.block import is_sparse_moe, shared_expert_output
+from omni_local.engine.forward.moe.block import is_sparse_moe, shared_expert_output
 
 
 class MoeBackend(ABC):

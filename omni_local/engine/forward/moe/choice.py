@@ -3,8 +3,8 @@ that runs it, torch elsewhere; 'triton' where Triton cannot run is a SettingsErr
 
 import torch
 
-from omni_local.engine.moe.backend import MoeBackend
-from omni_local.engine.moe.torch_backend import TORCH
+from omni_local.engine.forward.moe.backend import MoeBackend
+from omni_local.engine.forward.moe.torch_backend import TORCH
 from omni_local.kernels.triton_support import uses_triton
 
 
@@ -12,6 +12,6 @@ def moe_backend(setting: str, device: torch.device, batch_invariant: bool = Fals
     """`batch_invariant` (the deterministic setting) takes the triton backend in its invariant form."""
     if not uses_triton("moe_backend", setting, device):
         return TORCH
-    from omni_local.engine.moe.triton_backend import TritonMoe  # imports triton
+    from omni_local.engine.forward.moe.triton_backend import TritonMoe  # imports triton
 
     return TritonMoe(batch_invariant)

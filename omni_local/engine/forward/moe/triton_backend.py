@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from omni_local.kernels.gemv import invariant_matmul
-from omni_local.engine.moe.backend import MoeBackend
-from omni_local.engine.moe.block import experts_use_silu, renormalizes
+from omni_local.engine.forward.moe.backend import MoeBackend
+from omni_local.engine.forward.moe.block import experts_use_silu, renormalizes
 from omni_local.kernels.moe.expert_weights import kernel_weight
 from omni_local.kernels.moe.routed_experts import first_count_of_each_plan, routed_experts
 from omni_local.model.quantized import QuantizedExperts
@@ -16,7 +16,7 @@ from omni_local.model.quantized.linear import GEMV_MAX_ROWS
 
 
 class TritonMoe(MoeBackend):
-    """`batch_invariant` (the deterministic setting, engine/batch_invariant.py): the router by our
+    """`batch_invariant` (the deterministic setting, engine/forward/batch_invariant.py): the router by our
     GEMV's kernel and one tile config for every token count."""
 
     name = "triton"

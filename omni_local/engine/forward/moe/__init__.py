@@ -9,8 +9,8 @@ and the Talker's shared expert, the routed experts run by a backend behind `MoeB
 `moe_backend` (choice.py) makes the `moe_backend` setting a backend for the model's device.
 """
 
-from omni_local.engine.moe.backend import MoeBackend, mlp_output
-from omni_local.engine.moe.choice import moe_backend
-from omni_local.engine.moe.torch_backend import TORCH
+from omni_local.engine.forward.moe.backend import MoeBackend, mlp_output
+from omni_local.engine.forward.moe.choice import moe_backend
+from omni_local.engine.forward.moe.torch_backend import TORCH
 
 __all__ = ["TORCH", "MoeBackend", "mlp_output", "moe_backend"]

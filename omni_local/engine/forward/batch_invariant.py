@@ -16,7 +16,7 @@ With it, the engine runs:
 - attention: our paged kernel with one query tile for every length and a tail's rows split and
   merged as a decode step's (kernels/attention/paged.py, `batch_invariant`), for prefills too;
 - MoE experts: our kernels with the decode batch's tile config for every token count, and the top-k
-  rows added in k order (engine/moe/, `TritonMoe(batch_invariant=True)`).
+  rows added in k order (engine/forward/moe/, `TritonMoe(batch_invariant=True)`).
 The rest is row by row already (embeddings, rotary embedding, residual adds, routing's softmax and
 top-k, the sampler's argmax). It needs our Triton kernels: a CUDA GPU, or Triton's interpreter.
 """
@@ -25,7 +25,7 @@ from functools import cache
 
 import torch
 
-from omni_local.engine.fused_qkv import fuse_qkv
+from omni_local.engine.forward.fused_qkv import fuse_qkv
 from omni_local.model.quantized import QuantizedLinear
 
 

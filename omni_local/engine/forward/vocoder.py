@@ -26,7 +26,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from omni_local.engine.cuda_graphs import capture_graph
+from omni_local.engine.forward.cuda_graphs import capture_graph
 from omni_local.engine.memory.host_copies import to_device
 
 
