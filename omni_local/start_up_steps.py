@@ -1,7 +1,7 @@
 """Where a start-up's time and GPU memory go: each step's seconds and what it left allocated and
 reserved on the GPU, logged as it ends ("start-up: the Thinker's CUDA graphs, 12.3 s, GPU +412.0 MiB
 allocated, +640.0 MiB reserved"), from the load (model/) to the engine's warm-up (engine/).
-bench/start_up.py prints them; the app's log has them at INFO. The memory plan (engine/memory_plan.py)
+bench/start_up.py prints them; the app's log has them at INFO. The memory plan (engine/sizing/memory_plan.py)
 sizes the engine's share from the whole; these say which part of it is which."""
 
 import logging

@@ -10,12 +10,12 @@ import torch
 from chats import Chat, written
 from samples import picture
 from test_paged_attention import FLOAT32, SCALING, case_inputs, full_size, on_cpu, on_gpu, paged_call
-from omni_local.engine import memory_plan
 from omni_local.engine.memory import kv_fp8
 from omni_local.engine.memory.attention import gathered_attention
 from omni_local.engine.memory.host_arena import HostArena
 from omni_local.engine.memory.kv_fp8 import FP8, write_rows
 from omni_local.engine.memory.kv_store import NO_PREFIX, GraphedKVWriter, KVShape, KVStore
+from omni_local.engine.sizing import memory_plan
 from omni_local.errors import SettingsError
 from omni_local.kernels import triton_support
 from omni_local.kernels.attention.paged import paged_attention

@@ -13,7 +13,7 @@ import torch
 
 from conftest import TEST_DEVICE
 from omni_local.api import OmniLocal
-from omni_local.engine import memory_plan
+from omni_local.engine.sizing import memory_plan
 from omni_local.model.mapped_memory import mapped_empty
 from omni_local.model.host_experts import (embeddings_in_host_memory, held_in_host_memory, host_layers, in_host_memory,
                                            layers_in_host_memory, move_to_host_memory, thinker_experts)
@@ -148,7 +148,7 @@ def short_of_the_kv_target(settings, tmp_path) -> object:
     """`settings` with `gpu_memory_bytes` a byte short of the memory plan's KV target beside the
     weights, the first start's engine and the encoder outputs' floor: the plan puts the input
     embeddings in host memory, no experts. (A cache folder of its own: no measured engine take.)"""
-    from omni_local.engine.kv_sizes import kv_sizes
+    from omni_local.engine.sizing.kv_sizes import kv_sizes
     from omni_local.model.quantized import weights_bytes
 
     model = load_model(settings).model

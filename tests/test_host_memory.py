@@ -1,4 +1,4 @@
-"""The KV's share of the machine's memory (engine/host_memory.py): with host_cache_bytes = -1 the host
+"""The KV's share of the machine's memory (engine/sizing/host_memory.py): with host_cache_bytes = -1 the host
 tier is a quarter of the memory the weights leave, at most 8 GiB; on the CPU the Thinker's KV blocks
 come out of that quarter first; a host_cache_bytes that is set is taken as it is; and the machine's
 memory is the lowest of the physical memory and the process's cgroup limits."""
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from omni_local.api import OmniLocal
-from omni_local.engine import host_memory
-from omni_local.engine.host_memory import HOST_TIER_MOST, machine_memory_bytes, plan_host_memory
+from omni_local.engine.sizing import host_memory
+from omni_local.engine.sizing.host_memory import HOST_TIER_MOST, machine_memory_bytes, plan_host_memory
 from omni_local.model import load_model
 from omni_local.settings import Settings
 

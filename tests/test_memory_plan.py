@@ -1,4 +1,4 @@
-"""The GPU memory plan (engine/memory_plan.py): before any weight is read, the weights' exact size in
+"""The GPU memory plan (engine/sizing/memory_plan.py): before any weight is read, the weights' exact size in
 the chosen format, the engine's take and the encoder outputs are set against the memory there is;
 the KV gets the rest, up to gpu_cache_bytes, and settings that cannot fit stop start-up saying what
 would. On the CPU the plan runs where `gpu_memory_bytes` is set, as these tests set it."""
@@ -8,7 +8,7 @@ import torch
 
 from omni_local.api import OmniLocal
 from omni_local.backends import local as local_backend
-from omni_local.engine import expert_placement, memory_plan
+from omni_local.engine.sizing import expert_placement, memory_plan
 from omni_local.engine.forward.speech import talker_sequence_rows
 from omni_local.engine.forward.talker import talker_kv_shape
 from omni_local.engine.forward.thinker import kv_shape, least_kv_bytes

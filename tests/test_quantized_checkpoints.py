@@ -208,7 +208,7 @@ def test_a_spoken_reply_has_the_codes_of_transformers_generate_on_the_loaded_mod
 def test_named_in_the_weights_setting_its_format_quantizes_nothing_else_and_is_planned_at_the_stored_size(
     compressed_app, monkeypatch
 ):
-    from omni_local.engine import memory_plan
+    from omni_local.engine.sizing import memory_plan
 
     monkeypatch.setattr(memory_plan, "FIRST_START_ENGINE_BYTES", 1 << 20)
     format = compressed_app.backend.loaded.quantized.split()[0]  # int4 would add our int8 layers to a checkpoint's own

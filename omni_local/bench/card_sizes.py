@@ -28,8 +28,8 @@ from omni_local.api import OmniLocal
 from omni_local.bench.common import bench_parser, settings_and_model, synced_now
 from omni_local.bench.decode_steps import step_ms
 from omni_local.bench.scenarios import SPOKEN_QUESTION, SYSTEM, noise_clip, noise_image
-from omni_local.engine.expert_placement import BUS_BYTES_PER_S, bus_bytes_per_token
-from omni_local.engine.memory_plan import MARGIN_BYTES, GiB, plan_memory
+from omni_local.engine.sizing.expert_placement import BUS_BYTES_PER_S, bus_bytes_per_token
+from omni_local.engine.sizing.memory_plan import MARGIN_BYTES, GiB, plan_memory
 from omni_local.errors import SettingsError
 from omni_local.model.host_experts import (embeddings_in_host_memory, held_in_host_memory, layers_in_host_memory,
                                            move_to_host_memory, thinker_experts)

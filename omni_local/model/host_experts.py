@@ -8,7 +8,7 @@ card too small for every layer's experts keeps the last layers' experts in page-
 other weight: no kernel, graph or forward changes, and nothing is copied back. (Prefill reads more
 of each layer's experts, once per prompt chunk.)
 
-The `experts_on_gpu` setting says how many: -1 (AUTO) lets the memory plan (engine/memory_plan.py)
+The `experts_on_gpu` setting says how many: -1 (AUTO) lets the memory plan (engine/sizing/memory_plan.py)
 move the fewest last layers that make its floors fit; N keeps the experts of the first N layers on
 the GPU and the rest in host memory (N at or past the layer count: all on the GPU).
 

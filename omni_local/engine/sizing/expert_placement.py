@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from omni_local.engine.machine_memory import machine_memory_bytes
+from omni_local.engine.sizing.machine_memory import machine_memory_bytes
 from omni_local.model.host_experts import AUTO, host_layers, thinker_embeddings, thinker_experts
 from omni_local.model.quantized import (QuantizedEmbedding, QuantizedExperts, layer_formats, quantized_places,
                                        stored_bytes, weights_bytes)

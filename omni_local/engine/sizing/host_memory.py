@@ -18,8 +18,8 @@ The machine's memory is what this process may use (machine_memory.py).
 
 from dataclasses import dataclass
 
-from omni_local.engine.machine_memory import machine_memory_bytes
-from omni_local.engine.memory_plan import GiB, least_conversation_kv_bytes, size
+from omni_local.engine.sizing.machine_memory import machine_memory_bytes
+from omni_local.engine.sizing.memory_plan import GiB, least_conversation_kv_bytes, size
 from omni_local.model.host_experts import held_in_host_memory
 from omni_local.model.loader import LoadedModel
 from omni_local.settings import Settings
