@@ -10,8 +10,8 @@ import argparse
 import sys
 
 from omni_local.access import api_keys
-from omni_local.cache.folders import keep_new_files_private
 from omni_local.errors import OmniLocalError
+from omni_local.folders import keep_new_files_private
 from omni_local.listening import listening
 from omni_local.server.header_timeout import use_for_the_page
 from omni_local.settings import add_settings_arguments, settings_from_arguments

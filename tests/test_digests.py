@@ -7,8 +7,8 @@ import pytest
 import soundfile
 from PIL import Image
 
-from omni_local.cache.digests import media_digest
 from omni_local.media import MediaLimits, load_audio, load_image
+from omni_local.media.digests import media_digest
 
 LIMITS = MediaLimits(max_upload_bytes=50 << 20, max_image_pixels=4096 * 4096, max_audio_seconds=300.0)
 

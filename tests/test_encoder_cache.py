@@ -20,9 +20,9 @@ import omni_local.engine.forward.media_encoder as media_encoder
 from samples import clip, picture
 from omni_local.access import LOCAL_USER
 from omni_local.api import OmniLocal
-from omni_local.cache.encoder_cache import BytesOnlyDisk
-from omni_local.cache.folders import keep_compiled_code_in
+from omni_local.engine.memory.encoder_cache import BytesOnlyDisk
 from omni_local.engine.prompt.builder import build_prompt
+from omni_local.folders import keep_compiled_code_in
 from omni_local.protocol.messages import Message
 
 REPO = Path(__file__).resolve().parent.parent

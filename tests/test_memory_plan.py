@@ -8,10 +8,10 @@ import torch
 
 from omni_local.api import OmniLocal
 from omni_local.backends import local as local_backend
-from omni_local.engine.sizing import expert_placement, memory_plan
 from omni_local.engine.forward.speech import talker_sequence_rows
 from omni_local.engine.forward.talker import talker_kv_shape
 from omni_local.engine.forward.thinker import kv_shape, least_kv_bytes
+from omni_local.engine.sizing import expert_placement, memory_plan
 from omni_local.errors import SettingsError
 from omni_local.model import load_model, weights as weights_module
 from omni_local.model.host_experts import in_host_memory, thinker_embeddings, thinker_experts

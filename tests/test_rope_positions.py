@@ -6,8 +6,8 @@ import torch
 
 from samples import clip, picture, video_file
 from omni_local.engine.forward.decoder_stack import mrope_positions
-from omni_local.engine.prompt.builder import Prompt, build_prompt
 from omni_local.engine.forward.rope_positions import _interleaved
+from omni_local.engine.prompt.builder import Prompt, build_prompt
 from omni_local.protocol.messages import Message
 
 with_video = pytest.mark.torchvision

@@ -12,9 +12,9 @@ from conftest import TEST_DEVICE
 from replies import GREEDY, NEW_TOKENS, media, send, transformers_speech
 from samples import QUESTIONS, clip, picture
 from omni_local.api import AudioChunk, OmniLocal
-from omni_local.engine.prompt.builder import build_prompt
 from omni_local.engine.forward.talker import OPENING_ROWS
 from omni_local.engine.forward.vocoder import AudioStream, Vocoder
+from omni_local.engine.prompt.builder import build_prompt
 from omni_local.errors import RequestError
 from omni_local.metrics_line import metrics_line
 from omni_local.protocol.messages import Message

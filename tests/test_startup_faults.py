@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from omni_local.cache.folders import private_folder
 from omni_local.cli import main
 from omni_local.errors import CheckpointError, SettingsError
+from omni_local.folders import private_folder
 from omni_local.model import demo
 from omni_local.model.demo import ensure_demo_checkpoint
 from omni_local.settings import Settings

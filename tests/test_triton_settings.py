@@ -5,8 +5,8 @@ is refused, saying why."""
 import pytest
 import torch
 
-from omni_local.engine.memory.attention import attention_kernels, backend_kernel
 from omni_local.engine.forward.moe import TORCH, moe_backend
+from omni_local.engine.memory.attention import attention_kernels, backend_kernel
 from omni_local.errors import SettingsError
 
 # setting -> (what makes the setting's choice, what it gives for torch)

@@ -10,10 +10,10 @@ import numpy as np
 import torch
 
 from omni_local.access import LOCAL_USER
-from omni_local.engine.sizing import host_memory
 from omni_local.engine.engine import Engine
-from omni_local.engine.sizing.memory_plan import MemoryPlan, engine_baseline, plan_memory, remember_engine_bytes
 from omni_local.engine.request import Failed, Request
+from omni_local.engine.sizing import host_memory
+from omni_local.engine.sizing.memory_plan import MemoryPlan, engine_baseline, plan_memory, remember_engine_bytes
 from omni_local.errors import MediaError, RequestError
 from omni_local.media import SAMPLE_RATE, MediaLimits
 from omni_local.media.audio import check_samples

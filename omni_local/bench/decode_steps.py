@@ -36,8 +36,8 @@ import torch
 
 from omni_local.api import OmniLocal
 from omni_local.bench.common import bench_parser, median_wall_ms, settings_and_model
-from omni_local.engine.memory.kv_store import BlockTable
 from omni_local.engine.forward.thinker import ThinkerRunner
+from omni_local.engine.memory.kv_store import BlockTable
 
 BATCHES = [1, 2, 4, 8, 16]
 CONTEXTS = [256, 1024, 4096]

@@ -29,9 +29,9 @@ import torch
 
 from omni_local.bench.common import median_wall_ms
 from omni_local.bench.cuda_timing import median_cuda_ms
+from omni_local.engine.forward.cuda_graphs import capture_graph
 from omni_local.engine.memory.attention import gathered_attention
 from omni_local.engine.memory.attention.reference import grouped_sdpa
-from omni_local.engine.forward.cuda_graphs import capture_graph
 from omni_local.kernels.attention.paged import BLOCK_N, paged_attention
 
 BATCHES = [1, 2, 4, 8, 16]

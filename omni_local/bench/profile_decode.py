@@ -34,8 +34,8 @@ from omni_local.bench.common import bench_parser, median_wall_ms, settings_and_m
 from omni_local.bench.decode_steps import (chat_contexts, chat_tokens, decode_step, device_label, fits,
                                           held_tables, within_context)
 from omni_local.engine.forward.cuda_graphs import attention_buckets
-from omni_local.engine.memory.kv_store import BlockTable, GraphedKVWriter
 from omni_local.engine.forward.thinker import ThinkerRunner
+from omni_local.engine.memory.kv_store import BlockTable, GraphedKVWriter
 
 EXPERTS, ROUTING, DENSE, ATTENTION = "MoE experts GEMMs", "MoE routing", "dense GEMM/GEMV", "attention"
 KV, ELEMENTWISE, OTHER = "KV cache write and copies", "norms, rotary, softmax, elementwise", "other"

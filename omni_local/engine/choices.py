@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from omni_local.engine.memory.host_copies import Readback
 from omni_local.engine.logprobs import RowLogprobs, StepLogprobs, step_logprobs
+from omni_local.engine.memory.host_copies import Readback
 from omni_local.engine.request import Request
 
 

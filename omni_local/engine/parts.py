@@ -8,19 +8,19 @@ from dataclasses import dataclass
 
 import torch
 
-from omni_local.cache.encoder_cache import EncoderCache, encoder_namespace
-from omni_local.cache.folders import keep_compiled_code_in
-from omni_local.engine.memory.attention import attention_kernels, without_cudnn_attention
 from omni_local.engine.forward.batch_invariant import make_batch_invariant
 from omni_local.engine.forward.cuda_graphs import prefill_lengths
 from omni_local.engine.forward.encoders import Encoders
-from omni_local.engine.memory.kv_fp8 import fp8_kv
 from omni_local.engine.forward.media_encoder import MediaEncoder
 from omni_local.engine.forward.moe import moe_backend
-from omni_local.engine.memory.prefix_cache import PrefixCache
 from omni_local.engine.forward.speech import Speaker, talker_sequences
 from omni_local.engine.forward.talker import TalkerRows
 from omni_local.engine.forward.thinker import ThinkerRunner
+from omni_local.engine.memory.attention import attention_kernels, without_cudnn_attention
+from omni_local.engine.memory.encoder_cache import EncoderCache, encoder_namespace
+from omni_local.engine.memory.kv_fp8 import fp8_kv
+from omni_local.engine.memory.prefix_cache import PrefixCache
+from omni_local.folders import keep_compiled_code_in
 from omni_local.model.loader import LoadedModel
 from omni_local.settings import Settings
 from omni_local.start_up_steps import start_up_step

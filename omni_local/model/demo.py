@@ -27,8 +27,8 @@ from transformers import (
 )
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-from omni_local.cache.folders import make_folders
 from omni_local.errors import CheckpointError
+from omni_local.folders import make_folders
 from omni_local.model.chat_template import CHAT_TEMPLATE
 from omni_local.model.workarounds import init_talker_experts
 

@@ -27,7 +27,7 @@ from typing import Generic, TypeVar
 import blake3
 import numpy as np
 
-from omni_local.cache.digests import media_digest
+from omni_local.media.digests import media_digest
 from omni_local.media.video import VideoFile
 from omni_local.protocol.events import Finished
 from omni_local.protocol.messages import Message, reply_key

@@ -24,8 +24,8 @@ from starlette.responses import PlainTextResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omni_local.access import is_loopback, read_private_text
-from omni_local.cache.folders import private_folder
 from omni_local.errors import SettingsError
+from omni_local.folders import private_folder
 from omni_local.server.hosts import HostCheck, ServedNames
 from omni_local.settings import Settings
 from omni_local.ui.uploads import OwnUploads

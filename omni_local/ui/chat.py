@@ -21,8 +21,8 @@ import gradio as gr
 
 from omni_local.access import page_principal
 from omni_local.api import OmniLocal, Reply
-from omni_local.cache.folders import private_folder
 from omni_local.errors import OmniLocalError, RequestError
+from omni_local.folders import private_folder
 from omni_local.protocol.events import AudioChunk, Finished, ReasoningDelta, TextDelta
 from omni_local.ui import sidebar
 from omni_local.ui.access import upload_folder

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omni_local.cache.folders import private_folder
+from omni_local.folders import private_folder
 from omni_local.protocol.messages import reply_key
 from omni_local.ui.messages import block_text, blocks, file_path
 

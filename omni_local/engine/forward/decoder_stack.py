@@ -23,13 +23,13 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from omni_local.engine.forward.fused_qkv import split_qkv
+from omni_local.engine.forward.moe import TORCH, MoeBackend, mlp_output
+from omni_local.engine.forward.moe.block import is_sparse_moe
+from omni_local.engine.forward.rope_positions import rope_positions
 from omni_local.engine.memory.host_copies import to_device
 from omni_local.engine.memory.kv_fp8 import write_rows
 from omni_local.engine.memory.kv_store import GraphedKVWriter, KVWriter
-from omni_local.engine.forward.moe import TORCH, MoeBackend, mlp_output
-from omni_local.engine.forward.moe.block import is_sparse_moe
 from omni_local.engine.prompt.builder import Prompt
-from omni_local.engine.forward.rope_positions import rope_positions
 from omni_local.kernels.attention import QueryNormRope
 
 

@@ -17,8 +17,8 @@ import blake3
 import torch
 
 from omni_local.access import principal_salt
-from omni_local.cache.encoder_cache import EncoderCache, EncoderOutput
 from omni_local.engine.forward.encoders import Encoders
+from omni_local.engine.memory.encoder_cache import EncoderCache, EncoderOutput
 from omni_local.engine.prompt.builder import MediaItem
 from omni_local.engine.prompt.encoder_inputs import preprocess
 

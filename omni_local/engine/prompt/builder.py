@@ -16,9 +16,9 @@ from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import _get_feat_extract_output_lengths
 
-from omni_local.cache.digests import media_digest
 from omni_local.engine.prompt.template_tokens import TemplateIds
 from omni_local.errors import RequestError
+from omni_local.media.digests import media_digest
 from omni_local.media.video import Video
 from omni_local.model.reasoning import ReasoningMarks
 from omni_local.protocol.messages import Message, Part, check_text

@@ -14,9 +14,9 @@ from functools import partial
 
 import torch
 
-from omni_local.engine.memory.kv_store import KVShape
 from omni_local.engine.forward.speech import talker_kv_bytes
 from omni_local.engine.forward.thinker import kv_shape
+from omni_local.engine.memory.kv_store import KVShape
 from omni_local.settings import Settings
 
 

@@ -37,14 +37,14 @@ from pathlib import Path
 import blake3
 import torch
 
-from omni_local.cache.folders import private_folder
-from omni_local.engine.sizing.expert_placement import (BUS_BYTES_PER_S, HOST_SHARE, Placement, bus_bytes_per_token,
-                                                host_experts_most, place_weights)
-from omni_local.engine.memory.kv_fp8 import fp8_kv
-from omni_local.engine.sizing.kv_sizes import KVSizes, kv_sizes
 from omni_local.engine.forward.speech import talker_sequences
 from omni_local.engine.forward.thinker import least_kv_bytes
+from omni_local.engine.memory.kv_fp8 import fp8_kv
+from omni_local.engine.sizing.expert_placement import (BUS_BYTES_PER_S, HOST_SHARE, Placement, bus_bytes_per_token,
+                                                host_experts_most, place_weights)
+from omni_local.engine.sizing.kv_sizes import KVSizes, kv_sizes
 from omni_local.errors import SettingsError
+from omni_local.folders import private_folder
 from omni_local.model.host_experts import AUTO
 from omni_local.model.quantized import weights_bytes
 from omni_local.model.quantized.linear import has_fp8_units

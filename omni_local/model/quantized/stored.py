@@ -32,7 +32,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from omni_local.cache.folders import private_folder
+from omni_local.folders import private_folder
 from omni_local.model.host_experts import placed
 from omni_local.model.quantized import QUANTIZED_LAYERS
 

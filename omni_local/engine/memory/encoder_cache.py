@@ -24,8 +24,8 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from omni_local.cache.folders import private_folder
 from omni_local.errors import SettingsError
+from omni_local.folders import private_folder
 
 log = logging.getLogger(__name__)
 
