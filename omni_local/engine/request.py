@@ -37,7 +37,9 @@ class Failed:
     message: str
 
 
-Event = TextDelta | ReasoningDelta | AudioChunk | Finished | Failed
+# What the engine puts on a request's queue: the protocol's events (protocol/events.py, `Event`), or
+# Failed, which the local backend raises as the request's error instead of passing it on.
+EngineEvent = TextDelta | ReasoningDelta | AudioChunk | Finished | Failed
 
 
 class State(Enum):
@@ -74,7 +76,7 @@ class Request:
     seed: int
     speech: SpeechParams | None = None  # a spoken reply was asked for
     principal: str = LOCAL_USER  # whose (access.py): its caches are shared with this principal's requests alone
-    events: "queue.Queue[Event]" = field(default_factory=queue.Queue)
+    events: "queue.Queue[EngineEvent]" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted_at: float = field(default_factory=time.perf_counter)
     # Filled by the prompt builder:
