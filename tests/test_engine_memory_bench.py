@@ -22,9 +22,9 @@ def frame(path: str, line: int, name: str) -> dict:
 
 
 TORCH_FRAME = frame("/venv/site-packages/torch/nn/functional.py", 99, "linear")
-WARM_UP = [TORCH_FRAME, frame(f"{PACKAGE}/engine/thinker.py", 112, "warm_up"), frame("/x/run.py", 1, "main")]
-KV = [frame(f"{PACKAGE}/engine/kv_store.py", 40, "for_budget")]
-CAPTURE = [TORCH_FRAME, frame(f"{PACKAGE}/engine/cuda_graphs.py", 250, "capture_graph")]
+WARM_UP = [TORCH_FRAME, frame(f"{PACKAGE}/engine/forward/thinker.py", 112, "warm_up"), frame("/x/run.py", 1, "main")]
+KV = [frame(f"{PACKAGE}/engine/memory/kv_store.py", 40, "for_budget")]
+CAPTURE = [TORCH_FRAME, frame(f"{PACKAGE}/engine/forward/cuda_graphs.py", 250, "capture_graph")]
 
 
 def block(address: int, size: int, frames: list, state: str = "active_allocated") -> dict:

@@ -89,8 +89,9 @@ class Total:
 
 
 def site(frames: list[dict[str, Any]], package: Path = PACKAGE) -> str:
-    """Where an allocation was made: its stack's innermost frame in `package` ("omni_local/engine/
-    thinker.py:123 warm_up"; frames are innermost first), else its innermost frame, marked outside."""
+    """Where an allocation was made: its stack's innermost frame in `package`
+    ("omni_local/engine/forward/thinker.py:123 warm_up"; frames are innermost first), else its
+    innermost frame, marked outside."""
     if not frames:
         return NO_STACK
     ours = next((f for f in frames if Path(f["filename"]).is_relative_to(package)), None)
