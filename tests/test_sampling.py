@@ -11,7 +11,7 @@ import torch
 from transformers import RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
 
 from conftest import TEST_DEVICE
-from omni_local.engine.sampling import (
+from omni_local.engine.forward.sampling import (
     Sampler, SamplingRows, SeatSampler, _filtered, _hash32, _penalize_repeats, _uniform, uniform_numbers,
 )
 from omni_local.errors import RequestError

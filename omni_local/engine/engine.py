@@ -48,6 +48,7 @@ import torch
 
 from omni_local.access import LOCAL_USER
 from omni_local.engine.choices import Choices, DecodeStep
+from omni_local.engine.forward.sampling import SeatSampler
 from omni_local.engine.inbox import Inbox
 from omni_local.engine.logprobs import RowLogprobs
 from omni_local.engine.parts import current_device, make_parts
@@ -55,7 +56,6 @@ from omni_local.engine.phases import (BEGIN_SPEECH, CHOOSE_FIRST, COLLECT, DECOD
                                       SPEECH_FRAME, phase)
 from omni_local.engine.reply_text import ReplyText
 from omni_local.engine.request import Failed, Request, State
-from omni_local.engine.sampling import SeatSampler
 from omni_local.engine.scheduler import Scheduler
 from omni_local.engine.seats import Seats
 from omni_local.errors import OmniLocalError, RequestError

@@ -9,10 +9,10 @@ from enum import Enum, auto
 
 from omni_local.access import LOCAL_USER
 from omni_local.engine.detokenizer import IncrementalDetokenizer
+from omni_local.engine.forward.prefill_chunks import PreparedPrompt
 from omni_local.engine.forward.speech import SpokenReply
 from omni_local.engine.memory.kv_store import BlockTable
 from omni_local.engine.memory.prefix_cache import Claim
-from omni_local.engine.prefill_chunks import PreparedPrompt
 from omni_local.engine.prompt.builder import Prompt
 from omni_local.engine.reasoning import ReasoningText
 from omni_local.protocol.events import (

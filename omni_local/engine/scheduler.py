@@ -25,9 +25,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from omni_local.engine.forward.prefill_chunks import chunk_end
 from omni_local.engine.memory.prefix_cache import Claim, PrefixCache
 from omni_local.engine.phases import CLAIM_KV, phase
-from omni_local.engine.prefill_chunks import chunk_end
 from omni_local.engine.request import Request, State
 from omni_local.engine.seats import Seats
 from omni_local.settings import Settings

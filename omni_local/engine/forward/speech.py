@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from omni_local.engine.forward.moe import TORCH, MoeBackend
+from omni_local.engine.forward.sampling import Sampler
 from omni_local.engine.forward.talker import (OPENING_ROWS, TalkerPrompt, TalkerRunner, talker_kv_blocks,
                                               talker_kv_shape, user_positions)
 from omni_local.engine.forward.vocoder import AudioStream, Vocoder
@@ -29,7 +30,6 @@ from omni_local.engine.memory.host_copies import Readback, to_device
 from omni_local.engine.memory.kv_store import BlockTable, KVStore
 from omni_local.engine.memory.prefix_cache import Claim, Match, PrefixCache, common_prefix
 from omni_local.engine.prompt.builder import Prompt
-from omni_local.engine.sampling import Sampler
 from omni_local.protocol.events import SPEECH_SAMPLE_RATE, SpeechReport
 from omni_local.protocol.params import SamplingParams, SpeechParams
 from omni_local.settings import Settings

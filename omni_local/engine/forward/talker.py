@@ -25,11 +25,11 @@ from omni_local.engine.forward.cuda_graphs import BatchGraphs, StaticGraph, grap
 from omni_local.engine.forward.decoder_stack import LayerRegions, mrope_positions, run_layers
 from omni_local.engine.forward.fused_qkv import fuse_qkv
 from omni_local.engine.forward.moe import TORCH, MoeBackend
+from omni_local.engine.forward.sampling import SampleBatch, Sampler, SeatSampler
 from omni_local.engine.memory.attention import AttentionKernels
 from omni_local.engine.memory.host_copies import Readback, to_device
 from omni_local.engine.memory.kv_store import BlockTable, GraphedKVWriter, KVShape, KVStore, KVWriter
 from omni_local.engine.prompt.builder import Prompt
-from omni_local.engine.sampling import SampleBatch, Sampler, SeatSampler
 from omni_local.errors import RequestError
 from omni_local.protocol.params import SamplingParams
 

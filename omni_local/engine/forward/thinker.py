@@ -25,13 +25,13 @@ from omni_local.engine.forward.decoder_stack import LayerRegions, mrope_position
 from omni_local.engine.forward.fused_qkv import fuse_qkv
 from omni_local.engine.forward.media_encoder import MediaEncoder, deepstack_levels
 from omni_local.engine.forward.moe import TORCH, MoeBackend
+from omni_local.engine.forward.prefill_chunks import PreparedPrompt
 from omni_local.engine.forward.talker import TalkerRows
 from omni_local.engine.memory.attention import AttentionKernels
 from omni_local.engine.memory.host_copies import to_device
 from omni_local.engine.memory.kv_store import (DEFAULT_BLOCK_TOKENS, BlockTable, GraphedKVWriter, KVShape, KVStore,
                                                KVWriter)
 from omni_local.engine.phases import ENCODE_MEDIA, phase
-from omni_local.engine.prefill_chunks import PreparedPrompt
 from omni_local.engine.prompt.builder import Prompt, build_prompt
 from omni_local.errors import SettingsError
 from omni_local.protocol.events import MediaCounts

@@ -1,4 +1,4 @@
-"""A whole draw of engine/sampling.py's rule for a small vocabulary, one Triton program a row, on a
+"""A whole draw of engine/forward/sampling.py's rule for a small vocabulary, one Triton program a row, on a
 GPU.
 
 A spoken reply draws 16 codes a frame (the Talker's first, then the code predictor's 15 in one

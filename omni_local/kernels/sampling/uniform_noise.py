@@ -1,7 +1,7 @@
-"""The sampler's uniform numbers (engine/sampling.py's `uniform_numbers`) as one Triton kernel, on a
+"""The sampler's uniform numbers (engine/forward/sampling.py's `uniform_numbers`) as one Triton kernel, on a
 GPU.
 
-engine/sampling.py hashes each (row key, token key) pair with int64 tensor ops that emulate 32-bit
+engine/forward/sampling.py hashes each (row key, token key) pair with int64 tensor ops that emulate 32-bit
 products: 23 kernels a draw of the Thinker's batch. Here each program hashes a tile of a row's
 tokens in uint32 arithmetic, which wraps as the emulation does, and keeps the top 23 bits as a
 float32, an exact conversion: the same bits. The logarithms of the Gumbel noise stay torch's, whose
