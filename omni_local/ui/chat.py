@@ -8,10 +8,8 @@ reload loses nothing typed. Errors appear as a marked message in the chat, and t
 """
 
 import os
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +39,7 @@ from omni_local.ui.history import (
 from omni_local.ui.layout import CLOSE_SIDEBAR_ON_PHONES_JS, Page, context_use, lay_out
 from omni_local.ui.messages import looks
 from omni_local.ui.player import PLAYER_JS, audio_payload
+from omni_local.ui.turn import Turn
 from omni_local.ui.voice_mode import add_voice_mode
 
 # Leaving a chat stops its reply as the stop button does (the button's own event cancels
@@ -62,22 +61,6 @@ REMEMBER_SHOWN_CHAT_JS = (
 # A streaming reply's text so far is saved every SAVE_EVERY_TOKENS tokens, or sooner once the
 # setting ui_save_every_s has passed since the last save: a crash loses at most that much of it.
 SAVE_EVERY_TOKENS = 16
-STOP_WAIT_S = 30.0  # how long the stop button waits for the stopped reply's last event
-
-
-@dataclass
-class Turn:
-    """A typed turn: the chat it was asked in (up to and with its question), where that chat is
-    saved, and, once it ended, the chat as shown and saved."""
-
-    reply: Reply
-    store: ChatStore
-    asked: list[dict[str, Any]]
-    system_prompt: str
-    ended: threading.Event = field(default_factory=threading.Event)
-    shown: list[dict[str, Any]] | None = None
-    context: str = ""  # the context use once it ended
-    stopped: bool = False  # it ended cancelled, and the stop button has yet to show it so
 
 
 class ChatTurns:
@@ -184,8 +167,7 @@ class ChatTurns:
         turn = memory.turn
         if turn is None:
             return gr.skip(), gr.skip(), gr.skip()
-        turn.reply.cancel()
-        turn.ended.wait(STOP_WAIT_S)
+        turn.stop()
         # Shown once, and only a stopped turn: stop is also pressed with nothing streaming (leaving a
         # chat does it), and a turn that ended on its own is already on the page.
         if not turn.stopped or memory.left:

@@ -30,6 +30,7 @@ from omni_local.protocol.events import SPEECH_SAMPLE_RATE, Finished
 from omni_local.protocol.messages import Message, Part, reply_key
 from omni_local.ui.access import upload_folder
 from omni_local.ui.messages import block_text, blocks, file_path
+from omni_local.ui.turn import Turn
 from omni_local.ui.uploads import check_own
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif"}
@@ -55,7 +56,7 @@ class ChatMemory:
     deleted: bool = False  # the chat was deleted: nothing saves it again
     revision: int = 0  # the saved chat's revision this page has: an older one means another tab changed it
     user: str | None = None  # who is logged in (None without a login): whose chats folder this chat is in
-    turn: Any = None  # the typed turn streaming in this page, if any (chat.py's Turn)
+    turn: Turn | None = None  # the typed turn streaming in this page, if any
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "ChatMemory":
         """A new chat's memory copies to another new chat's, of its own id: gr.State deep-copies its

@@ -47,10 +47,6 @@ def keep(store: ChatStore, history: list[dict[str, Any]], system_prompt: str, me
     return chooser(store, saved.id)
 
 
-# The longest a switch waits for the left chat's reply to stop streaming (as the stop button waits).
-LEAVE_WAIT_S = 30.0
-
-
 def show(store: ChatStore, saved: SavedChat | None, user: str | None) -> tuple[Any, ...]:
     """The page for `saved`, or a new empty chat: its messages (twice: the page's and
     ChatInterface's copy), system prompt, memory (its id is its cache session), the list, its title
@@ -68,11 +64,8 @@ def switch(store: ChatStore, saved: SavedChat | None, leaving: ChatMemory) -> tu
     a loaded machine, an update yielded just before the switch otherwise arrived after the new chat's
     view, and the page showed the left chat in the new one.)"""
     leaving.left = True
-    turn = leaving.turn
-    if turn is not None:
-        if not turn.reply.done:
-            turn.reply.cancel()
-        turn.ended.wait(LEAVE_WAIT_S)
+    if leaving.turn is not None:
+        leaving.turn.stop()
     return show(store, saved, leaving.user)
 
 
