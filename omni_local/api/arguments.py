@@ -1,4 +1,4 @@
-"""The types of `Session.send`'s media arguments, checked before anything is read: a wrong one is a
+"""The types of `Session.send`'s media and tools arguments, checked before anything is read: a wrong one is a
 `RequestError` naming the argument and the item (`images[0]: expected a path, bytes or PIL image,
 got int`), not a `TypeError` from deep inside a decoder."""
 
@@ -11,6 +11,7 @@ from PIL import Image
 
 from omni_local.errors import RequestError
 from omni_local.media.video import Video
+from omni_local.protocol.tools import Tool
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class Accepted:
 IMAGES = Accepted((str, Path, bytes, Image.Image), "a path, bytes or PIL image", "paths, bytes or PIL images")
 AUDIO = Accepted((str, Path, bytes, np.ndarray), "a path, bytes or numpy array", "paths, bytes or numpy arrays")
 VIDEOS = Accepted((str, Path, bytes, Video), "a path, bytes or Video", "paths, bytes or Videos")
+TOOLS = Accepted((Tool,), "a Tool", "Tools")
 
 
 def listed(argument: str, value: object, accepted: Accepted) -> list:

@@ -5,7 +5,7 @@ makes sessions), so the facade's two modules import one way.
 """
 
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,15 +13,16 @@ import numpy as np
 from PIL import Image
 
 from omni_local.access import LOCAL_USER
-from omni_local.api.arguments import AUDIO, IMAGES, VIDEOS, listed
+from omni_local.api.arguments import AUDIO, IMAGES, TOOLS, VIDEOS, listed
 from omni_local.errors import OmniLocalError, RequestError
 from omni_local.media import MediaLimits, load_audio, load_image, prepare_image
 from omni_local.media.audio import samples_from_array
 from omni_local.media.video import Video
 from omni_local.protocol.backend import Backend, ReplyStream
-from omni_local.protocol.events import AudioChunk, Finished, TextDelta
+from omni_local.protocol.events import AudioChunk, Event, Finished
 from omni_local.protocol.messages import Message, Part, check_text
 from omni_local.protocol.params import SamplingParams, SpeechParams
+from omni_local.protocol.tools import Tool, ToolChoice, ToolUse
 from omni_local.settings import Settings
 
 ImageInput = str | Path | bytes | Image.Image
@@ -43,7 +44,7 @@ class Reply:
         self._cancelled = False
         self._audio: list[np.ndarray] = []
 
-    def __iter__(self) -> Iterator[TextDelta | AudioChunk | Finished]:
+    def __iter__(self) -> Iterator[Event]:
         if self._error is not None:
             raise self._error
         try:
@@ -106,6 +107,10 @@ class Session:
         speak: bool = False,
         voice: str | None = None,
         talker_temperature: float = SpeechParams.temperature,
+        tools: Iterable[Tool] = (),
+        tool_choice: ToolChoice = "auto",
+        parallel_tool_calls: bool = True,
+        tool_results: Mapping[str, str] | None = None,
         **sampling: object,
     ) -> Reply:
         """Ask the next question. Media are read and checked now: a bad file, or an item of the wrong
@@ -114,18 +119,35 @@ class Session:
         `speak` asks for a spoken reply too, in `voice` (the settings' by default); the Talker
         samples at `talker_temperature` (0 is greedy).
 
+        `tools` offers functions to call, as OpenAI's chat API does (`tool_choice`: "auto", "none",
+        "required" or `FunctionChoice(name)`; `parallel_tool_calls`); the reply's calls come as
+        `ToolCall` events and on its `Finished.tool_calls`. Their results go back in the next send's
+        `tool_results`, by call id (with or without text).
+
         A reply still streaming in this session is waited for first (cancel it to cut it short).
         """
         parts = self._parts(text, images, audio, videos)
-        if not parts:
-            raise RequestError("the message is empty: type a question or attach an image, audio or video file")
+        use = ToolUse(tuple(listed("tools", tools, TOOLS)), tool_choice, _flag("parallel_tool_calls",
+                                                                                   parallel_tool_calls))
         params = sampling_params(self._settings, **sampling)
         speech = self._speech(speak, voice, talker_temperature)
         self.wait()
-        user = Message("user", parts)
-        stream = self._backend.send(self.id, [*self.history, user], params, speech, self.principal)
-        self._pending = Reply(stream, lambda final: self._record(user, final))
+        turn = [*self._results(tool_results or {}), *([Message("user", parts)] if parts else [])]
+        if not turn:
+            raise RequestError("the message is empty: type a question or attach an image, audio or video file")
+        stream = self._backend.send(self.id, [*self.history, *turn], params, speech, self.principal,
+                                    use if use.tools else None)
+        self._pending = Reply(stream, lambda final: self._record(turn, final))
         return self._pending
+
+    def _results(self, results: Mapping[str, str]) -> list[Message]:
+        """Tool messages for `results`, each answering a call of the last reply."""
+        calls = {call.id for call in self.history[-1].tool_calls} if self.history else set()
+        for call, result in results.items():
+            if call not in calls:
+                raise RequestError(f"tool_results: the last reply made no call {call!r}")
+            check_text(result, f"the result of call {call}")
+        return [Message("tool", [result], tool_call_id=call) for call, result in results.items()]
 
     def _parts(self, text: str, images: object, audio: object, videos: object) -> list[Part]:
         """The question's media, read and checked (each argument's types first, before any is
@@ -157,9 +179,15 @@ class Session:
                 pass  # the caller of that reply has seen the error
         self._pending = None
 
-    def _record(self, user: Message, final: Finished) -> None:
-        self.history += [user, Message("assistant", [final.text], token_ids=final.token_ids,
-                                       reasoning=final.reasoning)]
+    def _record(self, turn: list[Message], final: Finished) -> None:
+        self.history += [*turn, Message("assistant", [final.text], token_ids=final.token_ids,
+                                        reasoning=final.reasoning, tool_calls=final.tool_calls)]
+
+
+def _flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise RequestError(f"{name}: expected True or False, got {type(value).__name__}")
+    return value
 
 
 def sampling_params(settings: Settings, **overrides: object) -> SamplingParams:

@@ -26,6 +26,8 @@ from omni_local.protocol.events import Event, Finished
 from omni_local.protocol.kinds import conversation_for
 from omni_local.protocol.messages import Message
 from omni_local.protocol.params import SamplingParams, SpeechParams
+from omni_local.protocol.tool_calls import read_tool_calls
+from omni_local.protocol.tools import ToolUse
 from omni_local.settings import Settings
 from omni_local.start_up_steps import start_up_step
 
@@ -33,12 +35,16 @@ log = logging.getLogger(__name__)
 
 
 class LocalReply:
-    """A request in the engine, read as a stream of events."""
+    """A request in the engine, read as a stream of events; with `tools`, the calls read from its text."""
 
-    def __init__(self, request: Request) -> None:
+    def __init__(self, request: Request, tools: ToolUse | None = None) -> None:
         self.request = request
+        self.tools = tools
 
     def events(self) -> Iterator[Event]:
+        return self._engine_events() if self.tools is None else read_tool_calls(self._engine_events(), self.tools)
+
+    def _engine_events(self) -> Iterator[Event]:
         while True:
             event = self.request.events.get()
             if isinstance(event, Failed):
@@ -102,9 +108,12 @@ class LocalBackend:
             log.info("%s", self.memory.line())
 
     def send(self, session: str, messages: list[Message], params: SamplingParams,
-             speech: SpeechParams | None, principal: str = LOCAL_USER) -> LocalReply:
+             speech: SpeechParams | None, principal: str = LOCAL_USER, tools: ToolUse | None = None) -> LocalReply:
         messages = conversation_for(self.info.kind, messages)
-        return LocalReply(self.engine.submit(session, messages, params, speech, principal))
+        if tools is None or not tools.offered:
+            return LocalReply(self.engine.submit(session, messages, params, speech, principal))
+        tools.check(self.info.kind, speech is not None)
+        return LocalReply(self.engine.submit(session, tools.conversation(messages), params, speech, principal), tools)
 
     def read_video(self, item: str | Path | bytes | Video) -> Video:
         """A video as the model takes it: frames at the checkpoint's rate (else `video_fps`), and its

@@ -14,6 +14,7 @@ from omni_local.protocol.events import Event
 from omni_local.protocol.kinds import ModelKind, kind_title
 from omni_local.protocol.messages import Message, Part
 from omni_local.protocol.params import SamplingParams, SpeechParams
+from omni_local.protocol.tools import ToolUse
 
 
 @dataclass(frozen=True)
@@ -53,10 +54,11 @@ class Backend(Protocol):
     info: BackendInfo
 
     def send(self, session: str, messages: list[Message], params: SamplingParams,
-             speech: SpeechParams | None, principal: str = LOCAL_USER) -> ReplyStream:
-        """Queue a reply to `messages` (ending in a user turn) of chat `session`, spoken too if
-        `speech` is given, for `principal` (access.py), with whom alone its caches are shared. A
-        request this backend cannot serve (an unknown voice, say) raises here."""
+             speech: SpeechParams | None, principal: str = LOCAL_USER, tools: ToolUse | None = None) -> ReplyStream:
+        """Queue a reply to `messages` (ending in a user turn, or a tool's result) of chat `session`,
+        spoken too if `speech` is given, for `principal` (access.py), with whom alone its caches are
+        shared; offering `tools`, whose calls then come as `ToolCall` events. A request this backend
+        cannot serve (an unknown voice, say) raises here."""
         ...
 
     def read_video(self, item: str | Path | bytes | Video) -> Part:

@@ -1,4 +1,7 @@
-"""What a reply streams back, from any backend: text, audio, and one final `Finished`.
+"""What a reply streams back, from any backend: text, audio, tool calls, and one final `Finished`.
+
+A request that offers tools (protocol/tools.py) gets each call the model makes as a `ToolCall`, once
+its text is whole; the answer's `TextDelta`s are then the text outside the calls.
 
 A Thinking checkpoint reasons before it answers: its reasoning streams as `ReasoningDelta`s, apart
 from the answer's `TextDelta`s, so a caller that shows only answers ignores them.
@@ -17,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
+
+from omni_local.protocol.tools import ToolCall
 
 SPEECH_SAMPLE_RATE = 24_000  # Code2Wav's output: spoken replies, at every backend
 StopReason = Literal["end_of_turn", "max_new_tokens", "context_full", "cancelled"]
@@ -122,6 +127,7 @@ class Finished:
     speech: SpeechReport | None = None  # for a spoken reply
     media: MediaCounts | None = MediaCounts()  # None: not reported
     reasoning: str = ""  # what a Thinking checkpoint reasoned before its answer
+    tool_calls: tuple[ToolCall, ...] = ()  # the calls the reply made (`text` is what it said outside them)
 
     @property
     def context_used(self) -> int | None:
@@ -131,4 +137,4 @@ class Finished:
         return self.tokens.prompt + self.tokens.generated
 
 
-Event = TextDelta | ReasoningDelta | AudioChunk | Finished
+Event = TextDelta | ReasoningDelta | AudioChunk | ToolCall | Finished

@@ -1,8 +1,9 @@
-"""A conversation as every backend takes it: messages of text and decoded media."""
+"""A conversation as every backend takes it: messages of text and decoded media, and the tool calls
+and results of a conversation with tools (tools.py)."""
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 from PIL import Image
@@ -10,7 +11,11 @@ from PIL import Image
 from omni_local.errors import RequestError
 from omni_local.media.video import Video, VideoFile
 
-Role = Literal["system", "user", "assistant"]
+if TYPE_CHECKING:  # tools.py checks its text with check_text, below
+    from omni_local.protocol.tools import Tool, ToolCall
+
+# "tool": a tool's result, answering an assistant message's call.
+Role = Literal["system", "user", "assistant", "tool"]
 # Text, an RGB image, 16 kHz mono float32 samples, a decoded video, or a video file sent as it is
 # (to a remote backend, which decodes it there).
 Part = str | Image.Image | np.ndarray | Video | VideoFile
@@ -24,6 +29,10 @@ class Message:
     # reply's cached KV stays valid (decoding and re-tokenizing could give other ids).
     token_ids: list[int] | None = None
     reasoning: str = ""  # a Thinking checkpoint's reply: what it reasoned before its answer (`parts`)
+    tool_calls: tuple["ToolCall", ...] = ()  # an assistant message's calls, after its text
+    tool_call_id: str | None = None  # a tool message: the id of the call whose result it is
+    # A system message: the tools the prompt offers (the chat template lists them in the system turn).
+    tools: tuple["Tool", ...] = ()
 
     @property
     def text(self) -> str:

@@ -2,12 +2,14 @@
 omni_local's own figures.
 
 The `omni_local` object is a contract with omni_local's remote backend, which reads it back into a
-`Finished`: `dataclasses.asdict` of the reply's `Finished` without its text and token ids, so
+`Finished`: `dataclasses.asdict` of the reply's `Finished` without its text, token ids, reasoning
+and tool calls, so
 {"stop_reason", "tokens": {prompt, computed, reused_gpu, reused_host, generated},
 "timings": {queue_wait_s, ttft_s, decode_tokens_per_s}, "seed", "context": {size, prompt_limit,
 turns_left_out}, "media": {in_kv, from_cache, encoded} or null, "speech": {voice, frames, audio_s,
 first_audio_s, real_time_factor, talker_prompt, talker_reused} or null}. A reply cut at a stop
-string reports the engine's "cancelled" there, and "stop" as its finish_reason.
+string reports the engine's "cancelled" there, and "stop" as its finish_reason; a reply that called
+tools, "tool_calls".
 """
 
 import dataclasses
@@ -16,6 +18,8 @@ from omni_local.protocol.events import Finished
 
 
 def finish_reason(final: Finished) -> str:
+    if final.tool_calls:
+        return "tool_calls"
     return "length" if final.stop_reason in ("max_new_tokens", "context_full") else "stop"
 
 
@@ -28,5 +32,5 @@ def usage(final: Finished) -> dict:
 
 def omni_local_figures(final: Finished) -> dict:
     figures = dataclasses.asdict(final)
-    del figures["text"], figures["token_ids"], figures["reasoning"]
+    del figures["text"], figures["token_ids"], figures["reasoning"], figures["tool_calls"]
     return figures

@@ -5,6 +5,7 @@ grids follow from each medium's size alone. Pixels and mel features are made lat
 the media the prefix cache could not supply (encoder_inputs.py).
 """
 
+import json
 import re
 import secrets
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from omni_local.media.digests import media_digest
 from omni_local.media.video import Video
 from omni_local.model.reasoning import ReasoningMarks
 from omni_local.protocol.messages import Message, Part, check_text
+from omni_local.protocol.tools import ToolCall
 
 
 @dataclass(frozen=True)
@@ -94,8 +96,12 @@ class Prompt:
 
 
 def build_prompt(messages: list[Message], processor: Any, reasoning: ReasoningMarks | None = None) -> Prompt:
-    """Tokenize a conversation ending in a user turn, with its images and clips in order. `reasoning`:
-    a Thinking checkpoint's markers, by which its earlier replies' reasoning is told apart."""
+    """Tokenize a conversation ending in a user turn (or a tool's result), with its images and clips
+    in order. `reasoning`: a Thinking checkpoint's markers, by which its earlier replies' reasoning is
+    told apart. A system message's tools are offered as the template offers them. A conversation that
+    ends in an assistant message has its reply begun with that message's text, in which control tokens
+    count as in the template's text: it is a caller's markup (the opening of a call that
+    `tool_choice` requires, protocol/tools.py), never a person's text."""
     pieces = _template_ids(messages, processor, reasoning)
     parts = [p for m in messages for p in m.parts if not isinstance(p, str)]
     tokenizer = processor.tokenizer
@@ -130,8 +136,15 @@ def _template_ids(messages: list[Message], processor: Any, reasoning: ReasoningM
     nonce = secrets.token_hex(8)
     texts: list[str] = []
     replies: list[list[int]] = []
+    begun = messages[-1].text if messages and messages[-1].role == "assistant" else None
+    if begun is not None:
+        messages = messages[:-1]
+    tools = _offered_tools(messages, processor.tokenizer)
+    if tools and not messages[0].parts:  # a system message only to offer tools: the template's tools turn alone
+        messages = messages[1:]
     chat = [_template_message(m, nonce, texts, replies, processor.tokenizer, reasoning) for m in messages]
-    rendered = processor.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    rendered = processor.apply_chat_template(chat, tools=tools or None, tokenize=False, add_generation_prompt=True)
+    rendered += begun or ""
     segments = re.split(f"<(text|reply) {nonce} (\\d+)>", rendered)
     ids = TemplateIds(processor.tokenizer)
     ids.template(segments[0])
@@ -144,8 +157,38 @@ def _template_ids(messages: list[Message], processor: Any, reasoning: ReasoningM
     return ids.finish()
 
 
+def _offered_tools(messages: list[Message], tokenizer: Any) -> list[dict[str, Any]]:
+    """The tools the system message offers, as the template lists them. The template writes them as
+    JSON into its own text, where control tokens count, so a tool that holds one is refused."""
+    if not messages or messages[0].role != "system":
+        return []
+    tools = [tool.for_template() for tool in messages[0].tools]
+    for tool in tools:
+        written = json.dumps(tool, ensure_ascii=False)
+        token = next((t for t in tokenizer.get_added_vocab() if t in written), None)
+        if token is not None:
+            raise RequestError(f"tool {tool['function']['name']} holds the model's control token {token}: "
+                               "leave it out of its description and parameters")
+    return tools
+
+
 def _template_message(message: Message, nonce: str, texts: list[str], replies: list[list[int]],
                       tokenizer: Any, marks: ReasoningMarks | None) -> dict[str, Any]:
+    chat = _message_content(message, nonce, texts, replies, tokenizer, marks)
+    if message.tool_calls:
+        chat["tool_calls"] = [_call_for_template(call, nonce, texts) for call in message.tool_calls]
+    return chat
+
+
+def _call_for_template(call: ToolCall, nonce: str, texts: list[str]) -> dict[str, Any]:
+    """A call with its name and arguments as plain text; the arguments as a string, which the
+    template writes as it is."""
+    name, arguments = (_text_block(text, nonce, texts)["text"] for text in (call.name, call.arguments))
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _message_content(message: Message, nonce: str, texts: list[str], replies: list[list[int]],
+                     tokenizer: Any, marks: ReasoningMarks | None) -> dict[str, Any]:
     """The message for the template, its text and a reply's ids left in `texts` and `replies` with a
     marker in their place. A reply's reasoning goes apart, as `reasoning_content`: the template
     decides whether the next prompt holds it (Qwen's Thinking template keeps it only after the last
