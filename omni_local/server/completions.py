@@ -23,6 +23,7 @@ from omni_local.api import OmniLocal
 from omni_local.protocol.events import AudioChunk, Event, Finished
 from omni_local.protocol.messages import Message
 from omni_local.protocol.params import SpeechParams
+from omni_local.protocol.tools import ToolCall
 from omni_local.server.admission import PRINCIPAL
 from omni_local.server.content import ContentReader
 from omni_local.server.conversations import Conversations
@@ -31,6 +32,7 @@ from omni_local.server.reply import ApiReply
 from omni_local.server.schemas import ChatRequest
 from omni_local.server.shapes import ReplyShapes
 from omni_local.server.shutdown import Draining, ShuttingDown
+from omni_local.server.tools import tool_use
 
 T = TypeVar("T")
 CLIENT_GONE = 499  # nginx's status for a client that closed the connection: nobody reads it
@@ -52,8 +54,9 @@ class ChatCompletions:
         params = self.app.sampling(**body.sampling())
         speech = self._speech(body) if body.speaks else None
         principal = within(request.scope[PRINCIPAL], body.prompt_cache_key)  # whose request: the key's holder
+        tools = tool_use(body)
         session, messages = await to_thread.run_sync(self._conversation, body, principal, limiter=self.threads)
-        stream = await to_thread.run_sync(self.app.backend.send, session, messages, params, speech, principal,
+        stream = await to_thread.run_sync(self.app.backend.send, session, messages, params, speech, principal, tools,
                                           limiter=self.threads)
         reply = ApiReply(stream, body.stops, self.threads)
         events = reply.events()
@@ -127,6 +130,8 @@ async def _after(first: Event, events: AsyncIterator[Event]) -> AsyncIterator[Ev
 
 
 def _chunks(event: Event, shapes: ReplyShapes) -> list[dict]:
+    if isinstance(event, ToolCall):
+        return shapes.tool_call_chunks(event)
     return shapes.last_chunks(event) if isinstance(event, Finished) else [shapes.chunk(event)]
 
 

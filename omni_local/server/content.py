@@ -19,7 +19,9 @@ from urllib.parse import unquote, urlparse
 from omni_local.errors import RequestError
 from omni_local.media import MediaLimits, load_audio, load_image
 from omni_local.protocol.messages import Message, Part, Role, check_text
+from omni_local.server.errors import ApiError
 from omni_local.server.schemas import AudioPart, ChatMessage, ImagePart, TextPart, VideoPart
+from omni_local.server.tools import check_results, tool_calls
 
 ReadVideo = Callable[[bytes | Path], Part]
 
@@ -34,18 +36,21 @@ class ContentReader:
         self.local_files = local_files
 
     def conversation(self, messages: list[ChatMessage]) -> list[Message]:
-        """The request's messages, which must end in the user's."""
-        if messages[-1].role != "user":
-            raise RequestError(f"messages[{len(messages) - 1}]: the last message must be the user's, "
+        """The request's messages, which must end in the user's (or a tool's result)."""
+        if messages[-1].role not in ("user", "tool"):
+            raise RequestError(f"messages[{len(messages) - 1}]: the last message must be the user's or a tool's, "
                                f"not the {messages[-1].role}'s")
-        return [self._message(m, f"messages[{i}]") for i, m in enumerate(messages)]
+        conversation = [self._message(m, f"messages[{i}]") for i, m in enumerate(messages)]
+        check_results(conversation)
+        return conversation
 
     def _message(self, message: ChatMessage, where: str) -> Message:
         role: Role = "system" if message.role == "developer" else message.role
         content = message.content
-        if content is None and role == "assistant":
-            raise RequestError(f"{where}: an assistant message needs its text as content (this server keeps "
-                               "no replies to look up by an audio id)")
+        if content is None and role == "assistant" and not message.tool_calls:
+            raise RequestError(f"{where}: an assistant message needs its text as content, or tool_calls (this "
+                               "server keeps no replies to look up by an audio id)")
+        _check_tool_fields(message, role, where)
         if isinstance(content, str) or content is None:
             parts = self._text(content or "", f"{where}.content")
         else:
@@ -58,7 +63,8 @@ class ContentReader:
             raise RequestError(f"{where}: only an assistant message may hold reasoning_content")
         reasoning = message.reasoning_content or ""
         check_text(reasoning, f"{where}.reasoning_content")
-        return Message(role, parts, reasoning=reasoning)
+        calls = tool_calls(message.tool_calls or [], f"{where}.tool_calls")
+        return Message(role, parts, reasoning=reasoning, tool_calls=calls, tool_call_id=message.tool_call_id)
 
     def _part(self, part: TextPart | ImagePart | AudioPart | VideoPart, where: str) -> list[Part]:
         if isinstance(part, TextPart):
@@ -88,6 +94,18 @@ class ContentReader:
             raise RequestError(f"{where}: files on the server are not read (api_local_files = false): send the "
                                f"{kind} as a data URL")
         return Path(unquote(urlparse(url).path) if scheme == "file" else url)
+
+
+def _check_tool_fields(message: ChatMessage, role: Role, where: str) -> None:
+    """tool_calls on an assistant message alone; a tool message with the id of the call it answers."""
+    if message.tool_calls and role != "assistant":
+        raise ApiError(400, f"{where}.tool_calls: only an assistant message makes tool calls",
+                       param=f"{where}.tool_calls")
+    if (message.tool_call_id is not None) != (role == "tool"):
+        field = f"{where}.tool_call_id"
+        why = "a tool message needs the id of the call it answers" if role == "tool" else \
+            "only a tool message answers a call"
+        raise ApiError(400, f"{field}: {why}", param=field)
 
 
 def _base64(data: str, where: str) -> bytes:

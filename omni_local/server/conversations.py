@@ -18,6 +18,7 @@ Both maps are bounded, oldest out. Digesting a conversation's media is blocking 
 the server's worker threads, so the maps are shared under a lock.
 """
 
+import json
 import threading
 from dataclasses import replace
 import uuid
@@ -75,7 +76,8 @@ class Conversations:
     def remember(self, principal: str, session: str, messages: list[Message], final: Finished) -> None:
         """`final` answered `messages` in `principal`'s `session`: the next turn of this conversation
         continues it."""
-        conversation = conversation_digest([*messages, Message("assistant", [final.text], reasoning=final.reasoning)])
+        reply = Message("assistant", [final.text], reasoning=final.reasoning, tool_calls=final.tool_calls)
+        conversation = conversation_digest([*messages, reply])
         with self._lock:
             if final.token_ids is not None:
                 key = principal, reply_key(final.text, final.reasoning)
@@ -83,7 +85,8 @@ class Conversations:
             self._sessions[principal, conversation] = session
 
     def _with_token_ids(self, principal: str, message: Message) -> Message:
-        if message.role != "assistant" or message.token_ids is not None:
+        # A reply that called tools is built anew from its calls (its ids are not remembered).
+        if message.role != "assistant" or message.token_ids is not None or message.tool_calls:
             return message
         ids = self._token_ids.get((principal, reply_key(message.text, message.reasoning)))
         return message if ids is None else replace(message, token_ids=ids.tolist())
@@ -95,6 +98,10 @@ def conversation_digest(messages: list[Message]) -> bytes:
     for message in messages:
         parts = [reply_key(message.text, message.reasoning)] if message.role == "assistant" else message.parts
         hasher.update(f"{message.role}:{len(parts)}\0".encode())
+        for call in message.tool_calls:
+            hasher.update(json.dumps([call.id, call.name, call.arguments]).encode() + b"\0")
+        if message.tool_call_id is not None:
+            hasher.update(json.dumps(["result of", message.tool_call_id]).encode() + b"\0")
         for part in parts:
             if isinstance(part, str):
                 text = part.encode("utf-8")

@@ -18,6 +18,7 @@ from anyio import to_thread
 
 from omni_local.protocol.backend import ReplyStream
 from omni_local.protocol.events import AudioChunk, Event, Finished, ReasoningDelta, TextDelta, TokenLogprob
+from omni_local.protocol.tools import ToolCall
 from omni_local.server.stops import StopStrings
 
 
@@ -69,7 +70,7 @@ class ApiReply:
             if self._stops.stopped and not was_stopped:
                 self._stream.cancel()  # the reply ends here; the engine's Finished follows
             return self._text(text)
-        if isinstance(event, AudioChunk | ReasoningDelta):  # stop strings cut the answer only
+        if isinstance(event, AudioChunk | ReasoningDelta | ToolCall):  # stop strings cut the answer only
             return [] if self._stops.stopped else [event]
         tail = self._text(self._stops.flush())
         if self._stops.stopped:

@@ -6,10 +6,14 @@ OpenAI refuses one. Of OpenAI's fields, those declared here without a comment ar
 commented "ignored" leave the reply as it is by their definition (an id for OpenAI's abuse checks, a
 hint to its cache or its billing), so they are accepted and dropped; the rest are refused with 400
 naming the field (`ChatRequest.unsupported`) when set to a value that asks for what this server does
-not do: tools and function calls, JSON replies, token penalties and biases, reasoning effort,
+not do: the older function calls, JSON replies, token penalties and biases, reasoning effort,
 verbosity, web search, moderation, stored completions, more than one reply. Their values that ask
-for nothing (`tool_choice: "none"`, a penalty of 0, `response_format: {"type": "text"}`) are
+for nothing (`function_call: "none"`, a penalty of 0, `response_format: {"type": "text"}`) are
 accepted, as clients send them by default.
+
+Tools are OpenAI's function tools (`tools`, `tool_choice`, `parallel_tool_calls`; an assistant
+message's `tool_calls` and `tool` messages with their `tool_call_id`): protocol/tools.py says what
+each choice does.
 
 Values are checked strictly, as OpenAI checks them: "0.5" is not a number and true is not an integer.
 Besides OpenAI's fields, omni_local's own sampling knobs `top_k` and `repetition_penalty`, the
@@ -25,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from omni_local.protocol.params import MAX_TOP_LOGPROBS
 
-TOOLS = "tools are not supported yet: this server answers in text (and speech) only"
+FUNCTIONS = "the older function calls are not supported: send tools and tool_choice instead"
 # (field, whether the request asks for what this server does not do, why it is refused)
 Ask = tuple[str, bool, str]
 
@@ -73,15 +77,27 @@ class AudioPart(_Part):
 ContentPart = Annotated[TextPart | ImagePart | AudioPart | VideoPart, Field(discriminator="type")]
 
 
+class CalledFunction(_Fields):
+    name: str
+    arguments: str  # JSON text of an object
+
+
+class MessageToolCall(_Fields):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(_Fields):
     # "developer" is OpenAI's newer name for the system message.
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     reasoning_content: str | None = None  # an assistant message's reasoning
     name: str | None = None
     refusal: str | None = None
     audio: dict[str, Any] | None = None  # an earlier spoken reply, by its id
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant message's
+    tool_call_id: str | None = None  # a tool message's: the call it answers
     function_call: dict[str, Any] | None = None
 
     def asks(self, at: str) -> list[Ask]:
@@ -91,9 +107,29 @@ class ChatMessage(_Fields):
             (f"{at}.refusal", self.refusal is not None, "send the earlier refusal as the message's content"),
             (f"{at}.audio", self.audio is not None,
              "this server keeps no audio between requests: send the earlier reply's transcript as its content"),
-            (f"{at}.tool_calls", bool(self.tool_calls), TOOLS),
-            (f"{at}.function_call", self.function_call is not None, TOOLS),
+            (f"{at}.function_call", self.function_call is not None, FUNCTIONS),
         ]
+
+
+class Function(_Fields):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no parameters
+    strict: bool | None = None  # ignored: OpenAI's schema-constrained decoding; the call is checked as JSON alone
+
+
+class FunctionTool(_Fields):
+    type: Literal["function"]
+    function: Function
+
+
+class ChosenFunction(_Fields):
+    name: str
+
+
+class NamedToolChoice(_Fields):
+    type: Literal["function"]
+    function: ChosenFunction
 
 
 class StreamOptions(_Fields):
@@ -138,10 +174,10 @@ class ChatRequest(_Fields):
     prompt_cache_options: dict[str, Any] | None = None
     service_tier: str | None = None  # ignored: OpenAI's price and speed tier; this server has one
     prediction: dict[str, Any] | None = None  # ignored: a guess at the reply, to speed OpenAI up; the same reply
-    parallel_tool_calls: bool | None = None  # ignored: how tools may be called, and none may be (`tools`)
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None  # None: "auto"
+    parallel_tool_calls: bool | None = None  # None: true
     # Refused when they ask for something (`unsupported`):
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
@@ -186,10 +222,8 @@ class ChatRequest(_Fields):
         yield from [
             ("n", self.n not in (None, 1), "n must be 1: this server makes one reply per request"),
             ("top_logprobs", self.top_logprobs is not None and not self.logprobs, "top_logprobs needs logprobs: true"),
-            ("tools", bool(self.tools), TOOLS),
-            ("tool_choice", self.tool_choice not in (None, "none", "auto"), TOOLS),  # "auto" of no tools calls none
-            ("functions", bool(self.functions), TOOLS),
-            ("function_call", self.function_call not in (None, "none", "auto"), TOOLS),
+            ("functions", bool(self.functions), FUNCTIONS),
+            ("function_call", self.function_call not in (None, "none", "auto"), FUNCTIONS),
             ("response_format", self.response_format is not None and self.response_format.type != "text",
              "JSON replies (json_object, json_schema) are not supported: only text"),
             ("frequency_penalty", self.frequency_penalty not in (None, 0), penalties),

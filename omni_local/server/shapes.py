@@ -7,8 +7,12 @@ Streamed (server-sent events, each `data:` one JSON chunk; the first delta carri
 - with audio (`modalities: ["text", "audio"]`): `delta.audio = {"id", "transcript"}` for a piece of
   the text, `delta.audio = {"id", "data"}` for a piece of the speech, base64 PCM16 (audio.py), the
   reply's one audio id in each;
+- a tool call (a request with `tools`), once its text is whole: a chunk with `delta.tool_calls =
+  [{"index", "id", "type": "function", "function": {"name", "arguments": ""}}]`, then one with its
+  arguments, `[{"index", "function": {"arguments"}}]`, as OpenAI streams them;
 - then a chunk with an empty delta, `finish_reason` ("stop": the reply's end or a stop string;
-  "length": max_tokens or the context's end) and the `omni_local` figures (figures.py);
+  "length": max_tokens or the context's end; "tool_calls": the reply called tools) and the
+  `omni_local` figures (figures.py);
 - with `stream_options.include_usage`, then a chunk of no choices with `usage` (the chunks before
   carry `"usage": null`, as OpenAI's do);
 - then `data: [DONE]`. A failure after the stream began is one event `{"error": {...}}`, and the
@@ -21,7 +25,8 @@ With `logprobs: true`, each chunk of the answer's text carries `choices[0].logpr
 first; protocol/events.py says which distribution), as OpenAI's; a whole reply's choice carries them all.
 
 Not streamed: `choices[0].message` holds the text as `content` (and any reasoning as
-`reasoning_content`); with audio, `content` is null and
+`reasoning_content`; any tool calls as `tool_calls`, `content` then null if the reply said nothing
+else); with audio, `content` is null and
 `message.audio = {"id", "data", "transcript", "expires_at"}`, `data` the whole speech as a base64
 WAV file or PCM16, per `audio.format`. The server keeps no audio to refer to later: `expires_at` is
 the reply's own time. `usage` and `omni_local` at the top level.
@@ -34,6 +39,7 @@ import numpy as np
 
 from omni_local.media.pcm16 import base64_pcm16
 from omni_local.protocol.events import AudioChunk, Finished, ReasoningDelta, TextDelta, TokenChoice, TokenLogprob
+from omni_local.protocol.tools import ToolCall
 from omni_local.server.audio import base64_wav
 from omni_local.server.figures import finish_reason, omni_local_figures, usage
 
@@ -50,6 +56,7 @@ class ReplyShapes:
         self.include_usage = include_usage
         self.logprobs = logprobs
         self._role_sent = False
+        self._calls = 0  # tool calls streamed
 
     def chunk(self, event: TextDelta | ReasoningDelta | AudioChunk) -> dict:
         if isinstance(event, ReasoningDelta):
@@ -64,6 +71,17 @@ class ReplyShapes:
             delta, self._role_sent = {"role": "assistant", **delta}, True
         logprobs = self._logprobs(event.logprobs) if isinstance(event, TextDelta) else None
         return self._chunk([{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": None}])
+
+    def tool_call_chunks(self, call: ToolCall) -> list[dict]:
+        """A call as OpenAI streams one: its index, id, type and name, then its arguments."""
+        index, self._calls = self._calls, self._calls + 1
+        opening = {"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+        delta: dict = {"content": None, "tool_calls": [opening]}
+        if not self._role_sent:
+            delta, self._role_sent = {"role": "assistant", **delta}, True
+        arguments = {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]}
+        return [self._chunk([{"index": 0, "delta": d, "logprobs": None, "finish_reason": None}])
+                for d in (delta, arguments)]
 
     def last_chunks(self, final: Finished) -> list[dict]:
         ending = self._chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason(final)}])
@@ -81,6 +99,11 @@ class ReplyShapes:
         message: dict = {"role": "assistant", "content": final.text, "refusal": None}
         if final.reasoning:
             message["reasoning_content"] = final.reasoning
+        if final.tool_calls:
+            message["content"] = final.text or None
+            message["tool_calls"] = [{"id": call.id, "type": "function",
+                                      "function": {"name": call.name, "arguments": call.arguments}}
+                                     for call in final.tool_calls]
         if self.audio_id is not None:
             data = base64_wav(speech) if audio_format == "wav" else base64_pcm16(speech)
             message["content"] = None

@@ -21,6 +21,7 @@ from omni_local.protocol.events import ContextUse
 from omni_local.protocol.kinds import ModelKind, conversation_for
 from omni_local.protocol.messages import Message
 from omni_local.protocol.params import SamplingParams, SpeechParams
+from omni_local.protocol.tools import ToolUse
 from omni_local.settings import BackendDialect, Settings
 
 # Chats the page lets stream at once. A server queues what it cannot decode together (and answers
@@ -60,7 +61,7 @@ class RemoteBackend:
         self._chat = self.client.with_options(max_retries=0).chat.completions
 
     def send(self, session: str, messages: list[Message], params: SamplingParams,
-             speech: SpeechParams | None, principal: str = LOCAL_USER) -> RemoteReply:
+             speech: SpeechParams | None, principal: str = LOCAL_USER, tools: ToolUse | None = None) -> RemoteReply:
         """A reply streamed from the server; the request is sent when its events are first read.
         `session` is not sent: the API is stateless, and a server's prefix cache matches content.
         The server knows this backend by its key (`backend_api_key`), for all its users: a principal
@@ -69,7 +70,7 @@ class RemoteBackend:
         if speech is not None and not self.info.speech:
             raise RequestError(f"the server at {self.url} makes no spoken replies (its model has no Talker)")
         messages = conversation_for(self.info.kind, messages)
-        body = chat_body(self.info.model_id, messages, params, speech, self._request_dialect())
+        body = chat_body(self.info.model_id, messages, params, speech, self._request_dialect(), tools)
         fields = {"model", "messages", "stream"}  # the rest goes as it is, typed fields and extensions alike
         extra = {key: value for key, value in body.items() if key not in fields}
         if principal != LOCAL_USER:

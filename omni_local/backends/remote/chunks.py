@@ -9,7 +9,9 @@ the sound as a base64 WAV file in `delta.content`, and the others carry text the
 that holds `usage`; our server also puts its figures in an `"omni_local"` object on the last chunk.
 A choice's `logprobs.content` (asked for with `logprobs`) goes with the chunk's text, OpenAI's way;
 a server that answers such a request with text and no `logprobs` does not implement them, and the
-reply fails saying so rather than come without them.
+reply fails saying so rather than come without them. Tool calls come in pieces in
+`delta.tool_calls` (by index: id, type and name, then the arguments' text): each is a `ToolCall`
+once the stream has ended.
 """
 
 from typing import Any
@@ -19,6 +21,7 @@ import numpy as np
 from omni_local.backends.remote.audio import SpeechDecoder
 from omni_local.errors import RequestError
 from omni_local.protocol.events import AudioChunk, ReasoningDelta, TextDelta, TokenChoice, TokenLogprob
+from omni_local.protocol.tools import ToolCall
 from omni_local.settings import BackendDialect
 
 
@@ -34,6 +37,7 @@ class ChunkReader:
         self.usage: dict[str, Any] | None = None
         self.report: dict[str, Any] | None = None  # our server's figures (figures.py)
         self._speech = SpeechDecoder()
+        self._calls: dict[int, dict[str, str]] = {}  # tool calls by index, as their pieces came
 
     def read(self, chunk: dict[str, Any]) -> list[TextDelta | ReasoningDelta | AudioChunk]:
         """The text and audio in `chunk` (a chunk as JSON, with the fields OpenAI's types lack)."""
@@ -61,15 +65,32 @@ class ChunkReader:
                 said = self._vllm_omni(delta, modality)
             else:
                 said = self._openai(delta)
+            self._add_calls(delta.get("tool_calls"))
             if self.logprobs and not isinstance(choice.get("logprobs"), dict) and _has_text(said):
                 raise RequestError("the server sent text without logprobs: it does not implement them "
                                    "(ask without logprobs)")
             events += _with_logprobs(said, _logprobs(choice.get("logprobs")))
         return events
 
-    def rest(self) -> list[AudioChunk]:
-        """The last of the sound, once the stream has ended."""
-        return _audio(self._speech.flush())
+    def rest(self) -> list[AudioChunk | ToolCall]:
+        """The last of the sound, and the reply's tool calls, once the stream has ended."""
+        calls = [self._call(self._calls[index]) for index in sorted(self._calls)]
+        return [*_audio(self._speech.flush()), *calls]
+
+    def _add_calls(self, pieces: Any) -> None:
+        """A delta's pieces of tool calls: each call's id, type and name, then pieces of its arguments."""
+        for piece in pieces if isinstance(pieces, list) else []:
+            call = self._calls.setdefault(piece.get("index", 0), {"id": "", "name": "", "arguments": ""})
+            function = piece.get("function") or {}
+            call["id"] = piece.get("id") or call["id"]
+            call["name"] = function.get("name") or call["name"]
+            call["arguments"] += function.get("arguments") or ""
+
+    def _call(self, call: dict[str, str]) -> ToolCall:
+        try:
+            return ToolCall(call["id"], call["name"], call["arguments"] or "{}")
+        except RequestError as error:
+            raise RequestError(f"the server sent a tool call that is not OpenAI's: {error}") from None
 
     def _openai(self, delta: dict[str, Any]) -> list[TextDelta | AudioChunk]:
         audio = delta.get("audio") or {}

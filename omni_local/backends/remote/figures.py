@@ -26,8 +26,10 @@ from omni_local.protocol.events import (
     Timings,
     TokenCounts,
 )
+from omni_local.protocol.tools import ToolCall
 
-_FINISH_REASONS: dict[str, StopReason] = {"length": "max_new_tokens", "stop": "end_of_turn"}
+_FINISH_REASONS: dict[str, StopReason] = {"length": "max_new_tokens", "stop": "end_of_turn",
+                                           "tool_calls": "end_of_turn"}
 
 
 @dataclass
@@ -38,13 +40,16 @@ class ReplyTally:
     text: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     audio_samples: int = 0  # at 24 kHz
+    calls: list[ToolCall] = field(default_factory=list)
     first_text: float | None = None
     last_text: float | None = None
     first_audio: float | None = None
 
-    def add(self, event: TextDelta | ReasoningDelta | AudioChunk) -> None:
+    def add(self, event: TextDelta | ReasoningDelta | AudioChunk | ToolCall) -> None:
         now = time.monotonic()
-        if isinstance(event, TextDelta | ReasoningDelta):
+        if isinstance(event, ToolCall):
+            self.calls.append(event)
+        elif isinstance(event, TextDelta | ReasoningDelta):
             (self.text if isinstance(event, TextDelta) else self.reasoning).append(event.text)
             self.first_text = self.first_text or now
             self.last_text = now
@@ -86,7 +91,7 @@ def finished(asked: Asked, reader: ChunkReader, tally: ReplyTally, cancelled: bo
         tokens=TokenCounts(prompt, computed, cached, None, generated),
         timings=Timings(None, ttft, tally.decode_rate(generated)),
         seed=asked.seed, context=asked.limits, speech=_measured_speech(asked, tally), media=None,
-        reasoning="".join(tally.reasoning),
+        reasoning="".join(tally.reasoning), tool_calls=tuple(tally.calls),
     )
 
 
@@ -104,7 +109,7 @@ def _reported(asked: Asked, report: dict[str, Any], tally: ReplyTally, reader: C
                            context.turns_left_out),
         speech=_reported_speech(asked, report.get("speech"), tally),
         media=_record(MediaCounts, media) if isinstance(media, dict) else None,
-        reasoning="".join(tally.reasoning),
+        reasoning="".join(tally.reasoning), tool_calls=tuple(tally.calls),
     )
 
 

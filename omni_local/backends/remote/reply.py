@@ -22,6 +22,7 @@ from omni_local.backends.remote.errors import lost_connection, request_error, un
 from omni_local.backends.remote.figures import Asked, ReplyTally, finished
 from omni_local.errors import OmniLocalError, RequestError
 from omni_local.protocol.events import AudioChunk, Event, ReasoningDelta, TextDelta
+from omni_local.protocol.tools import ToolCall
 
 OpenStream = Callable[[], Stream[Any]]  # sends the request; returns once the server answered
 
@@ -48,7 +49,7 @@ class RemoteReply:
             if self._stream is not None and not self._stream.response.is_closed:
                 _shut_down(self._stream.response)
 
-    def _read(self) -> Iterator[TextDelta | ReasoningDelta | AudioChunk]:
+    def _read(self) -> Iterator[TextDelta | ReasoningDelta | AudioChunk | ToolCall]:
         try:
             stream = self._open_stream()
         except openai.APIStatusError as error:

@@ -1,4 +1,5 @@
-"""A conversation as the body of a streamed chat-completions request, in the dialect the server speaks.
+"""A conversation as the body of a streamed chat-completions request, in the dialect the server speaks,
+with the tools it offers (OpenAI's `tools`, `tool_choice` and `parallel_tool_calls`).
 
 Each message's parts keep their order, since the server's prompt follows it. Media go inline, as
 data URLs or base64, and losslessly: a server that keys its caches by content (ours digests an
@@ -19,6 +20,7 @@ from omni_local.errors import MediaError
 from omni_local.media.video import Video, VideoFile
 from omni_local.protocol.messages import Message, Part
 from omni_local.protocol.params import SamplingParams, SpeechParams
+from omni_local.protocol.tools import ToolUse
 from omni_local.settings import BackendDialect
 
 # OpenAI streams spoken replies only as PCM16, at 24 kHz; vLLM-Omni sends WAV unless told otherwise.
@@ -35,7 +37,7 @@ VIDEO_AS_FILE = ("a remote backend sends a video as its file, not decoded frames
 
 
 def chat_body(model: str, messages: list[Message], params: SamplingParams, speech: SpeechParams | None,
-              dialect: BackendDialect) -> dict[str, Any]:
+              dialect: BackendDialect, tools: ToolUse | None = None) -> dict[str, Any]:
     """The request's JSON body. `max_tokens` goes with `max_completion_tokens`: vLLM-Omni's Thinker
     reads only the older name. `top_k` is sent only when it limits, since servers spell "off"
     differently (0 or -1); `max_reasoning_tokens` (our server's) too."""
@@ -62,7 +64,15 @@ def chat_body(model: str, messages: list[Message], params: SamplingParams, speec
         body |= {"logprobs": True, "top_logprobs": params.logprobs}
     if speech is not None:
         body |= _speech_fields(speech, dialect)
+    if tools is not None:
+        body |= _tool_fields(tools)
     return body
+
+
+def _tool_fields(use: ToolUse) -> dict[str, Any]:
+    choice = use.choice if isinstance(use.choice, str) else {"type": "function", "function": {"name": use.choice.name}}
+    return {"tools": [tool.for_template() for tool in use.tools], "tool_choice": choice,
+            "parallel_tool_calls": use.parallel}
 
 
 def _speech_fields(speech: SpeechParams, dialect: BackendDialect) -> dict[str, Any]:
@@ -77,10 +87,20 @@ def _speech_fields(speech: SpeechParams, dialect: BackendDialect) -> dict[str, A
 
 
 def _message(message: Message) -> dict[str, Any]:
-    if message.role != "user":  # a system prompt, or an earlier reply: its text (and reasoning)
-        sent = {"role": message.role, "content": message.text}
-        return sent | {"reasoning_content": message.reasoning} if message.reasoning else sent
-    return {"role": "user", "content": [_content_part(part) for part in message.parts]}
+    if message.role == "user":
+        return {"role": "user", "content": [_content_part(part) for part in message.parts]}
+    # A system prompt, an earlier reply (its text, reasoning and calls), or a tool's result: text.
+    sent: dict[str, Any] = {"role": message.role, "content": message.text}
+    if message.reasoning:
+        sent["reasoning_content"] = message.reasoning
+    if message.tool_calls:
+        sent["content"] = message.text or None
+        sent["tool_calls"] = [{"id": call.id, "type": "function",
+                               "function": {"name": call.name, "arguments": call.arguments}}
+                              for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        sent["tool_call_id"] = message.tool_call_id
+    return sent
 
 
 def _content_part(part: Part) -> dict[str, Any]:
