@@ -1,6 +1,7 @@
-"""Fixtures shared by the test files: the demo checkpoint, built once per session, its model and
-the apps on it, and on the tiny Thinking and Captioner checkpoints written from it; bad uploads; the prompts an engine builds, and the ids they must have; a small disk
-to fill up; and the tests that need a CUDA GPU (marked `cuda`) or torchvision (marked
+"""Fixtures shared by the test files of every folder (their helpers are in tests/support/): the demo
+checkpoint, built once per session, its model and the apps on it, and on the tiny Thinking and
+Captioner checkpoints written from it; bad uploads; the prompts an engine builds, and the ids they
+must have; a small disk to fill up; and the tests that need a CUDA GPU (marked `cuda`) or torchvision (marked
 `torchvision`), skipped, saying why, where it is missing.
 
 The demo runs on the CPU unless OMNI_LOCAL_TEST_DEVICE names another device (`cuda` on a GPU
@@ -11,7 +12,8 @@ flip a greedy choice of the tiny random model.
 
 import os
 
-TEST_DEVICE = os.environ.get("OMNI_LOCAL_TEST_DEVICE", "cpu")
+from device_under_test import TEST_DEVICE  # tests/support/, on the path by pyproject.toml's pytest section
+
 # On the CPU, our Triton kernels (the `triton` MoE backend) run in Triton's interpreter. `triton.jit`
 # reads the variable as it decorates a function, its own language's functions at triton's import
 # (which importing transformers' models makes), so it is set before any import here. On a GPU run the
@@ -198,11 +200,12 @@ def bad_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path,
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--gpu-group", action="append", choices=[*GROUPS, "all"], default=[],
-                     help="collect only the GPU suite's files of this group (gpu_groups.py; repeatable, or 'all')")
+                     help="collect only the test files of this GPU group's folder (tests/kernels, tests/engine, "
+                          "tests/models; repeatable, or 'all')")
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    """With --gpu-group, only that group's test files are collected: the others are not even
+    """With --gpu-group, only that group's folder's test files are collected: the others are not even
     imported, so a GPU machine without the page's or the server's packages runs the suite."""
     chosen = config.getoption("gpu_group")
     if not chosen or not collection_path.name.startswith("test_") or collection_path.suffix != ".py":
@@ -214,9 +217,10 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (CUDA graphs); skipped where none is visible")
     config.addinivalue_line("markers", "torchvision: reads a video, which needs torchvision; skipped without it")
-    config.addinivalue_line("markers", "gpu: a test of the GPU suite (gpu_groups.py); run with OMNI_LOCAL_TEST_DEVICE=cuda")
-    for group in GROUPS:
-        config.addinivalue_line("markers", f"gpu_{group}: the GPU suite's group {group!r} (gpu_groups.py)")
+    config.addinivalue_line("markers", "gpu: a test of the GPU suite (tests/kernels, engine, models); run with "
+                                       "OMNI_LOCAL_TEST_DEVICE=cuda")
+    for group, about in GROUPS.items():
+        config.addinivalue_line("markers", f"gpu_{group}: the GPU suite's group {group!r} (tests/{group}/): {about}")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

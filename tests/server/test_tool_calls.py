@@ -24,6 +24,7 @@ from omni_local.protocol.tool_calls import read_tool_calls
 from omni_local.protocol.tools import REQUIRED_PREFIX, FunctionChoice, Tool, ToolCall, ToolUse, named_prefix
 from omni_local.server.routes import api_mount
 from omni_local.server.shapes import ReplyShapes
+from served_api import client, served_api
 
 WEATHER = Tool("get_weather", "The weather in a city, now.",
                {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
@@ -315,6 +316,18 @@ def test_bad_tools_choices_and_tool_messages_are_400_naming_the_field_and_the_ne
     assert refused.value.status_code == 400 and refused.value.body["param"] == field
     assert refused.value.body["message"].startswith(field or "tools: a spoken reply cannot call tools")
     assert ask(sdk).choices[0].message.content is not None
+
+
+def test_serve_in_its_own_process_begins_a_required_call_streamed_and_answers_a_tools_result(
+        demo_settings, demo_checkpoint, tmp_path):
+    with served_api(demo_settings, tmp_path) as served:
+        sdk = client(served.url)
+        chunks = list(ask(sdk, tools=[WEATHER_TOOL], tool_choice="required", stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).startswith(REQUIRED_PREFIX)
+        messages = [{"role": "user", "content": "Weather in Paris?"},
+                    {"role": "assistant", "content": None, "tool_calls": [ASKED_CALL]},
+                    {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
+        assert ask(sdk, messages, tools=[WEATHER_TOOL]).usage.prompt_tokens > 0
 
 
 # The Python API and the remote backend -----------------------------------------------------------
