@@ -1,5 +1,5 @@
 """settings.toml and docs/settings.md, written from the Settings fields, so each help text is
-written once (in settings.py) and the files cannot drift from it; tests/test_settings.py checks
+written once (in settings.py) and the files cannot drift from it; tests/unit/test_settings.py checks
 that the shipped files are what this module writes.
 
     python -m omni_local.settings_files    # rewrites both after a field or its help changed

@@ -10,7 +10,7 @@ Thinker's paged attention over fp8 pools) are built only where the engine takes 
 capability 8.9 on: `has_fp8_units`).
 
 `python -m omni_local.engine.kernel_builds [--json PATH]` prints each architecture's builds;
-tests/test_kernel_builds.py checks that each compiles and fits its architecture's shared memory.
+tests/unit/test_kernel_builds.py checks that each compiles and fits its architecture's shared memory.
 """
 
 import argparse

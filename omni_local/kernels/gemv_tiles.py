@@ -28,7 +28,7 @@ class GemvTile:
 
 # For every architecture, and GPUs and shapes not tuned below (python -m omni_local.bench.dense_projections --sweep). Its loads
 # pipelined over 4 stages take 24 KiB of shared memory for bfloat16 rows, 52 KiB for float32 (compiled
-# for sm_90: tests/test_quantized_gemv.py), inside the 99 KiB a block of Ada, Ampere's sm86 and
+# for sm_90: tests/kernels/test_quantized_gemv.py), inside the 99 KiB a block of Ada, Ampere's sm86 and
 # Blackwell's sm120 may take. BLOCK_N 32 gives the Thinker's q_proj (N 4,096) 128 programs, about one
 # per SM of an H200; its k/v_proj (N 512) only 16, where SPLIT_K may pay for its partial sums' traffic.
 DEFAULT = GemvTile()

@@ -58,7 +58,7 @@ def dot_precision(dtype: torch.dtype) -> str | None:
 # Makes the engine choose kernels and tiles, and refuse what the architecture lacks (fp8 below 8.9),
 # as on a GPU of this architecture ("86": compute capability 8.6), whatever the GPU: on an H100, the
 # non-Hopper choices can be tested. Triton still compiles for the GPU present (a cubin runs only on
-# its own major architecture); tests/test_kernel_builds.py compiles them for each architecture.
+# its own major architecture); tests/unit/test_kernel_builds.py compiles them for each architecture.
 FORCE_ARCH_VARIABLE = "OMNI_LOCAL_FORCE_ARCH"
 
 

@@ -4,7 +4,7 @@ Same architecture and token conventions as Qwen3-Omni-30B-A3B-Instruct, scaled d
 seeded random weights: the replies are noise, but every code path (chat template, processor,
 encoders, M-RoPE, MoE, Talker, Code2Wav) runs as it would on the real model. Its files are laid out
 as transformers 5 saves a checkpoint; the tests also write it in Qwen's own, older layout
-(tests/checkpoint_layouts.py).
+(tests/support/checkpoint_layouts.py).
 """
 
 import json

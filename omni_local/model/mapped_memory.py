@@ -3,7 +3,7 @@
 Under unified virtual addressing (every 64-bit process on Linux) host memory registered with
 `cudaHostRegister` is mapped into the GPU's address space, at its host address where the GPU can use
 the host pointer for registered memory (CUDA's cudaDevAttrCanUseHostPointerForRegisteredMem, which
-x86-64 Linux sets; tests/test_host_experts.py checks it on the GPU it runs on). A kernel handed that
+x86-64 Linux sets; tests/models/test_host_experts.py checks it on the GPU it runs on). A kernel handed that
 address reads the bytes over the bus as they are, with no copy and no wait on the host, inside a
 CUDA graph too. `mapped_empty` hands torch (and so Triton and the MoE kernels) such memory as a
 CUDA tensor, through the `__cuda_array_interface__` protocol: torch wraps the pointer without

@@ -9,7 +9,7 @@ largest listed past them). Quantized experts without a file of their format take
 file's. Any other shape or GPU, and a forced architecture (OMNI_LOCAL_FORCE_ARCH), takes the
 defaults: tiles small enough for the shared memory of every GPU from Ampere on (3 stages of a
 64x64x64 gate_up tile are 72 KiB: Ada, Ampere's sm86 and Blackwell's sm120 have 99 KiB a block;
-tests/test_kernel_builds.py compiles them for each architecture).
+tests/unit/test_kernel_builds.py compiles them for each architecture).
 """
 
 import json
