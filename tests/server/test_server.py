@@ -216,7 +216,7 @@ def test_eight_clients_of_ten_turns_each_are_all_answered_each_turn_reusing_the_
     ("Hi", {"temperature": -1.0}, "temperature must be 0"),
     ("Hi", {"extra_body": {"top_k": "many"}}, r"top_k: Input should be a valid integer"),
     ("Hi", {"response_format": {"type": "json_object"}}, r"response_format: JSON replies .* are not supported"),
-    ("Hi", {"tool_choice": "required"}, r"tool_choice: tools are not supported yet"),
+    ("Hi", {"tool_choice": "required"}, r"tool_choice: a call is required, but no tools are given"),
     ("Hi", {"extra_body": {"min_p": 0.1}}, r"min_p: this server does not know this field"),
 ], ids=["bad image", "unknown voice", "over-long prompt", "http url", "file url", "bad temperature", "bad type",
         "json reply", "tools", "unknown field"])
