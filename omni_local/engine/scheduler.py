@@ -1,6 +1,6 @@
 """The scheduler: who runs and what each engine turn computes, decided from the requests, the seats
 and the prefix cache's blocks; the engine does the work (forwards, sampling, streaming). It never
-touches a tensor, and is tested without a model (tests/test_scheduler.py).
+touches a tensor, and is tested without a model (tests/unit/test_scheduler.py).
 
 Admission (`admit`) takes waiting requests in order while a seat and blocks can be had: a request
 claims its blocks through the prefix cache, and one that finds too few stops the line until a
@@ -170,15 +170,19 @@ class Scheduler:
         """The requests to decode this turn, each with blocks for the row its step writes. Oldest
         first, each one whose next row is past its blocks is grown by REPLY_ROWS_AHEAD rows; where no
         block can be had, the step in flight is read (`drain`: a request is parked with no step in
-        flight, its rows all known) and the youngest written reply decoding is parked until one can,
-        the growing request itself if it is that one. Then parked ones come back, oldest first,
+        flight, its rows all known), which may end replies and give their blocks back; if still none
+        can, the youngest written reply decoding is parked until one can, the growing request itself
+        if it is that one. Then parked ones come back, oldest first,
         while blocks are left (so none is parked again at once)."""
         for request in [r for r in decoding if r.launched < r.max_new_tokens]:
+            if request.state is not State.DECODING:  # parked for an older one's block, or ended by a drained step
+                continue
             rows = self.next_rows(request)
+            if self.cache.grow(request.claim, rows):
+                continue
+            drain()  # which may end requests, and so free blocks: the grow is tried again before any park
             while request.state is State.DECODING and not self.cache.grow(request.claim, rows):
-                drain()  # which may end requests, and so free blocks
-                if request.state is State.DECODING:
-                    self._park(youngest_written(decoding))
+                self._park(youngest_written(decoding))
         room = [r for r in decoding if r.state is State.DECODING]
         for request in self.parked():
             if not self.cache.resume(request.claim, self.next_rows(request)):

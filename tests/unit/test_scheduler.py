@@ -308,6 +308,18 @@ def test_a_reply_that_ends_at_the_step_read_early_is_not_parked():
     assert blocks.parked == [] and blocks.free == 5
 
 
+def test_blocks_the_step_read_early_gives_back_are_taken_before_anyone_is_parked():
+    scheduler, blocks = make_scheduler(free_blocks=10)
+    growing, ending = outgrown(decoding(scheduler, 16)), decoding(scheduler, 16)
+
+    def drain() -> None:  # the step in flight, read now: its token ends the other reply, whose blocks go back
+        ending.move(State.TEXT_DONE)
+        blocks.give_back(ending.claim)
+
+    assert scheduler.make_room([growing, ending], drain=drain) == [growing]
+    assert growing.state is State.DECODING and blocks.parked == [] and blocks.free == 0
+
+
 def test_parked_replies_come_back_oldest_first_while_blocks_are_left():
     scheduler, blocks = make_scheduler(free_blocks=15)
     older, younger, other = decoding(scheduler, 16), decoding(scheduler, 16), decoding(scheduler, 16)
