@@ -13,6 +13,7 @@ import pytest
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
+from omni_local.api import OmniLocal
 from omni_local.backends.remote.chunks import ChunkReader
 from omni_local.backends.remote.request import chat_body
 from omni_local.engine.prompt.builder import build_prompt
@@ -36,7 +37,8 @@ WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "descrip
                                                  "parameters": WEATHER.parameters}}
 TIME_TOOL = {"type": "function", "function": {"name": "get_time", "description": TIME.description,
                                               "parameters": TIME.parameters}}
-ASKED_CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+CALL = ToolCall("call_1", "get_weather", '{"city": "Paris"}')
+ASKED_CALL = {"id": CALL.id, "type": "function", "function": {"name": CALL.name, "arguments": CALL.arguments}}
 
 
 def finished(text: str, token_ids: list[int] | None = None) -> Finished:
@@ -155,7 +157,7 @@ def test_the_prompt_offers_the_tools_and_holds_the_calls_and_their_results_as_th
         demo_model):
     processor = demo_model.processor
     messages = [Message("system", ["Be brief."], tools=TOOLS), Message("user", ["Weather in Paris?"]),
-                Message("assistant", [], tool_calls=(ToolCall("call_1", "get_weather", '{"city": "Paris"}'),)),
+                Message("assistant", [], tool_calls=(CALL,)),
                 Message("tool", ["18 C, sunny"], tool_call_id="call_1")]
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
             {"role": "assistant", "content": "", "tool_calls": [ASKED_CALL]},
@@ -318,7 +320,7 @@ def test_bad_tools_choices_and_tool_messages_are_400_naming_the_field_and_the_ne
     assert ask(sdk).choices[0].message.content is not None
 
 
-def test_serve_in_its_own_process_begins_a_required_call_streamed_and_answers_a_tools_result(
+def test_serve_in_its_own_process_begins_a_required_call_and_answers_a_tools_result_from_the_sdk_and_a_remote_backend(
         demo_settings, demo_checkpoint, tmp_path):
     with served_api(demo_settings, tmp_path) as served:
         sdk = client(served.url)
@@ -327,7 +329,16 @@ def test_serve_in_its_own_process_begins_a_required_call_streamed_and_answers_a_
         messages = [{"role": "user", "content": "Weather in Paris?"},
                     {"role": "assistant", "content": None, "tool_calls": [ASKED_CALL]},
                     {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
-        assert ask(sdk, messages, tools=[WEATHER_TOOL]).usage.prompt_tokens > 0
+        answered = ask(sdk, messages, tools=[WEATHER_TOOL])
+        remote = demo_settings.replace(backend="openai", backend_url=served.url, cache_dir=str(tmp_path / "remote"))
+        with OmniLocal(remote) as app:
+            chat = app.session()
+            reply = chat.send("Weather in Paris?", tools=[WEATHER], tool_choice=FunctionChoice("get_weather"),
+                              max_new_tokens=4).result()
+            assert reply.text.startswith(named_prefix("get_weather"))
+            chat.history[-1] = Message("assistant", [], tool_calls=(CALL,))
+            result = chat.send(tool_results={"call_1": "18 C, sunny"}, tools=[WEATHER], max_new_tokens=4).result()
+        assert result.tokens.prompt == answered.usage.prompt_tokens  # the very conversation the SDK sent
 
 
 # The Python API and the remote backend -----------------------------------------------------------
@@ -338,7 +349,7 @@ def test_the_python_api_offers_tools_begins_a_named_call_and_sends_a_calls_resul
     reply = chat.send("Weather in Paris?", tools=[WEATHER], tool_choice=FunctionChoice("get_weather"),
                       max_new_tokens=4)
     assert reply.result().text.startswith(named_prefix("get_weather")) and reply.result().token_ids is None
-    chat.history[-1] = Message("assistant", [], tool_calls=(ToolCall("call_1", "get_weather", '{"city": "Paris"}'),))
+    chat.history[-1] = Message("assistant", [], tool_calls=(CALL,))
     chat.send(tool_results={"call_1": "18 C"}, tools=[WEATHER], max_new_tokens=4).result()
     assert [m.role for m in chat.history[-3:]] == ["assistant", "tool", "assistant"]
     assert "<tool_response>\n18 C\n</tool_response>" in app.backend.loaded.processor.tokenizer.decode(
@@ -349,7 +360,7 @@ def test_the_python_api_offers_tools_begins_a_named_call_and_sends_a_calls_resul
 
 def test_the_remote_backend_sends_tools_calls_and_results_and_reads_streamed_calls_back():
     messages = [Message("user", ["Weather?"]),
-                Message("assistant", [], tool_calls=(ToolCall("call_1", "get_weather", '{"city": "Paris"}'),)),
+                Message("assistant", [], tool_calls=(CALL,)),
                 Message("tool", ["18 C"], tool_call_id="call_1")]
     body = chat_body("demo", messages, SamplingParams(), None, "openai", ToolUse(TOOLS, FunctionChoice("get_time"),
                                                                                   parallel=False))
