@@ -17,6 +17,7 @@ from omni_local.api import OmniLocal
 from omni_local.backends.remote.chunks import ChunkReader
 from omni_local.backends.remote.request import chat_body
 from omni_local.engine.prompt.builder import build_prompt
+from omni_local.engine.prompt.context_window import fit_prompt
 from omni_local.errors import RequestError
 from omni_local.protocol.events import ContextUse, Finished, TextDelta, Timings, TokenCounts
 from omni_local.protocol.messages import Message
@@ -185,6 +186,23 @@ def test_tool_choice_none_builds_the_prompt_without_tools(demo_model):
     messages = ToolUse(TOOLS, "none").conversation([Message("user", ["Weather?"])])
     assert build_prompt(messages, processor).input_ids[0].tolist() == template_text(
         processor, [{"role": "user", "content": "Weather?"}], None)
+
+
+def test_a_chat_with_tools_results_and_a_required_call_over_the_prompt_limit_leaves_its_earliest_turns_out(
+        demo_model):
+    processor = demo_model.processor
+    time_call = ToolCall("call_2", "get_time", '{"city": "Paris"}')
+    turn = [Message("user", ["Weather and time in Paris? " * 4]),
+            Message("assistant", [], tool_calls=(CALL, time_call)),
+            Message("tool", ["18 C"], tool_call_id="call_1"), Message("tool", ["noon"], tool_call_id="call_2"),
+            Message("assistant", ["Sunny at noon."])]
+    messages = ToolUse(TOOLS, "required").conversation([Message("system", ["Be brief."]), *turn * 3,
+                                                        Message("user", ["And in Rome?"])])
+    whole = build_prompt(messages, processor).num_tokens
+    prompt, left_out = fit_prompt(messages, processor, whole - 10)
+    kept = build_prompt([messages[0], *messages[1 + left_out * len(turn):]], processor)
+    assert left_out in (1, 2) and prompt.num_tokens <= whole - 10
+    assert prompt.input_ids.tolist() == kept.input_ids.tolist()
 
 
 def test_a_tool_holding_a_control_token_is_refused(demo_model):

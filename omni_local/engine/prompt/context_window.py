@@ -33,7 +33,7 @@ def fit_prompt(messages: list[Message], processor: Any, limit: int,
     prompt = build_prompt(messages, processor, reasoning)
     if prompt.num_tokens <= limit:
         return prompt, 0
-    at = _message_starts(prompt, len(messages), processor.tokenizer)
+    at = _message_starts(prompt, messages, processor.tokenizer)
     if at is None:
         raise RequestError(f"the prompt is {prompt.num_tokens:,} tokens, over the limit of {limit:,} "
                            "(max_prompt_tokens), and its turns cannot be told apart to leave the earliest out")
@@ -64,14 +64,20 @@ def turns_to_leave_out(sizes: list[int], kept: int, limit: int) -> int:
     return left_out
 
 
-def _message_starts(prompt: Prompt, count: int, tokenizer: Any) -> list[int] | None:
-    """Where each of the prompt's `count` messages starts, then the generation prompt after them; None
-    if they cannot be told apart. The template opens each with `<|im_start|>` after the previous one's
-    `<|im_end|>` and newline; a reply holds no `<|im_end|>` (it ends the reply), so in a prompt of
-    plain-text messages only the template's openings follow one."""
+def _message_starts(prompt: Prompt, messages: list[Message], tokenizer: Any) -> dict[int, int] | None:
+    """Where each of the prompt's messages that opens a turn of the template starts, by the message's
+    index, and the generation prompt (at `len(messages)`) after them; None if they cannot be told
+    apart. The template opens each with `<|im_start|>` after the previous one's `<|im_end|>` and
+    newline; a reply holds no `<|im_end|>` (it ends the reply), so in a prompt of plain-text messages
+    only the template's openings follow one. Tools' results in a row share one turn; a reply begun
+    by the caller (a required tool call, builder.py) is the generation prompt's."""
     ids = prompt.input_ids[0].numpy()
     opening = tokenizer.convert_tokens_to_ids("<|im_start|>")
     closing = np.array(tokenizer("<|im_end|>\n", add_special_tokens=False)["input_ids"])
     starts = [int(i) for i in np.flatnonzero(ids == opening)
               if i == 0 or np.array_equal(ids[max(0, i - len(closing)):i], closing)]
-    return starts if len(starts) == count + 1 and starts[0] == 0 else None
+    begun = messages[-1].role == "assistant"
+    opens = [i for i, m in enumerate(messages[:len(messages) - begun])
+             if not (m.role == "tool" and i and messages[i - 1].role == "tool")]
+    opens.append(len(messages))
+    return dict(zip(opens, starts)) if len(starts) == len(opens) and starts[0] == 0 else None
