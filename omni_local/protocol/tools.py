@@ -110,7 +110,7 @@ class ToolUse:
         if self.choice not in ("auto", "none", "required") and not isinstance(self.choice, FunctionChoice):
             raise RequestError(f"tool_choice must be 'auto', 'none', 'required' or a function, not "
                                f"{reprlib.repr(self.choice)}")
-        if self.choice != "none" and self.choice != "auto" and not self.tools:
+        if self.choice not in ("auto", "none") and not self.tools:
             raise RequestError("tool_choice: a call is required, but no tools are given")
         if isinstance(self.choice, FunctionChoice) and self.choice.name not in names:
             raise RequestError(f"tool_choice: no tool is named {reprlib.repr(self.choice.name)}")

@@ -124,12 +124,13 @@ def test_tool_choice_none_offers_no_tools_and_begins_no_call_while_required_and_
 
 
 @pytest.mark.parametrize(("make", "words"), [
+    (lambda: ToolUse(TOOLS, "maybe"), "tool_choice must be 'auto', 'none', 'required' or a function"),
     (lambda: ToolUse((), "required"), "no tools are given"),
     (lambda: ToolUse(TOOLS, FunctionChoice("get_news")), "no tool is named"),
     (lambda: ToolUse((WEATHER, WEATHER)), "two tools are named get_weather"),
     (lambda: Tool("get weather"), "without spaces"),
     (lambda: ToolCall("call_1", "get_weather", "Paris"), "must be a JSON object"),
-], ids=["required without tools", "unknown named", "twice", "bad name", "bad arguments"])
+], ids=["unknown choice", "required without tools", "unknown named", "twice", "bad name", "bad arguments"])
 def test_bad_tools_and_choices_are_refused_saying_why(make, words):
     with pytest.raises(RequestError, match=words):
         make()
