@@ -100,7 +100,8 @@ class Settings:
         " forwards ending at multiples of it, so boundaries stay fixed by position; a multiple of"
         " prefill_chunk_tokens); on a GPU each forward replays a CUDA graph captured at start-up for its length"
         " rounded up (16, 32, ... to prefill_chunk_tokens, then four steps to each doubling: 640, 768, 896, 1024,"
-        " 1280, ...): more takes more start-up time and GPU memory for the graphs",
+        " 1280, ...): more takes more start-up time and GPU memory for the graphs; where the GPU memory plan falls"
+        " short of its KV target, it halves this (down to prefill_chunk_tokens) before moving any expert",
     )
     chunk_every_prefill: bool = setting(
         "engine", False,

@@ -3,6 +3,9 @@ the chosen format, the engine's take and the encoder outputs are set against the
 the KV gets the rest, up to gpu_cache_bytes, and settings that cannot fit stop start-up saying what
 would. On the CPU the plan runs where `gpu_memory_bytes` is set, as these tests set it."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -25,7 +28,9 @@ ENGINE = 1 * MiB  # the engine's take a first start plans with, at the demo's si
 @pytest.fixture
 def planned(demo_settings, demo_checkpoint, monkeypatch, tmp_path):
     monkeypatch.setattr(memory_plan, "FIRST_START_ENGINE_BYTES", ENGINE)
-    return demo_settings.replace(speech=True, encoder_cache_bytes=MiB, cache_dir=str(tmp_path / "cache"))
+    # Prefill forwards of a chunk: the prefill graphs have nothing to shrink (they have tests of their own).
+    return demo_settings.replace(speech=True, encoder_cache_bytes=MiB, cache_dir=str(tmp_path / "cache"),
+                                 prefill_forward_tokens=demo_settings.prefill_chunk_tokens)
 
 
 def held_bytes(model: torch.nn.Module) -> int:
@@ -304,6 +309,53 @@ def test_where_memory_is_short_the_encoder_outputs_shrink_to_their_floor_before_
     assert shortest.line().endswith(f"encoder outputs 2.0 MiB (of 64.0 MiB: shrunk to fit), KV "
                                     f"{memory_plan.size(shortest.kv)} "
                                     f"({tokens:,} tokens: {tokens / 4096:.1f} chats of 4,096)")
+
+
+def test_short_of_the_kv_target_with_every_expert_on_the_gpu_the_prefill_graphs_shrink_before_any_expert_moves(
+    planned, monkeypatch
+):
+    model = load_model(planned).model
+    per_token = memory_plan.prefill_bytes_per_token(model)
+    engine = 8192 * per_token  # a take whose halves the graphs' activations can save
+    monkeypatch.setattr(memory_plan, "FIRST_START_ENGINE_BYTES", engine)
+    settings = planned.replace(prefill_forward_tokens=4096, prefill_chunk_tokens=512)
+    # Every expert on the GPU, the embeddings in host memory, the encoder outputs' floor and the KV target:
+    base = weights_bytes(model, "bf16") - embeddings_bytes(model) + MiB + kv_target(model, planned)
+
+    def planned_with(engine_room: int) -> memory_plan.MemoryPlan:
+        return plan(model, settings.replace(gpu_memory_bytes=base + engine_room))
+
+    assert planned_with(engine).prefill_forward_tokens == 4096
+    at_1024 = planned_with(engine - 3072 * per_token)
+    assert (at_1024.prefill_forward_tokens, at_1024.engine, at_1024.experts_on_gpu) == (
+        1024, engine - 3072 * per_token, LAYERS)
+    assert at_1024.applied(settings).prefill_forward_tokens == 1024
+    assert at_1024.line().endswith("; prefill graphs of up to 1,024 tokens (prefill_forward_tokens 4,096: shrunk to fit)")
+    shortest = planned_with(0)  # not even a chunk's graphs fit the target: a chunk's, and the KV as it can
+    assert (shortest.prefill_forward_tokens, shortest.engine) == (512, engine - 3584 * per_token)
+    assert "prefill graphs" not in planned_with(engine).line()
+
+
+def test_a_shrunk_prefill_forward_plans_with_the_take_measured_at_it_once_there_is_one(planned):
+    model = load_model(planned).model
+    settings = planned.replace(prefill_forward_tokens=1024, prefill_chunk_tokens=512)
+    measured_at_512 = 3 * MiB
+    cache = Path(settings.cache_dir)
+    cache.mkdir(parents=True, exist_ok=True)
+    key = memory_plan._key(model, settings.replace(prefill_forward_tokens=512), torch.device("cpu"))
+    (cache / "memory.json").write_text(json.dumps({key: measured_at_512}), encoding="utf-8")
+
+    # Room for the floors with that take, short of the KV target at either forward.
+    floors = weights_bytes(model, "bf16") - embeddings_bytes(model) + MiB + one_conversation_kv(model, settings)
+    short = plan(model, settings.replace(gpu_memory_bytes=floors + measured_at_512))
+
+    assert (short.prefill_forward_tokens, short.engine, short.key) == (512, measured_at_512, key)
+
+
+def test_the_prefill_forwards_halve_within_multiples_of_the_chunk():
+    assert memory_plan.prefill_forward_choices(4096, 512) == [4096, 2048, 1024, 512]
+    assert memory_plan.prefill_forward_choices(1536, 512) == [1536, 512]
+    assert memory_plan.prefill_forward_choices(512, 512) == [512]
 
 
 def test_with_the_encoder_cache_off_the_plan_keeps_no_room_for_encoder_outputs(planned):

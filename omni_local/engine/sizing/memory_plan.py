@@ -19,6 +19,10 @@ What is split is `gpu_memory_bytes`, or by default what the GPU reports free, le
 encoder's activations on the largest image or video are not in the measurement). Where the weights
 leave less than the KV target (beside the engine and the encoder outputs' floor), the Thinker's input
 embeddings go to host memory (model/host_experts.py): a token reads one row of them over the bus.
+Where the KV target still does not fit, the prefill graphs shrink: `prefill_forward_tokens` halves
+(down to `prefill_chunk_tokens`) until it does, as the largest graphed prefill's activations are the
+part of the engine's take that grows with it (`prefill_bytes_per_token`); a long prompt then takes
+more forwards, each reading the experts again, where moving experts would slow every token.
 Where the weights and the floors (the engine's, the encoder outputs' and one conversation of
 `max_context_tokens`) still do not fit, the routed experts of the Thinker's last layers go there too
 (`experts_on_gpu` = -1): the fewest layers that make the floors fit. Decode then reads each token's
@@ -41,7 +45,7 @@ from omni_local.engine.forward.speech import talker_sequences
 from omni_local.engine.forward.thinker import least_kv_bytes
 from omni_local.engine.memory.kv_fp8 import fp8_kv
 from omni_local.engine.sizing.expert_placement import (BUS_BYTES_PER_S, HOST_SHARE, Placement, bus_bytes_per_token,
-                                                host_experts_most, place_weights)
+                                                embeddings_bytes, host_experts_most, place_weights)
 from omni_local.engine.sizing.kv_sizes import KVSizes, kv_sizes
 from omni_local.errors import SettingsError
 from omni_local.folders import private_folder
@@ -86,13 +90,21 @@ class MemoryPlan:
     host_experts: int  # the bytes of the experts in host memory (not in `weights`)
     host_embeddings: int  # the bytes of the Thinker's input embeddings in host memory (0: on the GPU)
     bus_bytes_per_token: int  # of them, what a decoded token reads: its routed experts, its embedding row
+    prefill_forward_tokens: int  # the longest prefill forward, and graph (the setting's, or less: shrunk to fit)
+    prefill_forward_setting: int  # the setting's
 
     def line(self) -> str:
         shrunk = f" (of {size(self.encoder_cap)}: shrunk to fit)" if self.encoder_outputs < self.encoder_cap else ""
         return (f"GPU memory plan, {size(self.available)}: weights {size(self.weights)}{self._host_part()}, engine "
                 f"{size(self.engine)}, encoder outputs {size(self.encoder_outputs)}{shrunk}, KV {size(self.kv)} "
                 f"({self.kv_tokens:,} tokens: {self.kv_tokens / CHAT_TOKENS:.1f} chats of {CHAT_TOKENS:,})"
-                f"{self._talker_part()}")
+                f"{self._talker_part()}{self._prefill_part()}")
+
+    def _prefill_part(self) -> str:
+        if self.prefill_forward_tokens == self.prefill_forward_setting:
+            return ""
+        return (f"; prefill graphs of up to {self.prefill_forward_tokens:,} tokens (prefill_forward_tokens "
+                f"{self.prefill_forward_setting:,}: shrunk to fit)")
 
     def _host_part(self) -> str:
         host = self.layers - self.experts_on_gpu
@@ -113,7 +125,7 @@ class MemoryPlan:
     def applied(self, settings: Settings) -> Settings:
         """`settings` with the caches as planned."""
         return settings.replace(gpu_cache_bytes=self.kv, encoder_cache_bytes=self.encoder_outputs or
-                                settings.encoder_cache_bytes)
+                                settings.encoder_cache_bytes, prefill_forward_tokens=self.prefill_forward_tokens)
 
 
 def plan_memory(model: torch.nn.Module, settings: Settings, device: torch.device) -> MemoryPlan | None:
@@ -121,16 +133,17 @@ def plan_memory(model: torch.nn.Module, settings: Settings, device: torch.device
     `settings.weights` on `device`; None where there is nothing to plan (the CPU, unless
     `gpu_memory_bytes` is set). Raises SettingsError naming what would fit where nothing does."""
     fp8_kv(settings.kv_dtype, device)  # refused before the weights load where the GPU has no FP8
+    forward_setting = settings.prefill_forward_tokens
     available = available_bytes(settings, device)
     if available is None:
         return None
-    key = _key(model, settings, device)
-    engine = _measured(settings.cache_path).get(key, FIRST_START_ENGINE_BYTES)
     encoder_cap = settings.encoder_cache_bytes if settings.encoder_cache else 0
     least_encoder = min(encoder_cap, LEAST_ENCODER_CACHE_BYTES)
     kv = kv_sizes(model, settings)
-    floors = engine + least_encoder + kv.bytes(kv.least_blocks)
     first_kv = kv.bytes(max(kv.least_blocks, _target_blocks(kv, settings)))  # the KV target, or the floor if more
+    settings, engine = _prefill_sized(model, settings, device, available - least_encoder - first_kv)
+    key = _key(model, settings, device)
+    floors = engine + least_encoder + kv.bytes(kv.least_blocks)
     host_most = host_experts_most()
     placed = place_weights(model, settings.weights, settings.speech, settings.experts_on_gpu, available - floors,
                            available - engine - least_encoder - first_kv)
@@ -146,7 +159,56 @@ def plan_memory(model: torch.nn.Module, settings: Settings, device: torch.device
         talker_kv=kv.talker_bytes(blocks), talker_chats=spoken, context_tokens=settings.max_context_tokens, key=key,
         experts_on_gpu=placed.experts_on_gpu, layers=placed.layers, host_experts=placed.host_experts,
         host_embeddings=placed.host_embeddings,
-        bus_bytes_per_token=bus_bytes_per_token(model, settings.weights, placed.host_layers, placed.host_embeddings > 0))
+        bus_bytes_per_token=bus_bytes_per_token(model, settings.weights, placed.host_layers, placed.host_embeddings > 0),
+        prefill_forward_tokens=settings.prefill_forward_tokens, prefill_forward_setting=forward_setting)
+
+
+def _prefill_sized(model: torch.nn.Module, settings: Settings, device: torch.device, room: int
+                   ) -> tuple[Settings, int]:
+    """`settings` with the longest `prefill_forward_tokens` (the setting's, or its halves down to
+    `prefill_chunk_tokens`) at which the weights, every expert on the GPU, and the engine fit `room`
+    (the KV target's and the encoder outputs' floor left out), or the shortest where none does; and
+    the engine's take at it. Where this GPU, model and settings were measured, that take, else the
+    take at the setting's forward (measured, or FIRST_START_ENGINE_BYTES) less the activations of the
+    tokens it no longer graphs."""
+    measured = _measured(settings.cache_path)
+    base = measured.get(_key(model, settings, device), FIRST_START_ENGINE_BYTES)
+    # Every expert on the GPU, the embeddings in host memory (where they go first when memory is short).
+    weights = (weights_bytes(model, settings.weights, settings.speech)
+               - embeddings_bytes(model, settings.weights, settings.speech))
+    per_token = prefill_bytes_per_token(model)
+    choice = settings
+    for tokens in prefill_forward_choices(settings.prefill_forward_tokens, settings.prefill_chunk_tokens):
+        choice = settings.replace(prefill_forward_tokens=tokens)
+        # Never planned below half the take: the estimate's saving is a computed peak of activations.
+        engine = measured.get(_key(model, choice, device),
+                              max(base - (settings.prefill_forward_tokens - tokens) * per_token, base // 2))
+        if weights + engine <= room:
+            break
+    return choice, engine
+
+
+def prefill_forward_choices(forward_tokens: int, chunk_tokens: int) -> list[int]:
+    """`forward_tokens`, then its halves while they stay multiples of `chunk_tokens` (a forward ends
+    at a multiple of the chunk), down to `chunk_tokens`."""
+    choices = [forward_tokens]
+    while choices[-1] > chunk_tokens:
+        half = choices[-1] // 2
+        choices.append(half if half % chunk_tokens == 0 and half >= chunk_tokens else chunk_tokens)
+    return choices
+
+
+def prefill_bytes_per_token(model: torch.nn.Module) -> int:
+    """The Thinker's activations a prefill token takes at their peak in a MoE layer (computed; a
+    graph's pool keeps them for its replays): its top-k experts' weighted output rows in float32,
+    their gate and up projections and their product in the activations' dtype, and a few
+    hidden-sized rows (the residual, the norm, the attention's output). 135 KiB at full size: 540 MiB
+    for the 4,096 tokens of the default prefill_forward_tokens."""
+    config = model.thinker.model.language_model.config
+    itemsize = next(model.parameters()).dtype.itemsize
+    top_k, hidden = config.num_experts_per_tok, config.hidden_size
+    expert_rows = top_k * hidden * 4 + top_k * 3 * config.moe_intermediate_size * itemsize
+    return expert_rows + 8 * hidden * itemsize
 
 
 def _target_blocks(kv: KVSizes, settings: Settings) -> int:
