@@ -16,7 +16,7 @@ from replies import model_inputs, reference_tokens, send, transformers_speech
 from samples import picture
 from omni_local.api import OmniLocal
 from omni_local.kernels.attention.paged import SPLIT_TAIL_TOKENS
-from omni_local.engine.forward.cuda_graphs import SMALLEST_BUCKET, BatchGraphs, prefill_lengths
+from omni_local.engine.forward.cuda_graphs import SMALLEST_BUCKET, BatchGraphs, capture_graph, prefill_lengths
 from omni_local.engine.memory.kv_store import NO_PREFIX
 from omni_local.engine.prompt.builder import Prompt, build_prompt
 from omni_local.engine.forward.thinker import ThinkerRunner
@@ -93,6 +93,21 @@ def generate(app: OmniLocal, prompt: Prompt, steps: int, banned: list[int]) -> l
             **model_inputs(app, prompt), max_new_tokens=steps, do_sample=False, suppress_tokens=banned
         )
     return output[0, prompt.num_tokens :].tolist()
+
+
+def test_graphs_captured_one_after_another_keep_their_outputs_and_no_workspace_of_their_own(on_gpu):
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(512, 512, device="cuda", dtype=torch.bfloat16)
+    kept = [capture_graph(lambda: x @ weight, torch.cuda.graph_pool_handle())]  # this thread's stream set up
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+
+    kept += [capture_graph(lambda: x @ weight, torch.cuda.graph_pool_handle()) for _ in range(8)]
+
+    torch.cuda.synchronize()
+    outputs = 8 * x.shape[0] * weight.shape[1] * x.element_size()
+    # cuBLAS keeps a workspace (MiBs) for each stream a matmul ran on: a stream per capture kept one each.
+    assert torch.cuda.memory_allocated() - before < outputs + (1 << 20)
 
 
 def test_graphed_decode_of_two_chats_across_a_bucket_boundary_matches_eager_and_generate(on_gpu):
