@@ -167,7 +167,7 @@ class VoiceConversation:
                     with self._playing:
                         if not reply.cancelled:
                             self.play(event)
-                else:
+                elif isinstance(event, TextDelta | Finished):  # not its place in line (`Waiting`): no text of the turn
                     self.show(event)
         except OmniLocalError as error:
             self.show(error)

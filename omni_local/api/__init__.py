@@ -13,7 +13,8 @@ A reply is a stream of `TextDelta` events (and `AudioChunk`s, for `send(..., spe
 `ReasoningDelta`s before the answer, from a Thinking checkpoint) and one final `Finished` (text,
 reasoning, token counts, timings, speech figures, tool calls). `send(..., tools=[Tool(...)])` offers
 functions to call: each call comes as a `ToolCall`, and its result goes back in the next
-`send(tool_results={call.id: "..."})`. Bad input raises
+`send(tool_results={call.id: "..."})`. A reply the engine cannot start at once (every seat taken)
+first streams `Waiting` events, its place in line (`Reply.waiting`). Bad input raises
 `OmniLocalError` with a message meant for the user; the session and the backend keep working.
 The same API runs on the engine in this process or on a remote server (`backend = "openai"`).
 """
@@ -21,8 +22,8 @@ The same API runs on the engine in this process or on a remote server (`backend 
 from omni_local.api.app import OmniLocal
 from omni_local.api.session import Reply, Session
 from omni_local.errors import OmniLocalError
-from omni_local.protocol.events import AudioChunk, Finished, ReasoningDelta, TextDelta
+from omni_local.protocol.events import AudioChunk, Finished, ReasoningDelta, TextDelta, Waiting
 from omni_local.protocol.tools import FunctionChoice, Tool, ToolCall
 
 __all__ = ["OmniLocal", "Session", "Reply", "TextDelta", "ReasoningDelta", "AudioChunk", "Finished", "OmniLocalError",
-           "Tool", "ToolCall", "FunctionChoice"]
+           "Tool", "ToolCall", "FunctionChoice", "Waiting"]

@@ -19,7 +19,7 @@ from omni_local.media import MediaLimits, load_audio, load_image, prepare_image
 from omni_local.media.audio import samples_from_array
 from omni_local.media.video import Video
 from omni_local.protocol.backend import Backend, ReplyStream
-from omni_local.protocol.events import AudioChunk, Event, Finished
+from omni_local.protocol.events import AudioChunk, Event, Finished, Waiting
 from omni_local.protocol.messages import Message, Part, check_text
 from omni_local.protocol.params import SamplingParams, SpeechParams
 from omni_local.protocol.tools import Tool, ToolChoice, ToolUse
@@ -33,7 +33,8 @@ VideoInput = str | Path | bytes | Video
 
 
 class Reply:
-    """One reply as it streams. Iterate it, or call `result()`; `cancel()` from any thread."""
+    """One reply as it streams. Iterate it, or call `result()`; `cancel()` from any thread. One the
+    engine cannot start at once streams `Waiting` events first, its place in line (`waiting`)."""
 
     def __init__(self, stream: ReplyStream, on_done: Callable[[Finished], None]) -> None:
         self._stream = stream
@@ -43,6 +44,7 @@ class Reply:
         self._error: OmniLocalError | None = None
         self._cancelled = False
         self._audio: list[np.ndarray] = []
+        self._ahead = 0
 
     def __iter__(self) -> Iterator[Event]:
         if self._error is not None:
@@ -54,6 +56,7 @@ class Reply:
                     self._on_done(event)
                 elif isinstance(event, AudioChunk):
                     self._audio.append(event.samples)
+                self._ahead = event.ahead if isinstance(event, Waiting) else 0
                 yield event
         except OmniLocalError as error:
             self._error = error
@@ -77,6 +80,12 @@ class Reply:
     def audio(self) -> np.ndarray:
         """The spoken reply's samples so far (float32 mono at 24 kHz, as each `AudioChunk`); empty if none."""
         return np.concatenate(self._audio) if self._audio else np.zeros(0, np.float32)
+
+    @property
+    def waiting(self) -> int:
+        """The replies ahead of this one as its last event read said, while that was a `Waiting`
+        (the first in line waits for 1); 0 once any other came, or if none did."""
+        return self._ahead
 
     @property
     def done(self) -> bool:

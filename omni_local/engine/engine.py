@@ -61,7 +61,7 @@ from omni_local.engine.seats import Seats
 from omni_local.errors import OmniLocalError, RequestError
 from omni_local.model.loader import LoadedModel, media_markup_token_ids, thinker_eos_token_ids
 from omni_local.model.reasoning import reasoning_marks
-from omni_local.protocol.events import AudioChunk, StopReason
+from omni_local.protocol.events import AudioChunk, StopReason, Waiting
 from omni_local.protocol.messages import Message
 from omni_local.protocol.params import SamplingParams, SpeechParams
 from omni_local.settings import Settings
@@ -195,12 +195,15 @@ class Engine:
         return open_
 
     def _admit(self) -> None:
-        """Admit what the scheduler can; finish or fail those it took out of the line."""
+        """Admit what the scheduler can; finish or fail those it took out of the line; tell those left
+        in line whose place changed where they are now (a pass over the line a turn, none a token)."""
         admission = self.scheduler.admit()
         for request in admission.cancelled:
             self._finish(request, "cancelled")
         for request, error in admission.failed:
             self._fail(request, self._failure_message(error))
+        for request in self.scheduler.moved_in_line():
+            request.events.put(Waiting(request.ahead))
 
     def _run_turn(self) -> None:
         """Prefills (the oldest waiting prompt's next part, and the short prompts after it that fit in

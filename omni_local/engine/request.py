@@ -25,6 +25,7 @@ from omni_local.protocol.events import (
     TokenCounts,
     TokenLogprob,
     Timings,
+    Waiting,
 )
 from omni_local.protocol.messages import Message
 from omni_local.protocol.params import SamplingParams, SpeechParams
@@ -39,7 +40,7 @@ class Failed:
 
 # What the engine puts on a request's queue: the protocol's events (protocol/events.py, `Event`), or
 # Failed, which the local backend raises as the request's error instead of passing it on.
-EngineEvent = TextDelta | ReasoningDelta | AudioChunk | Finished | Failed
+EngineEvent = Waiting | TextDelta | ReasoningDelta | AudioChunk | Finished | Failed
 
 
 class State(Enum):
@@ -85,6 +86,7 @@ class Request:
     prompt_built_s: float = 0.0  # spent building its prompt (not waiting: the engine's work on it)
     build_error: Exception | None = None  # why its prompt could not be built: the worker fails it
     # Filled by the worker:
+    ahead: int = 0  # while it waits in line: the replies before it, as its last `Waiting` told
     claim: Claim | None = None  # the session's cache entry and its blocks, while running
     seat: int | None = None  # its row in the sampler, from admission until its text ends
     prepared: PreparedPrompt | None = None  # from its prefill's first part on, until its text ends

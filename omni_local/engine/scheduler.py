@@ -5,6 +5,8 @@ touches a tensor, and is tested without a model (tests/unit/test_scheduler.py).
 Admission (`admit`) takes waiting requests in order while a seat and blocks can be had: a request
 claims its blocks through the prefix cache, and one that finds too few stops the line until a
 running request gives blocks back. A preempted (parked) request resumes before any newer one starts.
+Those left in line learn their place (`moved_in_line`): the first waits for one running reply (its
+seat or its blocks), each next one for one more.
 
 A turn's plan (`plan`) is a value: the running requests cancelled, the prefill parts to compute, the
 requests to decode. A prefill is computed in chunks of prefill_chunk_tokens while another reply
@@ -111,6 +113,17 @@ class Scheduler:
             self.running.append(request)
             admitted.append(request)
         return Admission(tuple(admitted), cancelled, tuple(failed))
+
+    def moved_in_line(self) -> list[Request]:
+        """The waiting requests whose place changed since last asked (or who were never told one), each
+        with `ahead` set to the replies before it: those ahead of it in line, and the running one whose
+        seat or blocks the first in line waits for. Asked after `admit`, when all left in line wait."""
+        moved = []
+        for ahead, request in enumerate(self.waiting, start=1):
+            if request.ahead != ahead:
+                request.ahead = ahead
+                moved.append(request)
+        return moved
 
     def _claim(self, request: Request) -> Claim | None:
         with phase(CLAIM_KV):

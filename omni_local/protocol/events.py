@@ -12,6 +12,11 @@ character waits for the delta that completes it). They are the model's: the log-
 logits over the tokens a reply may hold, before the repetition penalty, the temperature, top-k and
 top-p, as OpenAI reports them; a sampled token is drawn from the distribution those shape.
 
+A request the engine cannot start at once (every seat taken, or too few KV blocks free) waits in line
+in the order it came: it is told its place as `Waiting` events, one when it begins to wait and one
+each time its place changes, and none once it starts (nor any for a request started at once). A
+remote backend reports none: OpenAI's stream has no such field.
+
 Figures a backend does not report are None (a remote server may not say how long a request
 queued, or which of its cached tokens came from host memory): shown as unknown, never as zeros.
 """
@@ -52,6 +57,15 @@ class TextDelta:
 @dataclass(frozen=True)
 class ReasoningDelta:
     text: str
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """The request waits for the engine to start it. `ahead`: the replies before it, those ahead of it
+    in line and the running one whose seat (or blocks) the first in line waits for: the first in
+    line is told 1, the next 2."""
+
+    ahead: int
 
 
 @dataclass(frozen=True)
@@ -137,4 +151,4 @@ class Finished:
         return self.tokens.prompt + self.tokens.generated
 
 
-Event = TextDelta | ReasoningDelta | AudioChunk | ToolCall | Finished
+Event = Waiting | TextDelta | ReasoningDelta | AudioChunk | ToolCall | Finished

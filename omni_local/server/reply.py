@@ -72,6 +72,8 @@ class ApiReply:
             return self._text(text)
         if isinstance(event, AudioChunk | ReasoningDelta | ToolCall):  # stop strings cut the answer only
             return [] if self._stops.stopped else [event]
+        if not isinstance(event, Finished):
+            return []  # one OpenAI's stream has no field for: a `Waiting` (its place in line)
         tail = self._text(self._stops.flush())
         if self._stops.stopped:
             # The reply is what was sent, cut short (whether or not the engine ended it first), and its

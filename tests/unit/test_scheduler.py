@@ -329,3 +329,15 @@ def test_parked_replies_come_back_oldest_first_while_blocks_are_left():
     blocks.free = 9  # room for one of them: its next row and 64 more, 81 rows in 6 blocks
     assert scheduler.make_room([other], drain=pytest.fail) == [other, older]
     assert (older.state, younger.state) == (State.DECODING, State.PARKED)
+
+
+def test_those_left_in_line_learn_their_place_and_again_only_when_it_changes():
+    scheduler, _ = make_scheduler(free_blocks=100, seats=1)
+    running, cancelled, second, third = (asking(scheduler, 20) for _ in range(4))
+    assert scheduler.admit().admitted == (running,)
+    # The first in line waits for the running reply's seat: one reply before it.
+    assert [(r, r.ahead) for r in scheduler.moved_in_line()] == [(cancelled, 1), (second, 2), (third, 3)]
+    assert scheduler.moved_in_line() == []  # nobody moved
+    cancelled.cancelled.set()
+    scheduler.admit()
+    assert [(r, r.ahead) for r in scheduler.moved_in_line()] == [(second, 1), (third, 2)]
