@@ -21,7 +21,7 @@ from omni_local.access import page_principal
 from omni_local.api import OmniLocal, Reply
 from omni_local.errors import OmniLocalError, RequestError
 from omni_local.folders import private_folder
-from omni_local.protocol.events import AudioChunk, Finished, ReasoningDelta, TextDelta
+from omni_local.protocol.events import AudioChunk, Finished, ReasoningDelta, TextDelta, Waiting
 from omni_local.ui import sidebar
 from omni_local.ui.access import upload_folder
 from omni_local.ui.chats import ChatShelves, ChatStore
@@ -135,6 +135,8 @@ class ChatTurns:
                         _save(turn.store, [*turn.asked, *saved_streaming_reply(reasoning, text)], turn.system_prompt,
                               memory)
                         unsaved, saved_at = 0, time.monotonic()
+                elif isinstance(event, Waiting):  # shown until the reply's first text takes its place
+                    update = _update(waiting_note(event.ahead), chats=listed)
                 elif isinstance(event, AudioChunk):
                     update = _update(streaming_reply(reasoning, text), audio=audio_payload(event, chunks), chats=listed)
                     chunks += 1
@@ -203,6 +205,11 @@ def with_ended_turn(history: list[dict[str, Any]], turn: Turn | None) -> list[di
     return turn.shown if answered and list(map(looks, history[:asked])) == list(map(looks, turn.asked)) else history
 
 
+def waiting_note(ahead: int) -> str:
+    """What a reply's place shows while the engine runs others: `ahead` replies before it."""
+    return f"_Waiting for {ahead} {'reply' if ahead == 1 else 'replies'} ahead…_"
+
+
 def _last_event(reply: Reply) -> Finished | None:
     try:
         return reply.result()
@@ -235,9 +242,10 @@ def build_ui(app: OmniLocal, chats_folder: Path | None = None) -> gr.Blocks:
 
             add_voice_mode(app, uploads, page.chat, page.audio_feed, page.memory, page.settings,
                            save=save_voice_turn, typing=turns.typing.__contains__, chats=(page.chooser, listed))
-    # Each chat a reply of its own at once, up to the chats the engine decodes together; more wait
-    # in Gradio's queue (Gradio's default is one event of a kind at a time, for every user).
-    page.ui.queue(default_concurrency_limit=app.info.concurrency)
+    # Each chat a reply of its own at once (Gradio's default is one event of a kind at a time, for every
+    # user), as many as the API holds: beyond the chats the engine decodes together, they wait in the
+    # engine's line, where each is told its place, not silently in Gradio's queue.
+    page.ui.queue(default_concurrency_limit=max(app.info.concurrency, app.settings.api_max_requests))
     return page.ui
 
 
