@@ -6,7 +6,9 @@ its `<tool_call>` until `</tool_call>` closes it; it then comes out as a `ToolCa
 call of an offered tool (JSON that does not parse, no name, a name not offered, arguments that are
 not an object), as the text it was. A call still open when the reply ends is text too. Without
 `parallel`, the first call is kept and later ones are dropped. Blank text (the line breaks between
-calls) is held until more text follows it, so a reply of calls alone has no content.
+calls, and the one after text before a call) is held until more text follows it, so a reply of calls
+alone has no content, and text before a call does not end in its line break: the template puts that
+back before the call when the reply goes back into a prompt.
 """
 
 import json
@@ -76,10 +78,15 @@ class ToolCallReader:
         return ToolCall(call_id(), found["name"], json.dumps(arguments, ensure_ascii=False))
 
     def _text(self, text: str) -> list[Piece]:
-        if not text.strip():
+        # Blank text that breaks the line at the end of text is held as it is in a piece of its own:
+        # a token may hold both (".\n"), and the content must not depend on where the tokens fall.
+        body = text.rstrip()
+        if "\n" not in text[len(body):]:
+            body = text
+        if not body.strip():
             self._blank += text
             return []
-        text, self._blank = self._blank + text, ""
+        text, self._blank = self._blank + body, text[len(body):]
         self.text.append(text)
         logprobs, self._logprobs = tuple(self._logprobs), []
         return [TextDelta(text, logprobs)]
