@@ -15,7 +15,7 @@ from starlette.testclient import TestClient
 from forced_replies import forced_replies
 from omni_local.protocol.events import ContextUse, Finished, TextDelta, Timings, TokenCounts
 from omni_local.protocol.tool_calls import read_tool_calls
-from omni_local.protocol.tools import REQUIRED_PREFIX, Tool, ToolCall, ToolUse
+from omni_local.protocol.tools import REQUIRED_PREFIX, Tool, ToolCall, ToolUse, named_prefix
 from omni_local.server.routes import api_mount
 
 END = "<|im_end|>"
@@ -42,8 +42,8 @@ def forcing(app):
 
 
 def ask(sdk: openai.OpenAI, messages: list[dict] | None = None, **fields):
-    return sdk.chat.completions.create(model="demo", messages=messages or [QUESTION], tools=[WEATHER_TOOL],
-                                       max_tokens=128, **fields)
+    fields = {"max_tokens": 128, **fields}  # room for the calls forced (the demo's tokens are short)
+    return sdk.chat.completions.create(model="demo", messages=messages or [QUESTION], tools=[WEATHER_TOOL], **fields)
 
 
 def calls_of(message) -> list[tuple[str, dict]]:
@@ -114,13 +114,24 @@ def test_a_forced_call_with_bad_json_is_the_replys_text_and_the_next_call_is_rea
     assert calls_of(after.message) == [("get_weather", {"city": "Paris"})]
 
 
-def test_a_required_call_continued_by_the_reply_after_the_opening_the_prompt_began_is_read(sdk, forcing, app):
-    with forcing(PARIS.removeprefix(REQUIRED_PREFIX) + END) as prompts:
-        choice = ask(sdk, tool_choice="required").choices[0]
+@pytest.mark.parametrize(("tool_choice", "opening"), [
+    ("required", REQUIRED_PREFIX),
+    ({"type": "function", "function": {"name": "get_weather"}}, named_prefix("get_weather")),
+], ids=["required", "named"])
+def test_a_call_the_prompt_began_and_the_reply_continued_is_read(sdk, forcing, app, tool_choice, opening):
+    with forcing(PARIS.removeprefix(opening) + END) as prompts:
+        choice = ask(sdk, tool_choice=tool_choice).choices[0]
     assert calls_of(choice.message) == [("get_weather", {"city": "Paris"})]
     assert choice.message.content is None and choice.finish_reason == "tool_calls"
     prompt = app.backend.loaded.processor.tokenizer.decode(prompts[0])
-    assert prompt.endswith(f"<|im_start|>assistant\n{REQUIRED_PREFIX}")  # the reply's tokens were the rest alone
+    assert prompt.endswith(f"<|im_start|>assistant\n{opening}")  # the reply's tokens were the rest alone
+
+
+def test_a_call_cut_short_by_max_tokens_is_the_text_it_had_reached_with_finish_reason_length(sdk, forcing):
+    with forcing(PARIS + END):
+        choice = ask(sdk, max_tokens=20).choices[0]
+    assert choice.message.tool_calls is None and choice.finish_reason == "length"
+    assert choice.message.content.startswith("<tool_call>") and PARIS.startswith(choice.message.content)
 
 
 def test_the_python_api_gets_the_forced_call_on_finished_and_an_answer_to_its_result(app, forcing):
