@@ -18,14 +18,14 @@ def one_seat(demo_settings, demo_checkpoint):
 
 @pytest.fixture
 def prefill_after_two_more(one_seat, monkeypatch):
-    """The first prefill waits until two more requests have their prompts built, so that they come to
-    the line while the first request holds the only seat."""
+    """The first prefill waits until two more requests have their prompts built (in line already, or
+    still to be taken in), so that they wait while the first request holds the only seat."""
     engine = one_seat.backend.engine
     original = engine.runner.prefill
 
     def prefill(*args, **kwargs):
         deadline = time.monotonic() + 30
-        while engine.queued < 2 and time.monotonic() < deadline:
+        while engine.queued + len(engine.scheduler.waiting) < 2 and time.monotonic() < deadline:
             time.sleep(0.005)
         monkeypatch.setattr(engine.runner, "prefill", original)
         return original(*args, **kwargs)
