@@ -28,11 +28,16 @@ class ToolCallReader:
         self.text: list[str] = []  # the text passed on
         self._held = ""  # from a call's opening (or what may be the start of one) on
         self._blank = ""  # blank text waiting for more text
-        self._logprobs: list[TokenLogprob] = []  # of the text held, passed on with the next text
+        self._fed = 0  # characters fed so far
+        # The log-probabilities not passed on yet, each delta's with where its text ends in what was fed:
+        # passed on with the text that takes that end, dropped with a call's (OpenAI's are the content's).
+        self._logprobs: list[tuple[int, tuple[TokenLogprob, ...]]] = []
 
     def feed(self, delta: TextDelta) -> list[Piece]:
         self._held += delta.text
-        self._logprobs += delta.logprobs
+        self._fed += len(delta.text)
+        if delta.logprobs:
+            self._logprobs.append((self._fed, delta.logprobs))
         pieces: list[Piece] = []
         while self._held:
             if self._held.startswith(CALL_OPEN):
@@ -60,6 +65,8 @@ class ToolCallReader:
         call = self._call(block[len(CALL_OPEN):-len(CALL_CLOSE)])
         if call is None:
             return self._text(block)
+        ends, begins = self._taken, self._taken - len(block)
+        self._logprobs = [(end, logprobs) for end, logprobs in self._logprobs if not begins < end <= ends]
         if self.calls and not self.use.parallel:
             return []
         self.calls.append(call)
@@ -88,8 +95,14 @@ class ToolCallReader:
             return []
         text, self._blank = self._blank + body, text[len(body):]
         self.text.append(text)
-        logprobs, self._logprobs = tuple(self._logprobs), []
-        return [TextDelta(text, logprobs)]
+        released = [logprobs for end, logprobs in self._logprobs if end <= self._taken]
+        self._logprobs = self._logprobs[len(released):]
+        return [TextDelta(text, tuple(logprob for logprobs in released for logprob in logprobs))]
+
+    @property
+    def _taken(self) -> int:
+        """Where the text taken from what is held so far ends, in what was fed."""
+        return self._fed - len(self._held)
 
 
 def _opening_at_end(text: str) -> int:
