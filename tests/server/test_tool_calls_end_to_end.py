@@ -89,6 +89,14 @@ def test_text_then_two_calls_streamed_are_the_text_as_content_and_the_calls_in_o
     assert content == "Let me check." and chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_the_log_probabilities_of_a_reply_with_a_call_are_its_contents_tokens_alone(sdk, forcing):
+    with forcing(f"Let me check.\n{PARIS}\nDone.{END}"):
+        choice = ask(sdk, logprobs=True).choices[0]
+    assert calls_of(choice.message) == [("get_weather", {"city": "Paris"})]
+    assert choice.message.content == "Let me check.\n\nDone."
+    assert "".join(token.token for token in choice.logprobs.content) == choice.message.content
+
+
 def test_a_call_and_its_result_sent_back_are_in_the_prompt_as_the_model_wrote_them_and_are_answered(
         sdk, forcing, app):
     said = f"Let me check.\n{PARIS}"
