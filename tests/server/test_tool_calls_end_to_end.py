@@ -158,6 +158,16 @@ def test_the_python_api_gets_the_forced_call_on_finished_and_an_answer_to_its_re
     assert [message.role for message in chat.history] == ["user", "assistant", "tool", "assistant"]
 
 
+def test_a_thinking_checkpoints_call_is_read_from_its_answer_and_a_call_in_its_reasoning_stays_reasoning(thinking):
+    tokenizer = thinking.backend.loaded.processor.tokenizer
+    with forced_replies(thinking.backend.engine, tokenizer, f"I could call {PARIS} now.\n</think>\n\n{PARIS}{END}"):
+        reply = thinking.session().send("Weather in Paris?", tools=[WEATHER], max_new_tokens=256).result()
+    assert reply.reasoning.startswith(f"I could call {PARIS} now.")
+    assert [(call.name, json.loads(call.arguments)) for call in reply.tool_calls] == [
+        ("get_weather", {"city": "Paris"})]
+    assert reply.text == ""
+
+
 @pytest.mark.parametrize("pieces", [["Let me check.\n", PARIS], ["Let me check.", "\n", PARIS]],
                          ids=["one token holds the line break", "a token of its own"])
 def test_text_before_a_call_ends_without_the_line_break_the_template_puts_back_however_its_tokens_fall(pieces):
