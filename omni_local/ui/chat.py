@@ -35,6 +35,7 @@ from omni_local.ui.history import (
     saved_streaming_reply,
     streaming_reply,
     to_messages,
+    waiting_note,
 )
 from omni_local.ui.layout import CLOSE_SIDEBAR_ON_PHONES_JS, Page, context_use, lay_out
 from omni_local.ui.messages import looks
@@ -203,11 +204,6 @@ def with_ended_turn(history: list[dict[str, Any]], turn: Turn | None) -> list[di
     asked = len(turn.asked)
     answered = all(message.get("role") == "assistant" for message in history[asked:])
     return turn.shown if answered and list(map(looks, history[:asked])) == list(map(looks, turn.asked)) else history
-
-
-def waiting_note(ahead: int) -> str:
-    """What a reply's place shows while the engine runs others: `ahead` replies before it."""
-    return f"_Waiting for {ahead} {'reply' if ahead == 1 else 'replies'} ahead…_"
 
 
 def _last_event(reply: Reply) -> Finished | None:

@@ -88,6 +88,11 @@ def streaming_reply(reasoning: str, text: str) -> str | list[gr.ChatMessage]:
     return [reasoning_message(reasoning, streaming=not text), *([gr.ChatMessage(content=text)] if text else [])]
 
 
+def waiting_note(ahead: int) -> str:
+    """What a reply's place shows while the engine runs others: `ahead` replies before it."""
+    return f"_Waiting for {ahead} {'reply' if ahead == 1 else 'replies'} ahead…_"
+
+
 def saved_streaming_reply(reasoning: str, text: str) -> list[dict[str, Any]]:
     """A reply still streaming as its chat is saved: its reasoning folded, as a reloaded page shows
     a reply that no longer streams."""

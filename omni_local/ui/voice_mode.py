@@ -33,7 +33,8 @@ from omni_local.api import AudioChunk, Finished, OmniLocal, Reply, TextDelta
 from omni_local.errors import OmniLocalError, RequestError
 from omni_local.media import SAMPLE_RATE
 from omni_local.ui.chats import UTTERANCE_PREFIX
-from omni_local.ui.history import ChatMemory, as_dict, error_message, finished_reply, keep_wav, to_messages
+from omni_local.ui.history import (ChatMemory, as_dict, error_message, finished_reply, keep_wav, to_messages,
+                                   waiting_note)
 from omni_local.ui.messages import looks
 from omni_local.ui.player import STOP, audio_payload
 from omni_local.voice import VoiceConversation
@@ -226,7 +227,13 @@ class VoiceMode:
         end = at + 1
         while end < len(page) and page[end]["role"] == "assistant":
             end += 1
-        return [*page[:at], self._question, *self._answer, *page[end:]]
+        return [*page[:at], self._question, *(self._answer or self._waiting()), *page[end:]]
+
+    def _waiting(self) -> list[dict[str, Any]]:
+        """While the turn's reply waits for a seat, with nothing of it shown yet: a note of its place."""
+        reply = self._conversation.reply if self._conversation is not None else None
+        ahead = reply.waiting if reply is not None and not reply.done else 0
+        return [{"role": "assistant", "content": waiting_note(ahead)}] if ahead else []
 
     # Audio ----------------------------------------------------------------------------------
 
