@@ -277,9 +277,9 @@ _CAPTURE_STREAMS = threading.local()
 
 def capture_stream() -> torch.cuda.Stream:
     """This thread's stream for capturing on the current device, made once. cuBLAS keeps a workspace
-    for every stream it has run on, which it never gives back (about 38 MiB each on an H100 with
-    torch 2.11): a new stream for each capture kept one per graph, 1.2 GiB for the Thinker's 33
-    prefill graphs. A thread's own, as two apps' engines may capture at the same time."""
+    for every stream it has run on, which it never gives back: with a new stream for each capture,
+    the Thinker's prefill graphs kept 38 MiB each whatever their length (1.2 GiB for 33 on an H100,
+    torch 2.11). A thread's own, as two apps' engines may capture at the same time."""
     streams: dict[int, torch.cuda.Stream] = _CAPTURE_STREAMS.__dict__.setdefault("by_device", {})
     device = torch.cuda.current_device()
     if device not in streams:
