@@ -30,6 +30,7 @@ class ApiReply:
         self._threads = threads
         self._sent: list[str] = []
         self._sent_length = 0
+        self._calls: list[ToolCall] = []  # the tool calls sent (none after a stop string)
         self._received = 0  # characters of the answer's text the backend sent
         # The log-probabilities of text not sent yet: where their text begins and ends in what was received.
         self._held: deque[tuple[int, int, tuple[TokenLogprob, ...]]] = deque()
@@ -71,14 +72,19 @@ class ApiReply:
                 self._stream.cancel()  # the reply ends here; the engine's Finished follows
             return self._text(text)
         if isinstance(event, AudioChunk | ReasoningDelta | ToolCall):  # stop strings cut the answer only
-            return [] if self._stops.stopped else [event]
+            if self._stops.stopped:
+                return []
+            if isinstance(event, ToolCall):
+                self._calls.append(event)
+            return [event]
         if not isinstance(event, Finished):
             return []  # one OpenAI's stream has no field for: a `Waiting` (its place in line)
         tail = self._text(self._stops.flush())
         if self._stops.stopped:
-            # The reply is what was sent, cut short (whether or not the engine ended it first), and its
-            # token ids no longer match it.
-            event = replace(event, text="".join(self._sent), token_ids=None, stop_reason="cancelled")
+            # The reply is what was sent, cut short (whether or not the engine ended it first): its
+            # token ids no longer match it, and a call the model made after the stop string is not its.
+            event = replace(event, text="".join(self._sent), token_ids=None, stop_reason="cancelled",
+                            tool_calls=tuple(self._calls))
         self.final = event
         return [*tail, self.final]
 

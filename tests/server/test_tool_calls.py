@@ -294,6 +294,15 @@ def test_a_reply_with_calls_is_message_tool_calls_with_finish_reason_tool_calls(
     assert ToolUse((WEATHER, TIME)) == scripted.tools
 
 
+def test_calls_the_model_made_after_a_stop_string_are_not_the_replys_whole_or_streamed(sdk, scripted):
+    whole = ask(sdk, tools=[WEATHER_TOOL, TIME_TOOL], stop=["check"]).choices[0]
+    chunks = [chunk for chunk in ask(sdk, tools=[WEATHER_TOOL, TIME_TOOL], stop=["check"], stream=True)
+              if chunk.choices]
+    assert (whole.message.content, whole.message.tool_calls, whole.finish_reason) == ("I will ", None, "stop")
+    assert not any(chunk.choices[0].delta.tool_calls for chunk in chunks)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
 def test_a_streamed_reply_with_calls_sends_delta_tool_calls_that_add_up_to_each_call(sdk, scripted):
     chunks = [chunk for chunk in ask(sdk, tools=[WEATHER_TOOL, TIME_TOOL], stream=True, parallel_tool_calls=False)
               if chunk.choices]
