@@ -202,7 +202,7 @@ def prefill_bytes_per_token(model: torch.nn.Module) -> int:
     """The Thinker's activations a prefill token takes at their peak in a MoE layer (computed; a
     graph's pool keeps them for its replays): its top-k experts' weighted output rows in float32,
     their gate and up projections and their product in the activations' dtype, and a few
-    hidden-sized rows (the residual, the norm, the attention's output). 135 KiB at full size: 540 MiB
+    hidden-sized rows (the residual, the norm, the attention's output). 132 KiB at full size: 528 MiB
     for the 4,096 tokens of the default prefill_forward_tokens."""
     config = model.thinker.model.language_model.config
     itemsize = next(model.parameters()).dtype.itemsize
