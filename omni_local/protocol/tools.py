@@ -79,6 +79,11 @@ class ToolCall:
                                f"{reprlib.repr(self.arguments)}")
 
 
+    def openai(self) -> dict[str, Any]:
+        """The call as OpenAI's chat API writes it in a message's `tool_calls`."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
 def call_id() -> str:
     return f"call_{secrets.token_hex(12)}"
 

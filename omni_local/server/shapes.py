@@ -101,9 +101,7 @@ class ReplyShapes:
             message["reasoning_content"] = final.reasoning
         if final.tool_calls:
             message["content"] = final.text or None
-            message["tool_calls"] = [{"id": call.id, "type": "function",
-                                      "function": {"name": call.name, "arguments": call.arguments}}
-                                     for call in final.tool_calls]
+            message["tool_calls"] = [call.openai() for call in final.tool_calls]
         if self.audio_id is not None:
             data = base64_wav(speech) if audio_format == "wav" else base64_pcm16(speech)
             message["content"] = None

@@ -95,9 +95,7 @@ def _message(message: Message) -> dict[str, Any]:
         sent["reasoning_content"] = message.reasoning
     if message.tool_calls:
         sent["content"] = message.text or None
-        sent["tool_calls"] = [{"id": call.id, "type": "function",
-                               "function": {"name": call.name, "arguments": call.arguments}}
-                              for call in message.tool_calls]
+        sent["tool_calls"] = [call.openai() for call in message.tool_calls]
     if message.tool_call_id is not None:
         sent["tool_call_id"] = message.tool_call_id
     return sent
