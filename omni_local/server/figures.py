@@ -18,9 +18,11 @@ from omni_local.protocol.events import Finished
 
 
 def finish_reason(final: Finished) -> str:
-    if final.tool_calls:
-        return "tool_calls"
-    return "length" if final.stop_reason in ("max_new_tokens", "context_full") else "stop"
+    # A reply cut short is "length" even after a whole call, as vLLM and OpenAI say it: the cut may
+    # have lost further calls or the call's text, and a client that sees "tool_calls" would act on it.
+    if final.stop_reason in ("max_new_tokens", "context_full"):
+        return "length"
+    return "tool_calls" if final.tool_calls else "stop"
 
 
 def usage(final: Finished) -> dict:

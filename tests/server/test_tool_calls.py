@@ -5,6 +5,7 @@ remote backend's request and chunks. The demo model's replies are noise: a call 
 (`tool_choice` "required" or a named function) shows in its reply's first words; the parsing of a
 whole call is tested on replies scripted as text, read as the local backend reads the engine's."""
 
+import dataclasses
 import json
 from collections.abc import Iterator
 
@@ -144,6 +145,13 @@ def test_a_whole_reply_with_calls_is_openais_message_with_tool_calls_null_conten
     assert choice["message"]["tool_calls"] == [{"id": final.tool_calls[0].id, "type": "function", "function": {
         "name": "get_weather", "arguments": '{"city": "Paris"}'}}]
     assert "tool_calls" not in completion["omni_local"]
+
+
+def test_a_reply_cut_at_max_tokens_after_a_whole_call_ends_length_not_tool_calls():
+    _, final = read([PARIS])
+    cut = dataclasses.replace(final, stop_reason="max_new_tokens")
+    choice = ReplyShapes("demo", speaks=False).completion(cut, None, "wav", [])["choices"][0]
+    assert choice["finish_reason"] == "length" and len(choice["message"]["tool_calls"]) == 1
 
 
 # The prompt --------------------------------------------------------------------------------------
