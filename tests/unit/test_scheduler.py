@@ -1,6 +1,7 @@
 """The scheduler's policies without a model: admission, a turn's prefill parts and decode set, and
 parking when blocks run out, over a prefix cache faked as a count of free blocks."""
 
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import numpy as np
@@ -296,27 +297,25 @@ def test_the_growing_reply_parks_itself_when_it_is_the_youngest_written_one():
     assert reply.state is State.PARKED and blocks.free == 5
 
 
+def ended_by_the_step_in_flight(request: Request, blocks: Blocks) -> Callable[[], None]:
+    """A drain: the step in flight, read now, whose token ends `request`, its blocks given back."""
+    def drain() -> None:
+        request.move(State.TEXT_DONE)
+        blocks.give_back(request.claim)
+    return drain
+
+
 def test_a_reply_that_ends_at_the_step_read_early_is_not_parked():
     scheduler, blocks = make_scheduler(free_blocks=10)
     growing, other = outgrown(decoding(scheduler, 16)), decoding(scheduler, 16)
-
-    def drain() -> None:  # the step in flight, read now: its token ends the growing reply, whose blocks go back
-        growing.move(State.TEXT_DONE)
-        blocks.give_back(growing.claim)
-
-    assert scheduler.make_room([growing, other], drain=drain) == [other]
+    assert scheduler.make_room([growing, other], drain=ended_by_the_step_in_flight(growing, blocks)) == [other]
     assert blocks.parked == [] and blocks.free == 5
 
 
 def test_blocks_the_step_read_early_gives_back_are_taken_before_anyone_is_parked():
     scheduler, blocks = make_scheduler(free_blocks=10)
     growing, ending = outgrown(decoding(scheduler, 16)), decoding(scheduler, 16)
-
-    def drain() -> None:  # the step in flight, read now: its token ends the other reply, whose blocks go back
-        ending.move(State.TEXT_DONE)
-        blocks.give_back(ending.claim)
-
-    assert scheduler.make_room([growing, ending], drain=drain) == [growing]
+    assert scheduler.make_room([growing, ending], drain=ended_by_the_step_in_flight(ending, blocks)) == [growing]
     assert growing.state is State.DECODING and blocks.parked == [] and blocks.free == 0
 
 
