@@ -19,6 +19,11 @@ A chat completion is held from the moment it is let in until its response ends (
 event, or the client gone): queued in the engine, decoding, or speaking. One more than
 `api_max_requests` is answered at once with 429 and Retry-After, never queued: a client can tell a
 full server from a slow one.
+
+A WebSocket (the realtime API, realtime/) is let in by its key alone: the Authorization header, or
+from a browser, which cannot send headers, the subprotocol `openai-insecure-api-key.KEY` as OpenAI's
+clients offer it. A wrong one is refused 401 before the handshake; its route limits its sessions and
+its messages.
 """
 
 import asyncio
@@ -33,6 +38,8 @@ from omni_local.settings import Settings
 
 MAX_BODY_UPLOADS = 4
 RETRY_AFTER_S = 1
+POLICY_VIOLATION = 1008  # a WebSocket's close code for a connection refused
+KEY_SUBPROTOCOL = "openai-insecure-api-key."
 PRINCIPAL = "omni_local.principal"  # the scope's key for whose request it is (access.py), set once let in
 
 
@@ -70,6 +77,9 @@ class Admission:
         self.body_bytes = 0  # of the bodies of the requests being read or answered
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            await self._websocket(scope, receive, send)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -87,6 +97,16 @@ class Admission:
             pass
         finally:
             self.body_bytes -= body.size
+
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A WebSocket (the realtime API) is let in by its key alone: its messages are limited by its route."""
+        refusal = self._unkeyed(Headers(scope=scope), scope)
+        if refusal is None:
+            await self.app(scope, receive, send)
+        elif "websocket.http.response" in scope.get("extensions", {}):
+            await refusal.response()(scope, receive, send)  # the 401 as an HTTP response, before the handshake
+        else:
+            await send({"type": "websocket.close", "code": POLICY_VIOLATION, "reason": refusal.message[:120]})
 
     async def _held(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.held += 1
@@ -135,11 +155,11 @@ class Admission:
         if self.keys is None:
             scope[PRINCIPAL] = LOCAL_USER
             return None
-        scheme, _, given = headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not given:
+        given = _given_key(headers, scope)
+        if given is None:
             return ApiError(401, "this server needs an API key: send the header 'Authorization: Bearer KEY'",
                             "invalid_api_key")
-        holder = self.keys.holder(given.strip())
+        holder = self.keys.holder(given)
         if holder is None:
             return ApiError(401, "the API key is wrong", "invalid_api_key")
         scope[PRINCIPAL] = api_principal(holder)
@@ -159,6 +179,17 @@ class Admission:
     def _too_large(self, size: int) -> str:
         return (f"the request body is {size:,} bytes, over the limit of {self.max_body_bytes:,} "
                 f"({MAX_BODY_UPLOADS} × max_upload_bytes)")
+
+
+def _given_key(headers: Headers, scope: Scope) -> str | None:
+    scheme, _, given = headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and given.strip():
+        return given.strip()
+    # A browser's WebSocket cannot send headers: OpenAI's realtime clients offer the key as a subprotocol.
+    for protocol in scope.get("subprotocols", ()):
+        if protocol.startswith(KEY_SUBPROTOCOL) and len(protocol) > len(KEY_SUBPROTOCOL):
+            return protocol[len(KEY_SUBPROTOCOL):]
+    return None
 
 
 def _busy(why: str) -> ApiError:

@@ -1,7 +1,7 @@
-"""The API as an ASGI app, to mount at /v1: `POST /chat/completions` (completions.py), `GET /models`
-and `GET /models/{id}`, behind the admission checks (admission.py), every failure an OpenAI error
-object (errors.py). `python -m omni_local serve` serves it alone; `python app.py` with
-`ui_serves_api` beside the page, on the page's app and engine.
+"""The API as an ASGI app, to mount at /v1: `POST /chat/completions` (completions.py), the realtime
+WebSocket `/realtime` (realtime/), `GET /models` and `GET /models/{id}`, behind the admission checks
+(admission.py), every failure an OpenAI error object (errors.py). `python -m omni_local serve` serves
+it alone; `python app.py` with `ui_serves_api` beside the page, on the page's app and engine.
 
 `/models` lists the one model served, with omni_local's own facts about it under `omni_local`:
 {"speech", "voices", "max_prompt_tokens", "video", "runs_on", "model", "kind"} (`model`: its name as
@@ -19,6 +19,7 @@ from omni_local.api import OmniLocal
 from omni_local.server.admission import Admission
 from omni_local.server.completions import ChatCompletions
 from omni_local.server.errors import add_error_handlers, unknown_model
+from omni_local.server.realtime import RealtimeRoute
 
 API_PATH = "/v1"
 
@@ -33,6 +34,7 @@ def api_app(app: OmniLocal, keys: ApiKeys | None) -> FastAPI:
     add_error_handlers(api)
     api.add_middleware(Admission, keys=keys, settings=app.settings)
     api.post("/chat/completions")(ChatCompletions(app).create)
+    api.websocket("/realtime")(RealtimeRoute(app, app.settings.api_max_requests).connect)
     started = int(time.time())
 
     def model() -> dict:
