@@ -1,19 +1,23 @@
 """One typed, read-only settings object: `settings.toml`, then command-line overrides.
 
-The TOML file groups keys in tables for the reader ([model], [engine], [speech], [cache], [ui],
-[server], [backend], [limits]); every key name is unique across tables, so the command line can override any of them by
-name (`--max-new-tokens 64`). Validation happens once, here: an unknown key or a value of the wrong
-type is a `SettingsError` naming the key and what was expected. Each field's help is written once,
-here: the command line's --help shows it, and settings.toml and docs/settings.md are written from it
-(`python -m omni_local.settings_files`).
+The settings come in groups, one per TOML table, by who reads them: [model] (the loader), [engine],
+[speech] and [cache] (the engine), [ui] (the page), [server] (the API server), [backend] (which
+backend answers) and [limits] (what a user may send). `Settings` is all of them at once, read flat
+(`settings.max_new_tokens`); `EngineConfig` is the four the engine reads, which is all the local
+backend hands it. Every key name is unique across tables, so the command line can override any of
+them by name (`--max-new-tokens 64`). Validation happens once, here, each group checking its own
+values: an unknown key or a value of the wrong type is a `SettingsError` naming the key and what
+was expected. Each field's help is written once, here: the command line's --help shows it, and
+settings.toml and docs/settings.md are written from it (`python -m omni_local.settings_files`).
 """
 
 import argparse
 import dataclasses
 import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from types import MappingProxyType
+from typing import Any, Literal, Self, get_args, get_origin
 
 from omni_local.errors import SettingsError
 
@@ -22,29 +26,72 @@ BackendDialect = Literal["auto", "openai", "vllm-omni"]
 DEFAULT_SETTINGS_FILE = Path(__file__).resolve().parent.parent / "settings.toml"
 
 
-def setting(table: str, default: Any, help: str) -> Any:
-    """A settings field: its default, the TOML table it belongs in, and its one-line help."""
-    return field(default=default, metadata={"table": table, "help": help})
+def setting(default: Any, help: str) -> Any:
+    """A settings field: its default and its one-line help (its group gives its TOML table)."""
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass(frozen=True)
-class Settings:
-    # [model]
-    model: str = setting("model", "demo", "a checkpoint folder, or 'demo': a tiny built-in model with random weights")
-    device: str = setting("model", "auto", "'auto' (the GPU if there is one), 'cpu', 'cuda' or 'cuda:N'")
+class _Group:
+    """What every group of settings does: check its values once, and `replace` refusing unknown keys."""
+
+    def __init_subclass__(cls, table: str = "", **kwargs: Any) -> None:
+        # Runs as the class is made, before @dataclass reads its fields: each field the group declares
+        # is stamped with the group's table, which it keeps in the groups that combine it.
+        super().__init_subclass__(**kwargs)
+        for declared in vars(cls).values():
+            if isinstance(declared, Field):
+                declared.metadata = MappingProxyType({**declared.metadata, "table": table})
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _check_type(f.name, getattr(self, f.name), f.type)
+        # Each class's own checks, the groups' before those of what combines them.
+        for cls in reversed(type(self).__mro__):
+            if "_check" in vars(cls):
+                vars(cls)["_check"](self)
+
+    def replace(self, **changes: Any) -> Self:
+        unknown = sorted(set(changes) - {f.name for f in fields(self)})
+        if unknown:
+            raise SettingsError(f"unknown setting '{unknown[0]}'")
+        return dataclasses.replace(self, **changes)
+
+
+def _positive(group: _Group, *names: str) -> None:
+    for name in names:
+        if getattr(group, name) <= 0:
+            raise SettingsError(f"setting '{name}' must be positive, got {getattr(group, name)!r}")
+
+
+def _at_least_zero(group: _Group, *names: str) -> None:
+    for name in names:
+        if getattr(group, name) < 0:
+            raise SettingsError(f"setting '{name}' must be 0 or more, got {getattr(group, name)!r}")
+
+
+def _port(group: _Group, name: str) -> None:
+    if getattr(group, name) > 65535:
+        raise SettingsError(f"setting '{name}' must be a port number, 1 to 65535, got {getattr(group, name)}")
+
+
+@dataclass(frozen=True)
+class ModelSettings(_Group, table="model"):
+    """What the model loader reads: which checkpoint, where it runs, and how its weights are held."""
+
+    model: str = setting("demo", "a checkpoint folder, or 'demo': a tiny built-in model with random weights")
+    device: str = setting("auto", "'auto' (the GPU if there is one), 'cpu', 'cuda' or 'cuda:N'")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = setting(
-        "model", "auto", "the weights' and activations' dtype; 'auto' is bfloat16 on a GPU, float32 on the CPU"
+        "auto", "the weights' and activations' dtype; 'auto' is bfloat16 on a GPU, float32 on the CPU"
     )
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = setting(
-        "model", "sdpa",
+        "sdpa",
         "which attention transformers' own modules run (the encoders, and the Thinker's forwards that use"
         " transformers' attention); 'flash_attention_2' needs flash-attn installed",
     )
-    speech: bool = setting(
-        "model", False, "load the Talker and Code2Wav, for spoken replies; off saves their memory"
-    )
+    speech: bool = setting(False, "load the Talker and Code2Wav, for spoken replies; off saves their memory")
     weights: Literal["bf16", "fp8", "int4"] = setting(
-        "model", "bf16",
+        "bf16",
         "how the Thinker's and Talker's routed experts and attention projections are held: 'bf16' as the checkpoint"
         " has them (in dtype; a checkpoint quantized with compressed-tensors, W4A16 or FP8, as it was quantized),"
         " 'fp8' (float8 with a scale per output row; GPUs of compute capability 8.9 or newer), 'int4' (experts in 4"
@@ -53,7 +100,7 @@ class Settings:
         " result kept in cache_dir for the next start",
     )
     experts_on_gpu: int = setting(
-        "model", -1,
+        -1,
         "how many of the Thinker's first layers keep their routed experts on the GPU; the rest keep them in"
         " page-locked host memory, and each decoded token reads its routed experts of those layers over the bus"
         " (about 19 MB a layer in int4: a card of 16 GB runs, slower); -1: the GPU memory plan decides (all on the"
@@ -61,33 +108,43 @@ class Settings:
         " memory); on the CPU, nothing to move",
     )
     model_kind: Literal["auto", "instruct", "thinking", "captioner"] = setting(
-        "model", "auto",
+        "auto",
         "which Qwen3-Omni checkpoint it is; 'auto': one with a Talker is Instruct, one whose chat template opens a"
         " reasoning block is Thinking, one whose folder is named for the Captioner is the Captioner, another is"
         " Instruct without speech",
     )
-    demo_dir: str = setting("model", "", "where the demo model is written; '' is <cache_dir>/demo")
-    # [engine]
-    max_context_tokens: int = setting("engine", 8192, "prompt plus reply, per request")
+    demo_dir: str = setting("", "where the demo model is written; '' is <cache_dir>/demo")
+
+    def _check(self) -> None:
+        if self.experts_on_gpu < -1:
+            raise SettingsError("setting 'experts_on_gpu' must be -1 (the memory plan decides) or a number of layers, "
+                                f"got {self.experts_on_gpu!r}")
+
+
+@dataclass(frozen=True)
+class EngineSettings(_Group, table="engine"):
+    """How the engine computes: context, batching, prefill chunks, kernels, media rates and a reply's defaults."""
+
+    max_context_tokens: int = setting(8192, "prompt plus reply, per request")
     max_running_requests: int = setting(
-        "engine", 16,
+        16,
         "requests computed at once: a decode step's largest batch (its CUDA graphs are captured up to it); more wait"
         " their turn",
     )
     compile: bool = setting(
-        "engine", False,
+        False,
         "compile the vision and audio encoders at start-up, so one graph serves every image size and clip length;"
         " it adds start-up time and gains nothing on the CPU",
     )
     cuda_graphs: bool = setting(
-        "engine", True,
+        True,
         "on a GPU, run the Thinker's decode steps (chats decoding at once as one batch) and prefills of up to"
         " prefill_forward_tokens, the Talker's and its code predictor's steps, and Code2Wav's chunks, as CUDA graphs"
         " captured at start-up (the app serves once the decode steps' graphs are captured, and captures the prefills'"
         " while idle); false: eager",
     )
     prefill_chunk_tokens: int = setting(
-        "engine", 512,
+        512,
         "while another reply is decoding or speaking, a prompt is computed in chunks of this many tokens, one per"
         " engine turn, each ending at a multiple of it, so that reply waits one chunk at a time, not for a whole long"
         " prompt (else in forwards of up to prefill_forward_tokens); smaller chunks make those waits shorter and a"
@@ -95,7 +152,7 @@ class Settings:
         " together are computed in one turn while their tokens stay within it",
     )
     prefill_forward_tokens: int = setting(
-        "engine", 4096,
+        4096,
         "with no other reply to wait, a prompt is computed in one forward of up to this many tokens (a longer one in"
         " forwards ending at multiples of it, so boundaries stay fixed by position; a multiple of"
         " prefill_chunk_tokens); on a GPU each forward replays a CUDA graph captured at start-up for its length"
@@ -104,239 +161,61 @@ class Settings:
         " short of its KV target, it halves this (down to prefill_chunk_tokens) before moving any expert",
     )
     chunk_every_prefill: bool = setting(
-        "engine", False,
+        False,
         "compute every prompt in chunks, even with no other reply to wait: slower alone, but each prompt is cut at"
         " the same rows whatever else runs",
     )
     compiled_layers: bool = setting(
-        "engine", True,
+        True,
         "on a GPU, run the work around attention in each decoder layer (norms, projections, rotary embedding, MoE"
         " routing and experts) as compiled regions, inside the CUDA graphs and in eager forwards: faster decode"
         " steps; compiling adds start-up time, least when inductor's cache has them",
     )
     moe_backend: Literal["auto", "torch", "triton"] = setting(
-        "engine", "auto",
+        "auto",
         "what runs the MoE layers' routed experts (Thinker and Talker): 'triton' (our kernels: fused routing, tokens"
         " sorted by expert, two grouped GEMMs), 'torch' (transformers' own modules), or 'auto' (triton on a CUDA GPU"
         " of compute capability 8.0 or newer, torch elsewhere); 'triton' where Triton cannot run is refused, saying"
         " why",
     )
     attention_backend: Literal["auto", "torch", "triton"] = setting(
-        "engine", "auto",
+        "auto",
         "what decode steps (the Thinker's and the Talker's) and graphed prefills on a cached prefix attend with:"
         " 'triton' (our kernel, reading each chat's KV blocks in place), 'torch' (transformers' attention over the"
         " rows gathered from the blocks), or 'auto' (triton on a CUDA GPU, torch elsewhere); a chat's first prefill,"
         " and an eager one, use transformers' attention over its own rows, unless deterministic",
     )
     deterministic: bool = setting(
-        "engine", False,
+        False,
         "a greedy reply never depends on the prefix cache, on the other chats decoding beside it or on how its prompt"
         " was split between cache and compute: every kernel on the Thinker's and the Talker's path computes a"
         " token's row alone (\"Deterministic mode\" in docs/architecture.md); slower decode steps and prefills, and"
         " it needs our Triton kernels (a CUDA GPU), so moe_backend and attention_backend may not be 'torch'",
     )
     video_fps: float = setting(
-        "engine", 2.0,
+        2.0,
         "video frames read per second (Qwen's default; the checkpoint's video processor's own rate if it sets one),"
         " at least 4 and at most 768 frames a clip",
     )
     use_audio_in_video: bool = setting(
-        "engine", True,
+        True,
         "the model also hears a video's sound track, interleaved with its frames by time (a silent clip gets silence)",
     )
-    max_new_tokens: int = setting("engine", 512, "a reply's default length limit, in tokens")
+    max_new_tokens: int = setting(512, "a reply's default length limit, in tokens")
     max_reasoning_tokens: int = setting(
-        "engine", 0,
+        0,
         "default; a Thinking checkpoint's reasoning ends after this many tokens and its answer begins; 0: only"
         " max_new_tokens limits it",
     )
-    temperature: float = setting("engine", 0.0, "a reply's default sampling temperature; 0 is greedy")
-    top_p: float = setting("engine", 1.0, "a reply's default nucleus sampling mass; 1 keeps every token")
-    top_k: int = setting("engine", 0, "a reply's default top-k; 0 keeps every token")
-    repetition_penalty: float = setting("engine", 1.0, "a reply's default repetition penalty; 1 is off")
-    # [speech]
-    voice: str = setting("speech", "Ethan", "default voice of spoken replies (one of the checkpoint's speakers)")
-    first_audio_frames: int = setting(
-        "speech", 2, "codec frames (80 ms of audio each) in a spoken reply's first audio chunk: few, for an early first"
-        " sound"
-    )
-    audio_chunk_frames: int = setting(
-        "speech", 10,
-        "most codec frames in an audio chunk: chunks double from first_audio_frames up to this, so each is ready"
-        " before the one playing ends; larger chunks cost Code2Wav less per frame",
-    )
-    audio_left_context_frames: int = setting(
-        "speech", 25,
-        "earlier frames Code2Wav sees before each chunk (Qwen's own choice); more is closer to one decode of the"
-        " whole reply, and slower",
-    )
-    max_speech_seconds: float = setting("speech", 120.0, "longest spoken reply")
-    # [cache]
-    cache_dir: str = setting(
-        "cache", "~/.cache/omni_local",
-        "private folder for the app's data: the demo model, saved chats and uploads, encoder outputs, quantized"
-        " weights, compiled kernels, the measured memory plan",
-    )
-    prefix_cache: bool = setting(
-        "cache", True,
-        "keep each chat's KV for its next turn and for chats that start the same way, so they compute only what is"
-        " new; false keeps nothing",
-    )
-    gpu_memory_bytes: int = setting(
-        "cache", 0,
-        "GPU memory the app plans with at start-up: the weights, the engine's graphs and activations, encoder"
-        " outputs, then KV up to gpu_cache_bytes; 0: what the GPU reports free, less 1 GiB (on the CPU, no plan"
-        " unless it is set)",
-    )
-    gpu_cache_bytes: int = setting(
-        "cache", 4 << 30,
-        "most device memory for the Thinker's KV (less where the memory plan leaves less; on the CPU, where the host"
-        " memory plan does), allocated at start-up as blocks every chat draws from: it decides how many tokens of"
-        " chats stay on the device (Qwen3-Omni in bfloat16 takes 96 KiB a token)",
-    )
-    kv_block_tokens: int = setting(
-        "cache", 16,
-        "tokens per KV block, a power of two up to 256: the unit chats share of a common prefix, and the least a chat"
-        " holds",
-    )
-    kv_dtype: Literal["auto", "fp8"] = setting(
-        "cache", "auto",
-        "how the Thinker's KV is stored: 'auto' (in the model's dtype) or 'fp8' (float8 e4m3 with a scale per token"
-        " and head: Qwen3-Omni's 49.5 KiB a token against 96 KiB in bfloat16, so about twice the tokens in"
-        " gpu_cache_bytes, for a small loss of precision; GPUs of compute capability 8.9 or newer, and the CPU)",
-    )
-    host_cache_bytes: int = setting(
-        "cache", -1,
-        "host memory for chats' KV moved off the device, least recently used first; past it they are dropped;"
-        " allocated at start-up (page-locked on a GPU, so taken from the machine's memory at once); -1: sized from"
-        " the machine's memory (a quarter of what the weights held there leave, less the KV blocks on the CPU, at"
-        " most 8 GiB); 0: none",
-    )
-    encoder_cache: bool = setting(
-        "cache", True,
-        "keep image, audio and video encoder outputs by content, so a known picture, clip or video skips its encoder",
-    )
-    encoder_cache_bytes: int = setting(
-        "cache", 1 << 30,
-        "most device memory for encoder outputs, the least recently used dropped first; where the GPU memory plan is"
-        " short, it gives less (down to 128 MiB) before the Thinker's KV holds fewer than four chats of 4,096 tokens",
-    )
-    disk_cache: bool = setting("cache", True, "also keep encoder outputs on disk, across restarts")
-    disk_cache_bytes: int = setting("cache", 8 << 30, "disk space for encoder outputs (<cache_dir>/encoders)")
-    # [ui]
-    ui_host: str = setting(
-        "ui", "127.0.0.1", "address the UI binds to; another address than loopback needs ui_credentials_file"
-    )
-    ui_port: int = setting("ui", 7860, "port the UI listens on")
-    ui_credentials_file: str = setting(
-        "ui", "",
-        "private (0600) file of 'user:password' lines: the UI then asks for a login; needed to serve beyond"
-        " 127.0.0.1",
-    )
-    ui_serves_api: bool = setting(
-        "ui", False, "the page's port also serves the OpenAI-compatible API (/v1), on the page's engine"
-    )
-    ui_save_every_s: float = setting(
-        "ui", 1.0,
-        "most seconds between saves of a streaming reply's text (it is also saved every 16 tokens): what a crash can"
-        " lose of it",
-    )
-    # [server]
-    api_host: str = setting(
-        "server", "127.0.0.1",
-        "address `python -m omni_local serve` binds to; another address than loopback needs api_key_file",
-    )
-    api_port: int = setting("server", 8000, "port the API listens on")
-    allowed_hosts: str = setting(
-        "server", "",
-        "more names the page and the API answer to, comma-separated (a reverse proxy's, e.g. 'chat.example.com');"
-        " they always answer to 127.0.0.1, localhost, [::1] and their own host (on 0.0.0.0 or ::, this machine's"
-        " name and addresses); other names get 400",
-    )
-    shutdown_grace_s: float = setting(
-        "server", 5.0,
-        "on Ctrl-C or SIGTERM, seconds `serve` lets replies still streaming go on; the rest end with an error event",
-    )
-    api_key_file: str = setting(
-        "server", "",
-        "private (0600) file of the keys API clients may send (Authorization: Bearer KEY), one a line, 'KEY' or"
-        " 'NAME: KEY', one per person",
-    )
-    api_max_requests: int = setting(
-        "server", 32, "API requests held at once, streaming or waiting; one more is refused at once (429)"
-    )
-    api_local_files: bool = setting(
-        "server", False, "API messages may name files on this machine (file:// URLs) instead of sending them"
-    )
-    header_timeout_s: float = setting(
-        "server", 10.0,
-        "seconds a client has to send a request's headers, to the API or the page; then its connection is closed",
-    )
-    api_body_timeout_s: float = setting(
-        "server", 60.0,
-        "seconds an API request's body has to come, whole, after its headers; then 408, and the connection is closed",
-    )
-    api_body_budget_bytes: int = setting(
-        "server", 512 << 20,
-        "API request bodies held at once, all requests together; past it 429 (one body alone is always let in)",
-    )
-    # [backend]
-    backend: Literal["local", "openai"] = setting(
-        "backend", "local",
-        "'local': the engine in this process; 'openai': a server of OpenAI's chat API at backend_url"
-        " (omni_local serve, vLLM-Omni, SGLang-Omni)",
-    )
-    backend_url: str = setting("backend", "", "the remote server's API root, e.g. http://127.0.0.1:8000/v1")
-    backend_api_key: str = setting("backend", "", "the key the remote server asks for; '' for none")
-    backend_model: str = setting("backend", "", "the remote server's model id; '' takes the first it lists")
-    backend_dialect: BackendDialect = setting(
-        "backend", "auto",
-        "how the remote server streams audio: 'openai' (delta.audio), 'vllm-omni' (WAV pieces in content chunks"
-        " marked \"modality\": \"audio\", the voice sent as speaker), 'auto' tells them apart from the stream",
-    )
-    # [limits]
-    max_upload_bytes: int = setting("limits", 50 << 20, "largest image, audio or video file accepted")
-    max_image_pixels: int = setting("limits", 4096 * 4096, "largest decoded image, width times height")
-    max_audio_seconds: float = setting("limits", 300.0, "longest audio clip accepted")
-    max_video_seconds: float = setting(
-        "limits", 120.0, "longest video clip accepted (its frames also count against max_image_pixels)"
-    )
-    max_prompt_tokens: int = setting(
-        "limits", 6144,
-        "longest prompt, media tokens included; a longer chat leaves its earliest turns out (never the system prompt"
-        " or the question asked)",
-    )
+    temperature: float = setting(0.0, "a reply's default sampling temperature; 0 is greedy")
+    top_p: float = setting(1.0, "a reply's default nucleus sampling mass; 1 keeps every token")
+    top_k: int = setting(0, "a reply's default top-k; 0 keeps every token")
+    repetition_penalty: float = setting(1.0, "a reply's default repetition penalty; 1 is off")
 
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            _check_type(f.name, getattr(self, f.name), f.type)
-        positive = (
-            "gpu_cache_bytes", "encoder_cache_bytes", "disk_cache_bytes", "max_context_tokens", "max_new_tokens",
-            "max_upload_bytes", "max_image_pixels", "max_prompt_tokens", "ui_port", "max_audio_seconds",
-            "first_audio_frames", "audio_chunk_frames", "audio_left_context_frames", "max_speech_seconds",
-            "video_fps", "max_video_seconds", "api_port", "api_max_requests", "header_timeout_s",
-            "api_body_timeout_s", "api_body_budget_bytes", "prefill_chunk_tokens",
-            "prefill_forward_tokens", "max_running_requests", "kv_block_tokens", "ui_save_every_s",
-        )
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise SettingsError(f"setting '{name}' must be positive, got {getattr(self, name)!r}")
-        if self.host_cache_bytes < -1:
-            raise SettingsError("setting 'host_cache_bytes' must be -1 (sized from the machine's memory), 0 (none) or "
-                                f"more, got {self.host_cache_bytes!r}")
-        if self.experts_on_gpu < -1:
-            raise SettingsError("setting 'experts_on_gpu' must be -1 (the memory plan decides) or a number of layers, "
-                                f"got {self.experts_on_gpu!r}")
-        for name in ("max_reasoning_tokens", "gpu_memory_bytes", "shutdown_grace_s"):
-            if getattr(self, name) < 0:
-                raise SettingsError(f"setting '{name}' must be 0 or more, got {getattr(self, name)!r}")
-        if self.max_prompt_tokens >= self.max_context_tokens:
-            raise SettingsError(
-                f"setting 'max_prompt_tokens' ({self.max_prompt_tokens}) must be below "
-                f"'max_context_tokens' ({self.max_context_tokens}), to leave room for a reply"
-            )
-        if self.kv_block_tokens & (self.kv_block_tokens - 1) or 256 % self.kv_block_tokens:
-            raise SettingsError(f"setting 'kv_block_tokens' must be a power of two up to 256, got {self.kv_block_tokens}")
+    def _check(self) -> None:
+        _positive(self, "max_context_tokens", "max_running_requests", "prefill_chunk_tokens", "prefill_forward_tokens",
+                  "video_fps", "max_new_tokens")
+        _at_least_zero(self, "max_reasoning_tokens")
         if self.prefill_forward_tokens % self.prefill_chunk_tokens:
             raise SettingsError(f"setting 'prefill_forward_tokens' ({self.prefill_forward_tokens}) must be a "
                                 f"multiple of 'prefill_chunk_tokens' ({self.prefill_chunk_tokens})")
@@ -344,12 +223,232 @@ class Settings:
             if self.deterministic and getattr(self, backend) == "torch":
                 raise SettingsError(f"setting 'deterministic' runs our Triton kernels, and '{backend}' is 'torch': "
                                     "set it to 'auto' or 'triton', or deterministic = false")
-        for port in ("ui_port", "api_port"):
-            if getattr(self, port) > 65535:
-                raise SettingsError(f"setting '{port}' must be a port number, 1 to 65535, got {getattr(self, port)}")
+
+
+@dataclass(frozen=True)
+class SpeechSettings(_Group, table="speech"):
+    """How spoken replies are cut into audio chunks, and how long one may be."""
+
+    voice: str = setting("Ethan", "default voice of spoken replies (one of the checkpoint's speakers)")
+    first_audio_frames: int = setting(
+        2, "codec frames (80 ms of audio each) in a spoken reply's first audio chunk: few, for an early first"
+        " sound"
+    )
+    audio_chunk_frames: int = setting(
+        10,
+        "most codec frames in an audio chunk: chunks double from first_audio_frames up to this, so each is ready"
+        " before the one playing ends; larger chunks cost Code2Wav less per frame",
+    )
+    audio_left_context_frames: int = setting(
+        25,
+        "earlier frames Code2Wav sees before each chunk (Qwen's own choice); more is closer to one decode of the"
+        " whole reply, and slower",
+    )
+    max_speech_seconds: float = setting(120.0, "longest spoken reply")
+
+    def _check(self) -> None:
+        _positive(self, "first_audio_frames", "audio_chunk_frames", "audio_left_context_frames", "max_speech_seconds")
+
+
+@dataclass(frozen=True)
+class CacheSettings(_Group, table="cache"):
+    """Where the app keeps data, and how much memory and disk its caches (KV, encoder outputs) take."""
+
+    cache_dir: str = setting(
+        "~/.cache/omni_local",
+        "private folder for the app's data: the demo model, saved chats and uploads, encoder outputs, quantized"
+        " weights, compiled kernels, the measured memory plan",
+    )
+    prefix_cache: bool = setting(
+        True,
+        "keep each chat's KV for its next turn and for chats that start the same way, so they compute only what is"
+        " new; false keeps nothing",
+    )
+    gpu_memory_bytes: int = setting(
+        0,
+        "GPU memory the app plans with at start-up: the weights, the engine's graphs and activations, encoder"
+        " outputs, then KV up to gpu_cache_bytes; 0: what the GPU reports free, less 1 GiB (on the CPU, no plan"
+        " unless it is set)",
+    )
+    gpu_cache_bytes: int = setting(
+        4 << 30,
+        "most device memory for the Thinker's KV (less where the memory plan leaves less; on the CPU, where the host"
+        " memory plan does), allocated at start-up as blocks every chat draws from: it decides how many tokens of"
+        " chats stay on the device (Qwen3-Omni in bfloat16 takes 96 KiB a token)",
+    )
+    kv_block_tokens: int = setting(
+        16,
+        "tokens per KV block, a power of two up to 256: the unit chats share of a common prefix, and the least a chat"
+        " holds",
+    )
+    kv_dtype: Literal["auto", "fp8"] = setting(
+        "auto",
+        "how the Thinker's KV is stored: 'auto' (in the model's dtype) or 'fp8' (float8 e4m3 with a scale per token"
+        " and head: Qwen3-Omni's 49.5 KiB a token against 96 KiB in bfloat16, so about twice the tokens in"
+        " gpu_cache_bytes, for a small loss of precision; GPUs of compute capability 8.9 or newer, and the CPU)",
+    )
+    host_cache_bytes: int = setting(
+        -1,
+        "host memory for chats' KV moved off the device, least recently used first; past it they are dropped;"
+        " allocated at start-up (page-locked on a GPU, so taken from the machine's memory at once); -1: sized from"
+        " the machine's memory (a quarter of what the weights held there leave, less the KV blocks on the CPU, at"
+        " most 8 GiB); 0: none",
+    )
+    encoder_cache: bool = setting(
+        True,
+        "keep image, audio and video encoder outputs by content, so a known picture, clip or video skips its encoder",
+    )
+    encoder_cache_bytes: int = setting(
+        1 << 30,
+        "most device memory for encoder outputs, the least recently used dropped first; where the GPU memory plan is"
+        " short, it gives less (down to 128 MiB) before the Thinker's KV holds fewer than four chats of 4,096 tokens",
+    )
+    disk_cache: bool = setting(True, "also keep encoder outputs on disk, across restarts")
+    disk_cache_bytes: int = setting(8 << 30, "disk space for encoder outputs (<cache_dir>/encoders)")
+
+    def _check(self) -> None:
+        _positive(self, "gpu_cache_bytes", "kv_block_tokens", "encoder_cache_bytes", "disk_cache_bytes")
+        _at_least_zero(self, "gpu_memory_bytes")
+        if self.host_cache_bytes < -1:
+            raise SettingsError("setting 'host_cache_bytes' must be -1 (sized from the machine's memory), 0 (none) or "
+                                f"more, got {self.host_cache_bytes!r}")
+        if self.kv_block_tokens & (self.kv_block_tokens - 1) or 256 % self.kv_block_tokens:
+            raise SettingsError(f"setting 'kv_block_tokens' must be a power of two up to 256, got {self.kv_block_tokens}")
+
+    @property
+    def cache_path(self) -> Path:
+        return Path(self.cache_dir).expanduser()
+
+
+@dataclass(frozen=True)
+class UISettings(_Group, table="ui"):
+    """The chat page's server: where it listens, who may log in, how often a streaming reply is saved."""
+
+    ui_host: str = setting(
+        "127.0.0.1", "address the UI binds to; another address than loopback needs ui_credentials_file"
+    )
+    ui_port: int = setting(7860, "port the UI listens on")
+    ui_credentials_file: str = setting(
+        "",
+        "private (0600) file of 'user:password' lines: the UI then asks for a login; needed to serve beyond"
+        " 127.0.0.1",
+    )
+    ui_serves_api: bool = setting(
+        False, "the page's port also serves the OpenAI-compatible API (/v1), on the page's engine"
+    )
+    ui_save_every_s: float = setting(
+        1.0,
+        "most seconds between saves of a streaming reply's text (it is also saved every 16 tokens): what a crash can"
+        " lose of it",
+    )
+
+    def _check(self) -> None:
+        _positive(self, "ui_port", "ui_save_every_s")
+        _port(self, "ui_port")
+
+
+@dataclass(frozen=True)
+class ServerSettings(_Group, table="server"):
+    """The OpenAI-compatible API server (`python -m omni_local serve`): address, keys, limits on requests."""
+
+    api_host: str = setting(
+        "127.0.0.1",
+        "address `python -m omni_local serve` binds to; another address than loopback needs api_key_file",
+    )
+    api_port: int = setting(8000, "port the API listens on")
+    allowed_hosts: str = setting(
+        "",
+        "more names the page and the API answer to, comma-separated (a reverse proxy's, e.g. 'chat.example.com');"
+        " they always answer to 127.0.0.1, localhost, [::1] and their own host (on 0.0.0.0 or ::, this machine's"
+        " name and addresses); other names get 400",
+    )
+    shutdown_grace_s: float = setting(
+        5.0,
+        "on Ctrl-C or SIGTERM, seconds `serve` lets replies still streaming go on; the rest end with an error event",
+    )
+    api_key_file: str = setting(
+        "",
+        "private (0600) file of the keys API clients may send (Authorization: Bearer KEY), one a line, 'KEY' or"
+        " 'NAME: KEY', one per person",
+    )
+    api_max_requests: int = setting(
+        32, "API requests held at once, streaming or waiting; one more is refused at once (429)"
+    )
+    api_local_files: bool = setting(
+        False, "API messages may name files on this machine (file:// URLs) instead of sending them"
+    )
+    header_timeout_s: float = setting(
+        10.0,
+        "seconds a client has to send a request's headers, to the API or the page; then its connection is closed",
+    )
+    api_body_timeout_s: float = setting(
+        60.0,
+        "seconds an API request's body has to come, whole, after its headers; then 408, and the connection is closed",
+    )
+    api_body_budget_bytes: int = setting(
+        512 << 20,
+        "API request bodies held at once, all requests together; past it 429 (one body alone is always let in)",
+    )
+
+    def _check(self) -> None:
+        _positive(self, "api_port", "api_max_requests", "header_timeout_s", "api_body_timeout_s",
+                  "api_body_budget_bytes")
+        _at_least_zero(self, "shutdown_grace_s")
+        _port(self, "api_port")
+
+
+@dataclass(frozen=True)
+class BackendSettings(_Group, table="backend"):
+    """Which backend answers: the engine in this process, or a remote server of OpenAI's chat API."""
+
+    backend: Literal["local", "openai"] = setting(
+        "local",
+        "'local': the engine in this process; 'openai': a server of OpenAI's chat API at backend_url"
+        " (omni_local serve, vLLM-Omni, SGLang-Omni)",
+    )
+    backend_url: str = setting("", "the remote server's API root, e.g. http://127.0.0.1:8000/v1")
+    backend_api_key: str = setting("", "the key the remote server asks for; '' for none")
+    backend_model: str = setting("", "the remote server's model id; '' takes the first it lists")
+    backend_dialect: BackendDialect = setting(
+        "auto",
+        "how the remote server streams audio: 'openai' (delta.audio), 'vllm-omni' (WAV pieces in content chunks"
+        " marked \"modality\": \"audio\", the voice sent as speaker), 'auto' tells them apart from the stream",
+    )
+
+    def _check(self) -> None:
         if self.backend == "openai" and not self.backend_url:
             raise SettingsError("setting 'backend' is 'openai': set 'backend_url' to the server's API, "
                                 "e.g. http://127.0.0.1:8000/v1")
+
+
+@dataclass(frozen=True)
+class LimitSettings(_Group, table="limits"):
+    """What a user may send: the largest files and media, the longest prompt."""
+
+    max_upload_bytes: int = setting(50 << 20, "largest image, audio or video file accepted")
+    max_image_pixels: int = setting(4096 * 4096, "largest decoded image, width times height")
+    max_audio_seconds: float = setting(300.0, "longest audio clip accepted")
+    max_video_seconds: float = setting(
+        120.0, "longest video clip accepted (its frames also count against max_image_pixels)"
+    )
+    max_prompt_tokens: int = setting(
+        6144,
+        "longest prompt, media tokens included; a longer chat leaves its earliest turns out (never the system prompt"
+        " or the question asked)",
+    )
+
+    def _check(self) -> None:
+        _positive(self, "max_upload_bytes", "max_image_pixels", "max_audio_seconds", "max_video_seconds",
+                  "max_prompt_tokens")
+
+
+@dataclass(frozen=True)
+class EngineConfig(CacheSettings, SpeechSettings, EngineSettings, ModelSettings):
+    """The settings the engine reads (and the model loader, and the memory plan): [model], [engine],
+    [speech] and [cache]. The bases are listed last first, as a dataclass takes its bases' fields
+    from the last: so the fields stay in the tables' order."""
+
+    def _check(self) -> None:
         if self.gpu_cache_bytes < self.min_gpu_cache_bytes:
             raise SettingsError(
                 f"setting 'gpu_cache_bytes' ({self.gpu_cache_bytes:,}) is below the {self.min_gpu_cache_bytes:,} bytes "
@@ -366,18 +465,26 @@ class Settings:
         return self.max_context_tokens * 2 * itemsize
 
     @property
-    def cache_path(self) -> Path:
-        return Path(self.cache_dir).expanduser()
-
-    @property
     def demo_path(self) -> Path:
         return Path(self.demo_dir).expanduser() if self.demo_dir else self.cache_path / "demo"
 
-    def replace(self, **changes: Any) -> "Settings":
-        unknown = sorted(set(changes) - {f.name for f in fields(self)})
-        if unknown:
-            raise SettingsError(f"unknown setting '{unknown[0]}'")
-        return dataclasses.replace(self, **changes)
+
+@dataclass(frozen=True)
+class Settings(LimitSettings, BackendSettings, ServerSettings, UISettings, EngineConfig):
+    """Every setting, read flat. It is an `EngineConfig` too (so whatever takes the engine's settings
+    takes these), and `for_engine` gives the engine those groups alone. Bases last first, as in
+    `EngineConfig`."""
+
+    def _check(self) -> None:
+        if self.max_prompt_tokens >= self.max_context_tokens:
+            raise SettingsError(
+                f"setting 'max_prompt_tokens' ({self.max_prompt_tokens}) must be below "
+                f"'max_context_tokens' ({self.max_context_tokens}), to leave room for a reply"
+            )
+
+    def for_engine(self) -> EngineConfig:
+        """The groups the engine reads, without the page's, the server's, the backend's and the limits."""
+        return EngineConfig(**{f.name: getattr(self, f.name) for f in fields(EngineConfig)})
 
 
 _TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
