@@ -62,21 +62,23 @@ class LocalBackend:
         """`wait_for_graphs`: return once every CUDA graph is captured; else as soon as the engine
         serves, its prefill graphs captured while it is idle (Engine's `warm`)."""
         self.settings = settings
+        # What the loader, the memory plan and the engine read: they are given these groups alone.
+        self.engine_config = settings.for_engine()
         self.limits = MediaLimits.from_settings(settings)
         quiet_library_logs()  # transformers' load-time notes and progress bars are not for users
         self.memory: MemoryPlan | None = None
         if loaded is None:
             with start_up_step("the model loaded"):
-                loaded = load_model(settings, before_loading=self._plan_memory)
+                loaded = load_model(self.engine_config, before_loading=self._plan_memory)
         self.loaded = loaded
         # The KV and the encoder outputs as the plan sized them, up to their settings.
-        sized = settings if self.memory is None else self.memory.applied(settings)
+        sized = self.engine_config if self.memory is None else self.memory.applied(self.engine_config)
         # In host memory (and on the CPU, all of it) as much as the machine's memory allows.
         self.host_memory = host_memory.plan_for(self.loaded, sized)
         log.info("%s", self.host_memory.line())
         baseline = engine_baseline(self.loaded.device) if self.memory is not None else 0
         # Once every graph is captured the engine's take is whole: measured then, for the next plan.
-        self.engine = Engine(self.loaded, self.host_memory.applied(sized),
+        self.engine = Engine(self.loaded, self.host_memory.applied(sized), settings.max_prompt_tokens,
                              warm_up_later=True, when_warm=partial(self._remember_engine_bytes, baseline))
         if wait_for_graphs:
             self.engine.warm.wait()
@@ -98,11 +100,11 @@ class LocalBackend:
     def _remember_engine_bytes(self, baseline: int, engine: Engine) -> None:
         if self.memory is not None:
             talker_kv = engine.speaker.runner.kv.allocated_bytes if engine.speaker else 0
-            remember_engine_bytes(self.memory, self.settings, self.loaded.device, baseline,
+            remember_engine_bytes(self.memory, self.engine_config, self.loaded.device, baseline,
                                   engine.runner.kv.allocated_bytes + talker_kv)
 
     def _plan_memory(self, model: torch.nn.Module) -> None:
-        self.memory = plan_memory(model, self.settings, resolve_device(self.settings.device))
+        self.memory = plan_memory(model, self.engine_config, resolve_device(self.engine_config.device))
         if self.memory is not None:
             keep_in_host_memory(model, self.memory.experts_on_gpu, self.memory.host_embeddings > 0)
             log.info("%s", self.memory.line())

@@ -64,7 +64,7 @@ from omni_local.model.reasoning import reasoning_marks
 from omni_local.protocol.events import AudioChunk, StopReason, Waiting
 from omni_local.protocol.messages import Message
 from omni_local.protocol.params import SamplingParams, SpeechParams
-from omni_local.settings import Settings
+from omni_local.settings import EngineConfig
 from omni_local.start_up_steps import gpu_memory, log_start_up_step
 
 log = logging.getLogger(__name__)
@@ -73,9 +73,10 @@ NOT_A_NUMBER = "the model's output was not a number (NaN or infinity): this requ
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, settings: Settings, warm_up_later: bool = False,
+    def __init__(self, loaded: LoadedModel, settings: EngineConfig, max_prompt_tokens: int, warm_up_later: bool = False,
                  when_warm: Callable[["Engine"], None] = lambda engine: None) -> None:
-        """`warm_up_later`: serve before the prefill graphs are captured (by the worker, while idle);
+        """`max_prompt_tokens`: the [limits] setting, past which a chat's earliest turns are left out.
+        `warm_up_later`: serve before the prefill graphs are captured (by the worker, while idle);
         `when_warm` runs once every graph is, on the thread that captured the last."""
         self.loaded = loaded
         self.settings = settings
@@ -88,12 +89,13 @@ class Engine:
         suppressed = torch.tensor(self.suppressed_ids, dtype=torch.long, device=self.runner.device)
         # Only a Thinking checkpoint's replies are split into reasoning and answer.
         self.reasoning_marks = reasoning_marks(loaded.processor.tokenizer) if loaded.kind == "thinking" else None
-        self.text = ReplyText(loaded.processor.tokenizer, self.reasoning_marks, settings)
+        self.text = ReplyText(loaded.processor.tokenizer, self.reasoning_marks, settings.max_context_tokens,
+                              max_prompt_tokens)
         self.seats = Seats(settings.max_running_requests)
         vocab = loaded.model.thinker.lm_head.out_features
         self.sampler = SeatSampler(self.seats.count, vocab, self.runner.device, suppressed,
                                    self.reasoning_marks.end if self.reasoning_marks else None)
-        self._inbox = Inbox(loaded.processor, settings.max_prompt_tokens, self.reasoning_marks)
+        self._inbox = Inbox(loaded.processor, max_prompt_tokens, self.reasoning_marks)
         self.scheduler = Scheduler(settings, self.cache, self.seats, self.runner.kv.shape.block_tokens)
         self._in_flight: DecodeStep | None = None  # the last decode step, read in the next turn
         # First tokens chosen this turn, read once the turn's decode step is queued (`_read_first_tokens`)

@@ -22,7 +22,7 @@ from omni_local.engine.memory.kv_fp8 import fp8_kv
 from omni_local.engine.memory.prefix_cache import PrefixCache
 from omni_local.folders import keep_compiled_code_in
 from omni_local.model.loader import LoadedModel
-from omni_local.settings import Settings
+from omni_local.settings import EngineConfig
 from omni_local.start_up_steps import start_up_step
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ class Parts:
     cache: PrefixCache
 
 
-def make_parts(loaded: LoadedModel, settings: Settings, warm_up_later: bool) -> Parts:
+def make_parts(loaded: LoadedModel, settings: EngineConfig, warm_up_later: bool) -> Parts:
     """`warm_up_later`: capture only the decode steps' graphs now (the engine captures the prefills'
     while idle)."""
     without_cudnn_attention()  # before anything runs or is captured
@@ -79,7 +79,7 @@ def current_device(device: torch.device) -> AbstractContextManager:
     return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
 
-def _encoders(thinker_model: torch.nn.Module, processor: object, settings: Settings) -> Encoders:
+def _encoders(thinker_model: torch.nn.Module, processor: object, settings: EngineConfig) -> Encoders:
     encoders = Encoders(thinker_model, compile=settings.compile)
     if settings.compile:
         with start_up_step("the encoders"):
@@ -87,7 +87,7 @@ def _encoders(thinker_model: torch.nn.Module, processor: object, settings: Setti
     return encoders
 
 
-def _encoder_cache(thinker_model: torch.nn.Module, processor: object, settings: Settings) -> EncoderCache | None:
+def _encoder_cache(thinker_model: torch.nn.Module, processor: object, settings: EngineConfig) -> EncoderCache | None:
     if not settings.encoder_cache:
         return None
     disk = settings.cache_path / "encoders" if settings.disk_cache else None

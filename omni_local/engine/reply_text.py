@@ -8,13 +8,15 @@ from omni_local.engine.reasoning import ReasoningText, prompt_opens_reasoning
 from omni_local.engine.request import Request
 from omni_local.model.reasoning import ReasoningMarks
 from omni_local.protocol.events import ContextUse, Finished, ReasoningDelta, SpeechReport, StopReason, TextDelta
-from omni_local.settings import Settings
 
 
 class ReplyText:
-    def __init__(self, tokenizer: object, reasoning_marks: ReasoningMarks | None, settings: Settings) -> None:
-        """`reasoning_marks`: a Thinking checkpoint's, whose replies are split into reasoning and answer."""
-        self.tokenizer, self.reasoning_marks, self.settings = tokenizer, reasoning_marks, settings
+    def __init__(self, tokenizer: object, reasoning_marks: ReasoningMarks | None, max_context_tokens: int,
+                 max_prompt_tokens: int) -> None:
+        """`reasoning_marks`: a Thinking checkpoint's, whose replies are split into reasoning and answer.
+        The two limits are what each reply's `ContextUse` reports."""
+        self.tokenizer, self.reasoning_marks = tokenizer, reasoning_marks
+        self.max_context_tokens, self.max_prompt_tokens = max_context_tokens, max_prompt_tokens
         self.token_texts = TokenTexts(tokenizer)  # for the replies that ask for logprobs
 
     def start(self, request: Request) -> int:
@@ -53,7 +55,7 @@ class ReplyText:
                  ) -> Finished:
         """The reply's last event: its text and `reply_ids` (its tokens but the end of turn), counts, timings."""
         counts = request.counts(generated=len(reply_ids))
-        context = ContextUse(self.settings.max_context_tokens, self.settings.max_prompt_tokens, request.turns_left_out)
+        context = ContextUse(self.max_context_tokens, self.max_prompt_tokens, request.turns_left_out)
         reasoning = request.reasoning.streamed if request.reasoning is not None else ""
         return Finished(request.streamed, reply_ids, reason, counts, request.timings(), request.seed, context, speech,
                         request.media, reasoning)

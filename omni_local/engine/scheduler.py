@@ -32,7 +32,7 @@ from omni_local.engine.memory.prefix_cache import Claim, PrefixCache
 from omni_local.engine.phases import CLAIM_KV, phase
 from omni_local.engine.request import Request, State
 from omni_local.engine.seats import Seats
-from omni_local.settings import Settings
+from omni_local.settings import EngineConfig
 
 log = logging.getLogger(__name__)
 REPLY_ROWS_AHEAD = 64  # a written reply's KV rows claimed at a time: after its prompt, then as it outgrows them
@@ -66,7 +66,7 @@ class TurnPlan:
 
 
 class Scheduler:
-    def __init__(self, settings: Settings, cache: PrefixCache, seats: Seats, block_tokens: int) -> None:
+    def __init__(self, settings: EngineConfig, cache: PrefixCache, seats: Seats, block_tokens: int) -> None:
         self.settings, self.cache, self.seats, self.block_tokens = settings, cache, seats, block_tokens
         self.waiting: deque[Request] = deque()  # their prompts built, in the order they came
         self.running: list[Request] = []  # admitted and not ended, in order of admission

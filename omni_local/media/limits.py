@@ -3,7 +3,7 @@
 import math
 from dataclasses import dataclass
 
-from omni_local.settings import Settings
+from omni_local.settings import LimitSettings
 
 
 @dataclass(frozen=True)
@@ -14,7 +14,7 @@ class MediaLimits:
     max_video_seconds: float = 120.0
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> "MediaLimits":
+    def from_settings(cls, settings: LimitSettings) -> "MediaLimits":
         return cls(
             max_upload_bytes=settings.max_upload_bytes,
             max_image_pixels=settings.max_image_pixels,

@@ -36,7 +36,7 @@ from omni_local.model.reasoning import template_opens_reasoning
 from omni_local.model.weights import load_weights, weight_files
 from omni_local.model.workarounds import apply_workarounds, load_processor
 from omni_local.protocol.kinds import ModelKind
-from omni_local.settings import Settings
+from omni_local.settings import EngineConfig
 from omni_local.start_up_steps import start_up_step
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class LoadedModel:
         return bool(self.model.has_talker)
 
 
-def load_model(settings: Settings, before_loading: Callable[[torch.nn.Module], None] | None = None) -> LoadedModel:
+def load_model(settings: EngineConfig, before_loading: Callable[[torch.nn.Module], None] | None = None) -> LoadedModel:
     """The checkpoint (or the demo) as `settings` ask. `before_loading` is shown the empty model,
     full precision with its parameters on the meta device, before any weight is read (the memory
     plan); it may raise to stop, and mark experts to be held in host memory (model/host_experts.py)."""
@@ -191,7 +191,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def _prepare(model: torch.nn.Module, settings: Settings, path: Path, dtype: torch.dtype, device: torch.device,
+def _prepare(model: torch.nn.Module, settings: EngineConfig, path: Path, dtype: torch.dtype, device: torch.device,
              before_loading: Callable[[torch.nn.Module], None] | None) -> None:
     """The empty model made ready for the loader: shown to `before_loading`, then quantized layers in
     the places `settings.weights` quantizes, read back from disk where they were kept, else
@@ -204,7 +204,7 @@ def _prepare(model: torch.nn.Module, settings: Settings, path: Path, dtype: torc
             _stored_layers(settings, path, dtype).fill(model, device)
 
 
-def _placed(model: torch.nn.Module, settings: Settings,
+def _placed(model: torch.nn.Module, settings: EngineConfig,
             before_loading: Callable[[torch.nn.Module], None] | None) -> None:
     """The empty model shown to `before_loading` (the memory plan, which marks the experts it puts in
     host memory), and the experts `experts_on_gpu` = N puts there marked so (model/host_experts.py)."""
@@ -214,7 +214,7 @@ def _placed(model: torch.nn.Module, settings: Settings,
         keep_in_host_memory(model, settings.experts_on_gpu, embeddings=False)
 
 
-def _stored_layers(settings: Settings, path: Path, dtype: torch.dtype) -> StoredLayers:
+def _stored_layers(settings: EngineConfig, path: Path, dtype: torch.dtype) -> StoredLayers:
     return StoredLayers.at(settings.cache_path, weight_files(path), settings.weights, dtype)
 
 
@@ -229,7 +229,7 @@ def _checkpoint_formats(path: Path, quantization: CheckpointQuantization, weight
     return formats
 
 
-def _check_weights(formats: list[str], prequantized: bool, settings: Settings, device: torch.device) -> None:
+def _check_weights(formats: list[str], prequantized: bool, settings: EngineConfig, device: torch.device) -> None:
     """Refuse quantized weights (of `formats`: the `weights` setting's, or a pre-quantized
     checkpoint's) where they cannot run, saying what would."""
     if not formats or device.type != "cuda":

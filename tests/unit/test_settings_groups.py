@@ -5,6 +5,7 @@ from dataclasses import fields
 import pytest
 
 from omni_local.errors import SettingsError
+from omni_local.protocol.events import ContextUse
 from omni_local.settings import (
     BackendSettings,
     CacheSettings,
@@ -75,3 +76,9 @@ def test_each_group_checks_its_own_values_when_made_alone(group, values, message
     with pytest.raises(SettingsError, match=message):
         group(**values)
 
+
+def test_the_local_backend_hands_the_engine_its_groups_and_the_prompt_limit_apart(app, demo_settings):
+    engine = app.backend.engine
+    assert type(engine.settings) is EngineConfig
+    final = app.session().send("Hello", max_new_tokens=2).result()
+    assert final.context == ContextUse(demo_settings.max_context_tokens, demo_settings.max_prompt_tokens)

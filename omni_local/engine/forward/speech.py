@@ -32,7 +32,7 @@ from omni_local.engine.memory.prefix_cache import Claim, Match, PrefixCache, com
 from omni_local.engine.prompt.builder import Prompt
 from omni_local.protocol.events import SPEECH_SAMPLE_RATE, SpeechReport
 from omni_local.protocol.params import SamplingParams, SpeechParams
-from omni_local.settings import Settings
+from omni_local.settings import EngineConfig
 from omni_local.start_up_steps import start_up_step
 
 
@@ -89,20 +89,20 @@ def talker_sequences(thinker_tokens: int, max_context_tokens: int) -> int:
     return thinker_tokens // max_context_tokens
 
 
-def talker_kv_bytes(model: torch.nn.Module, settings: Settings, thinker_tokens: int, dtype: torch.dtype) -> int:
+def talker_kv_bytes(model: torch.nn.Module, settings: EngineConfig, thinker_tokens: int, dtype: torch.dtype) -> int:
     """The bytes of the Talker's KV beside Thinker KV of `thinker_tokens` (its blocks, and the pad block)."""
     shape = talker_kv_shape(model.config.talker_config.text_config, talker_sequence_rows(settings, model.code2wav))
     sequences = talker_sequences(thinker_tokens, settings.max_context_tokens)
     return talker_kv_blocks(shape, sequences) * shape.block_bytes(dtype)
 
 
-def talker_sequence_rows(settings: Settings, code2wav: torch.nn.Module) -> int:
+def talker_sequence_rows(settings: EngineConfig, code2wav: torch.nn.Module) -> int:
     """The rows of the Talker's longest sequence: every user token of a full context, the assistant
     rows and the frames."""
     return settings.max_context_tokens + OPENING_ROWS + max_frames(settings, code2wav)
 
 
-def max_frames(settings: Settings, code2wav: torch.nn.Module) -> int:
+def max_frames(settings: EngineConfig, code2wav: torch.nn.Module) -> int:
     """The frames of the longest spoken reply, `max_speech_seconds`."""
     return max(1, round(settings.max_speech_seconds * SPEECH_SAMPLE_RATE / int(code2wav.total_upsample)))
 
@@ -110,7 +110,7 @@ def max_frames(settings: Settings, code2wav: torch.nn.Module) -> int:
 class Speaker:
     """The engine's speech part: the Talker runner, its KV cache, and Code2Wav."""
 
-    def __init__(self, model: torch.nn.Module, settings: Settings, kv_sequences: int, moe: MoeBackend = TORCH,
+    def __init__(self, model: torch.nn.Module, settings: EngineConfig, kv_sequences: int, moe: MoeBackend = TORCH,
                  attention: AttentionKernels = AttentionKernels()) -> None:
         self.vocoder = Vocoder(model.code2wav, settings.first_audio_frames, settings.audio_chunk_frames,
                                settings.audio_left_context_frames, cuda_graphs=settings.cuda_graphs)

@@ -19,10 +19,10 @@ The machine's memory is what this process may use (machine_memory.py).
 from dataclasses import dataclass
 
 from omni_local.engine.sizing.machine_memory import machine_memory_bytes
-from omni_local.engine.sizing.memory_plan import GiB, least_conversation_kv_bytes, size
+from omni_local.engine.sizing.memory_plan import GiB, Planned, least_conversation_kv_bytes, size
 from omni_local.model.host_experts import held_in_host_memory
 from omni_local.model.loader import LoadedModel
-from omni_local.settings import Settings
+from omni_local.settings import EngineConfig
 
 AUTO = -1  # host_cache_bytes: sized by the rule
 KV_SHARE = 4
@@ -44,13 +44,13 @@ class HostPlan:
         return (f"Host memory plan, {memory}: weights held there {size(self.weights)}{kv}, "
                 f"host KV tier {size(self.host_tier)}")
 
-    def applied(self, settings: Settings) -> Settings:
+    def applied(self, settings: Planned) -> Planned:
         """`settings` with the KV sized as planned."""
         sized = settings.replace(host_cache_bytes=self.host_tier)
         return sized if self.device_kv is None else sized.replace(gpu_cache_bytes=self.device_kv)
 
 
-def plan_for(loaded: LoadedModel, settings: Settings) -> HostPlan:
+def plan_for(loaded: LoadedModel, settings: EngineConfig) -> HostPlan:
     """The plan for the model `loaded`, its weights in place, on this machine."""
     weights = held_in_host_memory(loaded.model) + sum(
         t.nbytes for t in (*loaded.model.parameters(), *loaded.model.buffers()) if t.device.type == "cpu")
@@ -58,7 +58,8 @@ def plan_for(loaded: LoadedModel, settings: Settings) -> HostPlan:
     return plan_host_memory(settings, machine_memory_bytes(), weights, least_kv, loaded.device.type == "cpu")
 
 
-def plan_host_memory(settings: Settings, machine: int | None, weights: int, least_kv: int, on_cpu: bool) -> HostPlan:
+def plan_host_memory(settings: EngineConfig, machine: int | None, weights: int, least_kv: int, on_cpu: bool
+                     ) -> HostPlan:
     """The KV's sizes in host memory for `machine` bytes of memory, `weights` of them held by weights
     (`least_kv`: one conversation's KV, the least the Thinker's blocks may hold)."""
     share = max(0, machine - weights) // KV_SHARE if machine is not None else None

@@ -17,7 +17,7 @@ import torch
 from omni_local.engine.forward.speech import talker_kv_bytes
 from omni_local.engine.forward.thinker import kv_shape
 from omni_local.engine.memory.kv_store import KVShape
-from omni_local.settings import Settings
+from omni_local.settings import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class KVSizes:
         return bisect_right(range(cap // self.block_bytes + 1), room, key=self.bytes) - 1
 
 
-def kv_sizes(model: torch.nn.Module, settings: Settings) -> KVSizes:
+def kv_sizes(model: torch.nn.Module, settings: EngineConfig) -> KVSizes:
     """The KV of `model` (loaded, or its parameters on the meta device) as `settings` size it."""
     dtype = next(model.parameters()).dtype
     talker_dim = model.config.talker_config.text_config.hidden_size if settings.speech else 0

@@ -37,6 +37,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import blake3
 import torch
@@ -52,9 +53,11 @@ from omni_local.folders import private_folder
 from omni_local.model.host_experts import AUTO
 from omni_local.model.quantized import weights_bytes
 from omni_local.model.quantized.linear import has_fp8_units
-from omni_local.settings import Settings
+from omni_local.settings import EngineConfig
 
 log = logging.getLogger(__name__)
+# What a plan is applied to: the engine's settings, or all of them (which a plan keeps whole).
+Planned = TypeVar("Planned", bound=EngineConfig)
 
 GiB = 1 << 30
 MARGIN_BYTES = 1 * GiB
@@ -122,13 +125,13 @@ class MemoryPlan:
         chats = f"{self.talker_chats:,} spoken chat{'' if self.talker_chats == 1 else 's'}"
         return f", and the Talker's KV {size(self.talker_kv)} ({chats} of {self.context_tokens:,})"
 
-    def applied(self, settings: Settings) -> Settings:
+    def applied(self, settings: Planned) -> Planned:
         """`settings` with the caches as planned."""
         return settings.replace(gpu_cache_bytes=self.kv, encoder_cache_bytes=self.encoder_outputs or
                                 settings.encoder_cache_bytes, prefill_forward_tokens=self.prefill_forward_tokens)
 
 
-def plan_memory(model: torch.nn.Module, settings: Settings, device: torch.device) -> MemoryPlan | None:
+def plan_memory(model: torch.nn.Module, settings: EngineConfig, device: torch.device) -> MemoryPlan | None:
     """The plan for `model` (full precision, its parameters on the meta device) loaded with
     `settings.weights` on `device`; None where there is nothing to plan (the CPU, unless
     `gpu_memory_bytes` is set). Raises SettingsError naming what would fit where nothing does."""
@@ -163,8 +166,8 @@ def plan_memory(model: torch.nn.Module, settings: Settings, device: torch.device
         prefill_forward_tokens=settings.prefill_forward_tokens, prefill_forward_setting=forward_setting)
 
 
-def _prefill_sized(model: torch.nn.Module, settings: Settings, device: torch.device, room: int
-                   ) -> tuple[Settings, int]:
+def _prefill_sized(model: torch.nn.Module, settings: EngineConfig, device: torch.device, room: int
+                   ) -> tuple[EngineConfig, int]:
     """`settings` with the longest `prefill_forward_tokens` (the setting's, or its halves down to
     `prefill_chunk_tokens`) at which the weights, every expert on the GPU, and the engine fit `room`
     (the KV target's and the encoder outputs' floor left out), or the shortest where none does; and
@@ -211,12 +214,12 @@ def prefill_bytes_per_token(model: torch.nn.Module) -> int:
     return expert_rows + 8 * hidden * itemsize
 
 
-def _target_blocks(kv: KVSizes, settings: Settings) -> int:
+def _target_blocks(kv: KVSizes, settings: EngineConfig) -> int:
     """The Thinker's blocks of KV_TARGET_TOKENS, or of `gpu_cache_bytes` if fewer."""
     return min(kv.blocks_for(KV_TARGET_TOKENS), settings.gpu_cache_bytes // kv.block_bytes)
 
 
-def least_conversation_kv_bytes(model: torch.nn.Module, settings: Settings, dtype: torch.dtype) -> int:
+def least_conversation_kv_bytes(model: torch.nn.Module, settings: EngineConfig, dtype: torch.dtype) -> int:
     """The Thinker's KV blocks for one conversation of `max_context_tokens` (and the pad block)."""
     return least_kv_bytes(kv_sizes(model, settings).thinker, dtype)
 
@@ -229,7 +232,7 @@ def _bus(count: int) -> str:
     return f"{count / 1e6:,.0f} MB" if count >= 1e6 else f"{count / 1e3:,.1f} kB"
 
 
-def available_bytes(settings: Settings, device: torch.device) -> int | None:
+def available_bytes(settings: EngineConfig, device: torch.device) -> int | None:
     if settings.gpu_memory_bytes:
         return settings.gpu_memory_bytes
     if device.type != "cuda":
@@ -247,7 +250,7 @@ def engine_baseline(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device)
 
 
-def remember_engine_bytes(plan: MemoryPlan, settings: Settings, device: torch.device, baseline: int,
+def remember_engine_bytes(plan: MemoryPlan, settings: EngineConfig, device: torch.device, baseline: int,
                           kv_bytes: int) -> None:
     """After the engine's warm-up, every graph captured: its measured take at its peak since
     `baseline` (engine_baseline), less the KV (`kv_bytes`: the Thinker's and the Talker's, which the
@@ -270,7 +273,7 @@ def remember_engine_bytes(plan: MemoryPlan, settings: Settings, device: torch.de
     log.info("the engine took %s besides the weights and KV (planned: %s)", size(engine), size(plan.engine))
 
 
-def _refusal(model: torch.nn.Module, settings: Settings, device: torch.device, available: int, rest: int,
+def _refusal(model: torch.nn.Module, settings: EngineConfig, device: torch.device, available: int, rest: int,
              least_encoder: int, placed: Placement, host_most: int | None) -> str:
     """One line: what the settings need at the least (`placed`: the weights on the GPU, and the
     experts `experts_on_gpu` lets go to host memory), what is short, the GPU's memory or the host's,
@@ -297,7 +300,7 @@ def _in_host_memory(placed: Placement) -> str:
     return f" with {' and '.join(parts)} in host memory" if parts else ""
 
 
-def _changes(model: torch.nn.Module, settings: Settings, device: torch.device, room: int, least_encoder: int,
+def _changes(model: torch.nn.Module, settings: EngineConfig, device: torch.device, room: int, least_encoder: int,
              host_most: int | None) -> list[str]:
     """The fewest changes of settings with which the weights fit `room` bytes of GPU memory and the
     experts in host memory `host_most`: first the encoder cache off, which keeps the format and speech,
@@ -316,7 +319,7 @@ def _changes(model: torch.nn.Module, settings: Settings, device: torch.device, r
     return [c for c in changes if c.count(" and ") == min(c.count(" and ") for c in changes)] if changes else []
 
 
-def _change(settings: Settings, weights: str, speech: bool) -> str:
+def _change(settings: EngineConfig, weights: str, speech: bool) -> str:
     return " and ".join([*([f"weights = '{weights}'"] if weights != settings.weights else []),
                          *(["speech = false"] if speech != settings.speech else [])])
 
@@ -325,7 +328,7 @@ def _fp8_runs(device: torch.device) -> bool:
     return device.type != "cuda" or has_fp8_units(device)
 
 
-def _key(model: torch.nn.Module, settings: Settings, device: torch.device) -> str:
+def _key(model: torch.nn.Module, settings: EngineConfig, device: torch.device) -> str:
     """A full-length digest of what the engine's take depends on: the GPU, the model's dimensions, and
     the settings that size graphs and activations. ("measured": what the take holds, so that one
     measured while it held the Talker's KV is not read as one without.)"""
