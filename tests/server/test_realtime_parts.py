@@ -10,7 +10,7 @@ import pytest
 import soxr
 
 from omni_local.media.pcm16 import to_pcm16
-from omni_local.protocol.tools import ToolCall
+from omni_local.protocol.functions import ToolCall
 from omni_local.server.realtime.client_events import (AudioAppend, EventError, ItemCreate, ServerVad, SessionUpdate,
                                                       read_event)
 from omni_local.server.realtime.conversation import Conversation, Item, SpokenText
@@ -118,11 +118,11 @@ def test_the_buffer_refuses_audio_past_its_limit():
     assert refused.value.code == "input_audio_buffer_full"
 
 
-def test_a_spoken_replys_transcript_is_cut_at_the_text_sent_with_the_audio_played():
+def test_a_spoken_replys_transcript_is_cut_at_the_text_sent_with_the_last_piece_of_audio_begun():
     spoken = SpokenText()
     for samples, chars in [(2400, 0), (2400, 5), (2400, 12)]:  # 100 ms pieces, and the transcript sent by then
         spoken.sent(samples, chars)
-    assert [spoken.chars_at(ms) for ms in (0, 99, 100, 199, 200, 300)] == [0, 0, 0, 0, 5, 12]
+    assert [spoken.chars_at(ms) for ms in (0, 1, 100, 101, 200, 201, 300)] == [0, 0, 0, 5, 5, 12, 12]
     with pytest.raises(EventError, match="past the item's audio"):
         spoken.chars_at(301)
 
@@ -130,7 +130,7 @@ def test_a_spoken_replys_transcript_is_cut_at_the_text_sent_with_the_audio_playe
 def test_a_truncated_reply_keeps_its_text_to_the_cut_and_drops_its_token_ids():
     reply = Item("item_r", "message", "assistant", text="Hello there, friend", token_ids=[1, 2, 3],
                  spoken=SpokenText([2400, 4800], [6, 19]))
-    reply.truncate(150)
+    reply.truncate(50)
     assert reply.text == "Hello " and reply.token_ids is None
     with pytest.raises(EventError, match="not a spoken reply"):
         Item("item_u", "message", "user", text="hi").truncate(0)

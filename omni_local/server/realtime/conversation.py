@@ -4,9 +4,9 @@ truncated to what was played included) is exactly what the next prompt holds, so
 which matches content, reuses every turn before the first change (cache on = cache off).
 
 An assistant item that was spoken keeps a map from the audio sent to the transcript sent with it, so
-that `conversation.item.truncate` at `audio_end_ms` cuts its text to what had been sent by the time
-its audio reached that point. The Talker speaks the text as it comes, a little behind it, so the text
-kept may run a few words ahead of the audio played, never behind it.
+that `conversation.item.truncate` at `audio_end_ms` cuts its text to what had been sent with the
+last piece of audio that had begun playing by then. The Talker speaks the text as it comes, a little
+behind it, so the text kept may run a few words ahead of the audio played, never behind it.
 """
 
 import bisect
@@ -16,8 +16,8 @@ from typing import Literal
 import numpy as np
 
 from omni_local.protocol.events import SPEECH_SAMPLE_RATE
+from omni_local.protocol.functions import ToolCall
 from omni_local.protocol.messages import Message
-from omni_local.protocol.tools import ToolCall
 from omni_local.server.realtime.client_events import EventError
 
 Status = Literal["in_progress", "completed", "incomplete"]
@@ -28,7 +28,7 @@ class SpokenText:
     """Where a spoken reply's transcript stood as each piece of its audio was sent."""
 
     samples: list[int] = field(default_factory=list)  # 24 kHz samples sent, after each piece
-    chars: list[int] = field(default_factory=list)  # characters of the transcript sent by then
+    chars: list[int] = field(default_factory=list)  # characters of the transcript sent with each piece
 
     def sent(self, samples: int, chars: int) -> None:
         self.samples.append(self.total + samples)
@@ -39,13 +39,13 @@ class SpokenText:
         return self.samples[-1] if self.samples else 0
 
     def chars_at(self, audio_end_ms: int) -> int:
-        """The transcript's characters sent with the audio up to `audio_end_ms`."""
+        """The transcript's characters sent with the pieces of audio begun before `audio_end_ms`."""
         played = audio_end_ms * SPEECH_SAMPLE_RATE // 1000
         if played > self.total:
             raise EventError(f"audio_end_ms {audio_end_ms} is past the item's audio "
                              f"({self.total * 1000 // SPEECH_SAMPLE_RATE} ms)", param="audio_end_ms")
-        pieces = bisect.bisect_right(self.samples, played)
-        return self.chars[pieces - 1] if pieces else 0
+        begun = bisect.bisect_left(self.samples, played) + 1 if played else 0  # a piece begins where one ends
+        return self.chars[min(begun, len(self.chars)) - 1] if begun else 0
 
 
 @dataclass
