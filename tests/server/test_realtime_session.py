@@ -211,3 +211,22 @@ def test_a_key_is_needed_as_a_header_or_as_a_browsers_subprotocol(app):
         assert ws.receive_json()["type"] == "session.created"
     with http.websocket_connect("/realtime", subprotocols=["realtime", "openai-insecure-api-key.sesame"]) as ws:
         assert ws.accepted_subprotocol == "realtime" and ws.receive_json()["type"] == "session.created"
+
+
+def test_a_deleted_item_is_left_out_of_the_next_prompt_and_a_conversation_with_nothing_to_answer_is_refused(
+        http, sent):
+    with http.websocket_connect("/v1/realtime") as ws:
+        typed_session(ws)
+        say(ws, "First question.")
+        ws.send_json({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Forget this."}]}})
+        forgotten = until(ws, "conversation.item.done")[-1]["item"]["id"]
+        ws.send_json({"type": "conversation.item.delete", "item_id": forgotten})
+        assert until(ws, "conversation.item.deleted")[-1]["item_id"] == forgotten
+        ws.send_json({"type": "response.create"})
+        refused = until(ws, "error")
+        assert refused[-1]["error"]["code"] == "nothing_to_answer"
+        assert until(ws, "response.done")[-1]["response"]["status"] == "failed"
+        say(ws, "Second question.")
+    assert [(m.role, m.text) for m in sent[-1][0] if m.role == "user"] == [("user", "First question."),
+                                                                           ("user", "Second question.")]

@@ -1,6 +1,6 @@
-"""A spoken reply cut short in a realtime session (in this process, the app with the Talker): the
-client truncates it at the audio it played, and the next turn's prompt holds exactly the transcript
-that had been sent with that audio."""
+"""Spoken replies in a realtime session (in this process, the app with the Talker): one cut short,
+which the client truncates at the audio it played, leaves in the next turn's prompt exactly the
+transcript that had been sent with that audio; one that offers tools is refused."""
 
 import base64
 
@@ -58,3 +58,18 @@ def test_a_reply_truncated_at_its_first_audio_keeps_the_transcript_sent_before_i
     assert [(m.role, m.text) for m in sent[1]] == [("user", "Tell me a long story."), ("assistant", heard),
                                                    ("user", "Go on.")]
     assert sent[1][1].token_ids is None
+
+
+def test_a_spoken_response_that_offers_tools_is_refused_with_an_error_event(speaking_app):
+    http = TestClient(Starlette(routes=[api_mount(speaking_app, None)]))
+    tool = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}
+    with http.websocket_connect("/v1/realtime") as ws:
+        until(ws, "session.created")
+        ws.send_json(TYPED_SPOKEN)
+        until(ws, "session.updated")
+        ws.send_json({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather?"}]}})
+        until(ws, "conversation.item.done")
+        ws.send_json({"type": "response.create", "response": {"tools": [tool]}})
+        assert "a spoken reply cannot call tools" in until(ws, "error")[-1]["error"]["message"]
+        assert until(ws, "response.done")[-1]["response"]["status"] == "failed"

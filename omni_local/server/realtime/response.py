@@ -14,10 +14,11 @@ from collections.abc import Awaitable, Callable
 import anyio
 
 from omni_local.errors import OmniLocalError
+from omni_local.media.pcm16 import base64_pcm16
 from omni_local.protocol.backend import ReplyStream
 from omni_local.protocol.events import AudioChunk, Finished, TextDelta
-from omni_local.protocol.tools import ToolCall
-from omni_local.media.pcm16 import base64_pcm16
+from omni_local.protocol.functions import ToolCall
+from omni_local.server.realtime.client_events import EventError
 from omni_local.server.realtime.conversation import Conversation, Item, SpokenText
 from omni_local.server.realtime.server_events import error_event, new_id, server_event, usage
 from omni_local.server.reply import ApiReply
@@ -68,8 +69,10 @@ class Response:
         status = "failed" if failure is not None else _STATUS[final.stop_reason]
         if self.cancelled_for is not None:
             status = "cancelled"
-        if failure is not None:
-            await self.send(error_event(str(failure), "response_failed", kind="server_error"))
+        if isinstance(failure, EventError):
+            await self.send(error_event(failure.message, failure.code, failure.param))
+        elif failure is not None:  # the backend's: a prompt too long, a voice it lacks
+            await self.send(error_event(str(failure), "response_failed"))
         if self.message is not None:
             whole = final is not None and final.text == self.message.text and not final.tool_calls
             self.message.token_ids = final.token_ids if whole else None

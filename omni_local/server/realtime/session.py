@@ -180,7 +180,7 @@ class RealtimeSession:
             await response.begin()
             if not self.conversation.last_asks():
                 await response.end(None, EventError("the conversation ends in no user message nor function "
-                                                    "call output to answer"))
+                                                    "call output to answer", "nothing_to_answer"))
                 return
             params = self.app.sampling(**({} if config.max_output_tokens is None
                                           else {"max_new_tokens": config.max_output_tokens}))
