@@ -23,7 +23,8 @@ from omni_local.api.app import OmniLocal
 from omni_local.api.session import Reply, Session
 from omni_local.errors import OmniLocalError
 from omni_local.protocol.events import AudioChunk, Finished, ReasoningDelta, TextDelta, Waiting
-from omni_local.protocol.tools import FunctionChoice, Tool, ToolCall
+from omni_local.protocol.functions import Tool, ToolCall
+from omni_local.protocol.tools import FunctionChoice
 
 __all__ = ["OmniLocal", "Session", "Reply", "TextDelta", "ReasoningDelta", "AudioChunk", "Finished", "OmniLocalError",
            "Tool", "ToolCall", "FunctionChoice", "Waiting"]

@@ -11,7 +11,7 @@ from PIL import Image
 
 from omni_local.errors import RequestError
 from omni_local.media.video import Video
-from omni_local.protocol.tools import Tool
+from omni_local.protocol.functions import Tool
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,11 @@ from omni_local.media.audio import samples_from_array
 from omni_local.media.video import Video
 from omni_local.protocol.backend import Backend, ReplyStream
 from omni_local.protocol.events import AudioChunk, Event, Finished, Waiting
-from omni_local.protocol.messages import Message, Part, check_text
+from omni_local.protocol.functions import Tool
+from omni_local.protocol.messages import Message, Part
 from omni_local.protocol.params import SamplingParams, SpeechParams
-from omni_local.protocol.tools import Tool, ToolChoice, ToolUse
+from omni_local.protocol.text import check_text
+from omni_local.protocol.tools import ToolChoice, ToolUse
 from omni_local.settings import Settings
 
 ImageInput = str | Path | bytes | Image.Image

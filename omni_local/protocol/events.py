@@ -26,7 +26,7 @@ from typing import Literal
 
 import numpy as np
 
-from omni_local.protocol.tools import ToolCall
+from omni_local.protocol.functions import ToolCall
 
 SPEECH_SAMPLE_RATE = 24_000  # Code2Wav's output: spoken replies, at every backend
 StopReason = Literal["end_of_turn", "max_new_tokens", "context_full", "cancelled"]

@@ -1,18 +1,16 @@
 """A conversation as every backend takes it: messages of text and decoded media, and the tool calls
-and results of a conversation with tools (tools.py)."""
+and results of a conversation with tools (functions.py)."""
 
 import inspect
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import numpy as np
 from PIL import Image
 
 from omni_local.errors import RequestError
 from omni_local.media.video import Video, VideoFile
-
-if TYPE_CHECKING:  # tools.py checks its text with check_text, below
-    from omni_local.protocol.tools import Tool, ToolCall
+from omni_local.protocol.functions import Tool, ToolCall
 
 # "tool": a tool's result, answering an assistant message's call.
 Role = Literal["system", "user", "assistant", "tool"]
@@ -29,10 +27,10 @@ class Message:
     # reply's cached KV stays valid (decoding and re-tokenizing could give other ids).
     token_ids: list[int] | None = None
     reasoning: str = ""  # a Thinking checkpoint's reply: what it reasoned before its answer (`parts`)
-    tool_calls: tuple["ToolCall", ...] = ()  # an assistant message's calls, after its text
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant message's calls, after its text
     tool_call_id: str | None = None  # a tool message: the id of the call whose result it is
     # A system message: the tools the prompt offers (the chat template lists them in the system turn).
-    tools: tuple["Tool", ...] = ()
+    tools: tuple[Tool, ...] = ()
 
     @property
     def text(self) -> str:
@@ -46,18 +44,6 @@ class Message:
 
     def videos(self) -> list[Video]:
         return [p for p in self.parts if isinstance(p, Video)]
-
-
-def check_text(text: str, holder: str) -> None:
-    """Refuse what is not text a tokenizer takes, such as a lone surrogate: a JSON "\\ud800" or bytes
-    that are not UTF-8 (decoded with surrogateescape, as Python does a command line's) leave one."""
-    if not isinstance(text, str):
-        raise RequestError(f"{holder} must be text, not {type(text).__name__}")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise RequestError(f"{holder} holds text that is not valid Unicode (invalid UTF-8 or a lone surrogate "
-                           f"at character {error.start + 1})") from None
 
 
 def reply_key(text: str, reasoning: str = "") -> str:

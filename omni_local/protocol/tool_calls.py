@@ -16,7 +16,8 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 from omni_local.protocol.events import Event, Finished, TextDelta, TokenLogprob
-from omni_local.protocol.tools import CALL_CLOSE, CALL_OPEN, ToolCall, ToolUse, call_id
+from omni_local.protocol.functions import ToolCall, call_id
+from omni_local.protocol.tools import CALL_CLOSE, CALL_OPEN, ToolUse
 
 Piece = TextDelta | ToolCall
 

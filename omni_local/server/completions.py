@@ -21,9 +21,9 @@ from fastapi.responses import JSONResponse, Response
 from omni_local.access import within
 from omni_local.api import OmniLocal
 from omni_local.protocol.events import AudioChunk, Event, Finished
+from omni_local.protocol.functions import ToolCall
 from omni_local.protocol.messages import Message
 from omni_local.protocol.params import SpeechParams
-from omni_local.protocol.tools import ToolCall
 from omni_local.server.admission import PRINCIPAL
 from omni_local.server.content import ContentReader
 from omni_local.server.conversations import Conversations

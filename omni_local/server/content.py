@@ -18,7 +18,8 @@ from urllib.parse import unquote, urlparse
 
 from omni_local.errors import RequestError
 from omni_local.media import MediaLimits, load_audio, load_image
-from omni_local.protocol.messages import Message, Part, Role, check_text
+from omni_local.protocol.messages import Message, Part, Role
+from omni_local.protocol.text import check_text
 from omni_local.server.errors import ApiError
 from omni_local.server.schemas import AudioPart, ChatMessage, ImagePart, TextPart, VideoPart
 from omni_local.server.tools import check_results, tool_calls

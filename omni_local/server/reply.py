@@ -18,7 +18,7 @@ from anyio import to_thread
 
 from omni_local.protocol.backend import ReplyStream
 from omni_local.protocol.events import AudioChunk, Event, Finished, ReasoningDelta, TextDelta, TokenLogprob
-from omni_local.protocol.tools import ToolCall
+from omni_local.protocol.functions import ToolCall
 from omni_local.server.stops import StopStrings
 
 

@@ -39,7 +39,7 @@ import numpy as np
 
 from omni_local.media.pcm16 import base64_pcm16
 from omni_local.protocol.events import AudioChunk, Finished, ReasoningDelta, TextDelta, TokenChoice, TokenLogprob
-from omni_local.protocol.tools import ToolCall
+from omni_local.protocol.functions import ToolCall
 from omni_local.server.audio import base64_wav
 from omni_local.server.figures import finish_reason, omni_local_figures, usage
 

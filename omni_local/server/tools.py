@@ -2,8 +2,9 @@
 its messages' tool calls and results checked against each other; a fault is a 400 naming its field."""
 
 from omni_local.errors import RequestError
+from omni_local.protocol.functions import Tool, ToolCall
 from omni_local.protocol.messages import Message
-from omni_local.protocol.tools import FunctionChoice, Tool, ToolCall, ToolChoice, ToolUse
+from omni_local.protocol.tools import FunctionChoice, ToolChoice, ToolUse
 from omni_local.server.errors import ApiError
 from omni_local.server.schemas import ChatRequest, FunctionTool, MessageToolCall
 

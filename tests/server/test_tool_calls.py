@@ -21,10 +21,11 @@ from omni_local.engine.prompt.builder import build_prompt
 from omni_local.engine.prompt.context_window import fit_prompt
 from omni_local.errors import RequestError
 from omni_local.protocol.events import ContextUse, Finished, TextDelta, Timings, TokenCounts
+from omni_local.protocol.functions import Tool, ToolCall
 from omni_local.protocol.messages import Message
 from omni_local.protocol.params import SamplingParams
 from omni_local.protocol.tool_calls import read_tool_calls
-from omni_local.protocol.tools import REQUIRED_PREFIX, FunctionChoice, Tool, ToolCall, ToolUse, named_prefix
+from omni_local.protocol.tools import REQUIRED_PREFIX, FunctionChoice, ToolUse, named_prefix
 from omni_local.server.routes import api_mount
 from omni_local.server.shapes import ReplyShapes
 from served_api import client, served_api

@@ -14,8 +14,9 @@ from starlette.testclient import TestClient
 
 from forced_replies import forced_replies
 from omni_local.protocol.events import ContextUse, Finished, TextDelta, Timings, TokenCounts
+from omni_local.protocol.functions import Tool, ToolCall
 from omni_local.protocol.tool_calls import read_tool_calls
-from omni_local.protocol.tools import REQUIRED_PREFIX, Tool, ToolCall, ToolUse, named_prefix
+from omni_local.protocol.tools import REQUIRED_PREFIX, ToolUse, named_prefix
 from omni_local.server.routes import api_mount
 
 END = "<|im_end|>"

@@ -21,7 +21,7 @@ import numpy as np
 from omni_local.backends.remote.audio import SpeechDecoder
 from omni_local.errors import RequestError
 from omni_local.protocol.events import AudioChunk, ReasoningDelta, TextDelta, TokenChoice, TokenLogprob
-from omni_local.protocol.tools import ToolCall
+from omni_local.protocol.functions import ToolCall
 from omni_local.settings import BackendDialect
 
 

@@ -26,7 +26,7 @@ from omni_local.protocol.events import (
     Timings,
     TokenCounts,
 )
-from omni_local.protocol.tools import ToolCall
+from omni_local.protocol.functions import ToolCall
 
 _FINISH_REASONS: dict[str, StopReason] = {"length": "max_new_tokens", "stop": "end_of_turn",
                                            "tool_calls": "end_of_turn"}

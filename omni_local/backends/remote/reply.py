@@ -22,7 +22,7 @@ from omni_local.backends.remote.errors import lost_connection, request_error, un
 from omni_local.backends.remote.figures import Asked, ReplyTally, finished
 from omni_local.errors import OmniLocalError, RequestError
 from omni_local.protocol.events import AudioChunk, Event, ReasoningDelta, TextDelta
-from omni_local.protocol.tools import ToolCall
+from omni_local.protocol.functions import ToolCall
 
 OpenStream = Callable[[], Stream[Any]]  # sends the request; returns once the server answered
 

@@ -22,8 +22,9 @@ from omni_local.errors import RequestError
 from omni_local.media.digests import media_digest
 from omni_local.media.video import Video
 from omni_local.model.reasoning import ReasoningMarks
-from omni_local.protocol.messages import Message, Part, check_text
-from omni_local.protocol.tools import ToolCall
+from omni_local.protocol.functions import ToolCall
+from omni_local.protocol.messages import Message, Part
+from omni_local.protocol.text import check_text
 
 
 @dataclass(frozen=True)
