@@ -80,6 +80,7 @@ def test_a_spoken_question_is_answered_with_audio_and_its_transcript_and_the_nex
         assert kinds.index("input_audio_buffer.speech_started") < kinds.index("input_audio_buffer.speech_stopped") \
             < kinds.index("input_audio_buffer.committed") < kinds.index("response.created")
         assert np.abs(audio_of(first)).max() > 0
+        assert first[-1].response.model_extra["omni_local"]["first_audio_ms"] > 0  # the server's own figure
         transcript = "".join(event.delta for event in of(first, "response.output_audio_transcript.delta"))
         assert transcript and of(first, "response.output_audio_transcript.done")[0].transcript == transcript
         assert first[-1].response.output[0].content[0].transcript == transcript

@@ -7,8 +7,13 @@ its own, its arguments sent whole in one delta (calls are read once their text i
 protocol/tool_calls.py). Once the response is cancelled (`response.cancel`, or the user speaking
 over it) nothing more of it is sent: the item keeps what the client was sent, and the engine's
 `Finished`, which follows within a step, gives the usage.
+
+`response.done` carries, besides OpenAI's fields, omni_local's own figure (as the chat API's replies
+do): `omni_local.first_audio_ms`, from the moment the response was asked for (with server VAD, just
+after `speech_stopped` was sent) to its first audio delta sent; None for a reply with no audio.
 """
 
+import time
 from collections.abc import Awaitable, Callable
 
 import anyio
@@ -38,6 +43,8 @@ class Response:
         self.message: Item | None = None  # the reply's message item, while open
         self.cancelled_for: str | None = None  # why it was cancelled: "client_cancelled", "turn_detected"
         self._stream: ReplyStream | None = None
+        self._asked_at = time.perf_counter()
+        self._first_audio_ms: float | None = None
 
     def cancel(self, reason: str) -> None:
         if self.cancelled_for is None:
@@ -85,6 +92,7 @@ class Response:
         done = self.shape(status) | {"status_details": details}
         if final is not None:
             done["usage"] = usage(final)
+        done["omni_local"] = {"first_audio_ms": self._first_audio_ms}
         await self.send(server_event("response.done", response=done))
 
     def shape(self, status: str) -> dict:
@@ -100,6 +108,8 @@ class Response:
             await self.send(server_event(kind, delta=event.text, **self._place()))
         elif isinstance(event, AudioChunk) and self.spoken and len(event.samples):
             await self._open_message()
+            if self._first_audio_ms is None:
+                self._first_audio_ms = round((time.perf_counter() - self._asked_at) * 1000, 1)
             self.message.spoken.sent(len(event.samples), len(self.message.text))
             await self.send(server_event("response.output_audio.delta", delta=base64_pcm16(event.samples),
                                          **self._place()))
