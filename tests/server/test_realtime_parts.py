@@ -64,10 +64,12 @@ def test_semantic_vad_is_refused_and_server_vad_takes_its_settings():
                                                                 silence_duration_ms=300, prefix_padding_ms=100)
 
 
-def test_an_item_of_a_kind_not_served_is_refused():
+def test_an_item_or_a_part_of_a_kind_not_served_is_refused_naming_its_place():
     assert isinstance(read_event(json.dumps({"type": "conversation.item.create", "item": {
         "type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}})), ItemCreate)
-    refusal({"type": "conversation.item.create", "item": {"type": "mcp_call", "id": "x"}})
+    assert refusal({"type": "conversation.item.create", "item": {"type": "mcp_call", "id": "x"}}).param == "item"
+    assert refusal({"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_image"}]}}).param == "item.content[0].type"
 
 
 def test_bad_base64_and_an_odd_number_of_bytes_are_refused():

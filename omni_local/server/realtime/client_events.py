@@ -170,6 +170,7 @@ class ResponseCancel(_Event):
 ClientEvent = (SessionUpdate | AudioAppend | AudioCommit | AudioClear | ItemCreate | ItemTruncate | ItemDelete
                | ResponseCreate | ResponseCancel)
 _EVENTS = {model.model_fields["type"].annotation.__args__[0]: model for model in ClientEvent.__args__}
+_ITEM_TYPES = {"message", "function_call_output"}
 _READER = TypeAdapter(Annotated[ClientEvent, Field(discriminator="type")])
 
 
@@ -190,5 +191,6 @@ def read_event(text: str | bytes) -> ClientEvent:
         return _READER.validate_python(raw)
     except ValidationError as error:
         first = error.errors()[0]
-        where = place(first["loc"][1:])  # after the event's type, which pydantic names first
+        # Past the event's type, which pydantic names first, and an item's, which it names after "item".
+        where = place(tuple(step for step in first["loc"][1:] if step not in _ITEM_TYPES))
         raise EventError(f"{kind}: {where}: {first['msg']}", "invalid_value", where, event_id) from None

@@ -131,7 +131,8 @@ class RealtimeSession:
                                  param=f"item.content[{index}].type")
             if part.type == "input_audio":
                 audio.append(to_16k(decode_pcm16(part.audio or "", f"item.content[{index}].audio")))
-            text += part.text or part.transcript or ""
+            # A reply's transcript is its text; a user's audio is heard as it is, whatever its transcript says.
+            text += part.text or (part.transcript if part.type == "output_audio" else None) or ""
         samples = self._checked(np.concatenate(audio), "item.content") if audio else None
         return Item(item_id, "message", given.role, text=text, audio=samples)
 
