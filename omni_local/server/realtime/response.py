@@ -101,20 +101,25 @@ class Response:
                 "output_modalities": ["audio" if self.spoken else "text"], "usage": None}
 
     async def _event(self, event: object) -> None:
-        if isinstance(event, TextDelta) and event.text:
-            await self._open_message()
-            self.message.text += event.text
+        if isinstance(event, ToolCall):
+            await self._call(event)
+            return
+        text = event.text if isinstance(event, TextDelta) else ""
+        audio = event.samples if isinstance(event, AudioChunk) and self.spoken else None
+        if not text and (audio is None or not len(audio)):
+            return
+        await self._open_message()
+        if self.cancelled_for is not None:
+            return  # cancelled while the item was being opened: its text stays as the client has it
+        if text:
+            self.message.text += text
             kind = "response.output_audio_transcript.delta" if self.spoken else "response.output_text.delta"
-            await self.send(server_event(kind, delta=event.text, **self._place()))
-        elif isinstance(event, AudioChunk) and self.spoken and len(event.samples):
-            await self._open_message()
+            await self.send(server_event(kind, delta=text, **self._place()))
+        else:
             if self._first_audio_ms is None:
                 self._first_audio_ms = round((time.perf_counter() - self._asked_at) * 1000, 1)
-            self.message.spoken.sent(len(event.samples), len(self.message.text))
-            await self.send(server_event("response.output_audio.delta", delta=base64_pcm16(event.samples),
-                                         **self._place()))
-        elif isinstance(event, ToolCall):
-            await self._call(event)
+            self.message.spoken.sent(len(audio), len(self.message.text))
+            await self.send(server_event("response.output_audio.delta", delta=base64_pcm16(audio), **self._place()))
 
     async def _open_message(self) -> None:
         if self.message is not None:

@@ -17,8 +17,8 @@ from anyio import to_thread
 from omni_local.api import OmniLocal
 from omni_local.media import SAMPLE_RATE
 from omni_local.media.audio import check_duration, check_samples
-from omni_local.protocol.params import SpeechParams
 from omni_local.errors import OmniLocalError
+from omni_local.protocol.params import SpeechParams
 from omni_local.server.realtime.client_events import (AudioAppend, AudioClear, AudioCommit, ClientEvent, EventError,
                                                       ItemCreate, ItemDelete, ItemTruncate, MessageItem,
                                                       ResponseCancel, ResponseCreate, ResponseFields, SessionUpdate)
@@ -37,12 +37,14 @@ class RealtimeSession:
         self.id = new_id("sess")  # the engine's chat id: the prefix cache continues its entry
         self.config = SessionConfig.default(app.info, app.settings.voice)
         self.conversation = Conversation()
-        self.audio = InputAudio(self.config.turn_detection, app.settings.max_audio_seconds)
+        self.audio: InputAudio | None = None  # made by `begin`: loading the VAD is blocking work
         self.response: Response | None = None
         self._task: asyncio.Task | None = None
         self._next_item = new_id("item")  # the id the buffer's audio gets once committed
 
     async def begin(self) -> None:
+        self.audio = await to_thread.run_sync(InputAudio, self.config.turn_detection,
+                                              self.app.settings.max_audio_seconds, limiter=self.threads)
         await self.send(server_event("session.created", session=self._shape()))
 
     async def handle(self, event: ClientEvent) -> None:
@@ -118,7 +120,7 @@ class RealtimeSession:
             calls = {known.call.id for known in self.conversation.items if known.type == "function_call"}
             if given.call_id not in calls:
                 raise EventError(f"no function call in the conversation has the call_id {given.call_id!r}",
-                                 param="item.call_id", event_id=event.event_id)
+                                 param="item.call_id")
             item = Item(item_id, "function_call_output", "tool", text=given.output, call_id=given.call_id)
         await self._item_added(item, self.conversation.add(item))
 
@@ -145,7 +147,10 @@ class RealtimeSession:
         if event.content_index != 0:
             raise EventError("a reply has one content part: content_index must be 0", param="content_index")
         item = self.conversation.find(event.item_id)
-        if item.status == "in_progress":
+        # A client truncates as soon as it hears speech over the reply, before the cancelled response's
+        # end: a cancelled response adds nothing more to its item, so only a running one's is refused.
+        running = self.response is not None and self.response.cancelled_for is None
+        if running and item.response_id == self.response.id:
             raise EventError(f"item {item.id} is still being made: cancel its response first", param="item_id")
         item.truncate(event.audio_end_ms)
         await self.send(server_event("conversation.item.truncated", item_id=item.id, content_index=0,
@@ -160,8 +165,7 @@ class RealtimeSession:
 
     async def _cancel(self, event: ResponseCancel) -> None:
         if self.response is None or (event.response_id and event.response_id != self.response.id):
-            raise EventError("there is no response in progress to cancel", "response_cancel_not_active",
-                             event_id=event.event_id)
+            raise EventError("there is no response in progress to cancel", "response_cancel_not_active")
         self.response.cancel("client_cancelled")
 
     async def _respond(self, fields: ResponseFields | None) -> None:
