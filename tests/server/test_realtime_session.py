@@ -18,15 +18,13 @@ from omni_local.access import ApiKeys
 from omni_local.server.admission import Admission
 from omni_local.server.realtime.route import MAX_MESSAGE_BYTES, RealtimeRoute
 from omni_local.server.routes import api_mount
+from realtime_events import ANSWERED, TEXT_ONLY, of, say, typed_session, until
 from samples import wait_for
 
 END = "<|im_end|>"
 PARIS = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city, now.",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-ANSWERED = {"completed", "incomplete"}  # a reply that ended, or that max_output_tokens cut
-TEXT_ONLY = {"type": "session.update", "session": {"type": "realtime", "output_modalities": ["text"],
-                                                   "audio": {"input": {"turn_detection": None}}}}
 
 
 @pytest.fixture(scope="module")
@@ -46,36 +44,6 @@ def sent(app, monkeypatch) -> list:
 
     monkeypatch.setattr(app.backend, "send", sending)
     return calls
-
-
-def until(ws, kind: str) -> list[dict]:
-    """The server's events up to and with the first of `kind`; an error or a response's end before it
-    fails the test (rather than wait for what will not come)."""
-    events = [ws.receive_json()]
-    while events[-1]["type"] != kind:
-        assert events[-1]["type"] not in {"error", "response.done"} - {kind}, events[-1]
-        events.append(ws.receive_json())
-    return events
-
-
-def typed_session(ws, *updates: dict) -> None:
-    until(ws, "session.created")
-    for update in (TEXT_ONLY, *updates):
-        ws.send_json(update)
-        until(ws, "session.updated")
-
-
-def say(ws, text: str, **response: object) -> list[dict]:
-    """A user text item, then a response to it: its events up to response.done."""
-    ws.send_json({"type": "conversation.item.create", "item": {
-        "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}})
-    until(ws, "conversation.item.done")
-    ws.send_json({"type": "response.create", "response": {"max_output_tokens": 8, **response}})
-    return until(ws, "response.done")
-
-
-def of(events: list[dict], kind: str) -> list[dict]:
-    return [event for event in events if event["type"] == kind]
 
 
 def test_a_typed_turn_streams_text_deltas_that_add_up_to_the_item_and_the_next_turn_reuses_it(http, sent):

@@ -9,7 +9,7 @@ from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
 from omni_local.server.routes import api_mount
-from test_realtime_session import of, until
+from realtime_events import of, until
 
 TYPED_SPOKEN = {"type": "session.update", "session": {"type": "realtime", "output_modalities": ["audio"],
                                                       "audio": {"input": {"turn_detection": None}}}}
