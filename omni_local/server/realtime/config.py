@@ -6,7 +6,8 @@ from dataclasses import dataclass, field, replace
 
 from omni_local.errors import RequestError
 from omni_local.protocol.backend import BackendInfo
-from omni_local.protocol.tools import FunctionChoice, Tool, ToolChoice, ToolUse
+from omni_local.protocol.functions import Tool
+from omni_local.protocol.tools import FunctionChoice, ToolChoice, ToolUse
 from omni_local.server.realtime.client_events import (EventError, FunctionTool, ResponseFields, ServerVad,
                                                       SessionFields)
 
