@@ -112,7 +112,13 @@ def test_without_turn_detection_the_buffer_keeps_everything_until_committed_and_
         audio.take()
 
 
-def test_the_buffer_refuses_audio_past_its_limit():
+def test_with_server_vad_the_buffer_keeps_its_last_seconds_through_a_long_silence():
+    audio = InputAudio(ServerVad(type="server_vad"), max_seconds=1)
+    assert fed(audio, np.zeros(3 * 24_000, np.float32)) == []
+    assert 15_500 <= len(audio.samples()) <= 16_000  # its last second, give or take the piece it dropped
+
+
+def test_without_turn_detection_the_buffer_refuses_audio_past_its_limit():
     audio = InputAudio(None, max_seconds=1)
     audio.append(np.zeros(24_000 - 2400, np.float32))
     with pytest.raises(EventError, match="more than 1 s") as refused:

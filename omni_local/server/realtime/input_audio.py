@@ -6,10 +6,15 @@ committed or cleared. With server VAD on, the stream is fed to voice.py's `Speec
 step (512 samples) at a time, so each start and stop is placed to the step: `audio_start_ms` and
 `audio_end_ms` count from the session's first sample, as OpenAI's do. A stop commits the utterance
 the detector cut (with its `prefix_padding_ms` of audio from before the start), not the whole buffer.
+
+The buffer holds at most `max_audio_seconds`. Without VAD an append past that is refused (the
+client commits or clears); with VAD the oldest audio goes instead, since a session that listens
+through minutes of silence commits nothing.
 """
 
 import base64
 import binascii
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,7 +60,8 @@ class InputAudio:
     def __init__(self, vad: ServerVad | None, max_seconds: float) -> None:
         self.max_samples = int(max_seconds * SAMPLE_RATE)
         self._resampler = soxr.ResampleStream(SPEECH_SAMPLE_RATE, SAMPLE_RATE, 1, dtype="float32")
-        self._buffer: list[np.ndarray] = []  # 16 kHz, since the last commit or clear
+        self._buffer: deque[np.ndarray] = deque()  # 16 kHz, since the last commit or clear
+        self._held = 0  # samples in the buffer
         self._unstepped = np.zeros(0, np.float32)  # resampled, not yet fed to the detector
         self._stepped = 0  # 16 kHz samples fed to the detector, in all
         self.detector = self._detector(vad)
@@ -72,12 +78,12 @@ class InputAudio:
 
     def append(self, samples: np.ndarray) -> list[SpeechStart | SpeechStop]:
         """24 kHz samples in; the starts and stops of speech they complete."""
-        held = sum(len(piece) for piece in self._buffer)
-        if (held + len(samples) * SAMPLE_RATE // SPEECH_SAMPLE_RATE) > self.max_samples:
+        incoming = len(samples) * SAMPLE_RATE // SPEECH_SAMPLE_RATE
+        if self.detector is None and self._held + incoming > self.max_samples:
             raise EventError(f"the input audio buffer would hold more than {self.max_samples // SAMPLE_RATE} s "
                              "(max_audio_seconds): commit or clear it", "input_audio_buffer_full")
         resampled = self._resampler.resample_chunk(samples)
-        self._buffer.append(resampled)
+        self._keep(resampled)
         if self.detector is None:
             self._stepped += len(resampled)
             return []
@@ -90,12 +96,19 @@ class InputAudio:
                 found.append(SpeechStart(self._ms()) if isinstance(event, SpeechStarted)
                              else SpeechStop(self._ms(), event.samples))
         if any(isinstance(event, SpeechStop) for event in found):
-            self._buffer = [self._unstepped.copy()]  # what follows the utterance stays for the next
+            self.clear_buffer()
+            self._keep(self._unstepped.copy())  # what follows the utterance stays for the next
         return found
+
+    def _keep(self, piece: np.ndarray) -> None:
+        self._buffer.append(piece)
+        self._held += len(piece)
+        while self.detector is not None and self._held > self.max_samples and len(self._buffer) > 1:
+            self._held -= len(self._buffer.popleft())
 
     def take(self) -> np.ndarray:
         """The buffer, committed by the client (with the resampler's last few ms): emptied."""
-        self._buffer.append(self._resampler.resample_chunk(np.zeros(0, np.float32), last=True))
+        self._keep(self._resampler.resample_chunk(np.zeros(0, np.float32), last=True))
         self._resampler.clear()
         samples = self.samples()
         if len(samples) * 1000 < MIN_COMMIT_MS * SAMPLE_RATE:
@@ -107,8 +120,13 @@ class InputAudio:
     def samples(self) -> np.ndarray:
         return np.concatenate(self._buffer) if self._buffer else np.zeros(0, np.float32)
 
+    def clear_buffer(self) -> None:
+        self._buffer.clear()
+        self._held = 0
+
     def clear(self) -> None:
-        self._buffer = []
+        """The buffer emptied and the detector's utterance, if one is under way, forgotten."""
+        self.clear_buffer()
         if self.detector is not None:
             self.detector.reset()
             self._stepped += len(self._unstepped)
