@@ -96,7 +96,7 @@ class InputAudio:
                 found.append(SpeechStart(self._ms()) if isinstance(event, SpeechStarted)
                              else SpeechStop(self._ms(), event.samples))
         if any(isinstance(event, SpeechStop) for event in found):
-            self.clear_buffer()
+            self._clear_buffer()
             self._keep(self._unstepped.copy())  # what follows the utterance stays for the next
         return found
 
@@ -120,13 +120,13 @@ class InputAudio:
     def samples(self) -> np.ndarray:
         return np.concatenate(self._buffer) if self._buffer else np.zeros(0, np.float32)
 
-    def clear_buffer(self) -> None:
+    def _clear_buffer(self) -> None:
         self._buffer.clear()
         self._held = 0
 
     def clear(self) -> None:
         """The buffer emptied and the detector's utterance, if one is under way, forgotten."""
-        self.clear_buffer()
+        self._clear_buffer()
         if self.detector is not None:
             self.detector.reset()
             self._stepped += len(self._unstepped)
