@@ -4,7 +4,9 @@ response events, its output added to the conversation as it comes.
 A reply's text opens an assistant message item (spoken: an `output_audio` part, whose transcript is
 the text; else an `output_text` part); each tool call the reply makes is a `function_call` item of
 its own, its arguments sent whole in one delta (calls are read once their text is whole:
-protocol/tool_calls.py). Once the response is cancelled (`response.cancel`, or the user speaking
+protocol/tool_calls.py). A spoken reply is spoken up to its first call, and that speech may still
+be coming when the call is read: its calls wait for the reply's end, so its message item, closed
+before them, holds all of its audio. Once the response is cancelled (`response.cancel`, or the user speaking
 over it) nothing more of it is sent: the item keeps what the client was sent, and the engine's
 `Finished`, which follows within a step, gives the usage.
 
@@ -45,6 +47,7 @@ class Response:
         self._stream: ReplyStream | None = None
         self._asked_at = time.perf_counter()
         self._first_audio_ms: float | None = None
+        self._calls: list[ToolCall] = []  # a spoken reply's, until its end
 
     def cancel(self, reason: str) -> None:
         if self.cancelled_for is None:
@@ -84,6 +87,9 @@ class Response:
             whole = final is not None and final.text == self.message.text and not final.tool_calls
             self.message.token_ids = final.token_ids if whole else None
             await self._close_message("completed" if status == "completed" else "incomplete")
+        if self.cancelled_for is None:
+            for call in self._calls:
+                await self._call(call)
         details = {"type": status}
         if self.cancelled_for is not None:
             details["reason"] = self.cancelled_for
@@ -102,7 +108,10 @@ class Response:
 
     async def _event(self, event: object) -> None:
         if isinstance(event, ToolCall):
-            await self._call(event)
+            if self.spoken:
+                self._calls.append(event)
+            else:
+                await self._call(event)
             return
         text = event.text if isinstance(event, TextDelta) else ""
         audio = event.samples if isinstance(event, AudioChunk) and self.spoken else None
