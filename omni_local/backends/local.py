@@ -114,8 +114,10 @@ class LocalBackend:
         messages = conversation_for(self.info.kind, messages)
         if tools is None or not tools.offered:
             return LocalReply(self.engine.submit(session, messages, params, speech, principal))
-        tools.check(self.info.kind, speech is not None)
-        return LocalReply(self.engine.submit(session, tools.conversation(messages), params, speech, principal), tools)
+        tools.check(self.info.kind)
+        speech = None if tools.reply_prefix else speech  # a reply begun inside a call has nothing to speak
+        return LocalReply(self.engine.submit(session, tools.conversation(messages), params, speech, principal,
+                                             calls=True), tools)
 
     def read_video(self, item: str | Path | bytes | Video) -> Video:
         """A video as the model takes it: frames at the checkpoint's rate (else `video_fps`), and its

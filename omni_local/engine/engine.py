@@ -9,7 +9,8 @@ decoding (one batched forward when graphed), then reads the first tokens of the 
 finished (chosen on the device after their last part, read once that step is queued, so the
 decoding replies do not wait for them), then makes one frame of every spoken reply, and streams
 (reply_text.py). A spoken reply gives its seat and blocks back when its text ends and stays in the
-turns until its speech ends.
+turns until its speech ends. A reply that may call tools is spoken up to where a call opens: the
+Talker's text ends at that token as it ends at the end of turn, while the Thinker writes the call on.
 
 The host does not wait for a decode step it queues. A step's tokens are chosen on the device
 (SeatSampler, one row per seat) and are the next step's input there; the host reads them one turn
@@ -59,7 +60,7 @@ from omni_local.engine.request import Failed, Request, State
 from omni_local.engine.scheduler import Scheduler
 from omni_local.engine.seats import Seats
 from omni_local.errors import OmniLocalError, RequestError
-from omni_local.model.loader import LoadedModel, media_markup_token_ids, thinker_eos_token_ids
+from omni_local.model.loader import LoadedModel, call_open_token_id, media_markup_token_ids, thinker_eos_token_ids
 from omni_local.model.reasoning import reasoning_marks
 from omni_local.protocol.events import AudioChunk, StopReason, Waiting
 from omni_local.protocol.messages import Message
@@ -84,6 +85,7 @@ class Engine:
         self.encoder_cache, self.runner, self.speaker, self.cache = (parts.encoder_cache, parts.runner, parts.speaker,
                                                                      parts.cache)
         self.eos_ids = set(thinker_eos_token_ids(loaded))
+        self.call_open = call_open_token_id(loaded)
         # A reply is text: a media placeholder in it would be taken for a medium in the next prompt.
         self.suppressed_ids = media_markup_token_ids(loaded)
         suppressed = torch.tensor(self.suppressed_ids, dtype=torch.long, device=self.runner.device)
@@ -111,19 +113,22 @@ class Engine:
 
     def submit(
         self, session: str, messages: list[Message], params: SamplingParams, speech: SpeechParams | None = None,
-        principal: str = LOCAL_USER
+        principal: str = LOCAL_USER, calls: bool = False
     ) -> Request:
         """Queue a reply to `messages` (ending in a user turn) in `principal`'s chat `session`, whose KV
-        it continues; spoken too if `speech` is given. A request for speech this engine cannot make
-        raises here."""
+        it continues; spoken too if `speech` is given, and then, if it may make tool `calls`, spoken up
+        to its first call's opening. A request for speech this engine cannot make raises here."""
         if speech is not None:
             if self.speaker is None:
                 raise RequestError("spoken replies need the Talker: start with speech = true (--speech true) "
                                    "on a checkpoint that has one")
             self.speaker.check(speech)
+            if calls and self.call_open is None:
+                raise RequestError("tools: this checkpoint's tokenizer has no single <tool_call> token, so a "
+                                   "spoken reply could not stop before its calls: ask for text alone")
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         request = Request(session=session, messages=list(messages), params=params, seed=seed, speech=speech,
-                          principal=principal)
+                          call_open=self.call_open if calls else None, principal=principal)
         self._inbox.put(request)
         return request
 
@@ -352,15 +357,18 @@ class Engine:
 
     def _accept(self, request: Request, token: int, found: RowLogprobs | None = None) -> None:
         """Take `token` as `request`'s next; `found`: its log-probabilities, if the request asked."""
+        opens_call = token == request.call_open
         if not request.output_ids:
             request.first_token_at = time.perf_counter()
-            if request.speech is not None and token not in self.eos_ids:
+            if request.speech is not None and token not in self.eos_ids and not opens_call:
                 # Now, while the Thinker's blocks (and the Talker rows in them) are surely still held.
                 with phase(BEGIN_SPEECH):
                     request.spoken = self.speaker.begin(request.speech, request.principal, request.session,
                                                         request.seed, request.prompt, token, self.runner.kv,
                                                         request.table)
         request.output_ids.append(token)
+        if opens_call and request.call_opened is None:
+            request.call_opened = len(request.output_ids) - 1
         if token in self.eos_ids:
             return self._end_text(request, "end_of_turn")
         self.text.take(request, token, found)
@@ -370,7 +378,7 @@ class Engine:
 
     def _speak(self, request: Request) -> None:
         with phase(SPEECH_FRAME):
-            chunk = self.speaker.step(request.spoken, request.output_ids, request.text_done)
+            chunk = self.speaker.step(request.spoken, *request.spoken_text)
         if chunk is not None:
             request.events.put(AudioChunk(*chunk))
 

@@ -45,7 +45,8 @@ EngineEvent = Waiting | TextDelta | ReasoningDelta | AudioChunk | Finished | Fai
 
 class State(Enum):
     """Where a request is in the engine. Speech is no state of its own: a spoken reply speaks from
-    its first token on, while it decodes and after its text is done."""
+    its first token on, while it decodes and after its text is done (or, up to a tool call's opening,
+    while the Thinker writes the call)."""
 
     WAITING = auto()  # in line for a seat and blocks, its prompt built (or why it could not be)
     PREFILLING = auto()  # admitted: part of its prompt is not in its blocks yet
@@ -76,6 +77,7 @@ class Request:
     params: SamplingParams
     seed: int
     speech: SpeechParams | None = None  # a spoken reply was asked for
+    call_open: int | None = None  # the token opening a tool call, where the reply may make one: never spoken
     principal: str = LOCAL_USER  # whose (access.py): its caches are shared with this principal's requests alone
     events: "queue.Queue[EngineEvent]" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -107,6 +109,7 @@ class Request:
     text_done_at: float = 0.0
     stop_reason: StopReason = "end_of_turn"
     spoken: SpokenReply | None = None  # the speech, once the first token is known
+    call_opened: int | None = None  # the index in `output_ids` of the first `call_open`: the speech ends there
     state: State = State.WAITING  # changed by `move` alone
 
     def move(self, to: State) -> None:
@@ -126,6 +129,14 @@ class Request:
     def speaking(self) -> bool:
         """Its speech has frames to come: a spoken reply that has begun and not ended."""
         return self.spoken is not None and not self.spoken.done and not self.ended
+
+    @property
+    def spoken_text(self) -> tuple[list[int], bool]:
+        """The reply's tokens its speech reads so far, and whether they are all: a tool call's opening
+        ends them as the end of turn ends the text, so the Talker never speaks the call."""
+        if self.call_opened is None:
+            return self.output_ids, self.text_done
+        return self.output_ids[:self.call_opened + 1], True
 
     @property
     def table(self) -> BlockTable:

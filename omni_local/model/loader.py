@@ -36,6 +36,7 @@ from omni_local.model.reasoning import template_opens_reasoning
 from omni_local.model.weights import load_weights, weight_files
 from omni_local.model.workarounds import apply_workarounds, load_processor
 from omni_local.protocol.kinds import ModelKind
+from omni_local.protocol.tools import CALL_OPEN
 from omni_local.settings import EngineConfig
 from omni_local.start_up_steps import start_up_step
 
@@ -143,6 +144,13 @@ def media_markup_token_ids(loaded: LoadedModel) -> list[int]:
     names = ("image_token", "video_token", "audio_token", "vision_bos_token", "vision_eos_token",
              "audio_bos_token", "audio_eos_token")
     return sorted({tokenizer.convert_tokens_to_ids(getattr(tokenizer, name)) for name in names})
+
+
+def call_open_token_id(loaded: LoadedModel) -> int | None:
+    """The token that opens a tool call (`<tool_call>`, one added token in Qwen3-Omni's tokenizer), or
+    None where the tokenizer spells it in several."""
+    ids = loaded.processor.tokenizer.encode(CALL_OPEN, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None
 
 
 def thinker_eos_token_ids(loaded: LoadedModel) -> list[int]:

@@ -11,6 +11,10 @@ template's without tools, as vLLM builds it) and reads no call from the reply; "
 named function offer them and begin the reply with the opening of a call (`REQUIRED_PREFIX`, or
 the named function's `named_prefix`), which the model continues: the reply then is a call, unless
 the model breaks the JSON (then it is returned as text, as any malformed call is).
+
+A spoken reply that may call tools is spoken up to where its first call opens, and no further: the
+call's text is never spoken, a malformed one included (it comes back as text, unspoken). A reply
+begun with a call ("required", a named function) has no audio.
 """
 
 import reprlib
@@ -78,15 +82,12 @@ class ToolUse:
     def known(self, name: str) -> bool:
         return any(tool.name == name for tool in self.offered)
 
-    def check(self, kind: ModelKind, speaks: bool) -> None:
-        """Refuse what a model of `kind` cannot do with these tools (and a spoken reply, if `speaks`)."""
+    def check(self, kind: ModelKind) -> None:
+        """Refuse what a model of `kind` cannot do with these tools."""
         if not self.offered:
             return
         if kind == "captioner":
             raise RequestError("tools: the Captioner describes audio and calls no tools")
-        if speaks:
-            raise RequestError("tools: a spoken reply cannot call tools (the Talker would speak the calls): "
-                               "ask for text alone, or set tool_choice to 'none'")
         if kind == "thinking" and self.reply_prefix:
             raise RequestError("tool_choice: a Thinking checkpoint reasons before it answers, so its reply "
                                "cannot begin with a call: use 'auto'")

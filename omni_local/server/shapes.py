@@ -28,7 +28,8 @@ Not streamed: `choices[0].message` holds the text as `content` (and any reasonin
 `reasoning_content`; any tool calls as `tool_calls`, `content` then null if the reply said nothing
 else); with audio, `content` is null and
 `message.audio = {"id", "data", "transcript", "expires_at"}`, `data` the whole speech as a base64
-WAV file or PCM16, per `audio.format`. The server keeps no audio to refer to later: `expires_at` is
+WAV file or PCM16, per `audio.format` (a spoken reply that calls tools: the speech of its text before
+the first call; one that is calls alone has no `audio`). The server keeps no audio to refer to later: `expires_at` is
 the reply's own time. `usage` and `omni_local` at the top level.
 """
 
@@ -102,7 +103,8 @@ class ReplyShapes:
         if final.tool_calls:
             message["content"] = final.text or None
             message["tool_calls"] = [call.openai() for call in final.tool_calls]
-        if self.audio_id is not None:
+        # A reply of calls alone has no speech: no `audio`, as OpenAI's.
+        if self.audio_id is not None and (len(speech) or not final.tool_calls):
             data = base64_wav(speech) if audio_format == "wav" else base64_pcm16(speech)
             message["content"] = None
             message["audio"] = {"id": self.audio_id, "data": data, "transcript": final.text,

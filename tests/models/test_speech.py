@@ -1,5 +1,6 @@
 """Spoken replies: the Talker's codes are transformers' own, the audio streams while the text does,
-the prefix cache never changes what is said, and a bad request for speech is a clear error."""
+the prefix cache never changes what is said, a reply that calls a tool is spoken up to the call and
+no further, and a bad request for speech is a clear error."""
 
 import time
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from chats import SpokenChat, written
+from forced_replies import forced_replies
 from device_under_test import TEST_DEVICE
 from replies import GREEDY, NEW_TOKENS, media, send, transformers_speech
 from samples import QUESTIONS, clip, picture
@@ -17,9 +19,15 @@ from omni_local.engine.forward.vocoder import AudioStream, Vocoder
 from omni_local.engine.prompt.builder import build_prompt
 from omni_local.errors import RequestError
 from omni_local.metrics_line import metrics_line
+from omni_local.protocol.functions import Tool
 from omni_local.protocol.messages import Message
+from omni_local.protocol.tools import REQUIRED_PREFIX
 
 SPEECH_SECONDS = 2.0  # 25 frames: every reply here is cut there (the demo's random Talker rarely ends)
+END = "<|im_end|>"
+PARIS = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+BROKEN = '<tool_call>\n{"name": "get_weather", "arguments": {"city": Paris}}\n</tool_call>'
+WEATHER = Tool("get_weather", "The weather in a city, now.", {"type": "object", "properties": {"city": {"type": "string"}}})
 
 
 @pytest.fixture(scope="module")
@@ -244,3 +252,28 @@ def test_a_reply_without_speech_has_no_audio(speaking_apps):
     reply = speaking_apps[0].session().send("Hi", max_new_tokens=4)
     final = reply.result()
     assert final.speech is None and reply.audio.size == 0
+
+
+@pytest.mark.parametrize(("call", "calls"), [(PARIS, ["get_weather"]), (BROKEN, [])], ids=["call", "broken call"])
+def test_a_reply_that_opens_a_call_is_spoken_as_the_same_reply_ended_where_the_call_opens(speaking_apps, call, calls):
+    # The Talker reads text-EOS where the call opens, as where the end of turn is: the same speech. Had
+    # it read the call's tokens, the frames from there on would differ.
+    app = speaking_apps[0]
+    with forced_replies(app.backend.engine, app.backend.loaded.processor.tokenizer, f"I will check. {call}{END}",
+                        f"I will check. {END}"):
+        called, called_frames, called_audio, _ = send(app, app.session(), "Weather?", tools=[WEATHER],
+                                                      max_new_tokens=64)
+        spoken, frames, audio, _ = send(app, app.session(), "Weather?")
+    assert [c.name for c in called.tool_calls] == calls and (call in called.text) == (not calls)
+    assert called.stop_reason == "end_of_turn" and len(frames) == called.speech.frames > 6
+    assert called_frames == frames and np.array_equal(called_audio, audio)
+
+
+@pytest.mark.parametrize(("choice", "reply"), [("auto", PARIS), ("required", PARIS.removeprefix(REQUIRED_PREFIX))])
+def test_a_spoken_reply_that_begins_with_a_call_has_no_audio_and_ends(speaking_apps, choice, reply):
+    app = speaking_apps[0]
+    with forced_replies(app.backend.engine, app.backend.loaded.processor.tokenizer, reply + END):
+        final, frames, audio, _ = send(app, app.session(), "Weather?", tools=[WEATHER], tool_choice=choice,
+                                       max_new_tokens=64)
+    assert [call.name for call in final.tool_calls] == ["get_weather"] and final.stop_reason == "end_of_turn"
+    assert final.speech is None and frames == [] and audio.size == 0

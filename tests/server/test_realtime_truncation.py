@@ -1,6 +1,7 @@
 """Spoken replies in a realtime session (in this process, the app with the Talker): one cut short,
 which the client truncates at the audio it played, leaves in the next turn's prompt exactly the
-transcript that had been sent with that audio; one that offers tools is refused."""
+transcript that had been sent with that audio; one that calls a tool is spoken up to the call, and
+the call follows as its item."""
 
 import base64
 
@@ -8,9 +9,12 @@ import pytest
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
+from forced_replies import forced_replies
 from omni_local.server.routes import api_mount
 from realtime_events import of, until
 
+END = "<|im_end|>"
+PARIS = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TYPED_SPOKEN = {"type": "session.update", "session": {"type": "realtime", "output_modalities": ["audio"],
                                                       "audio": {"input": {"turn_detection": None}}}}
 
@@ -62,16 +66,24 @@ def test_a_reply_truncated_at_its_first_audio_keeps_the_transcript_sent_before_i
     assert kept is None or speaking_app.backend.loaded.processor.tokenizer.decode(kept) == heard
 
 
-def test_a_spoken_response_that_offers_tools_is_refused_with_an_error_event(speaking_app):
-    http = TestClient(Starlette(routes=[api_mount(speaking_app, None)]))
+def test_a_spoken_response_that_calls_a_tool_speaks_its_text_then_sends_the_function_call_item(speaking_app):
     tool = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}
-    with http.websocket_connect("/v1/realtime") as ws:
+    http = TestClient(Starlette(routes=[api_mount(speaking_app, None)]))
+    with forced_replies(speaking_app.backend.engine, speaking_app.backend.loaded.processor.tokenizer,
+                        f"I will check. {PARIS}{END}"), http.websocket_connect("/v1/realtime") as ws:
         until(ws, "session.created")
         ws.send_json(TYPED_SPOKEN)
         until(ws, "session.updated")
         ws.send_json({"type": "conversation.item.create", "item": {
             "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather?"}]}})
         until(ws, "conversation.item.done")
-        ws.send_json({"type": "response.create", "response": {"tools": [tool]}})
-        assert "a spoken reply cannot call tools" in until(ws, "error")[-1]["error"]["message"]
-        assert until(ws, "response.done")[-1]["response"]["status"] == "failed"
+        ws.send_json({"type": "response.create", "response": {"tools": [tool], "max_output_tokens": 64}})
+        events = until(ws, "response.done")
+    kinds = [event["type"] for event in events]
+    done = events[-1]["response"]
+    assert done["status"] == "completed" and [item["type"] for item in done["output"]] == ["message", "function_call"]
+    assert done["output"][0]["content"][0]["transcript"] == "I will check."
+    assert of(events, "response.function_call_arguments.done")[0]["name"] == "get_weather"
+    # The call's item comes after the message's audio, all of it.
+    assert len(of(events, "response.output_audio.delta")) > 0
+    assert kinds.index("response.output_audio.done") < kinds.index("response.function_call_arguments.done")

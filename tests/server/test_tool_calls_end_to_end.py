@@ -29,11 +29,15 @@ WEATHER_TOOL = {"type": "function", "function": {"name": WEATHER.name, "descript
 QUESTION = {"role": "user", "content": "Weather in Paris?"}
 
 
-@pytest.fixture(scope="module")
-def sdk(app) -> openai.OpenAI:
+def client_of(app) -> openai.OpenAI:
     """The official client on the server's routes over `app`, in this process."""
     http = TestClient(Starlette(routes=[api_mount(app, None)]))
     return openai.OpenAI(base_url=f"{http.base_url}/v1", api_key="none", http_client=http, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def sdk(app) -> openai.OpenAI:
+    return client_of(app)
 
 
 @pytest.fixture
@@ -134,6 +138,21 @@ def test_a_call_the_prompt_began_and_the_reply_continued_is_read(sdk, forcing, a
     assert choice.message.content is None and choice.finish_reason == "tool_calls"
     prompt = app.backend.loaded.processor.tokenizer.decode(prompts[0])
     assert prompt.endswith(f"<|im_start|>assistant\n{opening}")  # the reply's tokens were the rest alone
+
+
+def test_a_spoken_reply_with_a_call_has_the_audio_of_its_text_before_the_call_and_the_call(speaking_app):
+    # Seeded, the Talker's draws are the same for the same text: the reply without the call says the same.
+    spoken = {"modalities": ["text", "audio"], "audio": {"voice": "chelsie", "format": "pcm16"}, "seed": 5}
+    sdk = client_of(speaking_app)
+    with forced_replies(speaking_app.backend.engine, speaking_app.backend.loaded.processor.tokenizer,
+                        f"I will check. {PARIS}{END}", f"I will check. {END}", PARIS + END):
+        called = ask(sdk, **spoken).choices[0]
+        alone = ask(sdk, **spoken).choices[0]
+        call_alone = ask(sdk, **spoken).choices[0]
+    assert calls_of(called.message) == calls_of(call_alone.message) == [("get_weather", {"city": "Paris"})]
+    assert called.finish_reason == "tool_calls" and called.message.audio.transcript == "I will check."
+    assert called.message.audio.data == alone.message.audio.data and len(called.message.audio.data) > 0
+    assert call_alone.message.audio is None and call_alone.message.content is None
 
 
 def test_a_call_cut_short_by_max_tokens_is_the_text_it_had_reached_with_finish_reason_length(sdk, forcing):
