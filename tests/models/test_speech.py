@@ -27,7 +27,8 @@ SPEECH_SECONDS = 2.0  # 25 frames: every reply here is cut there (the demo's ran
 END = "<|im_end|>"
 PARIS = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 BROKEN = '<tool_call>\n{"name": "get_weather", "arguments": {"city": Paris}}\n</tool_call>'
-WEATHER = Tool("get_weather", "The weather in a city, now.", {"type": "object", "properties": {"city": {"type": "string"}}})
+WEATHER = Tool("get_weather", "The weather in a city, now.",
+               {"type": "object", "properties": {"city": {"type": "string"}}})
 
 
 @pytest.fixture(scope="module")
@@ -277,3 +278,12 @@ def test_a_spoken_reply_that_begins_with_a_call_has_no_audio_and_ends(speaking_a
                                        max_new_tokens=64)
     assert [call.name for call in final.tool_calls] == ["get_weather"] and final.stop_reason == "end_of_turn"
     assert final.speech is None and frames == [] and audio.size == 0
+
+
+def test_a_spoken_reply_with_tools_is_refused_where_the_tokenizer_has_no_single_call_opening(
+        speaking_apps, monkeypatch):
+    app = speaking_apps[0]
+    monkeypatch.setattr(app.backend.engine, "call_open", None)  # as a tokenizer spelling <tool_call> in pieces
+    with pytest.raises(RequestError, match="no single <tool_call> token"):
+        app.session().send("Weather?", speak=True, tools=[WEATHER])
+    assert app.session().send("Weather?", tools=[WEATHER], max_new_tokens=4).result().stop_reason
