@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from omni_local.kernels.triton_support import KernelGpu, building_for, has_fp8_units
+from omni_local.settings import CacheSettings, EngineSettings
 
 ARCHITECTURES = (80, 86, 89, 90, 100, 120)
 # Shared memory a block may take (opt-in), in bytes, by architecture: NVIDIA's CUDA C++ Programming
@@ -66,8 +67,9 @@ STACKS = (StackShape("thinker", 2048, 32, 4, 128, 128, 768, 8, 152064, fp8_kv=Tr
 # fused_draw's vocabularies, and whether their samplers suppress ids: the Talker's codec head (its
 # special ids), its code predictor's (none).
 DRAWS = ((3072, True), (2048, False))
-PREFILL_TOKENS = 4096  # the settings' prefill_forward_tokens: the most tokens a MoE forward takes
-KV_BLOCK_TOKENS = 16  # the settings' kv_block_tokens
+# The defaults' shapes: the most tokens a MoE forward takes, and a KV block's rows.
+PREFILL_TOKENS = EngineSettings().prefill_forward_tokens
+KV_BLOCK_TOKENS = CacheSettings().kv_block_tokens
 GEMV_ROWS = (1, 16)  # a decode batch's fewest and most
 
 
