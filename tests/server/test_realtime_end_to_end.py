@@ -3,8 +3,9 @@ on the demo model with speech on: spoken turns found by server VAD, each answere
 transcript, a second turn reusing the first's KV, speech over a reply cancelling it, and turns typed
 and committed by hand with turn detection off.
 
-The recorded speech is streamed in 20 ms chunks as fast as the socket takes them, not in real time:
-the VAD reads samples, not the clock, so it finds the same starts and stops at any pace."""
+The recorded speech is streamed in 20 ms chunks, in real time in the first test, as a microphone
+sends it; the others send it as fast as the socket takes it, as the VAD reads samples, not the clock,
+and finds the same starts and stops at any pace."""
 
 import asyncio
 import base64
@@ -55,9 +56,13 @@ async def until(connection, kind: str) -> list:
     return events
 
 
-async def speak(connection, samples: np.ndarray = QUESTION) -> None:
+async def speak(connection, samples: np.ndarray = QUESTION, real_time: bool = False) -> None:
     pcm = np.round(np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes()
-    for start in range(0, len(pcm), CHUNK * 2):
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    for index, start in enumerate(range(0, len(pcm), CHUNK * 2)):
+        if real_time:  # each chunk when its 20 ms would have been recorded
+            await asyncio.sleep(max(0.0, began + index * CHUNK / 24_000 - loop.time()))
         await connection.input_audio_buffer.append(audio=base64.b64encode(pcm[start:start + CHUNK * 2]).decode())
 
 
@@ -74,7 +79,7 @@ def audio_of(events: list) -> np.ndarray:
 
 def test_a_spoken_question_is_answered_with_audio_and_its_transcript_and_the_next_turn_reuses_it(url):
     async def scenario(connection) -> None:
-        await speak(connection)
+        await speak(connection, real_time=True)
         first = await until(connection, "response.done")
         kinds = [event.type for event in first]
         assert kinds.index("input_audio_buffer.speech_started") < kinds.index("input_audio_buffer.speech_stopped") \
