@@ -4,7 +4,9 @@ they come (inbox.py), so the worker never stops every decoding chat to build one
 
 Each turn of the loop is schedule, run, postprocess. The scheduler (scheduler.py) admits waiting
 requests and plans the turn: the prefill parts (one chunk a turn while another reply decodes or
-speaks) and the requests to decode. The engine runs the parts, then one decode step of every request
+speaks) and the requests to decode. The engine runs the parts (several prompts' in one forward,
+their tokens packed, where prefills run eagerly: the experts' weights are read once for all of
+them), then one decode step of every request
 decoding (one batched forward when graphed), then reads the first tokens of the prompts that turn
 finished (chosen on the device after their last part, read once that step is queued, so the
 decoding replies do not wait for them), then makes one frame of every spoken reply, and streams
@@ -49,15 +51,17 @@ import torch
 
 from omni_local.access import LOCAL_USER
 from omni_local.engine.choices import Choices, DecodeStep
+from omni_local.engine.forward.prefill_chunks import PreparedPrompt
 from omni_local.engine.forward.sampling import SeatSampler
 from omni_local.engine.inbox import Inbox
 from omni_local.engine.logprobs import RowLogprobs
+from omni_local.engine.memory.kv_store import BlockTable
 from omni_local.engine.parts import current_device, make_parts
 from omni_local.engine.phases import (BEGIN_SPEECH, CHOOSE_FIRST, COLLECT, DECODE, FIRST_TOKEN, PREFILL, PREPARE,
                                       SPEECH_FRAME, phase)
 from omni_local.engine.reply_text import ReplyText
 from omni_local.engine.request import Failed, Request, State
-from omni_local.engine.scheduler import Scheduler
+from omni_local.engine.scheduler import Part, Scheduler
 from omni_local.engine.seats import Seats
 from omni_local.errors import OmniLocalError, RequestError
 from omni_local.model.loader import LoadedModel, call_open_token_id, media_markup_token_ids, thinker_eos_token_ids
@@ -219,8 +223,8 @@ class Engine:
         plan = self.scheduler.plan()
         for request in plan.cancelled:
             self._finish(request, "cancelled")
-        for part in plan.prefills:
-            self._guarded([part.request], lambda: self._prefill(part.request, part.end))
+        if plan.prefills:
+            self._prefill(plan.prefills)
         decoding = self.scheduler.make_room(plan.decoding, self._drain)
         previous, self._in_flight = self._in_flight, self._launch(decoding)
         if previous is not None:
@@ -256,22 +260,58 @@ class Engine:
         if isinstance(error, OmniLocalError):
             return str(error)
         if isinstance(error, torch.OutOfMemoryError):
-            if self.runner.device.type == "cuda":
-                torch.cuda.empty_cache()  # give back what the failed forward reserved
+            self._give_back_reserved(error)
             return "out of memory: try a shorter conversation, a smaller image or clip"
         log.error("request failed", exc_info=error)  # as it may be read after its `except`
         return f"internal error: {type(error).__name__}: {error}"
 
-    def _prefill(self, request: Request, end: int) -> None:
-        """`request`'s prefill up to row `end`, in one forward. The first part prepares the whole tail
-        (embeddings, media encoded); after the last comes its first token."""
+    def _give_back_reserved(self, error: Exception) -> None:
+        """After running out of GPU memory, give back what the failed forward reserved."""
+        if isinstance(error, torch.OutOfMemoryError) and self.runner.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _prefill(self, parts: tuple[Part, ...]) -> None:
+        """The turn's prefill parts, in one forward where the runner packs prefills: each prompt's first part prepares its whole tail
+        (embeddings, media encoded), alone, so a bad medium fails its request only; after a prompt's
+        last part comes its first token. Where the forward of several fails, each is computed alone,
+        so only a request whose own forward fails fails."""
+        ready = [part for part in parts if self._guarded([part.request], lambda: self._prepare(part.request))]
+        if len(ready) > 1 and self.runner.packs_prefills:
+            try:
+                with phase(PREFILL):
+                    logits = self.runner.prefill_together([self._rows(part) for part in ready])
+            except Exception as error:  # noqa: BLE001 - the prompts are computed one by one instead
+                log.warning("prefill of %d prompts together failed (%s): computing each alone", len(ready), error)
+                self._give_back_reserved(error)
+            else:
+                for part, row in zip(ready, logits):
+                    self._guarded([part.request], lambda: self._prefilled(part, row))
+                return
+        for part in ready:
+            self._guarded([part.request], lambda: self._prefill_alone(part))
+
+    def _prepare(self, request: Request) -> bool:
         if request.prepared is None:
             with phase(PREPARE):
                 request.prepared = self.runner.prepare(request.prompt, request.claim.start, request.principal)
             request.media = request.prepared.media
+        return True
+
+    def _rows(self, part: Part) -> tuple[BlockTable, PreparedPrompt]:
+        """Where `part` goes, and its rows of its prompt's prepared tail."""
+        request = part.request
+        return request.table, request.prepared.rows(request.prefilled, part.end)
+
+    def _prefill_alone(self, part: Part) -> None:
         with phase(PREFILL):
-            logits = self.runner.prefill(request.table, request.prepared.rows(request.prefilled, end))
-        request.advance_prefill(end)
+            logits = self.runner.prefill(*self._rows(part))
+        self._prefilled(part, logits)
+
+    def _prefilled(self, part: Part, logits: torch.Tensor) -> None:
+        """`part` is computed, its last row's `logits` [vocab] given: its first token is chosen if it
+        was its prompt's last."""
+        request = part.request
+        request.advance_prefill(part.end)
         if request.state is State.DECODING:
             with phase(CHOOSE_FIRST):
                 self._choose_first_token(request, logits)

@@ -11,10 +11,10 @@ seat or its blocks), each next one for one more.
 A turn's plan (`plan`) is a value: the running requests cancelled, the prefill parts to compute, the
 requests to decode. A prefill is computed in chunks of prefill_chunk_tokens while another reply
 decodes or speaks (prefill_chunks.py), else in forwards of prefill_forward_tokens; after the oldest
-prompt's part, each next prompt whose last part fits in the turn's chunk of tokens is computed too,
-and none overtakes an older one. So many short first questions at once get their first tokens a few
-per turn, not one per decode step of the others, who wait no longer for them than for one chunk of
-a long prompt.
+prompt's part, each next prompt whose last part fits in the turn's forward is computed too (in that
+one forward: the engine packs a turn's parts), and none overtakes an older one. So many short first
+questions at once get their first tokens together, the experts' weights read once for all of them,
+and the replies already decoding wait no longer for them than for one chunk of a long prompt.
 
 Each decoding request needs a block for the row its step writes (`make_room`): a written reply
 claims its rows REPLY_ROWS_AHEAD at a time; where no block can be had, the youngest written reply
@@ -156,8 +156,11 @@ class Scheduler:
 
     def _parts(self, prefilling: list[Request], in_chunks: bool) -> tuple[Part, ...]:
         """The oldest prompt's next part, then, in order, each next prompt that its last part
-        finishes while the turn's prefills stay within prefill_chunk_tokens tokens."""
-        budget, parts = self.settings.prefill_chunk_tokens, []
+        finishes while the turn's prefills stay within one forward's tokens: prefill_chunk_tokens
+        `in_chunks`, else prefill_forward_tokens (the engine computes a turn's parts in one forward)."""
+        settings = self.settings
+        budget = settings.prefill_chunk_tokens if in_chunks else settings.prefill_forward_tokens
+        parts = []
         for request in prefilling:
             begin, end = request.prefilled, self._part_end(request, in_chunks)
             if parts and (end < request.prompt.num_tokens or end - begin > budget):

@@ -2,8 +2,8 @@
 per engine turn; with none, in one forward. In chunks it gives the tokens of one whole forward and
 of transformers' own; a medium across a boundary is encoded once; a chat decoding gets a token
 between every two chunks, and once it is done the rest is one forward from the boundary reached; a
-prefill cut short leaves its session's entry as it was. Short prompts waiting together are prefilled
-several a turn, as long as the turn's prefills stay within one chunk's tokens.
+prefill cut short leaves its session's entry as it was. Short prompts waiting together beside a
+decoding reply are prefilled several in a turn's forward, as long as it stays within one chunk's tokens.
 
 (Most apps here chunk every prefill, `chunk_every_prefill`: a test of what the chunks compute then
 needs no other chat decoding beside it.)
@@ -58,21 +58,26 @@ def chunk_bounds(start: int, prompt_end: int) -> list[tuple[int, int]]:
 
 @contextmanager
 def forwards_of(app: OmniLocal, decodes: bool = False) -> Iterator[list]:
-    """Meanwhile, in order, the (begin, end) rows of every prefill forward the app computes, and with
-    `decodes` a "decode" for every decode step."""
+    """Meanwhile, in order, the (begin, end) rows of every prefill forward the app computes (a list of
+    them for a forward of several prompts), and with `decodes` a "decode" for every decode step."""
     runner, calls = app.backend.engine.runner, []
-    prefill, decode = runner.prefill, runner.decode
+    prefill, together, decode = runner.prefill, runner.prefill_together, runner.decode
 
     def recording_prefill(table, prepared):
         calls.append((prepared.start, prepared.end))
         return prefill(table, prepared)
+
+    def recording_together(parts):
+        calls.append([(prepared.start, prepared.end) for _, prepared in parts])
+        return together(parts)
 
     def recording_decode(*args):
         if decodes:
             calls.append("decode")
         return decode(*args)
 
-    with patch.object(runner, "prefill", recording_prefill), patch.object(runner, "decode", recording_decode):
+    with (patch.object(runner, "prefill", recording_prefill), patch.object(runner, "prefill_together", recording_together),
+          patch.object(runner, "decode", recording_decode)):
         yield calls
 
 
@@ -308,15 +313,18 @@ def several_first_questions(app: OmniLocal, texts: list[str]) -> list:
     return calls
 
 
-def test_short_first_questions_sent_at_once_are_prefilled_several_a_turn_before_the_next_decode_step(
+def test_short_first_questions_sent_at_once_beside_a_decoding_reply_share_one_forward_before_its_next_step(
         demo_settings, demo_checkpoint):
     off = demo_settings.replace(prefix_cache=False, encoder_cache=False, prefill_chunk_tokens=64)
     with OmniLocal(off) as app:
         calls = several_first_questions(app, ["Hi?", "Hello?", "Hey?", "Yo?"])
-    prefills = [i for i, call in enumerate(calls) if call != "decode"]
-    # The first question alone, then the other three in one turn (about 30 tokens, within 64), and
-    # only then the first reply's next decode step.
-    assert prefills == [0, 1, 2, 3] and calls[4] == "decode"
+        packs = app.backend.engine.runner.packs_prefills
+    # The first question alone, then the other three in the next turn (about 30 tokens, within 64), in
+    # one forward where the runner packs prefills (else each its own), and only then the first reply's
+    # next decode step.
+    first, *beside = calls[: calls.index("decode")]
+    assert isinstance(first, tuple)
+    assert [len(call) for call in beside] == [3] if packs else len(beside) == 3
 
 
 def test_the_prefills_of_a_turn_stay_within_one_chunk_of_tokens(chunking):

@@ -229,6 +229,12 @@ def test_short_prompts_after_the_oldest_share_its_turn_and_none_overtakes_an_old
     assert scheduler.plan().prefills == (Part(first, 10), Part(second, 5))
 
 
+def test_short_prompts_holding_up_nobody_share_a_turn_within_one_forwards_tokens():
+    scheduler, _ = make_scheduler(free_blocks=100)
+    prompts = [admitted(scheduler, 12) for _ in range(6)]  # five fill 60 of the forward's 64 tokens
+    assert scheduler.plan().prefills == tuple(Part(prompt, 12) for prompt in prompts[:5])
+
+
 def test_a_prompt_that_needs_more_than_one_part_waits_for_a_turn_of_its_own():
     scheduler, _ = make_scheduler(free_blocks=100)
     first = admitted(scheduler, 4)

@@ -28,7 +28,7 @@ from omni_local.engine.forward.moe.block import is_sparse_moe
 from omni_local.engine.forward.rope_positions import rope_positions
 from omni_local.engine.memory.host_copies import to_device
 from omni_local.engine.memory.kv_fp8 import write_rows
-from omni_local.engine.memory.kv_store import GraphedKVWriter, KVWriter
+from omni_local.engine.memory.kv_store import GraphedKVWriter, KVWriter, PackedKVWriter
 from omni_local.engine.prompt.builder import Prompt
 from omni_local.kernels.attention import QueryNormRope
 
@@ -91,10 +91,11 @@ class LayerRegions:
         self._regions: dict[type, tuple[Callable, Callable]] = {}  # by layer class: the Thinker's, the Talker's, ...
 
     def run(self, layer: torch.nn.Module, hidden: torch.Tensor, normed: torch.Tensor, mask: torch.Tensor | None,
-            cache: KVWriter | GraphedKVWriter, rotary: tuple[torch.Tensor, torch.Tensor], next_norm: torch.nn.Module
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+            cache: KVWriter | GraphedKVWriter | PackedKVWriter, rotary: tuple[torch.Tensor, torch.Tensor],
+            next_norm: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """`layer`'s output for `hidden` [B, n, hidden] (`normed`: `hidden` through the layer's
-        input_layernorm), its keys and values written to `cache`, and the output through `next_norm`."""
+        input_layernorm), its keys and values written to `cache`, and the output through `next_norm`.
+        `mask` is the cache's `attention_mask` (a packed cache's: one for each of its sequences)."""
         before, after = self._regions_for(layer)
         attention = layer.self_attn
         key_pool, value_pool = cache.pools(attention.layer_idx)
@@ -106,16 +107,13 @@ class LayerRegions:
                                        key_pool=key_pool, value_pool=value_pool, key_scales=key_scales,
                                        value_scales=value_scales,
                                        kernel_prepares_queries=kernel_prepares_queries)
-        if cache.attends_in_place:  # our kernel over the blocks (Qwen3-Omni's layers have no sliding window)
-            norm_rope = (QueryNormRope(attention.q_norm.weight, attention.q_norm.variance_epsilon, *rotary)
-                         if kernel_prepares_queries else None)
-            attended = cache.attend(queries, attention.layer_idx, attention.scaling, norm_rope)
+        if isinstance(cache, PackedKVWriter):  # each sequence attends to its own rows alone
+            attended = torch.cat([_attended(attention, writer, queries[:, :, part], keys[:, :, part],
+                                            values[:, :, part], part_mask, (rotary[0][:, part], rotary[1][:, part]),
+                                            kernel_prepares_queries)
+                                  for (writer, part), part_mask in zip(cache.parts(), mask)], dim=1)
         else:
-            keys, values = cache.attended_rows(keys, values, attention.layer_idx)
-            kernel = ALL_ATTENTION_FUNCTIONS.get_interface(attention.config._attn_implementation,
-                                                           _modeling(attention).eager_attention_forward)
-            attended, _ = kernel(attention, queries, keys, values, mask, dropout=0.0, scaling=attention.scaling,
-                                 sliding_window=attention.sliding_window)
+            attended = _attended(attention, cache, queries, keys, values, mask, rotary, kernel_prepares_queries)
         return after(layer, hidden, attended, next_norm=next_norm, moe=self.moe)
 
     def norm(self, norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
@@ -147,6 +145,24 @@ class LayerRegions:
 
 
 EAGER = LayerRegions()
+
+
+def _attended(attention: torch.nn.Module, cache: KVWriter | GraphedKVWriter, queries: torch.Tensor,
+              keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+              rotary: tuple[torch.Tensor, torch.Tensor], kernel_prepares_queries: bool) -> torch.Tensor:
+    """The attention [B, n, heads, head_dim] of the new tokens' `queries` [B, heads, n, head_dim]
+    over their sequences' rows, their `keys` and `values` written already: by our kernel over the
+    blocks (Qwen3-Omni's layers have no sliding window), else by transformers' over the rows gathered."""
+    if cache.attends_in_place:
+        norm_rope = (QueryNormRope(attention.q_norm.weight, attention.q_norm.variance_epsilon, *rotary)
+                     if kernel_prepares_queries else None)
+        return cache.attend(queries, attention.layer_idx, attention.scaling, norm_rope)
+    keys, values = cache.attended_rows(keys, values, attention.layer_idx)
+    kernel = ALL_ATTENTION_FUNCTIONS.get_interface(attention.config._attn_implementation,
+                                                   _modeling(attention).eager_attention_forward)
+    attended, _ = kernel(attention, queries, keys, values, mask, dropout=0.0, scaling=attention.scaling,
+                         sliding_window=attention.sliding_window)
+    return attended
 
 
 def _modeling(module: torch.nn.Module) -> object:
@@ -230,7 +246,7 @@ def _compiled_copy(region: Callable, kind: Hashable) -> Callable:
 
 def run_layers(
     stack: torch.nn.Module,
-    cache: KVWriter | GraphedKVWriter,
+    cache: KVWriter | GraphedKVWriter | PackedKVWriter,
     embeds: torch.Tensor,
     positions: torch.Tensor | None,
     visual_mask: torch.Tensor | None = None,
@@ -240,7 +256,8 @@ def run_layers(
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run `embeds` [B, n, hidden] at `positions` [3, B, n] after the rows each sequence's blocks
-    already holds (B = 1 except in a graphed batch), each layer as `regions` runs it. A caller whose
+    already holds (B = 1 except in a graphed batch; a packed cache's sequences are one row of
+    tokens, B = 1), each layer as `regions` runs it. A caller whose
     positions never change may pass their `rotary` embedding (cos, sin) instead, made once.
 
     Returns the normed hidden state [B, 1, hidden] of each sequence's last token (the one

@@ -8,7 +8,9 @@ request's blocks of the KVStore. On a GPU, with graphs, the decode step of every
 time runs as one batch, and a prefill of up to the longest of `prefill_lengths` (a chunk, a question,
 an image, a long prompt's forward) replays a CUDA graph too (BatchGraphs), captured at start-up or,
 in the engine, while it is idle after it serves; longer prefills, and any whose graph is not yet
-captured, run eagerly. A decode step takes its token ids from the device (the engine's
+captured, run eagerly. Eager prefills of several prompts that wait together are one forward, their
+tokens packed in one row (`prefill_together`: per-token work once for all, attention sequence by
+sequence). A decode step takes its token ids from the device (the engine's
 sampler keeps each seat's last choice there) and its positions through pinned memory, so a graphed
 step never makes the host wait: the engine queues the next one before reading this one.
 """
@@ -30,7 +32,7 @@ from omni_local.engine.forward.talker import TalkerRows
 from omni_local.engine.memory.attention import AttentionKernels
 from omni_local.engine.memory.host_copies import to_device
 from omni_local.engine.memory.kv_store import (DEFAULT_BLOCK_TOKENS, BlockTable, GraphedKVWriter, KVShape, KVStore,
-                                               KVWriter)
+                                               KVWriter, PackedKVWriter)
 from omni_local.engine.phases import ENCODE_MEDIA, phase
 from omni_local.engine.prompt.builder import Prompt, build_prompt
 from omni_local.errors import SettingsError
@@ -214,6 +216,30 @@ class ThinkerRunner:
             self.kv.write_talker_rows(table, p.start, talker_rows)
         return logits[0]
 
+    @property
+    def packs_prefills(self) -> bool:
+        """Whether several prompts' prefills are best computed in one forward (`prefill_together`): where
+        prefills run eagerly. Where prefill graphs replay, each prompt's graph is kept: a packed forward
+        runs eagerly, launch-bound, and a batch of graphed prefills is not built yet."""
+        return self.prefill_graphs is None
+
+    @torch.inference_mode()
+    def prefill_together(self, parts: list[tuple[BlockTable, PreparedPrompt]]) -> torch.Tensor:
+        """`prefill` of several prompts' tails (each into its own blocks) in one forward, their tokens
+        packed in one row: the experts' weights are read once for all of them, and each token's
+        numbers are those of its prompt's forward alone. Returns each one's last logits [B, vocab]."""
+        caches = [self.kv.writer(table, p.start, self.attention.eager_prefill) for table, p in parts]
+        prepared = [p for _, p in parts]
+        lengths = [p.embeds.shape[1] for p in prepared]
+        visual_mask, deepstack = _packed_deepstack(prepared)
+        outputs = self._prefill_step(PackedKVWriter(caches, lengths), torch.cat([p.embeds for p in prepared], dim=1),
+                                     torch.cat([p.positions for p in prepared], dim=2), visual_mask, deepstack)
+        logits, kept = outputs if self.talker_rows is not None else (outputs, None)
+        if kept is not None:
+            for (table, p), part in zip(parts, PackedKVWriter.slices_of(lengths)):
+                self.kv.write_talker_rows(table, p.start, self.talker_rows.project(p.ids, p.embeds, kept[:, part])[0])
+        return logits
+
     @torch.inference_mode()
     def decode(self, tables: list[BlockTable], tokens: list[int] | torch.Tensor, indices: list[int],
                rope_deltas: list[int]) -> torch.Tensor:
@@ -263,6 +289,18 @@ class ThinkerRunner:
 
     def _logits(self, last: torch.Tensor) -> torch.Tensor:
         return self.thinker.lm_head(last)[:, -1].float()
+
+
+def _packed_deepstack(prepared: list[PreparedPrompt]) -> tuple[torch.Tensor | None, list[torch.Tensor] | None]:
+    """The visual mask [1, n_1 + ... + n_B] and DeepStack levels of packed tails: each level's rows in
+    order of the tails' visual tokens, which are where the mask says (no rows for a tail without)."""
+    with_levels = [p for p in prepared if p.deepstack is not None]
+    if not with_levels:
+        return None, None
+    masks = [p.visual_mask if p.deepstack is not None else
+             torch.zeros((1, p.embeds.shape[1]), dtype=torch.bool, device=p.embeds.device) for p in prepared]
+    levels = [torch.cat(rows) for rows in zip(*(p.deepstack for p in with_levels))]
+    return torch.cat(masks, dim=1), levels
 
 
 def _scatter(embeds: torch.Tensor, placeholders: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -331,6 +331,49 @@ class KVWriter(_Writer):
         return hidden[:, -1:]
 
 
+class PackedKVWriter(_Writer):
+    """The cache of one forward of several sequences' new tokens packed into one row ([1, n_1 + ... +
+    n_B]): a prefill of prompts that arrived together, whose per-token work (projections, MoE
+    experts, norms) then runs once for all of them, reading the experts' weights once.
+
+    Attention does not mix sequences: `parts` hands each sequence's own KVWriter and its slice of
+    the packed tokens, and the layer attends part by part, each exactly as the sequence's forward
+    alone would (its mask, its rows, its kernel call).
+    """
+
+    def __init__(self, writers: list[KVWriter], lengths: list[int]) -> None:
+        first = writers[0]
+        self.store, self.kernel, self.writers = first.store, first.kernel, writers
+        self.slices = self.slices_of(lengths)
+        self._lasts = to_device(torch.tensor([part.stop - 1 for part in self.slices]), self.store.device)
+        self._places: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @staticmethod
+    def slices_of(lengths: list[int]) -> list[slice]:
+        """Where each sequence's new tokens are among the packed ones, given how many each has."""
+        ends = [sum(lengths[: i + 1]) for i in range(len(lengths))]
+        return [slice(end - n, end) for end, n in zip(ends, lengths)]
+
+    def parts(self) -> list[tuple[KVWriter, slice]]:
+        """Each sequence's writer, and where its new tokens are among the packed ones."""
+        return list(zip(self.writers, self.slices))
+
+    def places(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pool's blocks and offsets [n_1 + ... + n_B] of every sequence's new rows, in order."""
+        if self._places is None:
+            placed = [writer.places(part.stop - part.start) for writer, part in self.parts()]
+            self._places = torch.cat([blocks for blocks, _ in placed]), torch.cat([offsets for _, offsets in placed])
+        return self._places
+
+    def attention_mask(self, implementation: str, length: int, like: torch.Tensor) -> list[torch.Tensor | None]:
+        """Each sequence's own mask, in order (its writer's, for its new tokens)."""
+        return [writer.attention_mask(implementation, part.stop - part.start, like) for writer, part in self.parts()]
+
+    def last_states(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[B, 1, hidden] of [1, n_1 + ... + n_B, hidden]: each sequence's last new token's."""
+        return hidden[0, self._lasts, None]
+
+
 @dataclass(frozen=True)
 class _Placed:
     """Where a forward's new rows go: its end, their rows [n] in the sequence, their blocks and offsets
