@@ -5,7 +5,6 @@ Run with OMNI_LOCAL_TEST_DEVICE=cuda on a machine with a CUDA GPU; elsewhere eve
 """
 
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -14,6 +13,7 @@ import torch
 
 from replies import model_inputs, reference_tokens, send, transformers_speech
 from samples import picture
+from waiting import until
 from omni_local.api import OmniLocal
 from omni_local.kernels.attention.paged import SPLIT_TAIL_TOKENS
 from omni_local.engine.forward.cuda_graphs import SMALLEST_BUCKET, BatchGraphs, capture_graph, prefill_lengths
@@ -300,8 +300,8 @@ def test_an_app_serving_before_its_prefill_graphs_answers_eagerly_as_generate_th
         assert engine.runner.decode_graphs is not None and engine.runner.prefill_graphs_left > 1
         with replays(engine.runner.prefill_graphs) as early_prefills:
             early = app.session().send(text, max_new_tokens=24)
-            while not engine.queued and not engine.scheduler.waiting and not engine.scheduler.running:
-                time.sleep(0.01)
+            until(lambda: engine.queued or engine.scheduler.waiting or engine.scheduler.running,
+                  "the question must reach the engine's line")
             asked.set()
             early = early.result()
         assert engine.warm.wait(timeout=300) and engine.runner.prefill_graphs_left == 0

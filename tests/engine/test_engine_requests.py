@@ -1,7 +1,6 @@
 """How the engine serves requests: sampling, streaming, cancellation, failures, several at once."""
 
 import threading
-import time
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from omni_local.bench.beside import accepted_tokens
 from omni_local.errors import RequestError
 from omni_local.model.loader import end_of_turn_ids
 from omni_local.protocol.events import Finished, TextDelta
+from waiting import came_true
 
 QUESTION = "Tell me a story about a lighthouse keeper."
 
@@ -234,27 +234,17 @@ def test_a_prompt_slow_to_build_holds_up_no_chat_that_is_decoding(app, monkeypat
         def slow_to_build(messages, *args):
             if "a long document" in messages[-1].text:  # say, a pasted document: tokenizing takes a while
                 start = len(arrivals)
-                kept_coming.append(wait_until(lambda: len(arrivals) >= start + 5, seconds=10))
+                kept_coming.append(came_true(lambda: len(arrivals) >= start + 5, seconds=10))
             return build(messages, *args)
 
         monkeypatch.setattr(inbox_module, "fit_prompt", slow_to_build)
         story = decoding.send(QUESTION, max_new_tokens=400)
         reader = threading.Thread(target=story.result, daemon=True)
         reader.start()
-        assert wait_until(lambda: len(arrivals) >= 2, seconds=30)
+        assert came_true(lambda: len(arrivals) >= 2, seconds=30)
         asked = app.session().send("Here is a long document.", max_new_tokens=2)
         final = asked.result()
         story.cancel()
         reader.join(timeout=30)
     # While its prompt was being built, the other chat got five tokens more; then it was answered.
     assert kept_coming == [True] and final.tokens.prompt > 0
-
-
-def wait_until(condition, seconds: float) -> bool:
-    """Whether `condition()` came true within `seconds`."""
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.001)
-    return True

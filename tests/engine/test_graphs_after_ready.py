@@ -6,10 +6,10 @@ prompt sent before them, are tested on a GPU (test_cuda_graphs.py)."""
 
 import logging
 import threading
-import time
 
 import pytest
 
+from waiting import until
 from omni_local.api import OmniLocal
 from omni_local.engine.forward.thinker import ThinkerRunner
 
@@ -51,8 +51,7 @@ def test_an_app_that_does_not_wait_answers_before_its_prefill_graphs_and_capture
         reply = app.session().send("Hello there.", max_new_tokens=6)
         graphs.requests.append(reply._stream.request)
         # The first capture waits until the question is in the engine's line: it is served next.
-        while not engine.queued and not engine.busy:
-            time.sleep(0.01)
+        until(lambda: engine.queued or engine.busy, "the question must reach the engine's line")
         graphs.first.set()
         final = reply.result()
         assert final.tokens.generated > 0

@@ -16,6 +16,7 @@ from omni_local.api import OmniLocal, TextDelta
 from omni_local.engine.memory.host_arena import HostArena, Transfer
 from omni_local.engine.memory.kv_store import KVShape, KVStore
 from omni_local.engine.memory.prefix_cache import PrefixCache
+from waiting import until
 
 SHAPE = KVShape(num_layers=2, kv_heads=1, head_dim=2, max_tokens=32, talker_dim=3, block_tokens=4)
 
@@ -45,13 +46,6 @@ def running(monkeypatch) -> list[Running]:
 
     monkeypatch.setattr(HostArena, "_queue", queue)
     return events
-
-
-def until(condition, what: str, seconds: float = 30.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
 
 
 def numbered(kv: KVStore) -> None:
