@@ -421,6 +421,11 @@ class Engine:
             chunk = self.speaker.step(request.spoken, *request.spoken_text)
         if chunk is not None:
             request.events.put(AudioChunk(*chunk))
+        if request.spoken.done:
+            # The Talker's blocks go back now, not when the text ends: the text may go on long after
+            # (a tool call written after the spoken words, speech cut at max_speech_seconds), and
+            # another spoken reply may wait for those blocks meanwhile.
+            self.speaker.end(request.spoken)
 
     def _end_text(self, request: Request, reason: StopReason) -> None:
         """The Thinker is done with `request`: the rest of its text goes out, its seat is given back

@@ -287,3 +287,20 @@ def test_a_spoken_reply_with_tools_is_refused_where_the_tokenizer_has_no_single_
     with pytest.raises(RequestError, match="no single <tool_call> token"):
         app.session().send("Weather?", speak=True, tools=[WEATHER])
     assert app.session().send("Weather?", tools=[WEATHER], max_new_tokens=4).result().stop_reason
+
+
+def test_a_reply_whose_text_goes_on_after_its_speech_ends_gives_the_talkers_blocks_back_when_the_speech_ends(
+        speaking_apps, monkeypatch):
+    # A call's arguments written long after the spoken words: the speech ends at its last frame
+    # (SPEECH_SECONDS), the text some turns later. Without the cache, nothing of the Talker's is kept.
+    app = speaking_apps[1]
+    engine, pool = app.backend.engine, app.backend.engine.speaker.runner.kv.pool
+    held_as_text_ended, end_text = [], engine._end_text
+    monkeypatch.setattr(engine, "_end_text", lambda request, reason: held_as_text_ended.append(pool.held)
+                        or end_text(request, reason))
+    long_call = PARIS.replace('"Paris"', '"Paris", "note": "' + "rain " * 10 + '"')
+    with forced_replies(engine, app.backend.loaded.processor.tokenizer, f"I will check. {long_call}{END}"):
+        final, frames, _, _ = send(app, app.session(), "Weather?", tools=[WEATHER], max_new_tokens=128)
+    assert [c.name for c in final.tool_calls] == ["get_weather"], (final.stop_reason, final.text)
+    assert len(frames) < final.tokens.generated  # the speech ended first
+    assert held_as_text_ended == [0]

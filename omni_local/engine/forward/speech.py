@@ -59,7 +59,8 @@ class SpokenReply:
     prompt: TalkerPrompt
     sampler: Sampler  # the Talker's: each frame's first code
     seed: int  # the code predictor's draws' (its sampling row is the Talker runner's)
-    claim: Claim | None = None  # the session's Talker cache entry and its blocks, once had
+    claim: Claim | None = None  # the session's Talker cache entry and its blocks, from the prefill to the end
+    reused: int = 0  # Talker rows its prefill found in the session's cache
     codec_sum: torch.Tensor | None = None  # the last queued frame's summed code embeddings: the next input
     written: int = 0  # Talker KV rows in its blocks
     queued: int = 0  # frames queued on the device (the Talker's forward and the code predictor's)
@@ -78,9 +79,8 @@ class SpokenReply:
         audio_s = self.stream.sent / SPEECH_SAMPLE_RATE
         rtf = (self.last_audio_at - submitted_at) / audio_s if audio_s else 0.0
         first = self.first_audio_at - submitted_at if self.first_audio_at else 0.0
-        reused = self.claim.start if self.claim else 0
         return SpeechReport(self.params.voice, len(self.stream.frames), audio_s, first, rtf,
-                            self.prompt.num_tokens, reused)
+                            self.prompt.num_tokens, self.reused)
 
 
 def talker_sequences(thinker_tokens: int, max_context_tokens: int) -> int:
@@ -184,7 +184,7 @@ class Speaker:
     def _queue_frame(self, reply: SpokenReply, reply_ids: list[int], text_done: bool) -> Readback | None:
         """Queue `reply`'s next frame, the Talker's forward (its prefill, for the first) and the code
         predictor's, waiting for nothing; its codes, unread. None where it cannot be queued yet."""
-        if reply.claim is None:
+        if reply.queued == 0:  # its first frame: the prefill, once the Talker's blocks are had
             hidden, logits = self._start(reply)
             if hidden is None:
                 return None  # running replies hold the Talker's blocks: try again next turn
@@ -216,9 +216,11 @@ class Speaker:
             reply.done = len(reply.stream.frames) >= self.max_frames
 
     def end(self, reply: SpokenReply) -> None:
-        """Give the Talker's blocks back; the user turns' KV stays for the session's next spoken turn."""
+        """Give the Talker's blocks back, once; the user turns' KV stays for the session's next spoken
+        turn. A frame still queued on the device writes its row before any later forward's."""
         if reply.claim is not None:
             self.cache.release(reply.claim)
+            reply.claim = None
 
     def _start(self, reply: SpokenReply) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The Talker's prefill, after what its cache holds: the last hidden state and logits, or
@@ -233,6 +235,7 @@ class Speaker:
         # prompt; sessions whose entries the cache has dropped are forgotten here too.
         self._made_from = {o: m for o, m in self._made_from.items() if o in self.cache.entries}
         self._made_from[reply.claim.entry.owner] = MadeFrom.of(reply.thinker)
+        reply.reused = reply.claim.start
         hidden, logits, reply.rope_delta = self.runner.prefill(reply.table, reply.prompt, reply.claim.start)
         reply.written = prompt.num_tokens
         self.cache.publish(reply.claim, prompt, [], len(reply.prompt.user_rows))
