@@ -16,7 +16,7 @@ from starlette.websockets import WebSocketDisconnect
 from forced_replies import forced_replies
 from omni_local.access import ApiKeys
 from omni_local.server.admission import Admission
-from omni_local.server.realtime.route import MAX_MESSAGE_BYTES, RealtimeRoute
+from omni_local.server.realtime.route import IDLE_SECONDS, MAX_MESSAGE_BYTES, RealtimeRoute
 from omni_local.server.routes import api_mount
 from realtime_events import ANSWERED, TEXT_ONLY, of, say, typed_session, until
 from samples import wait_for
@@ -148,8 +148,8 @@ def test_a_client_that_goes_away_cancels_its_reply(http, sent):
     wait_for(reply.request.cancelled.is_set, 10)
 
 
-def route_app(app, keys: ApiKeys | None = None, sessions: int = 1) -> TestClient:
-    routes = [WebSocketRoute("/realtime", RealtimeRoute(app, sessions).connect)]
+def route_app(app, keys: ApiKeys | None = None, sessions: int = 1, idle_seconds: float = IDLE_SECONDS) -> TestClient:
+    routes = [WebSocketRoute("/realtime", RealtimeRoute(app, sessions, idle_seconds).connect)]
     return TestClient(Starlette(routes=routes, middleware=[Middleware(Admission, keys=keys, settings=app.settings)]))
 
 
@@ -164,6 +164,20 @@ def test_a_session_past_the_limit_gets_an_error_event_and_is_closed_while_the_ot
             assert closed.value.code == 1013
         first.send_json(TEXT_ONLY)
         until(first, "session.updated")
+
+
+def test_a_session_idle_past_its_time_is_told_and_closed_and_its_seat_serves_the_next(app):
+    http = route_app(app, sessions=1, idle_seconds=1.0)
+    with http.websocket_connect("/realtime") as idle:
+        until(idle, "session.created")
+        assert idle.receive_json()["error"]["code"] == "session_idle"
+        with pytest.raises(WebSocketDisconnect) as closed:
+            idle.receive_json()
+        assert closed.value.code == 1000
+    with http.websocket_connect("/realtime") as next_one:
+        until(next_one, "session.created")
+        next_one.send_json(TEXT_ONLY)
+        until(next_one, "session.updated")
 
 
 def test_a_wrong_model_is_refused(http):

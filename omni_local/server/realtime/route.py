@@ -3,11 +3,14 @@
 Each connection is one session (session.py). A message that cannot be read, or that is over
 `MAX_MESSAGE_BYTES`, is answered with an `error` event and the session goes on. At most
 `api_max_requests` sessions are held at once: one more is answered with an error event and closed
-(1013, try again later). A client that goes away cancels its response: the engine stops making it.
+(1013, try again later). A session that sends nothing for `IDLE_SECONDS` while no response runs
+is told so in an error event and closed (1000), so a tab left open does not hold a seat for ever.
+A client that goes away cancels its response: the engine stops making it.
 The admission checks (admission.py) let the connection in first: its key, its principal.
 """
 
 import asyncio
+
 import anyio
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
@@ -22,12 +25,15 @@ from omni_local.server.realtime.session import RealtimeSession, Send
 MAX_MESSAGE_BYTES = 8 << 20
 TRY_AGAIN_LATER = 1013
 SUBPROTOCOL = "realtime"  # what browsers offer beside their key (admission.py); accepted back
+# A client with server VAD streams its microphone without pause, and one typing sends an event a
+# turn: a quarter of an hour with neither is a session nobody uses any more.
+IDLE_SECONDS = 15 * 60
 
 
 class RealtimeRoute:
-    def __init__(self, app: OmniLocal, max_sessions: int) -> None:
+    def __init__(self, app: OmniLocal, max_sessions: int, idle_seconds: float = IDLE_SECONDS) -> None:
         self.app = app
-        self.max_sessions = max_sessions
+        self.max_sessions, self.idle_seconds = max_sessions, idle_seconds
         self.sessions = 0  # on the server's one event loop: changed between awaits, never raced
         # Each session waits in at most two threads at once: its VAD, and its response's next event.
         self.threads = anyio.CapacityLimiter(2 * self.max_sessions)
@@ -69,7 +75,15 @@ class RealtimeRoute:
 
     async def _serve(self, websocket: WebSocket, session: RealtimeSession, send: Send) -> None:
         while True:
-            message = await websocket.receive()
+            with anyio.move_on_after(self.idle_seconds) as waiting:
+                message = await websocket.receive()
+            if waiting.cancelled_caught:
+                if session.response is not None:
+                    continue  # the client listens to a reply
+                await send(error_event(f"the session sent nothing for {self.idle_seconds:g} s: closed, its seat "
+                                       "given back; connect again to go on", "session_idle"))
+                await websocket.close(1000)
+                return
             if message["type"] == "websocket.disconnect":
                 return
             data = message.get("text") if message.get("text") is not None else message.get("bytes", b"")

@@ -15,9 +15,9 @@ import numpy as np
 from anyio import to_thread
 
 from omni_local.api import OmniLocal
+from omni_local.errors import OmniLocalError
 from omni_local.media import SAMPLE_RATE
 from omni_local.media.audio import check_duration, check_samples
-from omni_local.errors import OmniLocalError
 from omni_local.protocol.params import SpeechParams
 from omni_local.server.realtime.client_events import (AudioAppend, AudioClear, AudioCommit, ClientEvent, EventError,
                                                       ItemCreate, ItemDelete, ItemTruncate, MessageItem,
