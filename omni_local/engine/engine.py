@@ -260,35 +260,23 @@ class Engine:
         if isinstance(error, OmniLocalError):
             return str(error)
         if isinstance(error, torch.OutOfMemoryError):
-            self._give_back_reserved(error)
+            self.runner.give_back_reserved(error)
             return "out of memory: try a shorter conversation, a smaller image or clip"
         log.error("request failed", exc_info=error)  # as it may be read after its `except`
         return f"internal error: {type(error).__name__}: {error}"
 
-    def _give_back_reserved(self, error: Exception) -> None:
-        """After running out of GPU memory, give back what the failed forward reserved."""
-        if isinstance(error, torch.OutOfMemoryError) and self.runner.device.type == "cuda":
-            torch.cuda.empty_cache()
-
     def _prefill(self, parts: tuple[Part, ...]) -> None:
-        """The turn's prefill parts, in one forward where the runner packs prefills: each prompt's first part prepares its whole tail
-        (embeddings, media encoded), alone, so a bad medium fails its request only; after a prompt's
-        last part comes its first token. Where the forward of several fails, each is computed alone,
-        so only a request whose own forward fails fails."""
+        """The turn's prefill parts (one forward where the runner packs them). Each prompt's first part
+        prepares its whole tail (embeddings, media encoded) alone, so a bad medium fails its request
+        only, as does a part's own failed forward; after a prompt's last part comes its first token."""
         ready = [part for part in parts if self._guarded([part.request], lambda: self._prepare(part.request))]
-        if len(ready) > 1 and self.runner.packs_prefills:
-            try:
-                with phase(PREFILL):
-                    logits = self.runner.prefill_together([self._rows(part) for part in ready])
-            except Exception as error:  # noqa: BLE001 - the prompts are computed one by one instead
-                log.warning("prefill of %d prompts together failed (%s): computing each alone", len(ready), error)
-                self._give_back_reserved(error)
+        with phase(PREFILL):
+            results = self.runner.prefill_parts([self._rows(part) for part in ready])
+        for part, result in zip(ready, results):
+            if isinstance(result, Exception):
+                self._fail(part.request, self._failure_message(result))
             else:
-                for part, row in zip(ready, logits):
-                    self._guarded([part.request], lambda: self._prefilled(part, row))
-                return
-        for part in ready:
-            self._guarded([part.request], lambda: self._prefill_alone(part))
+                self._guarded([part.request], lambda: self._prefilled(part, result))
 
     def _prepare(self, request: Request) -> bool:
         if request.prepared is None:
@@ -301,11 +289,6 @@ class Engine:
         """Where `part` goes, and its rows of its prompt's prepared tail."""
         request = part.request
         return request.table, request.prepared.rows(request.prefilled, part.end)
-
-    def _prefill_alone(self, part: Part) -> None:
-        with phase(PREFILL):
-            logits = self.runner.prefill(*self._rows(part))
-        self._prefilled(part, logits)
 
     def _prefilled(self, part: Part, logits: torch.Tensor) -> None:
         """`part` is computed, its last row's `logits` [vocab] given: its first token is chosen if it

@@ -5,7 +5,7 @@ spoken reply's prompt."""
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from unittest.mock import patch
 
 import numpy as np
@@ -15,6 +15,7 @@ from device_under_test import TEST_DEVICE
 from replies import media
 from samples import picture
 from omni_local.api import OmniLocal
+from omni_local.errors import RequestError
 
 WORDS = "amber basil cedar delta ember fjord grove harbor iris juniper kestrel lagoon meadow nectar orchid pebble".split()
 
@@ -72,8 +73,9 @@ def sent_at_once(app: OmniLocal, asks: list[tuple], **options) -> list:
         replies = [send(*ask) for ask in asks]
         sent.set()
         first.result()
-    for reply in replies:
-        reply.result()
+    for reply in replies:  # each done (one that failed raises again where its caller reads it)
+        with suppress(RequestError):
+            reply.result()
     return replies
 
 
@@ -131,6 +133,29 @@ def test_second_turns_sent_at_once_are_prefilled_together_after_their_conversati
         twin.send(question(i), max_new_tokens=4).result()
     one_by_one = [twin.send(*second, max_new_tokens=6).result().token_ids for twin, second in zip(twins, seconds)]
     assert results == [([1, 4], one_by_one)] * 2
+
+
+def test_prompts_whose_forward_together_fails_are_computed_alone_and_only_one_whose_own_fails_fails(apps):
+    app = apps[1]
+    runner = app.backend.engine.runner
+    prefills, prefill = [], runner.prefill
+
+    def broken_together(parts):
+        raise RuntimeError("the forward of several broke")
+
+    def second_breaks(table, prepared):  # the first prefill is the one-token question holding the turn
+        prefills.append(prepared)
+        if len(prefills) == 3:
+            raise RuntimeError("this prompt's own forward broke")
+        return prefill(table, prepared)
+
+    with patch.object(runner, "prefill_together", broken_together), patch.object(runner, "prefill", second_breaks):
+        first, broken, third = sent_at_once(app, [(app.session(), [question(i)]) for i in range(3)])
+        with pytest.raises(RequestError, match="own forward broke"):
+            broken.result()
+        answered = tokens([first, third])
+    assert len(prefills) == 4
+    assert answered == tokens([alone(app, [question(0)]), alone(app, [question(2)])])
 
 
 @pytest.fixture(scope="module")

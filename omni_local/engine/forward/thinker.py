@@ -15,6 +15,7 @@ sampler keeps each seat's last choice there) and its positions through pinned me
 step never makes the host wait: the engine queues the next one before reading this one.
 """
 
+import logging
 from functools import partial
 
 import numpy as np
@@ -39,6 +40,8 @@ from omni_local.errors import SettingsError
 from omni_local.protocol.events import MediaCounts
 from omni_local.protocol.messages import Message
 from omni_local.start_up_steps import start_up_step
+
+log = logging.getLogger(__name__)
 
 
 def kv_shape(config, max_tokens: int, block_tokens: int, talker_dim: int, fp8: bool = False) -> KVShape:
@@ -239,6 +242,30 @@ class ThinkerRunner:
             for (table, p), part in zip(parts, PackedKVWriter.slices_of(lengths)):
                 self.kv.write_talker_rows(table, p.start, self.talker_rows.project(p.ids, p.embeds, kept[:, part])[0])
         return logits
+
+    def prefill_parts(self, parts: list[tuple[BlockTable, PreparedPrompt]]) -> list[torch.Tensor | Exception]:
+        """Each part's last logits [vocab] (each computed into its own blocks, as by `prefill`), or the
+        error its own forward raised: in one forward where prefills are packed (`prefill_together`),
+        else each alone; alone too if the forward of several fails, so only a part whose own forward
+        fails fails."""
+        if len(parts) > 1 and self.packs_prefills:
+            try:
+                return list(self.prefill_together(parts))
+            except Exception as error:  # noqa: BLE001 - the parts are computed one by one instead
+                log.warning("prefill of %d prompts together failed (%s): computing each alone", len(parts), error)
+                self.give_back_reserved(error)
+        return [self._prefill_or_error(table, prepared) for table, prepared in parts]
+
+    def _prefill_or_error(self, table: BlockTable, prepared: PreparedPrompt) -> torch.Tensor | Exception:
+        try:
+            return self.prefill(table, prepared)
+        except Exception as error:  # noqa: BLE001 - it fails its own request, not the others'
+            return error
+
+    def give_back_reserved(self, error: Exception) -> None:
+        """After a forward ran out of GPU memory, give back what it reserved."""
+        if isinstance(error, torch.OutOfMemoryError) and self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     @torch.inference_mode()
     def decode(self, tables: list[BlockTable], tokens: list[int] | torch.Tensor, indices: list[int],
