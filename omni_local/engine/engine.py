@@ -63,6 +63,7 @@ from omni_local.engine.reply_text import ReplyText
 from omni_local.engine.request import Failed, Request, State
 from omni_local.engine.scheduler import Part, Scheduler
 from omni_local.engine.seats import Seats
+from omni_local.engine.warm_up import PrefillGraphsWarmUp
 from omni_local.errors import OmniLocalError, RequestError
 from omni_local.model.loader import LoadedModel, call_open_token_id, media_markup_token_ids, thinker_eos_token_ids
 from omni_local.model.reasoning import reasoning_marks
@@ -70,7 +71,6 @@ from omni_local.protocol.events import AudioChunk, StopReason, Waiting
 from omni_local.protocol.messages import Message
 from omni_local.protocol.params import SamplingParams, SpeechParams
 from omni_local.settings import EngineConfig
-from omni_local.start_up_steps import gpu_memory, log_start_up_step
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -106,12 +106,8 @@ class Engine:
         self._in_flight: DecodeStep | None = None  # the last decode step, read in the next turn
         # First tokens chosen this turn, read once the turn's decode step is queued (`_read_first_tokens`)
         self._first_choices: list[tuple[Request, Choices]] = []
-        self.warm, self._when_warm = threading.Event(), when_warm  # every graph captured
-        # The prefill graphs' time and memory, logged once the last is captured (a request served
-        # meanwhile counts too).
-        self._warming_up_since, self._memory_before_prefill_graphs = time.perf_counter(), gpu_memory()
-        if not self.runner.prefill_graphs_left:
-            self._became_warm()
+        self._graph_captures = PrefillGraphsWarmUp(self.runner, lambda: when_warm(self))
+        self.warm = self._graph_captures.warm  # every graph captured
         self._worker = threading.Thread(target=self._loop, name="omni-engine", daemon=True)
         self._worker.start()
 
@@ -168,30 +164,12 @@ class Engine:
                 self._shut_down()
                 return
             if idle and not self.scheduler.waiting and not warm:
-                self._capture_a_graph()  # one at a time: a request that comes waits for one capture at most
+                self._graph_captures.capture_one()  # one at a time: a request that comes waits for one capture at most
                 continue
             self.cache.settle()  # the blocks of moves to host memory that have run, back to the pool
             self._admit()
             if self.scheduler.running or self._in_flight:
                 self._run_turn()
-
-    def _capture_a_graph(self) -> None:
-        try:
-            self.runner.capture_a_prefill_graph()
-        except Exception as error:  # noqa: BLE001 - serving goes on without the graphs left
-            log.warning("a prefill graph could not be captured (%s): prefills without one run eagerly", error)
-            self.runner.stop_capturing()
-        if not self.runner.prefill_graphs_left:
-            log_start_up_step("the Thinker's prefill graphs, after ready (while idle)",
-                              time.perf_counter() - self._warming_up_since, self._memory_before_prefill_graphs)
-            self._became_warm()
-
-    def _became_warm(self) -> None:
-        try:
-            self._when_warm(self)
-        except Exception as error:  # noqa: BLE001 - what waits on `warm`, and serving, go on regardless
-            log.warning("after the graphs were captured: %s", error)
-        self.warm.set()
 
     def _shut_down(self) -> None:
         for request in [*self.scheduler.running, *self.scheduler.waiting]:
