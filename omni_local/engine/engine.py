@@ -10,8 +10,8 @@ them), then one decode step of every request
 decoding (one batched forward when graphed), then reads the first tokens of the prompts that turn
 finished (chosen on the device after their last part, read once that step is queued, so the
 decoding replies do not wait for them), then makes one frame of every spoken reply, and streams
-(reply_text.py). A spoken reply gives its seat and blocks back when its text ends and stays in the
-turns until its speech ends. A reply that may call tools is spoken up to where a call opens: the
+(reply_text.py). How a request ends, finished or failed, is endings.py's. A spoken reply gives its
+seat and blocks back when its text ends and stays in the turns until its speech ends. A reply that may call tools is spoken up to where a call opens: the
 Talker's text ends at that token as it ends at the end of turn, while the Thinker writes the call on.
 
 The host does not wait for a decode step it queues. A step's tokens are chosen on the device
@@ -51,6 +51,7 @@ import torch
 
 from omni_local.access import LOCAL_USER
 from omni_local.engine.choices import Choices, DecodeStep
+from omni_local.engine.endings import Endings
 from omni_local.engine.forward.prefill_chunks import PreparedPrompt
 from omni_local.engine.forward.sampling import SeatSampler
 from omni_local.engine.inbox import Inbox
@@ -60,21 +61,20 @@ from omni_local.engine.parts import current_device, make_parts
 from omni_local.engine.phases import (BEGIN_SPEECH, CHOOSE_FIRST, COLLECT, DECODE, FIRST_TOKEN, PREFILL, PREPARE,
                                       SPEECH_FRAME, phase)
 from omni_local.engine.reply_text import ReplyText
-from omni_local.engine.request import Failed, Request, State
+from omni_local.engine.request import Request, State
 from omni_local.engine.scheduler import Part, Scheduler
 from omni_local.engine.seats import Seats
 from omni_local.engine.warm_up import PrefillGraphsWarmUp
 from omni_local.errors import OmniLocalError, RequestError
 from omni_local.model.loader import LoadedModel, call_open_token_id, media_markup_token_ids, thinker_eos_token_ids
 from omni_local.model.reasoning import reasoning_marks
-from omni_local.protocol.events import AudioChunk, StopReason, Waiting
+from omni_local.protocol.events import AudioChunk, Waiting
 from omni_local.protocol.messages import Message
 from omni_local.protocol.params import SamplingParams, SpeechParams
 from omni_local.settings import EngineConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-NOT_A_NUMBER = "the model's output was not a number (NaN or infinity): this request's input may be corrupt"
 
 
 class Engine:
@@ -106,6 +106,7 @@ class Engine:
         self._in_flight: DecodeStep | None = None  # the last decode step, read in the next turn
         # First tokens chosen this turn, read once the turn's decode step is queued (`_read_first_tokens`)
         self._first_choices: list[tuple[Request, Choices]] = []
+        self.endings = Endings(self.runner, self.cache, self.scheduler, self.seats, self.speaker, self.text)
         self._graph_captures = PrefillGraphsWarmUp(self.runner, lambda: when_warm(self))
         self.warm = self._graph_captures.warm  # every graph captured
         self._worker = threading.Thread(target=self._loop, name="omni-engine", daemon=True)
@@ -169,11 +170,11 @@ class Engine:
             self.cache.settle()  # the blocks of moves to host memory that have run, back to the pool
             self._admit()
             if self.scheduler.running or self._in_flight:
-                self._run_turn()
+                self._guarded_turn()
 
     def _shut_down(self) -> None:
         for request in [*self.scheduler.running, *self.scheduler.waiting]:
-            self._fail(request, "the engine was closed")
+            self.endings.fail(request, "the engine was closed")
         if self.encoder_cache is not None:
             self.encoder_cache.close()  # the worker's own database connection
 
@@ -188,9 +189,9 @@ class Engine:
         in line whose place changed where they are now (a pass over the line a turn, none a token)."""
         admission = self.scheduler.admit()
         for request in admission.cancelled:
-            self._finish(request, "cancelled")
+            self.endings.finish(request, "cancelled")
         for request, error in admission.failed:
-            self._fail(request, self._failure_message(error))
+            self.endings.fail(request, self._failure_message(error))
         for request in self.scheduler.moved_in_line():
             request.events.put(Waiting(request.ahead))
 
@@ -200,7 +201,7 @@ class Engine:
         turn before is read; one frame of each spoken reply."""
         plan = self.scheduler.plan()
         for request in plan.cancelled:
-            self._finish(request, "cancelled")
+            self.endings.finish(request, "cancelled")
         if plan.prefills:
             self._prefill(plan.prefills)
         decoding = self.scheduler.make_room(plan.decoding, self._drain)
@@ -213,7 +214,14 @@ class Engine:
             self._guarded([request], lambda: self._speak(request))
         for request in running:
             if request.state is State.TEXT_DONE and not request.speaking:
-                self._finish(request, request.stop_reason)
+                self.endings.finish(request, request.stop_reason)
+        self.scheduler.drop_ended()
+
+    def _guarded_turn(self) -> None:
+        """A turn; where something raises past the guards of its parts (a fault of ours), the running
+        requests fail with its message and the worker goes on serving: were the worker to die, every
+        request, those to come included, would wait forever."""
+        self._guarded(list(self.scheduler.running), self._run_turn)
         self.scheduler.drop_ended()
 
     def _drain(self) -> None:
@@ -231,7 +239,7 @@ class Engine:
             message = self._failure_message(error)
             for request in requests:
                 if not request.ended:
-                    self._fail(request, message)
+                    self.endings.fail(request, message)
             return None
 
     def _failure_message(self, error: Exception) -> str:
@@ -252,7 +260,7 @@ class Engine:
             results = self.runner.prefill_parts([self._rows(part) for part in ready])
         for part, result in zip(ready, results):
             if isinstance(result, Exception):
-                self._fail(part.request, self._failure_message(result))
+                self.endings.fail(part.request, self._failure_message(result))
             else:
                 self._guarded([part.request], lambda: self._prefilled(part, result))
 
@@ -303,11 +311,11 @@ class Engine:
         ((token,), (finite,)), logprobs = choice.read()
         prompt = request.prompt
         if not finite:
-            return self._fail_poisoned(request)  # before its rows are published: nobody may read them
+            return self.endings.fail_poisoned(request)  # before its rows are published: nobody may read them
         request.written = prompt.num_tokens
         self.cache.publish(request.claim, prompt, [], request.written)
         if request.cancelled.is_set():
-            self._finish(request, "cancelled")  # the first token, which the cancel overtook, is dropped
+            self.endings.finish(request, "cancelled")  # the first token, which the cancel overtook, is dropped
         else:
             self._accept(request, token, logprobs.get(0))
 
@@ -348,11 +356,11 @@ class Engine:
             if request.text_done:
                 continue
             if not numbers:
-                self._fail_poisoned(request)
+                self.endings.fail_poisoned(request)
                 continue
             request.written += 1  # the row of the token the step read
             if request.cancelled.is_set():
-                self._finish(request, "cancelled")  # the token of the step the cancel overtook is dropped
+                self.endings.finish(request, "cancelled")  # the token of the step the cancel overtook is dropped
             else:
                 self._guarded([request], lambda: self._accept(request, token, logprobs.get(row)))
 
@@ -371,11 +379,11 @@ class Engine:
         if opens_call and request.call_opened is None:
             request.call_opened = len(request.output_ids) - 1
         if token in self.eos_ids:
-            return self._end_text(request, "end_of_turn")
+            return self.endings.end_text(request, "end_of_turn")
         self.text.take(request, token, found)
         if len(request.output_ids) >= request.max_new_tokens:
             full = request.max_new_tokens == request.params.max_new_tokens
-            self._end_text(request, "max_new_tokens" if full else "context_full")
+            self.endings.end_text(request, "max_new_tokens" if full else "context_full")
 
     def _speak(self, request: Request) -> None:
         with phase(SPEECH_FRAME):
@@ -387,57 +395,3 @@ class Engine:
             # (a tool call written after the spoken words, speech cut at max_speech_seconds), and
             # another spoken reply may wait for those blocks meanwhile.
             self.speaker.end(request.spoken)
-
-    def _end_text(self, request: Request, reason: StopReason) -> None:
-        """The Thinker is done with `request`: the rest of its text goes out, its seat is given back
-        and so are its blocks (its KV kept for the session's next turn); speech may go on."""
-        request.move(State.TEXT_DONE)
-        request.text_done_at, request.stop_reason = time.perf_counter(), reason
-        self.text.flush(request)
-        if request.claim is not None:
-            if request.written:  # what this request computed stays for the session's next turn
-                self.cache.publish(request.claim, request.prompt, request.output_ids, request.written)
-            elif request.prepared is not None:
-                # A prefill begun and cut short (cancelled, failed) published nothing, and the logits of
-                # the rows it wrote were never checked: no graph may read them, past the session's end.
-                self.runner.kv.forget_rows(request.table, request.claim.start)
-            self.cache.release(request.claim)
-            request.claim = None
-            self.scheduler.blocks_freed()
-        if request.seat is not None:
-            self.seats.give_back(request.seat)
-            request.seat = None
-        request.prepared = request.detokenizer = None  # tensors and state go now
-
-    def _finish(self, request: Request, reason: StopReason) -> None:
-        if not request.text_done:
-            self._end_text(request, reason)
-        reply_ids = [t for t in request.output_ids if t not in self.eos_ids]
-        speech = request.spoken.report(request.submitted_at) if request.spoken is not None else None
-        self._end_speech(request)
-        request.events.put(self.text.finished(request, reason, reply_ids, speech))
-        request.move(State.DONE)
-
-    def _fail_poisoned(self, request: Request) -> None:
-        """`request`'s logits were not numbers: it fails alone. Its KV would make whatever attends
-        to it NaN, its session's next turn included: its blocks' rows are zeroed and the session's
-        cache entry dropped. The encoder outputs of its media after the cached prefix are dropped
-        too, so a fault in them is not kept (on disk, even) for the next prompt that holds them."""
-        claim = request.claim
-        self.runner.encoder.forget([m for m in request.prompt.media if m.start >= claim.start], request.principal)
-        self.cache.discard(claim)
-        request.claim = None
-        self.scheduler.blocks_freed()
-        self._fail(request, NOT_A_NUMBER)
-
-    def _fail(self, request: Request, message: str) -> None:
-        if not request.text_done:
-            self._end_text(request, "cancelled")
-        self._end_speech(request)
-        request.events.put(Failed(message))
-        request.move(State.DONE)
-
-    def _end_speech(self, request: Request) -> None:
-        if request.spoken is not None:
-            self.speaker.end(request.spoken)
-            request.spoken.done = True

@@ -219,10 +219,10 @@ def test_a_text_prompt_is_prefilled_and_its_first_token_chosen_without_waiting_f
     engine = app.backend.engine
     prefill, parts = engine._prefill, []
 
-    def prefill_forbidding_syncs(request, end):
+    def prefill_forbidding_syncs(turn_parts):
         with syncs_forbidden():
-            prefill(request, end)
-        parts.append(end)
+            prefill(turn_parts)
+        parts.extend(part.end for part in turn_parts)
 
     monkeypatch.setattr(engine, "_prefill", prefill_forbidding_syncs)
     monkeypatch.setattr(engine, "eos_ids", set())

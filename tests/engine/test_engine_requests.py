@@ -12,7 +12,7 @@ from omni_local.bench.beside import accepted_tokens
 from omni_local.errors import RequestError
 from omni_local.model.loader import end_of_turn_ids
 from omni_local.protocol.events import Finished, TextDelta
-from waiting import came_true
+from waiting import came_true, within
 
 QUESTION = "Tell me a story about a lighthouse keeper."
 
@@ -142,6 +142,27 @@ def test_out_of_memory_fails_only_that_request(app, monkeypatch):
     monkeypatch.setattr(app.backend.engine.runner, "prefill", original)
     assert app.session().send(QUESTION, max_new_tokens=4).result().tokens.generated == 4
     assert no_entry_is_pinned(app)  # the failed request let go of its blocks
+
+
+def test_a_fault_of_the_engines_own_in_a_turn_fails_the_running_reply_and_the_engine_serves_on(app, monkeypatch):
+    # Outside the guards of a turn's parts: the worker thread itself would die, and every reply,
+    # those sent later included, would wait forever.
+    plan, faults = app.backend.engine.scheduler.plan, []
+
+    def plan_once_broken():
+        if not faults:
+            faults.append(1)
+            raise KeyError("a fault of ours")
+        return plan()
+
+    monkeypatch.setattr(app.backend.engine.scheduler, "plan", plan_once_broken)
+    def ask():
+        return app.session().send(QUESTION, max_new_tokens=4).result()
+
+    with pytest.raises(RequestError, match="internal error: KeyError"):
+        within(ask, "the reply in the broken turn must fail, not wait")
+    assert within(ask, "the next reply must be served").tokens.generated == 4
+    assert no_entry_is_pinned(app)
 
 
 def test_requests_from_several_threads_are_all_served_and_match_their_lone_answers(demo_settings):

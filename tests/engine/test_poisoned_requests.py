@@ -19,7 +19,7 @@ import torch
 from samples import clip
 from kv_budget import kv_rows
 from omni_local.api import OmniLocal
-from omni_local.engine.engine import NOT_A_NUMBER
+from omni_local.engine.endings import NOT_A_NUMBER
 from omni_local.engine.forward.cuda_graphs import attention_buckets
 from omni_local.engine.forward.thinker import ThinkerRunner
 from omni_local.engine.memory.kv_store import GraphedKVWriter, KVStore

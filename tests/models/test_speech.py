@@ -295,8 +295,8 @@ def test_a_reply_whose_text_goes_on_after_its_speech_ends_gives_the_talkers_bloc
     # (SPEECH_SECONDS), the text some turns later. Without the cache, nothing of the Talker's is kept.
     app = speaking_apps[1]
     engine, pool = app.backend.engine, app.backend.engine.speaker.runner.kv.pool
-    held_as_text_ended, end_text = [], engine._end_text
-    monkeypatch.setattr(engine, "_end_text", lambda request, reason: held_as_text_ended.append(pool.held)
+    held_as_text_ended, end_text = [], engine.endings.end_text
+    monkeypatch.setattr(engine.endings, "end_text", lambda request, reason: held_as_text_ended.append(pool.held)
                         or end_text(request, reason))
     long_call = PARIS.replace('"Paris"', '"Paris", "note": "' + "rain " * 10 + '"')
     with forced_replies(engine, app.backend.loaded.processor.tokenizer, f"I will check. {long_call}{END}"):

@@ -224,8 +224,8 @@ def test_stopping_a_reply_stops_the_engine_not_only_the_page(demo_settings, demo
 
     with OmniLocal(demo_settings.replace(max_new_tokens=900)) as app:
         stops = []
-        finish, decode = app.backend.engine._finish, app.backend.engine.runner.decode
-        app.backend.engine._finish = lambda request, reason: stops.append(reason) or finish(request, reason)
+        finish, decode = app.backend.engine.endings.finish, app.backend.engine.runner.decode
+        app.backend.engine.endings.finish = lambda request, reason: stops.append(reason) or finish(request, reason)
         app.backend.engine.runner.decode = lambda *a, **k: time.sleep(0.01) or decode(*a, **k)  # a reply of seconds
         app.backend.engine.eos_ids = set()  # and one that does not end on its own
         ui = build_ui(app)
