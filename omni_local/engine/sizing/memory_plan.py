@@ -6,7 +6,7 @@
   the activations of the largest graphed forward, the code predictor's KV. Measured at each start
   (its allocations' peak while it starts, less the Thinker's and the Talker's KV) and remembered per
   GPU, model and settings (<cache_dir>/memory.json); a first start takes FIRST_START_ENGINE_BYTES,
-  measured on an H200 at full size. Each start-up step logs its own part (start_up_steps.py);
+  measured at full size on an H100 (int4). Each start-up step logs its own part (start_up_steps.py);
 - encoder outputs and KV: caches, so caps the plan shrinks to fit, each down to a floor it states.
   The KV is the Thinker's blocks and, with speech, the Talker's KV beside them (kv_sizes.py: as many
   Talker sequences as the Thinker's blocks hold chats of `max_context_tokens`). It first gets
@@ -61,11 +61,13 @@ Planned = TypeVar("Planned", bound=EngineConfig)
 
 GiB = 1 << 30
 MARGIN_BYTES = 1 * GiB
-# The engine's start-up take besides the KV, at full size with speech and the default settings:
-# 2.6 GiB on an H200 (fp8, allocated after start-up less weights and 4 GiB of Thinker KV:
-# docs/benchmarks/2026-12-01-quantized-weights.md), of which 0.93 GiB was the Talker's KV beside
-# those 4 GiB (computed: 5 sequences of 9,701 rows of 20 KiB); 1.7 GiB, rounded up for a first start.
-FIRST_START_ENGINE_BYTES = 2 * GiB
+# The engine's start-up take besides the KV, at full size with speech and the default settings, on an
+# H100 with int4 weights (docs/benchmarks/2026-12-07-engine-take-h100.md): its CUDA graph pools
+# reserved 1,038 MiB (the Thinker's decode and prefill graphs, of up to 4,096 tokens, 920; Code2Wav
+# 114; the Talker 4) and it allocated about 165 MiB outside them (graphs' static inputs, the Talker's
+# split projections, activations kept, sampling rows): 1.17 GiB, rounded up for a first start. (It
+# was 2 GiB, from an H200 run with fp8 weights at an earlier commit; not measured again since.)
+FIRST_START_ENGINE_BYTES = 1_280 << 20
 # The encoder outputs' floor where memory is short (or encoder_cache_bytes, if less): a 480x640
 # image's outputs take about 6 MiB at full size (some 370 tokens, each its merged row and three
 # deepstack levels of 2,048 bfloat16 values: computed), so this keeps about 20 images.
