@@ -6,13 +6,14 @@ Each turn of the loop is schedule, run, postprocess. The scheduler (scheduler.py
 requests and plans the turn: the prefill parts (one chunk a turn while another reply decodes or
 speaks) and the requests to decode. The engine runs the parts (several prompts' in one forward,
 their tokens packed, where prefills run eagerly: the experts' weights are read once for all of
-them), then one decode step of every request
-decoding (one batched forward when graphed), then reads the first tokens of the prompts that turn
-finished (chosen on the device after their last part, read once that step is queued, so the
-decoding replies do not wait for them), then makes one frame of every spoken reply, and streams
+them), then one decode step of every request decoding (one batched forward when graphed), then
+reads the first tokens of the prompts that turn finished (chosen on the device after their last
+part, read once that step is queued, so the decoding replies do not wait for them), then makes one
+frame of every spoken reply (their Talker steps one batched forward too), and streams
 (reply_text.py). How a request ends, finished or failed, is endings.py's. A spoken reply gives its
-seat and blocks back when its text ends and stays in the turns until its speech ends. A reply that may call tools is spoken up to where a call opens: the
-Talker's text ends at that token as it ends at the end of turn, while the Thinker writes the call on.
+seat and blocks back when its text ends and stays in the turns until its speech ends. A reply that
+may call tools is spoken up to where a call opens: the Talker's text ends at that token as it ends
+at the end of turn, while the Thinker writes the call on.
 
 The host does not wait for a decode step it queues. A step's tokens are chosen on the device
 (SeatSampler, one row per seat) and are the next step's input there; the host reads them one turn
@@ -210,8 +211,9 @@ class Engine:
             self._collect(previous)
         self._read_first_tokens()
         running = self.scheduler.running
-        for request in [r for r in running if r.speaking]:
-            self._guarded([request], lambda: self._speak(request))
+        speaking = [r for r in running if r.speaking]
+        if speaking:
+            self._speak(speaking)
         for request in running:
             if request.state is State.TEXT_DONE and not request.speaking:
                 self.endings.finish(request, request.stop_reason)
@@ -385,9 +387,22 @@ class Engine:
             full = request.max_new_tokens == request.params.max_new_tokens
             self.endings.end_text(request, "max_new_tokens" if full else "context_full")
 
-    def _speak(self, request: Request) -> None:
+    def _speak(self, requests: list[Request]) -> None:
+        """One frame more of each spoken reply: a first frame is its Talker prefill, alone (a failure
+        fails its own reply); the later frames' Talker steps are one forward (a failure there fails
+        them all, as a decode step's does); then each reply's audio (a failure, its own)."""
         with phase(SPEECH_FRAME):
-            chunk = self.speaker.step(request.spoken, *request.spoken_text)
+            starting = [r for r in requests if r.spoken.queued == 0]
+            going_on = [r for r in requests if r.spoken.queued > 0]
+            for request in starting:
+                self._guarded([request], lambda: self.speaker.queue_first_frame(request.spoken))
+            self._guarded(going_on, lambda: self.speaker.queue_frames([(r.spoken, *r.spoken_text) for r in going_on]))
+            for request in requests:
+                if not request.ended:
+                    self._guarded([request], lambda: self._send_audio(request))
+
+    def _send_audio(self, request: Request) -> None:
+        chunk = self.speaker.frame_out(request.spoken)
         if chunk is not None:
             request.events.put(AudioChunk(*chunk))
         if request.spoken.done:

@@ -365,17 +365,14 @@ def test_a_spoken_reply_queues_each_frame_after_the_talkers_prefill_without_wait
     # speech held the Thinker at 15.7 ms a token against its 4 ms step
     # (docs/benchmarks/2026-12-02-rows-again-video-traced.md).
     speaker = speaking_graphed_and_eager[0].backend.engine.speaker
-    queue_frame, checked = speaker._queue_frame, []
+    queue_steps, checked = speaker._queue_steps, []
 
-    def queue_frame_forbidding_syncs(reply, reply_ids, text_done):
-        if reply.claim is None:  # the Talker's prefill: its claim and rows, not a frame's work
-            return queue_frame(reply, reply_ids, text_done)
+    def queue_steps_forbidding_syncs(stepping):  # every frame after the first: the prefill's
         with syncs_forbidden():
-            codes = queue_frame(reply, reply_ids, text_done)
-        checked.append(codes is not None)
-        return codes
+            queue_steps(stepping)
+        checked.append(len(stepping))
 
-    monkeypatch.setattr(speaker, "_queue_frame", queue_frame_forbidding_syncs)
+    monkeypatch.setattr(speaker, "_queue_steps", queue_steps_forbidding_syncs)
     app = speaking_graphed_and_eager[0]
     final, frames, _, _ = send(app, app.session(), STORY, voice="Chelsie")  # a synchronising call fails it
     assert final.speech.frames == len(frames) > 2 and sum(checked) >= len(frames) - 1

@@ -2,7 +2,7 @@
 the prefix cache never changes what is said, a reply that calls a tool is spoken up to the call and
 no further, and a bad request for speech is a clear error."""
 
-import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -13,6 +13,7 @@ from forced_replies import forced_replies
 from device_under_test import TEST_DEVICE
 from replies import GREEDY, NEW_TOKENS, media, send, transformers_speech
 from samples import QUESTIONS, clip, picture
+from waiting import until
 from omni_local.api import AudioChunk, OmniLocal
 from omni_local.engine.forward.talker import OPENING_ROWS
 from omni_local.engine.forward.vocoder import AudioStream, Vocoder
@@ -198,20 +199,36 @@ def test_a_text_turn_then_a_spoken_turn_reads_the_rows_the_text_turn_cached(spea
     assert second.tokens.computed == second.tokens.prompt - written(first)
 
 
+def test_replies_speaking_at_once_take_each_talker_step_together_and_each_speaks_as_it_would_alone(
+        speaking_apps, monkeypatch):
+    app = speaking_apps[1]
+    questions = ["Tell me about the sea.", "What do owls eat?", "Sing of the harbour at night."]
+    alone = [send(app, app.session(), question) for question in questions]
+    runner, batches = app.backend.engine.speaker.runner, []
+    steps = runner.steps
+    monkeypatch.setattr(runner, "steps", lambda tables, *rest: batches.append(len(tables)) or steps(tables, *rest))
+    with ThreadPoolExecutor(len(questions)) as pool:
+        together = list(pool.map(lambda question: send(app, app.session(), question), questions))
+    assert max(batches) == len(questions), "the replies speaking at once must step together"
+    for (final, frames, audio, _), (final_alone, frames_alone, audio_alone, _) in zip(together, alone):
+        assert frames, "the reply must speak, or the comparison proves little"
+        assert final.token_ids == final_alone.token_ids and frames == frames_alone
+        np.testing.assert_allclose(audio, audio_alone, atol=1e-6 if TEST_DEVICE == "cpu" else 5e-5)
+
+
 def test_cancel_stops_text_and_speech_at_once_and_sends_only_whole_chunks(speaking_apps, monkeypatch):
     app = speaking_apps[0]
     speaker, held = app.backend.engine.speaker, {}
-    step = speaker.step
+    frame_out = speaker.frame_out
 
-    def step_then_cancel(*args):
-        chunk = step(*args)
+    def frame_out_then_cancel(reply):
+        chunk = frame_out(reply)
         if chunk is not None:  # cancel in the worker right after the first chunk: a known point
-            while "reply" not in held:
-                time.sleep(0.001)
+            until(lambda: "reply" in held, "the reply must be sent")
             held["reply"].cancel()
         return chunk
 
-    monkeypatch.setattr(speaker, "step", step_then_cancel)
+    monkeypatch.setattr(speaker, "frame_out", frame_out_then_cancel)
     question = "Tell me a story about a lighthouse keeper."
     held["reply"] = reply = app.session().send(question, max_new_tokens=NEW_TOKENS, **GREEDY)
     chunks = [event for event in reply if isinstance(event, AudioChunk)]

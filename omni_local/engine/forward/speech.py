@@ -65,6 +65,7 @@ class SpokenReply:
     written: int = 0  # Talker KV rows in its blocks
     queued: int = 0  # frames queued on the device (the Talker's forward and the code predictor's)
     unread: Readback | None = None  # the codes of the last frame queued, until the host reads them
+    due: Readback | None = None  # the frame queued the turn before, read this turn (`frame_out`)
     rope_delta: int = 0
     stream: AudioStream = field(default_factory=AudioStream)
     done: bool = False
@@ -117,7 +118,7 @@ class Speaker:
         self.max_frames = max_frames(settings, model.code2wav)
         self.runner = TalkerRunner(model, talker_sequence_rows(settings, model.code2wav), kv_sequences,
                                    cuda_graphs=settings.cuda_graphs, compiled_layers=settings.compiled_layers,
-                                   moe=moe, attention=attention)
+                                   moe=moe, attention=attention, max_batch=settings.max_running_requests)
         # Talker KV of user turns is small; an entry pushed off the device is dropped, not moved.
         self.cache = PrefixCache(self.runner.kv, 0, enabled=settings.prefix_cache, by_hash=False)
         self.im_start, self.user = model.config.im_start_token_id, model.config.user_token_id
@@ -153,20 +154,44 @@ class Speaker:
                            Sampler(params.talker_sampling(), seed + 1, suppressed=self.runner.suppressed), seed + 2)
 
     @torch.inference_mode()
-    def step(
-        self, reply: SpokenReply, reply_ids: list[int], text_done: bool
-    ) -> tuple[np.ndarray, list[list[int]]] | None:
-        """At most one more frame of `reply` queued, and the frame queued the turn before read;
-        returns the audio chunk that completes, if one, with its frames' codes. Until the first
-        audio, a frame is also read in the turn that queues it, so the first chunk goes out as soon
-        as its frames exist. Reading a frame a turn late keeps one queued on the device while the host
-        makes the next turn (the engine's loop, the Thinker's step, Code2Wav), where reading it at
-        once left the device idle then; a frame queued after the one that ends the speech is dropped."""
-        earlier, reply.unread = reply.unread, None
-        if reply.queued < self.max_frames:
-            reply.unread = self._queue_frame(reply, reply_ids, text_done)
-        if earlier is not None:
-            self._keep(reply, earlier.tolist())
+    def queue_first_frame(self, reply: SpokenReply) -> None:
+        """`reply`'s first frame queued, waiting for nothing: the Talker's prefill, once its blocks
+        are had (else nothing, and again next turn), and the code predictor's codes."""
+        hidden, logits = self._start(reply)
+        if hidden is None:
+            return  # running replies hold the Talker's blocks: try again next turn
+        # Every spoken reply has at least one frame (transformers' `talker_min_new_tokens=1`).
+        eos = to_device(torch.tensor([self.runner.codec_eos]), logits.device)
+        self._complete_frame(reply, hidden, logits.index_fill(0, eos, float("-inf")))
+
+    @torch.inference_mode()
+    def queue_frames(self, texts: list[tuple[SpokenReply, list[int], bool]]) -> None:
+        """At most one more frame of each reply whose first is queued, waiting for nothing: `texts`
+        gives each with its reply's tokens so far and whether its text is done. The Talker's steps of
+        all of them are one forward (in groups of the runner's `max_batch`), then each one's code
+        predictor. The frame each queued the turn before becomes due (`frame_out` reads it)."""
+        stepping = []
+        for reply, reply_ids, text_done in texts:
+            reply.due, reply.unread = reply.unread, None
+            if reply.queued >= self.max_frames:
+                continue
+            # The frame this step begins reads the reply token of the same index.
+            text_row = self._text_row(reply.queued, reply_ids, text_done)
+            if text_row is not None:  # else the Thinker has not written that token yet
+                stepping.append((reply, reply.codec_sum + text_row))
+        for start in range(0, len(stepping), self.runner.max_batch):
+            self._queue_steps(stepping[start : start + self.runner.max_batch])
+
+    def frame_out(self, reply: SpokenReply) -> tuple[np.ndarray, list[list[int]]] | None:
+        """The frame due read and kept; returns the audio chunk that completes, if one, with its
+        frames' codes. Until the first audio, the frame queued this turn is also read now, so the
+        first chunk goes out as soon as its frames exist. Reading a frame a turn late keeps one
+        queued on the device while the host makes the next turn (the engine's loop, the Thinker's
+        step, Code2Wav), where reading it at once left the device idle then; a frame queued after
+        the one that ends the speech is dropped."""
+        due, reply.due = reply.due, None
+        if due is not None:
+            self._keep(reply, due.tolist())
         if reply.unread is not None and (reply.done or not reply.first_audio_at):
             # Before the first audio, read at once; after the end of the speech, dropped.
             unread, reply.unread = reply.unread, None
@@ -181,31 +206,25 @@ class Speaker:
         reply.last_audio_at = now
         return samples, reply.stream.frames[start:]
 
-    def _queue_frame(self, reply: SpokenReply, reply_ids: list[int], text_done: bool) -> Readback | None:
-        """Queue `reply`'s next frame, the Talker's forward (its prefill, for the first) and the code
-        predictor's, waiting for nothing; its codes, unread. None where it cannot be queued yet."""
-        if reply.queued == 0:  # its first frame: the prefill, once the Talker's blocks are had
-            hidden, logits = self._start(reply)
-            if hidden is None:
-                return None  # running replies hold the Talker's blocks: try again next turn
-            # Every spoken reply has at least one frame (transformers' `talker_min_new_tokens=1`).
-            eos = to_device(torch.tensor([self.runner.codec_eos]), logits.device)
-            logits = logits.index_fill(0, eos, float("-inf"))
-        else:
-            # The frame this forward begins reads the reply token of the same index.
-            text_row = self._text_row(reply.queued, reply_ids, text_done)
-            if text_row is None:
-                return None  # the Thinker has not written that token yet
-            hidden, logits = self.runner.step(reply.table, reply.written, reply.codec_sum + text_row,
-                                              reply.rope_delta)
+    def _queue_steps(self, stepping: list[tuple[SpokenReply, torch.Tensor]]) -> None:
+        """The Talker's step of each reply in `stepping` (with its input row) in one forward, then
+        each one's code predictor."""
+        replies = [reply for reply, _ in stepping]
+        hidden, logits = self.runner.steps([r.table for r in replies], [r.written for r in replies],
+                                           torch.cat([row for _, row in stepping]), [r.rope_delta for r in replies])
+        for i, reply in enumerate(replies):
             reply.written += 1
-        # The frame is completed before its first code is read: whether it ends the speech is known
-        # when its codes are.
+            self._complete_frame(reply, hidden[i : i + 1], logits[i])
+
+    def _complete_frame(self, reply: SpokenReply, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+        """The frame's first code drawn from the Talker's `logits` [vocab], then the code predictor's
+        codes from its `hidden` state [1, 1, width]: the frame is queued, its codes unread. (Whether it
+        ends the speech is known when they are read.)"""
         codes, reply.codec_sum = self.runner.complete_frame(hidden, reply.sampler.next_token(logits),
                                                             predictor_sampling(reply.params), reply.seed,
                                                             frame=reply.queued)
+        reply.unread = codes
         reply.queued += 1
-        return codes
 
     def _keep(self, reply: SpokenReply, codes: list[int]) -> None:
         """A frame's codes, read: kept, or the end of the speech."""

@@ -9,8 +9,9 @@ What the Talker reads, as transformers' `Qwen3OmniMoeForConditionalGeneration.ge
 - then, at each step, the sum of the codec embeddings of the frame it just made plus the next reply
   token's projected embedding (text-EOS after the last one, then padding).
 Each step makes the first code of a frame; the code predictor then makes the frame's other codes.
-On a GPU both replay CUDA graphs captured at start-up: the step one per attention bucket, as the
-Thinker's decode step (BatchGraphs); the code predictor's 15 steps of a frame, with their sampling
+On a GPU both replay CUDA graphs captured at start-up: the step one per batch of spoken replies and
+attention bucket, as the Thinker's decode step (BatchGraphs), so the steps of all the replies
+speaking at once are one forward; the code predictor's 15 steps of a frame, with their sampling
 on the device, one graph (StaticGraph).
 `TalkerRows` makes the per-token rows while the Thinker prefills, so they are kept with its KV.
 """
@@ -21,7 +22,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from omni_local.engine.forward.cuda_graphs import BatchGraphs, StaticGraph, graphable
+from omni_local.engine.forward.cuda_graphs import BatchGraphs, StaticGraph, graphable, size_buckets
 from omni_local.engine.forward.decoder_stack import LayerRegions, mrope_positions, run_layers
 from omni_local.engine.forward.fused_qkv import fuse_qkv
 from omni_local.engine.forward.moe import TORCH, MoeBackend
@@ -87,8 +88,10 @@ class TalkerPrompt:
 class TalkerRunner:
     def __init__(self, model: torch.nn.Module, max_tokens: int, kv_sequences: int, cuda_graphs: bool = False,
                  compiled_layers: bool = False, moe: MoeBackend = TORCH,
-                 attention: AttentionKernels = AttentionKernels()) -> None:
+                 attention: AttentionKernels = AttentionKernels(), max_batch: int = 1) -> None:
+        """`max_batch`: the most spoken replies stepped in one forward (the step's largest graph)."""
         self.config = model.config
+        self.max_batch = max_batch
         self.attention = attention  # its prefills' and steps' kernels over the blocks, as the Thinker's
         self.talker = model.talker
         self.stack = self.talker.model
@@ -165,7 +168,7 @@ class TalkerRunner:
                 Sampler(params, seed=0, suppressed=self.suppressed).next_token(logits[0])
             frame, codec_sum = self.complete_frame(hidden, self._row_zero, SamplingParams(), seed=0, frame=0)
             codes = frame.tolist()
-            self.step(table, 4, codec_sum + self.tts_pad, 0)
+            self.steps([table], [4], codec_sum + self.tts_pad, [0])
             # A prompt's prefill runs eagerly at its own length, up to a whole sequence.
             self.regions.warm_up_experts(self.stack.layers, self.kv.shape.max_tokens)
             if self._capture_predictor:
@@ -175,7 +178,8 @@ class TalkerRunner:
             if self._capture_steps:
                 row = self.tts_pad[None]  # [1, 1, width], shaped as a step's input
                 capturable = partial(self.regions.moe.capturable, self.stack.config, self.dtype)
-                self.step_graphs = BatchGraphs(self._forward, self.kv, row, capturable, kernel=self.attention.decode)
+                self.step_graphs = BatchGraphs(self._forward, self.kv, row, capturable,
+                                               batches=size_buckets(1, self.max_batch), kernel=self.attention.decode)
                 self.step_graphs.capture(table)
             return codes
         finally:
@@ -226,14 +230,19 @@ class TalkerRunner:
         return hidden, logits[0], rope_delta
 
     @torch.inference_mode()
-    def step(self, table: BlockTable, index: int, embed: torch.Tensor, rope_delta: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One step at row `index` from `embed` [1, 1, width]: its hidden state and codec logits."""
-        positions = torch.full((3, 1, 1), index + rope_delta, device=self.device, dtype=torch.long)
+    def steps(self, tables: list[BlockTable], indices: list[int], embeds: torch.Tensor, rope_deltas: list[int]
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step of each spoken reply: reply i's at row `indices[i]` of `tables[i]` from `embeds[i]`
+        ([n, 1, width]). Returns their hidden states [n, 1, width] and codec logits [n, vocab].
+        Graphed, one replay for them all (the Talker's weights read once, not once a reply); eager,
+        one after another, each exactly as alone."""
+        positions = to_device(torch.tensor(indices) + torch.tensor(rope_deltas), self.device)
+        positions = positions.view(1, -1, 1).expand(3, -1, -1)
         if self.step_graphs is not None:
-            hidden, logits = self.step_graphs.replay([table], embed, [index], positions)
-        else:
-            hidden, logits = self._forward(self.kv.writer(table, index, self.attention.decode), embed, positions)
-        return hidden, logits[0]
+            return self.step_graphs.replay(tables, embeds, indices, positions)
+        steps = [self._forward(self.kv.writer(table, index, self.attention.decode), embeds[i : i + 1],
+                               positions[:, i : i + 1]) for i, (table, index) in enumerate(zip(tables, indices))]
+        return torch.cat([hidden for hidden, _ in steps]), torch.cat([logits for _, logits in steps])
 
     @torch.inference_mode()
     def complete_frame(
