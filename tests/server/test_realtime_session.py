@@ -20,6 +20,7 @@ from omni_local.server.realtime.route import IDLE_SECONDS, MAX_MESSAGE_BYTES, Re
 from omni_local.server.routes import api_mount
 from realtime_events import ANSWERED, TEXT_ONLY, of, say, typed_session, until
 from samples import wait_for
+from waiting import within
 
 END = "<|im_end|>"
 PARIS = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -170,7 +171,8 @@ def test_a_session_idle_past_its_time_is_told_and_closed_and_its_seat_serves_the
     http = route_app(app, sessions=1, idle_seconds=1.0)
     with http.websocket_connect("/realtime") as idle:
         until(idle, "session.created")
-        assert idle.receive_json()["error"]["code"] == "session_idle"
+        # Starlette's test socket has no receive timeout: a server that never told would hang the run.
+        assert within(idle.receive_json, "the idle session must be told")["error"]["code"] == "session_idle"
         with pytest.raises(WebSocketDisconnect) as closed:
             idle.receive_json()
         assert closed.value.code == 1000
