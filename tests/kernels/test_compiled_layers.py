@@ -133,14 +133,20 @@ def padded_prefill(store: KVStore, table: list[int], length: int, longest: int) 
                            rows=store.shape.max_tokens)
 
 
-def prefill_of_five(stack: torch.nn.Module, regions: LayerRegions, **store: object) -> None:
-    """Five tokens into fresh blocks of a store of the `store` kind (KVShape's fields), each layer as
-    `regions` runs it."""
+def store_for(stack: torch.nn.Module, **kind: object) -> KVStore:
+    """A store of 32 rows a sequence for `stack`, of the `kind` given (KVShape's fields)."""
     shape = KVShape(stack.config.num_hidden_layers, stack.config.num_key_value_heads, stack.config.head_dim,
-                    max_tokens=32, **store)
+                    max_tokens=32, **kind)
     weight = stack.norm.weight
-    store = KVStore(shape, shape.table_blocks + 1, weight.dtype, weight.device)
-    run_layers(stack, store.writer(store.take(shape.table_blocks), 0), hidden_states(stack, 5, seed=9),
+    return KVStore(shape, shape.table_blocks + 1, weight.dtype, weight.device)
+
+
+def prefill_of_five(stack: torch.nn.Module, regions: LayerRegions, store: KVStore | None = None,
+                    **kind: object) -> None:
+    """Five tokens into fresh blocks of `store` (or of a new store of the `kind` given), each layer as
+    `regions` runs it."""
+    store = store or store_for(stack, **kind)
+    run_layers(stack, store.writer(store.take(store.shape.table_blocks), 0), hidden_states(stack, 5, seed=9),
                positions_for(stack, 0, 5), regions=regions)
 
 
@@ -176,6 +182,21 @@ def test_each_kind_of_store_compiles_regions_of_its_own_so_no_process_of_many_st
             prefill_of_five(stack, LayerRegions(compiled=True), **store)
         graphs = counters["stats"]["unique_graphs"]
         prefill_of_five(stack, LayerRegions(compiled=True), block_tokens=32)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+@torch.inference_mode()
+def test_a_store_made_under_inference_mode_reuses_the_regions_compiled_for_the_engines(speaking_app):
+    # The engine makes its stores outside inference mode and runs its forwards under it; a store made
+    # under it (a test's, a tool's) must not compile the regions again: with dynamo's limit reached,
+    # that failed a GPU test run in one order and not in another.
+    stack = stacks(speaking_app.backend.loaded.model)["thinker"]
+    with torch.inference_mode(False):
+        engines = store_for(stack)
+    prefill_of_five(stack, LayerRegions(compiled=True), engines)
+    graphs = counters["stats"]["unique_graphs"]
+    with torch._dynamo.config.patch(recompile_limit=1):
+        prefill_of_five(stack, LayerRegions(compiled=True))
     assert counters["stats"]["unique_graphs"] == graphs
 
 

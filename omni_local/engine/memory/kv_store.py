@@ -94,10 +94,17 @@ class KVStore:
         # poison that chat's every output. So with `zeroed` every block handed out holds zeros, and
         # a sequence's rows past its end are zeros or its own session's.
         self.zeroed = zeroed
-        make = torch.zeros if zeroed else torch.empty
+        # Never inference tensors, whoever makes the store: a compiled layer guards on its pools'
+        # dispatch keys, so a store made under inference mode would compile every region again (and,
+        # past dynamo's recompile limit, fail) in a process that also holds the engine's stores.
+        with torch.inference_mode(False):
+            self._make_pools(blocks, size, zeroed)
+
+    def _make_pools(self, blocks: int, size: tuple[int, ...], zeroed: bool) -> None:
         # Keys and values of every layer in one tensor, each layer's a view of it: zeroing or copying
         # a block is one launch, not one per layer and kind (96 at full size, about 2 ms of host time
         # on each request that takes blocks). fp8 ones' scales likewise, in a tensor of their own.
+        shape, dtype, device = self.shape, self.dtype, self.device
         self._layers, self._scales = empty_pools((2, shape.num_layers, *size), shape.fp8, dtype, device, zeroed)
         # (Written in place under inference mode, as the engine's forwards run: with grad on, a write
         # of a value that requires grad into one view of a leaf is refused.)
@@ -106,6 +113,7 @@ class KVStore:
         # Each layer's (key scales, value scales) [blocks, kv_heads, block_tokens]; None: not fp8.
         self.scales = (list(zip(self._scales[0].unbind(), self._scales[1].unbind()))
                        if self._scales is not None else None)
+        make = torch.zeros if zeroed else torch.empty
         self.talker_rows = (
             make((blocks, shape.block_tokens, shape.talker_dim), dtype=dtype, device=device)
             if shape.talker_dim else None
