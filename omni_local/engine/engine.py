@@ -217,13 +217,14 @@ class Engine:
         for request in running:
             if request.state is State.TEXT_DONE and not request.speaking:
                 self.endings.finish(request, request.stop_reason)
-        self.scheduler.drop_ended()
 
     def _guarded_turn(self) -> None:
         """A turn; where something raises past the guards of its parts (a fault of ours), the running
         requests fail with its message and the worker goes on serving: were the worker to die, every
         request, those to come included, would wait forever."""
         self._guarded(list(self.scheduler.running), self._run_turn)
+        # A turn cut short may leave first tokens chosen and unread: those of the requests it failed go.
+        self._first_choices = [(request, choice) for request, choice in self._first_choices if not request.ended]
         self.scheduler.drop_ended()
 
     def _drain(self) -> None:
