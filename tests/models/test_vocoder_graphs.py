@@ -34,7 +34,7 @@ def vocoders(code2wav: torch.nn.Module) -> tuple[Vocoder, Vocoder]:
 
 
 def stream_chunks(vocoder: Vocoder, frames: list[list[int]]) -> list[np.ndarray]:
-    """The chunks a reply of `frames` is sent in, as Speaker.step decodes them."""
+    """The chunks a reply of `frames` is sent in, as Speaker.frame_out decodes them."""
     stream, chunks = AudioStream(), []
     for i, frame in enumerate(frames):
         stream.frames.append(frame)
