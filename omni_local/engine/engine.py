@@ -393,8 +393,8 @@ class Engine:
         fails its own reply); the later frames' Talker steps are one forward (a failure there fails
         them all, as a decode step's does); then each reply's audio (a failure, its own)."""
         with phase(SPEECH_FRAME):
-            starting = [r for r in requests if r.spoken.queued == 0]
-            going_on = [r for r in requests if r.spoken.queued > 0]
+            starting = [r for r in requests if not r.spoken.begun]
+            going_on = [r for r in requests if r.spoken.begun]
             for request in starting:
                 self._guarded([request], lambda: self.speaker.queue_first_frame(request.spoken))
             self._guarded(going_on, lambda: self.speaker.queue_frames([(r.spoken, *r.spoken_text) for r in going_on]))

@@ -367,7 +367,7 @@ def test_a_spoken_reply_queues_each_frame_after_the_talkers_prefill_without_wait
     speaker = speaking_graphed_and_eager[0].backend.engine.speaker
     queue_steps, checked = speaker._queue_steps, []
 
-    def queue_steps_forbidding_syncs(stepping):  # every frame after the first: the prefill's
+    def queue_steps_forbidding_syncs(stepping):  # every frame but the first, which is the Talker's prefill
         with syncs_forbidden():
             queue_steps(stepping)
         checked.append(len(stepping))

@@ -156,6 +156,7 @@ def test_a_fault_of_the_engines_own_in_a_turn_fails_the_running_reply_and_the_en
         return plan()
 
     monkeypatch.setattr(app.backend.engine.scheduler, "plan", plan_once_broken)
+
     def ask():
         return app.session().send(QUESTION, max_new_tokens=4).result()
 

@@ -76,6 +76,11 @@ class SpokenReply:
     def table(self) -> BlockTable:
         return self.claim.entry.table
 
+    @property
+    def begun(self) -> bool:
+        """Its first frame is queued (the Talker's prefill): the next ones are steps."""
+        return self.queued > 0
+
     def report(self, submitted_at: float) -> SpeechReport:
         audio_s = self.stream.sent / SPEECH_SAMPLE_RATE
         rtf = (self.last_audio_at - submitted_at) / audio_s if audio_s else 0.0
