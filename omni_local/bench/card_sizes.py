@@ -116,6 +116,9 @@ def planned(settings: Settings, loaded: LoadedModel, card_gib: float) -> Setting
     move_to_host_memory(loaded.model, plan.experts_on_gpu, plan.host_embeddings > 0)
     if loaded.device.type == "cuda":
         torch.cuda.empty_cache()  # the moved weights' GPU copies, given back
+        # The row's peak is serving's: not the moved weights' copies, built on the GPU before the plan
+        # moved them (a checkpoint's load puts them in host memory at once).
+        torch.cuda.reset_peak_memory_stats()
     return plan.applied(settings)
 
 
