@@ -15,6 +15,7 @@ from omni_local.engine.forward.speech import talker_sequence_rows
 from omni_local.engine.forward.talker import talker_kv_shape
 from omni_local.engine.forward.thinker import kv_shape, least_kv_bytes
 from omni_local.engine.sizing import expert_placement, memory_plan
+from omni_local.engine.sizing.kv_sizes import kv_sizes
 from omni_local.errors import SettingsError
 from omni_local.model import load_model, weights as weights_module
 from omni_local.model.host_experts import in_host_memory, thinker_embeddings, thinker_experts
@@ -303,12 +304,56 @@ def test_where_memory_is_short_the_encoder_outputs_shrink_to_their_floor_before_
     assert (plan(16 * MiB).encoder_outputs, plan(16 * MiB).kv) == (16 * MiB, four_chats)
     shortest = plan(0)  # short of the KV target: the embeddings go to host memory first
     embeddings = shortest.host_embeddings
-    assert (shortest.encoder_outputs, shortest.kv) == (2 * MiB, blocks(four_chats + embeddings - 2 * MiB))
+    assert shortest.kv == blocks(four_chats + embeddings - 2 * MiB)
+    assert shortest.encoder_outputs == four_chats + embeddings - shortest.kv  # the floor, and what no block fills
     tokens = (shortest.kv // block - 1) * thinker.block_tokens
     assert shortest.kv_tokens == tokens and tokens < memory_plan.KV_TARGET_TOKENS
     assert shortest.line().endswith(f"encoder outputs 2.0 MiB (of 64.0 MiB: shrunk to fit), KV "
                                     f"{memory_plan.size(shortest.kv)} "
                                     f"({tokens:,} tokens: {tokens / 4096:.1f} chats of 4,096)")
+
+
+def test_what_the_kvs_whole_blocks_leave_short_of_the_talkers_next_sequence_holds_encoder_outputs(planned,
+                                                                                                    monkeypatch):
+    monkeypatch.setattr(memory_plan, "LEAST_ENCODER_CACHE_BYTES", 2 * MiB)
+    model = load_model(planned).model
+    settings = planned.replace(encoder_cache_bytes=256 * MiB, gpu_cache_bytes=1 << 30)
+    kv = kv_sizes(model, settings)
+    # Short of the KV target, so the embeddings go to host memory; the room then left is the target's
+    # blocks and the Talker's KV beside them, less a byte: one block short, the block whose tokens make
+    # a chat more, so the Talker's next sequence is not there either.
+    at_target = kv.blocks_for(memory_plan.KV_TARGET_TOKENS)
+    assert kv.talker_bytes(at_target) > kv.talker_bytes(at_target - 1)
+    base = weights_bytes(model, "bf16") - embeddings_bytes(model) + ENGINE + 2 * MiB
+
+    short = plan(model, settings.replace(gpu_memory_bytes=base + kv.bytes(at_target) - 1))
+
+    assert short.host_embeddings == embeddings_bytes(model)
+    assert (short.kv, short.kv + short.talker_kv) == ((at_target - 1) * kv.block_bytes, kv.bytes(at_target - 1))
+    leftover = kv.bytes(at_target) - 1 - kv.bytes(at_target - 1)  # a block, and a Talker sequence
+    assert short.encoder_outputs == 2 * MiB + leftover
+
+
+def test_with_fp8_kv_the_kv_target_is_the_same_memory_so_about_twice_the_tokens(planned):
+    model = load_model(planned).model
+    settings = planned.replace(encoder_cache_bytes=64 * MiB, gpu_cache_bytes=1 << 30)
+    # Room for every weight, the engine, the encoder outputs whole and the KV target: the KV gets the target.
+    available = weights_bytes(model, "bf16") + ENGINE + 64 * MiB + kv_target(model, settings)
+
+    unquantized = plan(model, settings.replace(gpu_memory_bytes=available))
+    fp8 = plan(model, settings.replace(gpu_memory_bytes=available, kv_dtype="fp8"))
+
+    assert (unquantized.kv_tokens, unquantized.encoder_outputs) == (memory_plan.KV_TARGET_TOKENS, 64 * MiB)
+    assert fp8.encoder_outputs == 64 * MiB and fp8.host_embeddings == 0
+    # The same memory, to within what one more block would bring: a block, and a Talker sequence.
+    target, taken = unquantized.kv + unquantized.talker_kv, fp8.kv + fp8.talker_kv
+    fp8_block = kv_sizes(model, settings.replace(kv_dtype="fp8")).block_bytes
+    talker_sequence = talker_bytes(model, settings, 1 + settings.max_context_tokens // settings.kv_block_tokens) - \
+        talker_bytes(model, settings, 1)
+    assert target - fp8_block - talker_sequence < taken <= target
+    # More tokens in it (at full size, bfloat16 activations, about twice; the demo's are float32),
+    # and the Talker's KV grows with them: it stays in the activations' dtype.
+    assert fp8.kv_tokens > 1.5 * memory_plan.KV_TARGET_TOKENS and fp8.talker_chats > unquantized.talker_chats
 
 
 def test_short_of_the_kv_target_with_every_expert_on_the_gpu_the_prefill_graphs_shrink_before_any_expert_moves(

@@ -9,11 +9,13 @@
   measured at full size on an H100 (int4). Each start-up step logs its own part (start_up_steps.py);
 - encoder outputs and KV: caches, so caps the plan shrinks to fit, each down to a floor it states.
   The KV is the Thinker's blocks and, with speech, the Talker's KV beside them (kv_sizes.py: as many
-  Talker sequences as the Thinker's blocks hold chats of `max_context_tokens`). It first gets
-  KV_TARGET_TOKENS (or `gpu_cache_bytes`, if less), then the encoder outputs up to
-  `encoder_cache_bytes` (reserved whole on the device: they fill up as media come), then the KV the
-  rest, up to `gpu_cache_bytes` of the Thinker's. Chats are worth more than resent images: on a small
-  card the encoder outputs shrink to LEAST_ENCODER_CACHE_BYTES before the KV holds fewer than four chats.
+  Talker sequences as the Thinker's blocks hold chats of `max_context_tokens`). It first gets the
+  memory of KV_TARGET_TOKENS in the activations' dtype (or `gpu_cache_bytes`, if less: with fp8 KV
+  about twice the tokens), then the encoder outputs up to `encoder_cache_bytes` (reserved whole on
+  the device: they fill up as media come), then the KV the rest, up to `gpu_cache_bytes` of the
+  Thinker's, and what its whole blocks leave goes to the encoder outputs too. Chats are worth more
+  than resent images: on a small card the encoder outputs shrink to LEAST_ENCODER_CACHE_BYTES before
+  the KV holds fewer than four chats.
 
 What is split is `gpu_memory_bytes`, or by default what the GPU reports free, less MARGIN_BYTES (an
 encoder's activations on the largest image or video are not in the measurement). Where the weights
@@ -68,6 +70,13 @@ MARGIN_BYTES = 1 * GiB
 # split projections, activations kept, sampling rows): 1.17 GiB, rounded up for a first start. (It
 # was 2 GiB, from an H200 run with fp8 weights at an earlier commit; not measured again since.)
 FIRST_START_ENGINE_BYTES = 1_280 << 20
+# The engine's take at start-up with prefill graphs of up to 4,096 and of up to 512 tokens differed by
+# 664 MiB, 190 KiB a token, where the activations computed for a token (prefill_bytes_per_token) are
+# 132 KiB: the graphs' pool also keeps each graph's outputs and what one capture could not reuse of
+# another's. Measured on an H100, int4, speech on, at f31db87 and 52560ce
+# (docs/benchmarks/2026-12-07-engine-take-h100.md, 2026-12-07-cards-22-14-gib-idle-h100.md). The
+# same line through the two takes, 1.17 GiB at 4,096 tokens and about 0.53 GiB at 512, is this.
+PREFILL_POOL_OVER_ACTIVATIONS = 190 / 132
 # The encoder outputs' floor where memory is short (or encoder_cache_bytes, if less): a 480x640
 # image's outputs take about 6 MiB at full size (some 370 tokens, each its merged row and three
 # deepstack levels of 2,048 bfloat16 values: computed), so this keeps about 20 images.
@@ -145,7 +154,7 @@ def plan_memory(model: torch.nn.Module, settings: EngineConfig, device: torch.de
     encoder_cap = settings.encoder_cache_bytes if settings.encoder_cache else 0
     least_encoder = min(encoder_cap, LEAST_ENCODER_CACHE_BYTES)
     kv = kv_sizes(model, settings)
-    first_kv = kv.bytes(max(kv.least_blocks, _target_blocks(kv, settings)))  # the KV target, or the floor if more
+    first_kv = kv.bytes(max(kv.least_blocks, _target_blocks(model, kv, settings)))  # the KV target, or the floor if more
     settings, engine = _prefill_sized(model, settings, device, available - least_encoder - first_kv)
     key = _key(model, settings, device)
     floors = engine + least_encoder + kv.bytes(kv.least_blocks)
@@ -155,8 +164,10 @@ def plan_memory(model: torch.nn.Module, settings: EngineConfig, device: torch.de
     if not placed.fits(available - floors, host_most):
         raise SettingsError(_refusal(model, settings, device, available, floors, least_encoder, placed, host_most))
     room = available - placed.device_weights - engine
-    encoder_outputs = min(encoder_cap, max(least_encoder, room - first_kv))
-    blocks = kv.most_blocks(room - encoder_outputs, settings.gpu_cache_bytes)
+    blocks = kv.most_blocks(room - min(encoder_cap, max(least_encoder, room - first_kv)), settings.gpu_cache_bytes)
+    # What the KV's whole blocks leave (less than a block, or a Talker sequence it stopped short of)
+    # holds encoder outputs too.
+    encoder_outputs = min(encoder_cap, room - kv.bytes(blocks))
     spoken = talker_sequences(kv.tokens(blocks), settings.max_context_tokens) if settings.speech else 0
     return MemoryPlan(
         available=available, weights=placed.device_weights, engine=engine, encoder_outputs=encoder_outputs,
@@ -204,21 +215,27 @@ def prefill_forward_choices(forward_tokens: int, chunk_tokens: int) -> list[int]
 
 
 def prefill_bytes_per_token(model: torch.nn.Module) -> int:
-    """The Thinker's activations a prefill token takes at their peak in a MoE layer (computed; a
-    graph's pool keeps them for its replays): its top-k experts' weighted output rows in float32,
-    their gate and up projections and their product in the activations' dtype, and a few
-    hidden-sized rows (the residual, the norm, the attention's output). 132 KiB at full size: 528 MiB
-    for the 4,096 tokens of the default prefill_forward_tokens."""
+    """What the engine's take grows by for each token its longest prefill graph holds: the Thinker's
+    activations a prefill token takes at their peak in a MoE layer (computed: its top-k experts'
+    weighted output rows in float32, their gate and up projections and their product in the
+    activations' dtype, and a few hidden-sized rows, the residual, the norm, the attention's output;
+    132 KiB at full size), times PREFILL_POOL_OVER_ACTIVATIONS, what the graphs' pool was measured
+    to keep beyond them. 190 KiB at full size: 760 MiB for the 4,096 tokens of the default
+    prefill_forward_tokens."""
     config = model.thinker.model.language_model.config
     itemsize = next(model.parameters()).dtype.itemsize
     top_k, hidden = config.num_experts_per_tok, config.hidden_size
     expert_rows = top_k * hidden * 4 + top_k * 3 * config.moe_intermediate_size * itemsize
-    return expert_rows + 8 * hidden * itemsize
+    return round((expert_rows + 8 * hidden * itemsize) * PREFILL_POOL_OVER_ACTIVATIONS)
 
 
-def _target_blocks(kv: KVSizes, settings: EngineConfig) -> int:
-    """The Thinker's blocks of KV_TARGET_TOKENS, or of `gpu_cache_bytes` if fewer."""
-    return min(kv.blocks_for(KV_TARGET_TOKENS), settings.gpu_cache_bytes // kv.block_bytes)
+def _target_blocks(model: torch.nn.Module, kv: KVSizes, settings: EngineConfig) -> int:
+    """The Thinker's blocks that the KV target's memory holds, or `gpu_cache_bytes` if fewer: the
+    bytes of KV_TARGET_TOKENS in the activations' dtype, the Talker's KV beside them. A target in
+    memory rather than tokens: fp8 KV, whose tokens take half the bytes, gets about twice the tokens
+    (a few less, as the Talker's KV, which stays in the activations' dtype, grows with them)."""
+    unquantized = kv_sizes(model, settings.replace(kv_dtype="auto"))
+    return kv.most_blocks(unquantized.bytes(unquantized.blocks_for(KV_TARGET_TOKENS)), settings.gpu_cache_bytes)
 
 
 def least_conversation_kv_bytes(model: torch.nn.Module, settings: EngineConfig, dtype: torch.dtype) -> int:
