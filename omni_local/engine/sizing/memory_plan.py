@@ -73,9 +73,9 @@ FIRST_START_ENGINE_BYTES = 1_280 << 20
 # The engine's take at start-up with prefill graphs of up to 4,096 and of up to 512 tokens differed by
 # 664 MiB, 190 KiB a token, where the activations computed for a token (prefill_bytes_per_token) are
 # 132 KiB: the graphs' pool also keeps each graph's outputs and what one capture could not reuse of
-# another's. Measured on an H100, int4, speech on, at f31db87 and 52560ce
-# (docs/benchmarks/2026-12-07-engine-take-h100.md, 2026-12-07-cards-22-14-gib-idle-h100.md). The
-# same line through the two takes, 1.17 GiB at 4,096 tokens and about 0.53 GiB at 512, is this.
+# another's. Measured on an H100, int4, speech on, at f31db87 and 3de197f
+# (docs/benchmarks/2026-12-07-engine-take-h100.md, 2026-12-07-cards-22-14-gib-idle-h100.md): the
+# slope of a line through the two takes, 1.17 GiB at 4,096 tokens and about 0.53 GiB at 512.
 PREFILL_POOL_OVER_ACTIVATIONS = 190 / 132
 # The encoder outputs' floor where memory is short (or encoder_cache_bytes, if less): a 480x640
 # image's outputs take about 6 MiB at full size (some 370 tokens, each its merged row and three
