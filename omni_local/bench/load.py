@@ -13,7 +13,8 @@ questions would route to the same experts, a load no group of users makes. A req
 from before `send`, so it holds reading its media: through HTTP, encoding them for the body too
 (a noise picture of 480x640 as PNG: tens of ms on a CPU core), as a client's upload would.
 
-`--through api`: the clients are threads of this process, each with sessions of one `OmniLocal`.
+`--through api`: the clients are threads of this process, each with sessions of one `OmniLocal`
+(the server's packages need not be installed).
 `--through http`: the same engine served over HTTP (the app `python -m omni_local serve` serves,
 on a free port in this process); the clients are the remote backend's, which stream with the
 `openai` SDK, in a process of their own. A spoken reply is asked for as `modalities: ["text",
@@ -42,22 +43,17 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
-import uvicorn
-from starlette.applications import Starlette
-from starlette.middleware import Middleware
 
 import omni_local
 from omni_local.api import OmniLocal
 from omni_local.bench.common import bench_parser, settings_and_model
 from omni_local.bench.load_clients import MEDIA, LoadSpec, Sample, one_token_words, run_row
 from omni_local.bench.scenarios import SYSTEM
-from omni_local.server.hosts import HostCheck, ServedNames
 from omni_local.listening import listening
-from omni_local.server.routes import API_PATH, api_mount
 
 CLIENTS = [1, 4, 16, 64]
 COLUMNS = ["through", "clients", "replies", "requests", "incomplete", "requests/s", "tokens/s", "TTFT p50 (ms)",
@@ -92,6 +88,14 @@ def row_figures(samples: list[Sample], wall_s: float) -> dict[str, float]:
 @contextmanager
 def served(app: OmniLocal) -> Iterator[str]:
     """`app`'s API as `serve` serves it, at the returned URL, on a free port of this machine."""
+    # Imported here: the API's rows need none of the server's packages (a GPU machine may lack them).
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+
+    from omni_local.server.hosts import HostCheck, ServedNames
+    from omni_local.server.routes import API_PATH, api_mount
+
     bound = listening("127.0.0.1", 0, "the load bench's server")
     names = ServedNames("127.0.0.1", "")
     asgi = Starlette(routes=[api_mount(app, None)], middleware=[Middleware(HostCheck, names=names)])
@@ -180,7 +184,7 @@ def main() -> None:
     print(", ".join(f"{k}: {v}" for k, v in environment.items()) + "\n")
     print("| " + " | ".join(COLUMNS) + " |\n|" + " --- |" * len(COLUMNS), flush=True)
     rows = []
-    with OmniLocal(settings, loaded=loaded) as app, served(app) as url:
+    with OmniLocal(settings, loaded=loaded) as app, served(app) if "http" in throughs else nullcontext() as url:
         for through in throughs:
             for spoken in (kind == "spoken" for kind in replies):
                 for clients in args.clients:

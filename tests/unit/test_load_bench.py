@@ -68,6 +68,20 @@ def test_the_http_rows_clients_read_the_engines_own_queue_wait_from_the_servers_
     assert all(rows["http", replies]["queue_p95_ms"] > 0 for replies in ("text", "spoken"))
 
 
+def test_the_api_rows_run_where_the_servers_packages_are_not_installed(demo_settings, demo_checkpoint, tmp_path):
+    # As on a GPU machine that has torch but not the server's packages: importing them fails.
+    missing = ("uvicorn", "starlette", "fastapi", "sse_starlette", "openai", "websockets")
+    run = (f"import sys; sys.modules.update(dict.fromkeys({missing!r})); "
+           "from omni_local.bench.load import main; main()")
+    done = subprocess.run(
+        [sys.executable, "-c", run, "--through", "api", "--clients", "1", "--seconds", "0.5", "--new-tokens", "2",
+         "--demo-dir", str(demo_settings.demo_path), "--cache-dir", str(tmp_path / "cache"), "--device", "cpu"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert [line[:16] for line in done.stdout.splitlines() if line.startswith("| api ")] == ["| api | 1 | text"]
+
+
 def test_each_client_and_each_request_asks_a_question_of_its_own_of_about_the_length_asked(demo_checkpoint):
     processor = load_processor(demo_checkpoint)
     words = one_token_words(processor.tokenizer)
