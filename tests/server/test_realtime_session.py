@@ -19,8 +19,7 @@ from omni_local.server.admission import Admission
 from omni_local.server.realtime.route import IDLE_SECONDS, MAX_MESSAGE_BYTES, RealtimeRoute
 from omni_local.server.routes import api_mount
 from realtime_events import ANSWERED, TEXT_ONLY, of, say, typed_session, until
-from samples import wait_for
-from waiting import within
+from waiting import came_true, within
 
 END = "<|im_end|>"
 PARIS = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -146,7 +145,7 @@ def test_a_client_that_goes_away_cancels_its_reply(http, sent):
     with http.websocket_connect("/v1/realtime") as ws:
         long_reply_begun(ws)
     reply = sent[0][1]
-    wait_for(reply.request.cancelled.is_set, 10)
+    assert came_true(reply.request.cancelled.is_set, 10), "the reply's request was not cancelled"
 
 
 def route_app(app, keys: ApiKeys | None = None, sessions: int = 1, idle_seconds: float = IDLE_SECONDS) -> TestClient:

@@ -1,10 +1,7 @@
 """Media for the tests: recorded speech and silence, and deterministic noise pictures, clips and
-videos, one per seed; a typed text that holds control tokens; and waiting for what happens on
-another thread."""
+videos, one per seed; and a typed text that holds control tokens."""
 
 import io
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import av
@@ -54,13 +51,6 @@ def video_file(seed: int, seconds: float = 2.0, size: tuple[int, int] = (96, 64)
             file.mux(audio.encode(frame))
             file.mux(audio.encode())
     return out.getvalue()
-
-
-def wait_for(condition: Callable[[], object], seconds: float = 30) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 # A user turn of each kind the parity tests ask (parts: pictures, clips, then the text), made anew.

@@ -24,8 +24,9 @@ from PIL import Image
 
 from bad_files import BAD_FILES, LIMITS, media_error
 from chats import written_tokens
-from samples import video_file, wait_for
+from samples import video_file
 from served_app import free_port, running_app
+from waiting import until
 from omni_local.media import load_image
 from omni_local.protocol.messages import Message
 from omni_local.settings import Settings
@@ -98,9 +99,9 @@ def test_two_tabs_stream_their_replies_at_the_same_time(ui_url):
     long_reply = {"text": "Count to one thousand.", "files": []}
     streaming = first.submit(long_reply, "", 400, 0.0, 1.0, api_name="/chat")
     try:
-        wait_for(streaming.outputs, 60)
+        until(streaming.outputs, "the first reply did not begin to stream", 60)
         other = second.submit({"text": "Hello?", "files": []}, "", 4, 0.0, 1.0, api_name="/chat")
-        wait_for(other.outputs, 60)
+        until(other.outputs, "the other chat's reply did not begin to stream", 60)
         assert not streaming.done(), "the second tab's reply waited for the first tab's to end"
     finally:
         streaming.cancel()

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from gradio_client import Client
 
-from samples import wait_for
 from served_app import served_app
+from waiting import until
 from omni_local.ui.chat import SAVE_EVERY_TOKENS
 from omni_local.ui.messages import block_text, blocks
 
@@ -28,7 +28,7 @@ def test_a_reply_cut_by_a_crash_is_kept_as_far_as_it_had_streamed(demo_settings,
         job = client.submit({"text": ENDLESS_QUESTION, "files": []}, "", 2000, 0.0, 1.0, api_name="/chat")
         # Each of the reply's updates is one more token; the save of its first SAVE_EVERY_TOKENS is
         # written before the update that shows the last of them is sent.
-        wait_for(lambda: len(job.outputs()) >= SAVE_EVERY_TOKENS, 120)
+        until(lambda: len(job.outputs()) >= SAVE_EVERY_TOKENS, "too few tokens streamed to be saved", 120)
         seen = job.outputs()[SAVE_EVERY_TOKENS - 1][0]
         app.process.kill()
         app.process.wait()

@@ -7,7 +7,8 @@ from contextlib import closing
 from recorded_server import (
     VLLM_MODEL, HeldStream, RecordedServer, event_stream, openai_spoken_stream, remote_app, text_stream, tone,
 )
-from samples import clip, wait_for
+from samples import clip
+from waiting import until
 from omni_local.api import AudioChunk, Finished
 from omni_local.ui.chat import ChatTurns
 from omni_local.ui.chats import ChatShelves
@@ -71,7 +72,7 @@ def test_voice_barge_in_on_a_remote_reply_cancels_it_and_nothing_plays_after(mon
         conversation = VoiceConversation(lambda samples: session.send(audio=[samples], speak=True), play,
                                          lambda: None, detector=object(), show=shown.append)
         conversation.answer(clip(1))
-        wait_for(lambda: played)
+        until(lambda: played, "no audio was played")
         conversation.interrupt()
         interrupted.set()
         held.released.set()

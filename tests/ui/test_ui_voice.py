@@ -16,7 +16,8 @@ from omni_local.ui.chats import ChatStore
 from omni_local.ui.history import ChatMemory, to_messages
 from omni_local.ui.player import STOP
 from omni_local.ui.voice_mode import HANDS_FREE, PUSH_TO_TALK, TurnContext, VoiceMode
-from samples import SILENCE, SPEECH, wait_for
+from samples import SILENCE, SPEECH
+from waiting import until
 
 
 def page_chunks(samples: np.ndarray, folder: Path) -> list[str]:
@@ -59,7 +60,7 @@ def delivered(voice: VoiceMode, memory: ChatMemory, chat: list | None = None) ->
     """What the timer brings the page showing `memory`'s chat (`chat`, at first) until voice mode has
     nothing more: player items, last chat."""
     items, chat = [], chat or []
-    wait_for(lambda: not voice.conversation.busy, seconds=120)
+    until(lambda: not voice.conversation.busy, "the voice turn did not end", 120)
     more = True
     while more:
         new_items, shown, _, more = voice.deliver(memory, chat)
@@ -90,7 +91,7 @@ class Page:
         return more
 
     def ticks_until_voice_mode_is_done(self, voice: VoiceMode) -> None:
-        wait_for(lambda: not voice.conversation.busy, seconds=120)
+        until(lambda: not voice.conversation.busy, "the voice turn did not end", 120)
         for _ in range(100):
             if not self.tick(voice):
                 return
@@ -145,7 +146,7 @@ def test_speaking_over_a_reply_stops_it_and_asks_again(voice, tmp_path):
     memory = ChatMemory()
     voice.start_recording(HANDS_FREE)
     speak(voice, np.concatenate([SPEECH, SILENCE]), tmp_path, asked_in(memory, max_new_tokens=200))
-    wait_for(lambda: voice._outbox)  # the reply is playing
+    until(lambda: voice._outbox, "the reply did not begin to play")
     first = voice.conversation.reply
     speak(voice, np.concatenate([SPEECH, SILENCE]), tmp_path, asked_in(memory, max_new_tokens=6))
     voice.stop_recording(HANDS_FREE, asked_in(memory))
@@ -163,7 +164,7 @@ def test_push_to_talk_asks_the_whole_recording_and_a_new_recording_stops_the_rep
     speak(voice, SPEECH[:16_000], tmp_path, asked_in(memory), PUSH_TO_TALK)  # no pause needed
     voice.stop_recording(PUSH_TO_TALK, asked_in(memory, max_new_tokens=200))
     assert voice.conversation.turns == 1
-    wait_for(lambda: voice._outbox)
+    until(lambda: voice._outbox, "the reply did not begin to play")
     first = voice.conversation.reply
     voice.start_recording(PUSH_TO_TALK)
     assert voice._outbox == [STOP]
@@ -263,7 +264,7 @@ def test_a_question_typed_while_a_voice_reply_streams_stays_in_the_chat_with_bot
     voice.start_recording(PUSH_TO_TALK)
     speak(voice, SPEECH[:16_000], tmp_path, asked_in(memory), PUSH_TO_TALK)
     voice.stop_recording(PUSH_TO_TALK, asked_in(memory, page.chat, max_new_tokens=200))
-    wait_for(lambda: voice._answer)  # the voice reply's text streams...
+    until(lambda: voice._answer, "the voice reply's text did not stream")  # the text streams...
     page.tick(voice)
     assert voice.conversation.busy and [role for role, _ in page.shows()] == ["user", "assistant"]
     # ...while a typed question is sent and its reply streams, the timer ticking all along.
@@ -285,7 +286,7 @@ def test_a_voice_question_asked_while_a_typed_reply_streams_follows_it_and_both_
             voice.start_recording(PUSH_TO_TALK)
             speak(voice, SPEECH[:16_000], tmp_path, asked_in(memory), PUSH_TO_TALK)
             voice.stop_recording(PUSH_TO_TALK, asked_in(memory, page.chat))
-        wait_for(lambda: voice._answer)
+        until(lambda: voice._answer, "the voice reply's text did not stream")
         page.tick(voice)
 
     typed_reply(page, typing, "Boats?", ["Boats ", "float."], between=ask_by_voice_once)

@@ -12,7 +12,8 @@ from omni_local.ui.chat import ChatTurns
 from omni_local.ui.chats import ChatShelves
 from omni_local.ui.history import ChatMemory
 from omni_local.ui.voice_mode import PUSH_TO_TALK, TurnContext, VoiceMode
-from samples import SPEECH, wait_for
+from samples import SPEECH
+from waiting import until
 
 OPTIONS = {"system_prompt": "", "temperature": 0.0, "top_p": 1.0, "speak": False, "voice": "Ethan", "request": None}
 LONG = 200  # tokens: the demo's greedy reply to "Count to one thousand." does not end sooner
@@ -81,9 +82,9 @@ def test_a_voice_turn_waiting_for_the_only_seat_shows_how_many_are_ahead_until_i
         answers.append([m["content"] for m in chat[1:]] if isinstance(chat, list) else None)
         return answers[-1]
 
-    wait_for(lambda: tick() == [NOTE])
+    until(lambda: tick() == [NOTE], "the waiting note was not shown")
     blocker.cancel()
-    wait_for(lambda: (shown := tick()) and shown[0] != NOTE)
+    until(lambda: (shown := tick()) and shown[0] != NOTE, "the waiting note stayed")
     assert NOTE not in answers[-1]  # the reply's text took the note's place
     voice.conversation.interrupt()
     voice.conversation.wait()

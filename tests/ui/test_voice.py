@@ -15,7 +15,8 @@ from omni_local.api import AudioChunk, Finished, OmniLocal, Reply, Session
 from omni_local.audio_devices import AudioDeviceError, Microphone, Speakers, load_sounddevice
 from omni_local.cli import main
 from omni_local.voice import SpeechDetector, SpeechStarted, Utterance, VoiceConversation
-from samples import SILENCE, SPEECH, wait_for
+from samples import SILENCE, SPEECH
+from waiting import until
 
 
 def in_pieces(samples: np.ndarray, size: int = 1_600) -> list[np.ndarray]:
@@ -73,7 +74,7 @@ def test_an_utterance_is_answered_aloud_and_speaking_over_the_reply_stops_it(spe
     for piece in in_pieces(np.concatenate([SPEECH, SILENCE])):
         talk.hear(piece)
     assert talk.turns == 1
-    wait_for(lambda: player.chunks)  # the reply is playing
+    until(lambda: player.chunks, "the reply did not begin to play")
     for piece in in_pieces(np.concatenate([SPEECH, SILENCE])):  # the person speaks over it
         talk.hear(piece)
     talk.wait()
@@ -145,8 +146,8 @@ def test_the_desktop_microphone_and_speakers_carry_a_whole_turn(speaking_app):
         talk = VoiceConversation(asking(speaking_app.session(), max_new_tokens=4),
                                  lambda chunk: speakers.play(chunk.samples), speakers.stop, show=shown.append)
         with Microphone(device, talk.hear):
-            wait_for(lambda: talk.turns == 1, seconds=60)
-            wait_for(lambda: any(np.any(block != 0) for block in device.played), seconds=60)
+            until(lambda: talk.turns == 1, "the spoken question was not answered", 60)
+            until(lambda: any(np.any(block != 0) for block in device.played), "the device played only silence", 60)
         talk.interrupt()
         talk.wait()
     assert talk.turns == 1 and not speakers.playing
