@@ -78,7 +78,8 @@ class Endings:
         self.fail(request, NOT_A_NUMBER)
 
     def end_speech(self, request: Request) -> None:
-        """The Talker's blocks back (once: `Speaker.end` may have run when the speech was done)."""
+        """The Talker's blocks back, once: when the speech is done (its text may go on) or when the
+        request ends, whichever comes first (`Speaker.end` gives them back once)."""
         if request.spoken is not None:
             self.speaker.end(request.spoken)
             request.spoken.done = True

@@ -410,4 +410,4 @@ class Engine:
             # The Talker's blocks go back now, not when the text ends: the text may go on long after
             # (a tool call written after the spoken words, speech cut at max_speech_seconds), and
             # another spoken reply may wait for those blocks meanwhile.
-            self.speaker.end(request.spoken)
+            self.endings.end_speech(request)

@@ -70,12 +70,11 @@ MARGIN_BYTES = 1 * GiB
 # split projections, activations kept, sampling rows): 1.17 GiB, rounded up for a first start. (It
 # was 2 GiB, from an H200 run with fp8 weights at an earlier commit; not measured again since.)
 FIRST_START_ENGINE_BYTES = 1_280 << 20
-# The engine's take at start-up with prefill graphs of up to 4,096 and of up to 512 tokens differed by
-# 664 MiB, 190 KiB a token, where the activations computed for a token (prefill_bytes_per_token) are
-# 132 KiB: the graphs' pool also keeps each graph's outputs and what one capture could not reuse of
-# another's. Measured on an H100, int4, speech on, at f31db87 and 3de197f
-# (docs/benchmarks/2026-12-07-engine-take-h100.md, 2026-12-07-cards-22-14-gib-idle-h100.md): the
-# slope of a line through the two takes, 1.17 GiB at 4,096 tokens and about 0.53 GiB at 512.
+# The start-up step that captures the prefill graphs reserved 828 MiB with graphs of up to 4,096 tokens
+# and 164 MiB with graphs of up to 512: 664 MiB, 190 KiB a token, where the activations computed for a
+# token (prefill_bytes_per_token) are 132 KiB: the graphs' pool also keeps each graph's outputs and
+# what one capture could not reuse of another's. Measured on an H100, int4, speech on, at f31db87
+# and 3de197f (docs/benchmarks/2026-12-07-engine-take-h100.md, 2026-12-07-cards-22-14-gib-idle-h100.md).
 PREFILL_POOL_OVER_ACTIVATIONS = 190 / 132
 # The encoder outputs' floor where memory is short (or encoder_cache_bytes, if less): a 480x640
 # image's outputs take about 6 MiB at full size (some 370 tokens, each its merged row and three
@@ -164,7 +163,8 @@ def plan_memory(model: torch.nn.Module, settings: EngineConfig, device: torch.de
     if not placed.fits(available - floors, host_most):
         raise SettingsError(_refusal(model, settings, device, available, floors, least_encoder, placed, host_most))
     room = available - placed.device_weights - engine
-    blocks = kv.most_blocks(room - min(encoder_cap, max(least_encoder, room - first_kv)), settings.gpu_cache_bytes)
+    encoder_first = min(encoder_cap, max(least_encoder, room - first_kv))
+    blocks = kv.most_blocks(room - encoder_first, settings.gpu_cache_bytes)
     # What the KV's whole blocks leave (less than a block, or a Talker sequence it stopped short of)
     # holds encoder outputs too.
     encoder_outputs = min(encoder_cap, room - kv.bytes(blocks))
