@@ -17,10 +17,17 @@ the input embeddings where --plan moves them, are not in the weights' GiB (the G
 cap: the row says how many layers' experts are there, the bytes a decoded token reads over the bus,
 and the tokens a second that bound allows on PCIe 4.0 x16 (about 25 GB/s), beside the decode step
 measured on this machine's bus.
+
+After the row, two lines say what the plan's margin (MARGIN_BYTES) has to hold: the GPU memory a
+request of the most image tokens one prompt takes (--largest-request: the processor's largest image,
+as many as `max_prompt_tokens` holds) allocated beyond what was allocated before it (its pixels, the
+encoders' activations, its prefill), and the memory taken outside torch's allocator since the cap
+(CUDA's kernel modules, graphs, library handles): neither is under the cap, both are on a real card.
 """
 
 import statistics
 import sys
+from typing import Any
 
 import torch
 
@@ -29,8 +36,9 @@ from omni_local.bench.common import bench_parser, settings_and_model, synced_now
 from omni_local.bench.decode_steps import step_ms
 from omni_local.bench.scenarios import SPOKEN_QUESTION, SYSTEM, noise_clip, noise_image
 from omni_local.engine.sizing.expert_placement import BUS_BYTES_PER_S, bus_bytes_per_token
+from omni_local.engine.prompt.builder import image_grid
 from omni_local.engine.sizing.memory_plan import MARGIN_BYTES, GiB, plan_memory
-from omni_local.errors import SettingsError
+from omni_local.errors import RequestError, SettingsError
 from omni_local.model.host_experts import (embeddings_in_host_memory, held_in_host_memory, layers_in_host_memory,
                                            move_to_host_memory, thinker_experts)
 from omni_local.model.loader import LoadedModel
@@ -68,12 +76,14 @@ def host_cells(model: torch.nn.Module, weights: str) -> list[str]:
             f"{BUS_BYTES_PER_S / bus:.0f}"]
 
 
-def cap(card_gib: float | None) -> None:
-    """What the process may allocate from here on: `card_gib`, as on a card of that size."""
+def cap(card_gib: float | None, outside: int = 0) -> None:
+    """What the process's allocator may reserve from here on: `card_gib` less `outside` (the memory
+    CUDA will take outside the allocator, which the cap does not count), as on a card of that size."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     if card_gib:
-        torch.cuda.set_per_process_memory_fraction(card_gib * 2**30 / torch.cuda.get_device_properties(0).total_memory)
+        allowed = card_gib * 2**30 - outside
+        torch.cuda.set_per_process_memory_fraction(allowed / torch.cuda.get_device_properties(0).total_memory)
 
 
 def served(app: OmniLocal, runs: int, new_tokens: int) -> list[str]:
@@ -95,6 +105,42 @@ def served(app: OmniLocal, runs: int, new_tokens: int) -> list[str]:
     return [f"{ttft:.1f}", first_audio, rtf, f"{decode:.2f}"]
 
 
+def outside_allocator() -> int:
+    """The GPU memory this process holds outside torch's caching allocator (and whatever other
+    processes hold): the device's used memory less what the allocator reserved."""
+    free, total = torch.cuda.mem_get_info()
+    return total - free - torch.cuda.memory_reserved()
+
+
+def largest_request(processor: Any, max_prompt_tokens: int) -> tuple[Message, int]:
+    """A question on as many of the processor's largest images as `max_prompt_tokens` holds (with
+    room for the system prompt and the question), and their image tokens."""
+    processor = processor.image_processor
+    side = int(processor.size["longest_edge"] ** 0.5)
+    image = noise_image((side, side))
+    grid = image_grid(image, processor)
+    tokens = grid[0] * grid[1] * grid[2] // processor.merge_size ** 2
+    count = max(1, (max_prompt_tokens - 256) // tokens)
+    return Message("user", [*(noise_image((side, side), seed=i) for i in range(count)),
+                            "What do these pictures show?"]), count * tokens
+
+
+def largest_line(app: OmniLocal, loaded: LoadedModel, settings: Settings) -> str:
+    """The GPU memory a request of the most image tokens a prompt holds allocated beyond what was
+    allocated before it: what the plan's margin keeps room for."""
+    asked, tokens = largest_request(loaded.processor, settings.max_prompt_tokens)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    try:
+        app.session(system_prompt=SYSTEM).send(asked.text, images=asked.images(), max_new_tokens=1).result()
+    except (torch.OutOfMemoryError, RequestError) as error:
+        return f"largest request ({len(asked.images())} images, {tokens:,} image tokens): did not fit: {error}"
+    took = torch.cuda.max_memory_allocated() - before
+    return (f"largest request ({len(asked.images())} images, {tokens:,} image tokens): {took / 2**20:,.0f} MiB "
+            f"allocated beyond the {gib(before)} GiB before it")
+
+
 def row(settings: Settings, card_gib: float | None, model: torch.nn.Module, cells: list[str]) -> str:
     card = f"{card_gib:g}" if card_gib else "-"
     head = [settings.weights, "on" if settings.speech else "off", card, gib(held_bytes(model)),
@@ -102,11 +148,11 @@ def row(settings: Settings, card_gib: float | None, model: torch.nn.Module, cell
     return "| " + " | ".join(head + cells) + " |"
 
 
-def planned(settings: Settings, loaded: LoadedModel, card_gib: float) -> Settings:
+def planned(settings: Settings, loaded: LoadedModel, card_gib: float, margin: int = MARGIN_BYTES) -> Settings:
     """`settings` with the caches (KV, encoder outputs) the memory plan sizes on a card of `card_gib`,
-    and the experts it puts in host memory moved there; exits with the plan's refusal as the row
+    less `margin` (the plan's, by default), and the experts it puts in host memory moved there; exits with the plan's refusal as the row
     where it refuses."""
-    card = settings.replace(gpu_memory_bytes=int(card_gib * GiB) - MARGIN_BYTES)
+    card = settings.replace(gpu_memory_bytes=int(card_gib * GiB) - margin)
     try:
         plan = plan_memory(loaded.model, card, loaded.device)
     except SettingsError as refusal:
@@ -129,26 +175,39 @@ def main() -> None:
     parser.add_argument("--plan", action="store_true",
                         help="size the KV as the start-up's memory plan would on a card of --card-gib (less the "
                              "plan's margin), and print the plan; one that refuses is the row")
+    parser.add_argument("--margin-mib", type=int, default=MARGIN_BYTES >> 20,
+                        help="with --plan: the card's memory the plan leaves out (to try another margin)")
+    parser.add_argument("--outside-mib", type=int, default=0,
+                        help="leave this much of the card out of the cap: what CUDA takes outside torch's allocator")
+    parser.add_argument("--largest-request", action="store_true",
+                        help="then send the most image tokens a prompt holds, and say what that allocated")
     args = parser.parse_args()
     show_start_up_steps()
     settings, loaded = settings_and_model(args)
     on_gpu = loaded.device.type == "cuda"
     if on_gpu:
-        cap(args.card_gib)
+        cap(args.card_gib, args.outside_mib << 20)
     print(HEAD + "\n|" + " --- |" * HEAD.count(" | ") + " --- |", flush=True)
+    outside_at_cap = outside_allocator() if on_gpu else 0
     if args.plan:
-        settings = planned(settings, loaded, args.card_gib)
+        settings = planned(settings, loaded, args.card_gib, args.margin_mib << 20)
     try:
         start = synced_now()
         with OmniLocal(settings, loaded=loaded) as app:
             start_up_s = synced_now() - start
             started = torch.cuda.memory_allocated() if on_gpu else 0
             cells = served(app, args.runs, args.new_tokens)
+            peak = torch.cuda.max_memory_allocated() if on_gpu else 0
+            print(row(settings, args.card_gib, loaded.model, [gib(started), gib(peak), f"{start_up_s:.1f}", *cells]))
+            if on_gpu and args.largest_request:
+                print(largest_line(app, loaded, settings))
     except torch.OutOfMemoryError as error:
         print(row(settings, args.card_gib, loaded.model, ["did not fit: " + str(error).splitlines()[0]]))
         sys.exit(1)
-    peak = torch.cuda.max_memory_allocated() if on_gpu else 0
-    print(row(settings, args.card_gib, loaded.model, [gib(started), gib(peak), f"{start_up_s:.1f}", *cells]))
+    if on_gpu:
+        print(f"outside torch's allocator: {(outside_allocator() - outside_at_cap) / 2**20:,.0f} MiB more than "
+              f"at the cap; the allocator's peak reserved {gib(torch.cuda.max_memory_reserved())} GiB, now "
+              f"{gib(torch.cuda.memory_reserved())} GiB reserved of which {gib(torch.cuda.memory_allocated())} allocated")
 
 
 if __name__ == "__main__":

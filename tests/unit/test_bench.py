@@ -495,3 +495,16 @@ def test_the_determinism_bench_measures_only_the_cases_asked_for(demo_settings, 
     rows = [line.strip("| ").split(" | ") for line in done.stdout.splitlines() if line.startswith("| ")][2:]
     assert [cells[0] for cells in rows] == ["text chat turn 2, cache on against off",
                                             "text chat turn 2, alone against beside 15 chats"]
+
+
+def test_the_card_size_benchs_largest_request_fills_the_prompt_with_the_processors_largest_images(demo_checkpoint):
+    from omni_local.bench.card_sizes import largest_request
+    from omni_local.engine.prompt.builder import image_grid
+    from omni_local.model.workarounds import load_processor
+
+    processor = load_processor(demo_checkpoint)
+    asked, tokens = largest_request(processor, max_prompt_tokens=6144)
+    images = asked.images()
+    assert len({image.tobytes() for image in images}) == len(images) > 1  # distinct: none is a cache hit
+    per_image = math.prod(image_grid(images[0], processor.image_processor)) // 4
+    assert tokens == len(images) * per_image <= 6144 - 256 < (len(images) + 1) * per_image
