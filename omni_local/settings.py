@@ -283,9 +283,10 @@ class CacheSettings(_Group, table="cache"):
     )
     kv_dtype: Literal["auto", "fp8"] = setting(
         "auto",
-        "how the Thinker's KV is stored: 'auto' (in the model's dtype) or 'fp8' (float8 e4m3 with a scale per token"
-        " and head: Qwen3-Omni's 49.5 KiB a token against 96 KiB in bfloat16, so about twice the tokens in"
-        " gpu_cache_bytes, for a small loss of precision; GPUs of compute capability 8.9 or newer, and the CPU)",
+        "how the KV is stored, the Thinker's and the Talker's: 'auto' (in the model's dtype) or 'fp8' (float8 e4m3"
+        " with a scale per token and head: Qwen3-Omni's 49.5 KiB a token against 96 KiB in bfloat16, so about twice"
+        " the tokens in gpu_cache_bytes, for a small loss of precision; GPUs of compute capability 8.9 or newer, and"
+        " the CPU)",
     )
     host_cache_bytes: int = setting(
         -1,

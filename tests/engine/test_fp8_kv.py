@@ -2,12 +2,13 @@
 as float8 e4m3 with a float32 scale; written quantized by every writer, read as values x scale by our
 kernel (Triton's interpreter on the CPU run) and the torch path alike; its scales carried with its
 blocks to host memory and back; counted at its own bytes by the memory plan; the same greedy replies
-with the prefix cache on and off; refused on a GPU without FP8."""
+with the prefix cache on and off, spoken too (the Talker's KV is fp8 as well); refused on a GPU
+without FP8."""
 
 import pytest
 import torch
 
-from chats import Chat, written
+from chats import Chat, SpokenChat, written
 from paged_kv import FLOAT32, SCALING, case_inputs, full_size, on_cpu, on_gpu, paged_call
 from samples import picture
 from omni_local.engine.memory import kv_fp8
@@ -240,3 +241,19 @@ def test_with_fp8_kv_a_chat_about_a_picture_answers_the_same_with_the_cache_on_a
 
     assert cached.keys[0].dtype == FP8
     assert second.tokens.reused_gpu == written(first) and third.tokens.reused_gpu == written(second)
+
+
+@pytest.fixture(scope="module")
+def fp8_speaking_apps(demo_settings, make_apps):
+    return make_apps(demo_settings.replace(kv_dtype="fp8", speech=True, max_speech_seconds=1.0))
+
+
+def test_with_fp8_kv_the_talker_keeps_fp8_kv_too_and_a_spoken_chat_speaks_the_same_with_the_cache_on_and_off(
+        fp8_speaking_apps):
+    chat = SpokenChat(fp8_speaking_apps, "You look and listen.")
+
+    chat.send("What is this?", images=[picture(3, (160, 120))])
+    second = chat.send("Tell me more.")
+
+    assert fp8_speaking_apps[0].backend.engine.speaker.runner.kv.keys[0].dtype == FP8
+    assert second.speech.talker_reused > 0  # the first turn's Talker KV, read back from its fp8 blocks

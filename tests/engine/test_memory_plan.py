@@ -254,13 +254,14 @@ def embeddings_bytes(model: torch.nn.Module, weights: str = "bf16") -> int:
 
 def thinker_kv(model: torch.nn.Module, settings):
     return kv_shape(model.thinker.model.language_model.config, settings.max_context_tokens, settings.kv_block_tokens,
-                    model.config.talker_config.text_config.hidden_size)
+                    model.config.talker_config.text_config.hidden_size, fp8=settings.kv_dtype == "fp8")
 
 
 def talker_bytes(model: torch.nn.Module, settings, thinker_blocks: int) -> int:
     """The Talker's KV beside `thinker_blocks` (the pad block among them): one of its longest sequences
     per chat of max_context_tokens those hold, and its pad block."""
-    shape = talker_kv_shape(model.config.talker_config.text_config, talker_sequence_rows(settings, model.code2wav))
+    shape = talker_kv_shape(model.config.talker_config.text_config, talker_sequence_rows(settings, model.code2wav),
+                            fp8=settings.kv_dtype == "fp8")
     chats = (thinker_blocks - 1) * settings.kv_block_tokens // settings.max_context_tokens
     return (chats * shape.table_blocks + 1) * shape.block_bytes(torch.float32)
 
@@ -272,9 +273,10 @@ def one_conversation_kv(model: torch.nn.Module, settings) -> int:
 
 
 def kv_target(model: torch.nn.Module, settings) -> int:
-    """The KV of four chats of 4,096 tokens, and the Talker's beside it."""
+    """The KV of four chats of 4,096 tokens (eight with fp8 KV), and the Talker's beside it."""
     thinker = thinker_kv(model, settings)
-    blocks = thinker.blocks_for(memory_plan.KV_TARGET_TOKENS) + 1  # and the pad block
+    tokens = memory_plan.KV_TARGET_TOKENS * (2 if settings.kv_dtype == "fp8" else 1)
+    blocks = thinker.blocks_for(tokens) + 1  # and the pad block
     return blocks * thinker.block_bytes(torch.float32) + talker_bytes(model, settings, blocks)
 
 
@@ -334,26 +336,20 @@ def test_what_the_kvs_whole_blocks_leave_short_of_the_talkers_next_sequence_hold
     assert short.encoder_outputs == 2 * MiB + leftover
 
 
-def test_with_fp8_kv_the_kv_target_is_the_same_memory_so_about_twice_the_tokens(planned):
+def test_with_fp8_kv_the_kv_target_is_twice_the_tokens_and_the_talkers_kv_is_fp8_too(planned):
     model = load_model(planned).model
-    settings = planned.replace(encoder_cache_bytes=64 * MiB, gpu_cache_bytes=1 << 30)
-    # Room for every weight, the engine, the encoder outputs whole and the KV target: the KV gets the target.
+    settings = planned.replace(encoder_cache_bytes=64 * MiB, gpu_cache_bytes=1 << 30, kv_dtype="fp8")
+    # Room for every weight, the engine, the encoder outputs whole and the fp8 KV target: the KV gets the target.
     available = weights_bytes(model, "bf16") + ENGINE + 64 * MiB + kv_target(model, settings)
 
-    unquantized = plan(model, settings.replace(gpu_memory_bytes=available))
-    fp8 = plan(model, settings.replace(gpu_memory_bytes=available, kv_dtype="fp8"))
+    fp8 = plan(model, settings.replace(gpu_memory_bytes=available))
+    unquantized = plan(model, settings.replace(gpu_memory_bytes=available, kv_dtype="auto"))
 
-    assert (unquantized.kv_tokens, unquantized.encoder_outputs) == (memory_plan.KV_TARGET_TOKENS, 64 * MiB)
-    assert fp8.encoder_outputs == 64 * MiB and fp8.host_embeddings == 0
-    # The same memory, to within what one more block would bring: a block, and a Talker sequence.
-    target, taken = unquantized.kv + unquantized.talker_kv, fp8.kv + fp8.talker_kv
-    fp8_block = kv_sizes(model, settings.replace(kv_dtype="fp8")).block_bytes
-    talker_sequence = talker_bytes(model, settings, 1 + settings.max_context_tokens // settings.kv_block_tokens) - \
-        talker_bytes(model, settings, 1)
-    assert target - fp8_block - talker_sequence < taken <= target
-    # More tokens in it (at full size, bfloat16 activations, about twice; the demo's are float32),
-    # and the Talker's KV grows with them: it stays in the activations' dtype.
-    assert fp8.kv_tokens > 1.5 * memory_plan.KV_TARGET_TOKENS and fp8.talker_chats > unquantized.talker_chats
+    assert (fp8.kv_tokens, fp8.encoder_outputs) == (2 * memory_plan.KV_TARGET_TOKENS, 64 * MiB)
+    assert fp8.talker_kv == talker_bytes(model, settings, fp8.kv // kv_sizes(model, settings).block_bytes)
+    # The same memory holds fewer tokens unquantized, and each of its Talker sequences takes more.
+    assert unquantized.kv_tokens < fp8.kv_tokens
+    assert unquantized.talker_kv / unquantized.talker_chats > fp8.talker_kv / fp8.talker_chats
 
 
 def test_short_of_the_kv_target_with_every_expert_on_the_gpu_the_prefill_graphs_shrink_before_any_expert_moves(

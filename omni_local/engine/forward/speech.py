@@ -27,6 +27,7 @@ from omni_local.engine.forward.talker import (OPENING_ROWS, TalkerPrompt, Talker
 from omni_local.engine.forward.vocoder import AudioStream, Vocoder
 from omni_local.engine.memory.attention import AttentionKernels
 from omni_local.engine.memory.host_copies import Readback, to_device
+from omni_local.engine.memory.kv_fp8 import fp8_kv
 from omni_local.engine.memory.kv_store import BlockTable, KVStore
 from omni_local.engine.memory.prefix_cache import Claim, Match, PrefixCache, common_prefix
 from omni_local.engine.prompt.builder import Prompt
@@ -97,7 +98,8 @@ def talker_sequences(thinker_tokens: int, max_context_tokens: int) -> int:
 
 def talker_kv_bytes(model: torch.nn.Module, settings: EngineConfig, thinker_tokens: int, dtype: torch.dtype) -> int:
     """The bytes of the Talker's KV beside Thinker KV of `thinker_tokens` (its blocks, and the pad block)."""
-    shape = talker_kv_shape(model.config.talker_config.text_config, talker_sequence_rows(settings, model.code2wav))
+    shape = talker_kv_shape(model.config.talker_config.text_config, talker_sequence_rows(settings, model.code2wav),
+                            settings.kv_dtype == "fp8")
     sequences = talker_sequences(thinker_tokens, settings.max_context_tokens)
     return talker_kv_blocks(shape, sequences) * shape.block_bytes(dtype)
 
@@ -123,7 +125,8 @@ class Speaker:
         self.max_frames = max_frames(settings, model.code2wav)
         self.runner = TalkerRunner(model, talker_sequence_rows(settings, model.code2wav), kv_sequences,
                                    cuda_graphs=settings.cuda_graphs, compiled_layers=settings.compiled_layers,
-                                   moe=moe, attention=attention, max_batch=settings.max_running_requests)
+                                   moe=moe, attention=attention, max_batch=settings.max_running_requests,
+                                   kv_fp8=fp8_kv(settings.kv_dtype, model.talker.codec_head.weight.device))
         # Talker KV of user turns is small; an entry pushed off the device is dropped, not moved.
         self.cache = PrefixCache(self.runner.kv, 0, enabled=settings.prefix_cache, by_hash=False)
         self.im_start, self.user = model.config.im_start_token_id, model.config.user_token_id

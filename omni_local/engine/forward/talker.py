@@ -38,9 +38,10 @@ ASSISTANT_OPENING = 3  # <|im_start|> assistant \n
 OPENING_ROWS = ASSISTANT_OPENING + 6  # the Talker's assistant rows: the opening, 4 pads, BOS, the first token
 
 
-def talker_kv_shape(config, max_tokens: int) -> KVShape:
-    """The Talker's KV blocks for its text model's `config`, a sequence holding `max_tokens` rows."""
-    return KVShape(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, max_tokens)
+def talker_kv_shape(config, max_tokens: int, fp8: bool = False) -> KVShape:
+    """The Talker's KV blocks for its text model's `config`, a sequence holding `max_tokens` rows
+    (`fp8`: keys and values in float8, as the Thinker's, kv_fp8.py)."""
+    return KVShape(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, max_tokens, fp8=fp8)
 
 
 def talker_kv_blocks(shape: KVShape, sequences: int) -> int:
@@ -88,8 +89,9 @@ class TalkerPrompt:
 class TalkerRunner:
     def __init__(self, model: torch.nn.Module, max_tokens: int, kv_sequences: int, cuda_graphs: bool = False,
                  compiled_layers: bool = False, moe: MoeBackend = TORCH,
-                 attention: AttentionKernels = AttentionKernels(), max_batch: int = 1) -> None:
-        """`max_batch`: the most spoken replies stepped in one forward (the step's largest graph)."""
+                 attention: AttentionKernels = AttentionKernels(), max_batch: int = 1, kv_fp8: bool = False) -> None:
+        """`max_batch`: the most spoken replies stepped in one forward (the step's largest graph);
+        `kv_fp8`: the Talker's KV in float8 (the `kv_dtype` setting, as the Thinker's)."""
         self.config = model.config
         self.max_batch = max_batch
         self.attention = attention  # its prefills' and steps' kernels over the blocks, as the Thinker's
@@ -104,7 +106,7 @@ class TalkerRunner:
         self.num_code_groups = talker_config.num_code_groups
         self.device = self.talker.codec_head.weight.device
         self.dtype = self.talker.codec_head.weight.dtype
-        shape = talker_kv_shape(text, max_tokens)
+        shape = talker_kv_shape(text, max_tokens, kv_fp8)
         # The Talker's own step is a decode step like the Thinker's (about 41 ms eager at full size,
         # 5 ms graphed): BatchGraphs, whose buckets under transformers' attention read rows past
         # each new token, so the blocks it hands out are zeroed then (the kernel reads a token's own

@@ -1,5 +1,6 @@
-"""The Thinker's KV in fp8 (the `kv_dtype = "fp8"` setting): float8 e4m3 keys and values with a
-float32 scale per (token, kv head), half the bytes of bfloat16 a token (plus 4 bytes a scale).
+"""The KV in fp8 (the `kv_dtype = "fp8"` setting), the Thinker's and the Talker's: float8 e4m3 keys and
+values with a float32 scale per (token, kv head), half the bytes of bfloat16 a token (plus 4 bytes a
+scale).
 
 A scale per token and head, written with the token: quantizing a row needs no other row, so a
 token's stored values are the same however its prompt was split into forwards (a chunk, a tail on a

@@ -9,13 +9,12 @@
   measured at full size on an H100 (int4). Each start-up step logs its own part (start_up_steps.py);
 - encoder outputs and KV: caches, so caps the plan shrinks to fit, each down to a floor it states.
   The KV is the Thinker's blocks and, with speech, the Talker's KV beside them (kv_sizes.py: as many
-  Talker sequences as the Thinker's blocks hold chats of `max_context_tokens`). It first gets the
-  memory of KV_TARGET_TOKENS in the activations' dtype (or `gpu_cache_bytes`, if less: with fp8 KV
-  about twice the tokens), then the encoder outputs up to `encoder_cache_bytes` (reserved whole on
-  the device: they fill up as media come), then the KV the rest, up to `gpu_cache_bytes` of the
-  Thinker's, and what its whole blocks leave goes to the encoder outputs too. Chats are worth more
-  than resent images: on a small card the encoder outputs shrink to LEAST_ENCODER_CACHE_BYTES before
-  the KV holds fewer than four chats.
+  Talker sequences as the Thinker's blocks hold chats of `max_context_tokens`). It first gets
+  KV_TARGET_TOKENS, twice as many with fp8 KV (or `gpu_cache_bytes`, if less), then the encoder
+  outputs up to `encoder_cache_bytes` (reserved whole on the device: they fill up as media come),
+  then the KV the rest, up to `gpu_cache_bytes` of the Thinker's, and what its whole blocks leave
+  goes to the encoder outputs too. Chats are worth more than resent images: on a small card the
+  encoder outputs shrink to LEAST_ENCODER_CACHE_BYTES before the KV holds fewer than four chats.
 
 What is split is `gpu_memory_bytes`, or by default what the GPU reports free, less MARGIN_BYTES (an
 encoder's activations on the largest image or video are not in the measurement). Where the weights
@@ -153,7 +152,7 @@ def plan_memory(model: torch.nn.Module, settings: EngineConfig, device: torch.de
     encoder_cap = settings.encoder_cache_bytes if settings.encoder_cache else 0
     least_encoder = min(encoder_cap, LEAST_ENCODER_CACHE_BYTES)
     kv = kv_sizes(model, settings)
-    first_kv = kv.bytes(max(kv.least_blocks, _target_blocks(model, kv, settings)))  # the KV target, or the floor if more
+    first_kv = kv.bytes(max(kv.least_blocks, _target_blocks(kv, settings)))  # the KV target, or the floor if more
     settings, engine = _prefill_sized(model, settings, device, available - least_encoder - first_kv)
     key = _key(model, settings, device)
     floors = engine + least_encoder + kv.bytes(kv.least_blocks)
@@ -229,13 +228,11 @@ def prefill_bytes_per_token(model: torch.nn.Module) -> int:
     return round((expert_rows + 8 * hidden * itemsize) * PREFILL_POOL_OVER_ACTIVATIONS)
 
 
-def _target_blocks(model: torch.nn.Module, kv: KVSizes, settings: EngineConfig) -> int:
-    """The Thinker's blocks that the KV target's memory holds, or `gpu_cache_bytes` if fewer: the
-    bytes of KV_TARGET_TOKENS in the activations' dtype, the Talker's KV beside them. A target in
-    memory rather than tokens: fp8 KV, whose tokens take half the bytes, gets about twice the tokens
-    (a few less, as the Talker's KV, which stays in the activations' dtype, grows with them)."""
-    unquantized = kv_sizes(model, settings.replace(kv_dtype="auto"))
-    return kv.most_blocks(unquantized.bytes(unquantized.blocks_for(KV_TARGET_TOKENS)), settings.gpu_cache_bytes)
+def _target_blocks(kv: KVSizes, settings: EngineConfig) -> int:
+    """The Thinker's blocks of the KV target, or of `gpu_cache_bytes` if fewer: KV_TARGET_TOKENS, and
+    twice as many with fp8 KV, whose tokens (the Talker's too) take about half the bytes."""
+    tokens = KV_TARGET_TOKENS * (2 if settings.kv_dtype == "fp8" else 1)
+    return kv.most_blocks(kv.bytes(kv.blocks_for(tokens)), settings.gpu_cache_bytes)
 
 
 def least_conversation_kv_bytes(model: torch.nn.Module, settings: EngineConfig, dtype: torch.dtype) -> int:
