@@ -16,14 +16,15 @@
   goes to the encoder outputs too. Chats are worth more than resent images: on a small card the
   encoder outputs shrink to LEAST_ENCODER_CACHE_BYTES before the KV holds fewer than four chats.
 
-What is split is `gpu_memory_bytes`, or by default what the GPU reports free, less MARGIN_BYTES (an
-encoder's activations on the largest image or video are not in the measurement). Where the weights
-leave less than the KV target (beside the engine and the encoder outputs' floor), the Thinker's input
-embeddings go to host memory (model/host_experts.py): a token reads one row of them over the bus.
-Where the KV target still does not fit, the prefill graphs shrink: `prefill_forward_tokens` halves
-(down to `prefill_chunk_tokens`) until it does, as the largest graphed prefill's activations are the
-part of the engine's take that grows with it (`prefill_bytes_per_token`); a long prompt then takes
-more forwards, each reading the experts again, where moving experts would slow every token.
+What is split is `gpu_memory_bytes`, or by default what the GPU reports free, less MARGIN_BYTES (what
+CUDA takes outside torch's allocator, and a request's transient memory: neither is in the engine's
+measurement). Where the weights leave less than the KV target (beside the engine and the encoder
+outputs' floor), the Thinker's input embeddings go to host memory (model/host_experts.py): a token
+reads one row of them over the bus. Where the KV target still does not fit, the prefill graphs
+shrink: `prefill_forward_tokens` halves (down to `prefill_chunk_tokens`) until it does, as the
+largest graphed prefill's activations are the part of the engine's take that grows with it
+(`prefill_bytes_per_token`); a long prompt then takes more forwards, each reading the experts again,
+where moving experts would slow every token.
 Where the weights and the floors (the engine's, the encoder outputs' and one conversation of
 `max_context_tokens`) still do not fit, the routed experts of the Thinker's last layers go there too
 (`experts_on_gpu` = -1): the fewest layers that make the floors fit. Decode then reads each token's
@@ -61,7 +62,17 @@ log = logging.getLogger(__name__)
 Planned = TypeVar("Planned", bound=EngineConfig)
 
 GiB = 1 << 30
-MARGIN_BYTES = 1 * GiB
+# What the plan leaves of the GPU's free memory, for what the engine's measured take does not hold,
+# measured at full size, int4 with speech, on an H100 (docs/benchmarks/2026-12-07-margin-h100.md):
+# - what start-up and serving take outside torch's caching allocator (CUDA's kernel modules as they
+#   load, graph executables, library handles): 386 MiB;
+# - a request's transient memory (its pixels, the encoders' activations, its prefill's), which grows
+#   with its image tokens, about 230 KiB each: the other 382 MiB hold about 1,700 (several photos,
+#   or a short video). A request of more, on a card the plan fills, is refused with "out of memory:
+#   try a smaller image" and the engine goes on; the most a default prompt holds, 5,832, took 1,311.
+# At 22 GiB this margin kept the prefill graphs at 512 tokens, where 640 MiB let the plan choose
+# 1,024-token graphs whose capture then ran out of memory (same file).
+MARGIN_BYTES = 768 << 20
 # The engine's start-up take besides the KV, at full size with speech and the default settings, on an
 # H100 with int4 weights (docs/benchmarks/2026-12-07-engine-take-h100.md): its CUDA graph pools
 # reserved 1,038 MiB (the Thinker's decode and prefill graphs, of up to 4,096 tokens, 920; Code2Wav
