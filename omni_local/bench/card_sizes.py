@@ -18,11 +18,13 @@ cap: the row says how many layers' experts are there, the bytes a decoded token 
 and the tokens a second that bound allows on PCIe 4.0 x16 (about 25 GB/s), beside the decode step
 measured on this machine's bus.
 
-After the row, two lines say what the plan's margin (MARGIN_BYTES) has to hold: the GPU memory a
-request of the most image tokens one prompt takes (--largest-request: the processor's largest image,
-as many as `max_prompt_tokens` holds) allocated beyond what was allocated before it (its pixels, the
-encoders' activations, its prefill), and the memory taken outside torch's allocator since the cap
-(CUDA's kernel modules, graphs, library handles): neither is under the cap, both are on a real card.
+After the row, two lines say what the plan's margin (MARGIN_BYTES) has to hold: with
+--largest-request, what a request of the most image tokens one prompt holds (the processor's largest
+image, as many as `max_prompt_tokens` allows) allocated beyond what was allocated before it (its
+pixels, the encoders' activations, its prefill); and the memory CUDA took outside torch's allocator
+since the cap (kernel modules, graph executables, library handles), with the allocator's reserved
+memory. A per-process cap does not count the outside memory, a real card does: --outside-mib leaves
+it out of the cap. --margin-mib tries the plan with another margin.
 """
 
 import statistics
@@ -35,8 +37,8 @@ from omni_local.api import OmniLocal
 from omni_local.bench.common import bench_parser, settings_and_model, synced_now
 from omni_local.bench.decode_steps import step_ms
 from omni_local.bench.scenarios import SPOKEN_QUESTION, SYSTEM, noise_clip, noise_image
-from omni_local.engine.sizing.expert_placement import BUS_BYTES_PER_S, bus_bytes_per_token
 from omni_local.engine.prompt.builder import image_grid
+from omni_local.engine.sizing.expert_placement import BUS_BYTES_PER_S, bus_bytes_per_token
 from omni_local.engine.sizing.memory_plan import MARGIN_BYTES, GiB, plan_memory
 from omni_local.errors import RequestError, SettingsError
 from omni_local.model.host_experts import (embeddings_in_host_memory, held_in_host_memory, layers_in_host_memory,
@@ -149,9 +151,9 @@ def row(settings: Settings, card_gib: float | None, model: torch.nn.Module, cell
 
 
 def planned(settings: Settings, loaded: LoadedModel, card_gib: float, margin: int = MARGIN_BYTES) -> Settings:
-    """`settings` with the caches (KV, encoder outputs) the memory plan sizes on a card of `card_gib`,
-    less `margin` (the plan's, by default), and the experts it puts in host memory moved there; exits with the plan's refusal as the row
-    where it refuses."""
+    """`settings` with the caches (KV, encoder outputs) the memory plan sizes on a card of `card_gib`
+    less `margin` (the plan's, by default), and the experts it puts in host memory moved there; exits
+    with the plan's refusal as the row where it refuses."""
     card = settings.replace(gpu_memory_bytes=int(card_gib * GiB) - margin)
     try:
         plan = plan_memory(loaded.model, card, loaded.device)
