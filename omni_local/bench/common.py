@@ -3,13 +3,17 @@
 import argparse
 import math
 import statistics
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+from omni_local.api import OmniLocal
 from omni_local.bench.random_weights import load_random_weights
+from omni_local.listening import listening
 from omni_local.model.loader import LoadedModel, load_model, quiet_library_logs
 from omni_local.settings import Settings, add_settings_arguments, settings_from_arguments
 
@@ -33,6 +37,35 @@ def settings_and_model(args: argparse.Namespace) -> tuple[Settings, LoadedModel]
 def bench_model(settings: Settings, random_weights: Path | None) -> LoadedModel:
     """The model of `settings`: random weights at the `random_weights` config's size, or the configured checkpoint."""
     return load_random_weights(random_weights, settings) if random_weights else load_model(settings)
+
+
+@contextmanager
+def served(app: OmniLocal) -> Iterator[str]:
+    """`app`'s API as `serve` serves it, at the returned URL, on a free port of this machine."""
+    # Imported here: benches that call the API in-process need none of the server's packages (a GPU
+    # machine may lack them).
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+
+    from omni_local.server.hosts import HostCheck, ServedNames
+    from omni_local.server.routes import API_PATH, api_mount
+
+    bound = listening("127.0.0.1", 0, "a bench's server")
+    names = ServedNames("127.0.0.1", "")
+    asgi = Starlette(routes=[api_mount(app, None)], middleware=[Middleware(HostCheck, names=names)])
+    server = uvicorn.Server(uvicorn.Config(asgi, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [bound]}, name="bench server")
+    thread.start()
+    while not server.started and thread.is_alive():
+        time.sleep(0.05)
+    if not server.started:
+        raise RuntimeError("the bench's server did not start (its error is above)")
+    try:
+        yield f"http://127.0.0.1:{bound.getsockname()[1]}{API_PATH}"
+    finally:
+        server.should_exit = True
+        thread.join()
 
 
 def elapsed_s(call: Callable[[], object]) -> float:

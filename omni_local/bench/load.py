@@ -40,20 +40,16 @@ import math
 import os
 import subprocess
 import sys
-import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
 import omni_local
 from omni_local.api import OmniLocal
-from omni_local.bench.common import bench_parser, settings_and_model
+from omni_local.bench.common import bench_parser, served, settings_and_model
 from omni_local.bench.load_clients import MEDIA, LoadSpec, Sample, one_token_words, run_row
 from omni_local.bench.scenarios import SYSTEM
-from omni_local.listening import listening
 
 CLIENTS = [1, 4, 16, 64]
 COLUMNS = ["through", "clients", "replies", "requests", "incomplete", "requests/s", "tokens/s", "TTFT p50 (ms)",
@@ -83,34 +79,6 @@ def row_figures(samples: list[Sample], wall_s: float) -> dict[str, float]:
         "rtf_p50": percentile(rtf, 0.5), "rtf_p95": percentile(rtf, 0.95),
         "queue_p95_ms": percentile([s.queue_wait_s for s in done], 0.95) * 1e3,
     }
-
-
-@contextmanager
-def served(app: OmniLocal) -> Iterator[str]:
-    """`app`'s API as `serve` serves it, at the returned URL, on a free port of this machine."""
-    # Imported here: the API's rows need none of the server's packages (a GPU machine may lack them).
-    import uvicorn
-    from starlette.applications import Starlette
-    from starlette.middleware import Middleware
-
-    from omni_local.server.hosts import HostCheck, ServedNames
-    from omni_local.server.routes import API_PATH, api_mount
-
-    bound = listening("127.0.0.1", 0, "the load bench's server")
-    names = ServedNames("127.0.0.1", "")
-    asgi = Starlette(routes=[api_mount(app, None)], middleware=[Middleware(HostCheck, names=names)])
-    server = uvicorn.Server(uvicorn.Config(asgi, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [bound]}, name="load bench server")
-    thread.start()
-    while not server.started and thread.is_alive():
-        time.sleep(0.05)
-    if not server.started:
-        raise RuntimeError("the load bench's server did not start (its error is above)")
-    try:
-        yield f"http://127.0.0.1:{bound.getsockname()[1]}{API_PATH}"
-    finally:
-        server.should_exit = True
-        thread.join()
 
 
 def http_row(url: str, spec: LoadSpec, warm_up: bool) -> tuple[list[Sample], float]:

@@ -3,6 +3,11 @@ as the server sees it and as a client over the socket sees it.
 
     python -m omni_local serve --speech true ...           # the server, in another shell
     python -m omni_local.bench.realtime_latency http://127.0.0.1:8000/v1 --turns 5
+    python -m omni_local.bench.realtime_latency --random-weights CONFIG.json --weights int4 --turns 5
+
+Without a URL the bench serves the model of its settings itself (speech on), in this process on a
+free port, as `serve` does: `--random-weights` gives full-size random weights, for a GPU machine
+that has no checkpoint.
 
 A client of the `openai` package's realtime client streams a recorded question (a WAV file, any
 rate, mono) in real time, 20 ms chunks, then silence, as a microphone would, with server VAD on
@@ -18,7 +23,6 @@ before `speech_stopped`): the table states it. The first turn pays first-use cos
 are over the turns after it. Prints a table; `--json` writes the turns.
 """
 
-import argparse
 import asyncio
 import base64
 import json
@@ -30,6 +34,10 @@ from pathlib import Path
 import numpy as np
 import soundfile
 import soxr
+
+from omni_local.api import OmniLocal
+from omni_local.bench.common import bench_model, bench_parser, served
+from omni_local.settings import settings_from_arguments
 
 RATE = 24_000
 CHUNK = RATE // 50  # 20 ms
@@ -104,17 +112,27 @@ def median(values: list[float | None]) -> str:
     return f"{statistics.median(known):.1f}" if known else "n/a"
 
 
+def served_turns(args, pcm: bytes) -> list[Turn]:
+    """The turns against the server at `args.url`, or against this process's own app, served."""
+    if args.url:
+        return asyncio.run(run(args.url, args.key, args.model_id, pcm, args.turns, args.silence_ms))
+    settings = settings_from_arguments(args).replace(speech=True)
+    with OmniLocal(settings, loaded=bench_model(settings, args.random_weights)) as app, served(app) as url:
+        return asyncio.run(run(url, args.key, app.info.model_id, pcm, args.turns, args.silence_ms))
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("url", help="the API's base URL, e.g. http://127.0.0.1:8000/v1")
+    parser = bench_parser("python -m omni_local.bench.realtime_latency", timed=False)
+    parser.add_argument("url", nargs="?", help="the API's base URL, e.g. http://127.0.0.1:8000/v1; without it, "
+                                               "the model of these settings served here")
     parser.add_argument("--wav", type=Path, default=DEFAULT_WAV, help="the spoken question")
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--silence-ms", type=int, default=500, help="server VAD's silence window")
-    parser.add_argument("--model", default="demo", help="the served model's id")
+    parser.add_argument("--model-id", default="demo", help="the served model's id, with a URL")
     parser.add_argument("--key", default="no key")
     parser.add_argument("--json", type=Path, help="write the turns here")
     args = parser.parse_args()
-    turns = asyncio.run(run(args.url, args.key, args.model, question(args.wav), args.turns, args.silence_ms))
+    turns = served_turns(args, question(args.wav))
     print(f"VAD silence window {args.silence_ms} ms (not counted below); first turn apart")
     print("turn | server: asked to first audio (ms) | client: speech_stopped to first audio (ms) | cached tokens")
     for index, turn in enumerate(turns, 1):

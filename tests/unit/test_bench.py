@@ -508,3 +508,14 @@ def test_the_card_size_benchs_largest_request_fills_the_prompt_with_the_processo
     assert len({image.tobytes() for image in images}) == len(images) > 1  # distinct: none is a cache hit
     per_image = math.prod(image_grid(images[0], processor.image_processor)) // 4
     assert tokens == len(images) * per_image <= 6144 - 256 < (len(images) + 1) * per_image
+
+
+def test_the_realtime_latency_bench_serves_the_demo_itself_and_times_each_spoken_turn(demo_settings, demo_checkpoint,
+                                                                                      tmp_path):
+    done = run_part_bench("realtime_latency", demo_settings, tmp_path, "--turns", "2", "--max-speech-seconds", "1",
+                          "--json", str(tmp_path / "turns.json"))
+    assert done.returncode == 0, done.stderr
+    turns = json.loads((tmp_path / "turns.json").read_text())["turns"]
+    assert len(turns) == 2 and all(turn["server_ms"] > 0 and turn["client_ms"] > 0 for turn in turns)
+    assert turns[1]["cached_tokens"] > 0  # the second turn reuses the first, as a realtime session does
+    assert "median of turns 2+ |" in done.stdout
