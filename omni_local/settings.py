@@ -267,8 +267,8 @@ class CacheSettings(_Group, table="cache"):
     gpu_memory_bytes: int = setting(
         0,
         "GPU memory the app plans with at start-up: the weights, the engine's graphs and activations, encoder"
-        " outputs, then KV up to gpu_cache_bytes; 0: what the GPU reports free, less 1 GiB (on the CPU, no plan"
-        " unless it is set)",
+        " outputs, then KV up to gpu_cache_bytes; 0: what the GPU reports free, less a 768 MiB margin (on the CPU,"
+        " no plan unless it is set)",
     )
     gpu_cache_bytes: int = setting(
         4 << 30,
