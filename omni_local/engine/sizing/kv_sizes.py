@@ -4,7 +4,8 @@ speech the Talker's KV beside them.
 The Talker's KV holds as many of its longest sequences as the Thinker's blocks hold chats of
 `max_context_tokens` (speech.py's `talker_sequences`), so its bytes follow the Thinker's KV, not the
 engine: at full size a Talker sequence (8,192 tokens of context, the assistant rows and 120 s of
-frames, 20 KiB a row) takes 190 MiB beside a Thinker chat's 784 MiB. The plan counts the two together.
+frames, 20 KiB a row) takes 190 MiB beside a Thinker chat's 784 MiB (98 and 412 MiB with fp8 KV).
+The plan counts the two together.
 """
 
 from bisect import bisect_right
