@@ -23,6 +23,7 @@ before `speech_stopped`): the table states it. The first turn pays first-use cos
 are over the turns after it. Prints a table; `--json` writes the turns.
 """
 
+import argparse
 import asyncio
 import base64
 import json
@@ -112,7 +113,7 @@ def median(values: list[float | None]) -> str:
     return f"{statistics.median(known):.1f}" if known else "n/a"
 
 
-def served_turns(args, pcm: bytes) -> list[Turn]:
+def served_turns(args: argparse.Namespace, pcm: bytes) -> list[Turn]:
     """The turns against the server at `args.url`, or against this process's own app, served."""
     if args.url:
         return asyncio.run(run(args.url, args.key, args.model_id, pcm, args.turns, args.silence_ms))
