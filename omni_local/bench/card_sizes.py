@@ -27,6 +27,7 @@ memory. A per-process cap does not count the outside memory, a real card does: -
 it out of the cap. --margin-mib tries the plan with another margin.
 """
 
+import math
 import statistics
 import sys
 from typing import Any
@@ -119,12 +120,11 @@ def largest_request(processor: Any, max_prompt_tokens: int) -> tuple[Message, in
     room for the system prompt and the question), and their image tokens."""
     processor = processor.image_processor
     side = int(processor.size["longest_edge"] ** 0.5)
-    image = noise_image((side, side))
-    grid = image_grid(image, processor)
-    tokens = grid[0] * grid[1] * grid[2] // processor.merge_size ** 2
+    tokens = math.prod(image_grid(noise_image((side, side)), processor)) // processor.merge_size ** 2
     count = max(1, (max_prompt_tokens - 256) // tokens)
-    return Message("user", [*(noise_image((side, side), seed=i) for i in range(count)),
-                            "What do these pictures show?"]), count * tokens
+    # A seed each: the same image twice would be encoded once.
+    images = [noise_image((side, side), seed=i) for i in range(count)]
+    return Message("user", [*images, "What do these pictures show?"]), count * tokens
 
 
 def largest_line(app: OmniLocal, loaded: LoadedModel, settings: Settings) -> str:

@@ -47,6 +47,7 @@ def make_parts(loaded: LoadedModel, settings: EngineConfig, warm_up_later: bool)
     encoder = MediaEncoder(_encoders(thinker.model, loaded.processor, settings), loaded.processor, encoder_cache)
     talker_rows = TalkerRows(loaded.model) if loaded.speech else None
     deterministic = settings.deterministic
+    kv_fp8 = fp8_kv(settings.kv_dtype, loaded.device)  # the Thinker's and the Talker's KV alike
     attention = attention_kernels(settings.attention_backend, loaded.device, deterministic)
     moe = moe_backend("triton" if deterministic else settings.moe_backend, loaded.device, deterministic)
     if deterministic:
@@ -57,11 +58,11 @@ def make_parts(loaded: LoadedModel, settings: EngineConfig, warm_up_later: bool)
                                settings.max_running_requests,
                                settings.kv_block_tokens, talker_rows, cuda_graphs=settings.cuda_graphs,
                                compiled_layers=settings.compiled_layers, moe=moe, attention=attention,
-                               kv_fp8=fp8_kv(settings.kv_dtype, loaded.device))
+                               kv_fp8=kv_fp8)
         runner.warm_up(prefill_graphs_later=warm_up_later)
         kv = runner.kv
         sequences = talker_sequences(kv.capacity_tokens, settings.max_context_tokens)  # as the memory plan counts
-        speaker = Speaker(loaded.model, settings, sequences, moe, attention) if loaded.speech else None
+        speaker = Speaker(loaded.model, settings, sequences, moe, attention, kv_fp8) if loaded.speech else None
         if speaker is not None:
             speaker.warm_up()
     # Kept free while idle: a typical next request's blocks (a chunk of prompt and a default reply).

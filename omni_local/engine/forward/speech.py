@@ -27,7 +27,6 @@ from omni_local.engine.forward.talker import (OPENING_ROWS, TalkerPrompt, Talker
 from omni_local.engine.forward.vocoder import AudioStream, Vocoder
 from omni_local.engine.memory.attention import AttentionKernels
 from omni_local.engine.memory.host_copies import Readback, to_device
-from omni_local.engine.memory.kv_fp8 import fp8_kv
 from omni_local.engine.memory.kv_store import BlockTable, KVStore
 from omni_local.engine.memory.prefix_cache import Claim, Match, PrefixCache, common_prefix
 from omni_local.engine.prompt.builder import Prompt
@@ -119,14 +118,14 @@ class Speaker:
     """The engine's speech part: the Talker runner, its KV cache, and Code2Wav."""
 
     def __init__(self, model: torch.nn.Module, settings: EngineConfig, kv_sequences: int, moe: MoeBackend = TORCH,
-                 attention: AttentionKernels = AttentionKernels()) -> None:
+                 attention: AttentionKernels = AttentionKernels(), kv_fp8: bool = False) -> None:
         self.vocoder = Vocoder(model.code2wav, settings.first_audio_frames, settings.audio_chunk_frames,
                                settings.audio_left_context_frames, cuda_graphs=settings.cuda_graphs)
         self.max_frames = max_frames(settings, model.code2wav)
         self.runner = TalkerRunner(model, talker_sequence_rows(settings, model.code2wav), kv_sequences,
                                    cuda_graphs=settings.cuda_graphs, compiled_layers=settings.compiled_layers,
                                    moe=moe, attention=attention, max_batch=settings.max_running_requests,
-                                   kv_fp8=fp8_kv(settings.kv_dtype, model.talker.codec_head.weight.device))
+                                   kv_fp8=kv_fp8)
         # Talker KV of user turns is small; an entry pushed off the device is dropped, not moved.
         self.cache = PrefixCache(self.runner.kv, 0, enabled=settings.prefix_cache, by_hash=False)
         self.im_start, self.user = model.config.im_start_token_id, model.config.user_token_id

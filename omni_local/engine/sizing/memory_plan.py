@@ -69,7 +69,7 @@ GiB = 1 << 30
 # - a request's transient memory (its pixels, the encoders' activations, its prefill's), which grows
 #   with its image tokens, about 230 KiB each: the other 382 MiB hold about 1,700 (several photos,
 #   or a short video). A request of more, on a card the plan fills, is refused with "out of memory:
-#   try a smaller image" and the engine goes on; the most a default prompt holds, 5,832, took 1,311.
+#   try a shorter conversation, a smaller image or clip" and the engine goes on; the most a default prompt holds, 5,832, took 1,311.
 # At 22 GiB this margin kept the prefill graphs at 512 tokens, where 640 MiB let the plan choose
 # 1,024-token graphs whose capture then ran out of memory (same file).
 MARGIN_BYTES = 768 << 20
@@ -243,7 +243,7 @@ def _target_blocks(kv: KVSizes, settings: EngineConfig) -> int:
     """The Thinker's blocks of the KV target, or of `gpu_cache_bytes` if fewer: KV_TARGET_TOKENS, and
     twice as many with fp8 KV, whose tokens (the Talker's too) take about half the bytes."""
     tokens = KV_TARGET_TOKENS * (2 if settings.kv_dtype == "fp8" else 1)
-    return kv.most_blocks(kv.bytes(kv.blocks_for(tokens)), settings.gpu_cache_bytes)
+    return min(kv.blocks_for(tokens), settings.gpu_cache_bytes // kv.block_bytes)
 
 
 def least_conversation_kv_bytes(model: torch.nn.Module, settings: EngineConfig, dtype: torch.dtype) -> int:
