@@ -3,6 +3,8 @@ the prefix cache never changes what is said, a reply that calls a tool is spoken
 no further, and a bad request for speech is a clear error."""
 
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -22,6 +24,7 @@ from omni_local.errors import RequestError
 from omni_local.metrics_line import metrics_line
 from omni_local.protocol.functions import Tool
 from omni_local.protocol.messages import Message
+from omni_local.protocol.params import SamplingParams
 from omni_local.protocol.tools import REQUIRED_PREFIX
 
 SPEECH_SECONDS = 2.0  # 25 frames: every reply here is cut there (the demo's random Talker rarely ends)
@@ -199,21 +202,43 @@ def test_a_text_turn_then_a_spoken_turn_reads_the_rows_the_text_turn_cached(spea
     assert second.tokens.computed == second.tokens.prompt - written(first)
 
 
-def test_replies_speaking_at_once_take_each_talker_step_together_and_each_speaks_as_it_would_alone(
+def test_replies_speaking_at_once_take_each_talker_step_and_frame_together_and_each_speaks_as_it_would_alone(
         speaking_apps, monkeypatch):
     app = speaking_apps[1]
     questions = ["Tell me about the sea.", "What do owls eat?", "Sing of the harbour at night."]
     alone = [send(app, app.session(), question) for question in questions]
-    runner, batches = app.backend.engine.speaker.runner, []
-    steps = runner.steps
-    monkeypatch.setattr(runner, "steps", lambda tables, *rest: batches.append(len(tables)) or steps(tables, *rest))
+    runner, steps, frames = app.backend.engine.speaker.runner, [], []
+    step, frame = runner.steps, runner.complete_frames
+    monkeypatch.setattr(runner, "steps", lambda tables, *rest: steps.append(len(tables)) or step(tables, *rest))
+    monkeypatch.setattr(runner, "complete_frames",
+                        lambda hidden, *rest: frames.append(len(hidden)) or frame(hidden, *rest))
     with ThreadPoolExecutor(len(questions)) as pool:
         together = list(pool.map(lambda question: send(app, app.session(), question), questions))
-    assert max(batches) == len(questions), "the replies speaking at once must step together"
+    assert max(steps) == len(questions), "the replies speaking at once must step together"
+    assert max(frames) == len(questions), "their code predictor's frames must be one batch too"
     for (final, frames, audio, _), (final_alone, frames_alone, audio_alone, _) in zip(together, alone):
         assert frames, "the reply must speak, or the comparison proves little"
         assert final.token_ids == final_alone.token_ids and frames == frames_alone
         np.testing.assert_allclose(audio, audio_alone, atol=1e-6 if TEST_DEVICE == "cpu" else 5e-5)
+
+
+def test_a_frame_of_several_replies_computed_as_one_batch_has_the_codes_of_each_reply_alone(
+        speaking_apps, monkeypatch):
+    """What the frames' graphs capture on a GPU, run eagerly here: three replies' frames (greedy and
+    sampled, at other frames) in one forward of a batch of four, the fourth row padding."""
+    runner = speaking_apps[1].backend.engine.speaker.runner
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 1, runner.stack.config.hidden_size, generator=generator).to(runner.device, runner.dtype)
+    firsts = torch.tensor([5, 17, 300], device=runner.device)
+    args = ([SamplingParams(), SamplingParams(temperature=1.0, top_k=50, top_p=0.8), SamplingParams()],
+            [1, 2, 3], [0, 4, 9])  # params, seeds, frames
+    alone = [runner.complete_frames(hidden[i : i + 1], firsts[i : i + 1], *(arg[i : i + 1] for arg in args))
+             for i in range(3)]
+    as_graphs = {size: SimpleNamespace(replay=partial(runner._frame, sampling=True)) for size in (1, 2, 4)}
+    monkeypatch.setattr(runner, "frame_graphs", as_graphs)
+    codes, sums = runner.complete_frames(hidden, firsts, *args)
+    assert [frame.tolist() for frame in codes] == [frame[0].tolist() for frame, _ in alone]
+    torch.testing.assert_close(sums, torch.cat([summed for _, summed in alone]))
 
 
 def test_cancel_stops_text_and_speech_at_once_and_sends_only_whole_chunks(speaking_apps, monkeypatch):

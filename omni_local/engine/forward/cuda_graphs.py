@@ -231,11 +231,14 @@ class BatchGraphs:
 
 class StaticGraph:
     """`forward(*inputs)` captured once, over static buffers shaped like `inputs`: a forward whose
-    shapes never change, such as the code predictor's 15 steps of a frame."""
+    shapes never change, such as the code predictor's 15 steps of a frame of a batch of replies.
+    `pool`: a memory pool it shares with graphs that never run at the same time (captured largest
+    first); a pool of its own by default."""
 
-    def __init__(self, forward: Callable[..., Outputs], inputs: list[torch.Tensor]) -> None:
+    def __init__(self, forward: Callable[..., Outputs], inputs: list[torch.Tensor], pool: tuple | None = None) -> None:
         self._inputs = [torch.zeros_like(x) for x in inputs]  # copied into before each replay
-        self._graph, self._outputs = capture_graph(partial(forward, *self._inputs), torch.cuda.graph_pool_handle())
+        self._graph, self._outputs = capture_graph(partial(forward, *self._inputs),
+                                                   pool if pool is not None else torch.cuda.graph_pool_handle())
 
     def replay(self, *inputs: torch.Tensor) -> Outputs:
         captured = [(x.shape, x.dtype) for x in self._inputs]

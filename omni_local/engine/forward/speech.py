@@ -169,14 +169,15 @@ class Speaker:
             return  # running replies hold the Talker's blocks: try again next turn
         # Every spoken reply has at least one frame (transformers' `talker_min_new_tokens=1`).
         eos = to_device(torch.tensor([self.runner.codec_eos]), logits.device)
-        self._complete_frame(reply, hidden, logits.index_fill(0, eos, float("-inf")))
+        self._complete_frames([reply], hidden, logits.index_fill(0, eos, float("-inf"))[None])
 
     @torch.inference_mode()
     def queue_frames(self, texts: list[tuple[SpokenReply, list[int], bool]]) -> None:
         """At most one more frame of each reply whose first is queued, waiting for nothing: `texts`
         gives each with its reply's tokens so far and whether its text is done. The Talker's steps of
-        all of them are one forward (in groups of the runner's `max_batch`), then each one's code
-        predictor. The frame each queued the turn before becomes due (`frame_out` reads it)."""
+        all of them are one forward (in groups of the runner's `max_batch`), then their code
+        predictor's frames another. The frame each queued the turn before becomes due (`frame_out`
+        reads it)."""
         stepping = []
         for reply, reply_ids, text_done in texts:
             reply.due, reply.unread = reply.unread, None
@@ -215,23 +216,25 @@ class Speaker:
 
     def _queue_steps(self, stepping: list[tuple[SpokenReply, torch.Tensor]]) -> None:
         """The Talker's step of each reply in `stepping` (with its input row) in one forward, then
-        each one's code predictor."""
+        their code predictor's frames in another."""
         replies = [reply for reply, _ in stepping]
         hidden, logits = self.runner.steps([r.table for r in replies], [r.written for r in replies],
                                            torch.cat([row for _, row in stepping]), [r.rope_delta for r in replies])
-        for i, reply in enumerate(replies):
+        for reply in replies:
             reply.written += 1
-            self._complete_frame(reply, hidden[i : i + 1], logits[i])
+        self._complete_frames(replies, hidden, logits)
 
-    def _complete_frame(self, reply: SpokenReply, hidden: torch.Tensor, logits: torch.Tensor) -> None:
-        """The frame's first code drawn from the Talker's `logits` [vocab], then the code predictor's
-        codes from its `hidden` state [1, 1, width]: the frame is queued, its codes unread. (Whether it
-        ends the speech is known when they are read.)"""
-        codes, reply.codec_sum = self.runner.complete_frame(hidden, reply.sampler.next_token(logits),
-                                                            predictor_sampling(reply.params), reply.seed,
-                                                            frame=reply.queued)
-        reply.unread = codes
-        reply.queued += 1
+    def _complete_frames(self, replies: list[SpokenReply], hidden: torch.Tensor, logits: torch.Tensor) -> None:
+        """Each reply's frame: its first code drawn from the Talker's `logits[i]` ([n, vocab]) by
+        the reply's own sampler, then the code predictor's codes from its `hidden[i]` state ([n, 1,
+        width]): the frames are queued, their codes unread. (Whether one ends the speech is known
+        when its codes are read.)"""
+        firsts = torch.cat([reply.sampler.next_token(logits[i]) for i, reply in enumerate(replies)])
+        frames, sums = self.runner.complete_frames(hidden, firsts, [predictor_sampling(r.params) for r in replies],
+                                                   [r.seed for r in replies], [r.queued for r in replies])
+        for i, (reply, codes) in enumerate(zip(replies, frames)):
+            reply.unread, reply.codec_sum = codes, sums[i : i + 1]
+            reply.queued += 1
 
     def _keep(self, reply: SpokenReply, codes: list[int]) -> None:
         """A frame's codes, read: kept, or the end of the speech."""

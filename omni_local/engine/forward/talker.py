@@ -12,7 +12,8 @@ Each step makes the first code of a frame; the code predictor then makes the fra
 On a GPU both replay CUDA graphs captured at start-up: the step one per batch of spoken replies and
 attention bucket, as the Thinker's decode step (BatchGraphs), so the steps of all the replies
 speaking at once are one forward; the code predictor's 15 steps of a frame, with their sampling
-on the device, one graph (StaticGraph).
+on the device, one graph per batch of replies (StaticGraph), so the frames of all the replies
+speaking at once are one replay too.
 `TalkerRows` makes the per-token rows while the Thinker prefills, so they are kept with its KV.
 """
 
@@ -115,21 +116,30 @@ class TalkerRunner:
         self.kv = KVStore(shape, talker_kv_blocks(shape, kv_sequences), self.dtype, self.device,
                           zeroed=self._capture_steps and attention.decode is None)
         self.step_graphs: BatchGraphs | None = None  # set once captured, by warm_up
-        # The code predictor's KV: one frame's rows (the Talker's state, then each code), one
-        # frame at a time.
+        # The code predictor's KV: one frame's rows (the Talker's state, then each code) for each
+        # of `max_batch` replies, a frame at a time.
         predictor = self.predictor.config
         rows = KVShape(predictor.num_hidden_layers, predictor.num_key_value_heads, predictor.head_dim,
                        self.num_code_groups + 1)
-        self.predictor_kv = KVStore(rows, rows.table_blocks + 1, self.dtype, self.device)
-        self._predictor_table = self.predictor_kv.device_table(self.predictor_kv.take(rows.table_blocks))
+        # A batch's graphs under transformers' attention read the frame's block past each reply's
+        # new rows (masked): zeros until written, never what an uninitialised block holds (KVStore).
+        self.predictor_kv = KVStore(rows, max_batch * rows.table_blocks + 1, self.dtype, self.device,
+                                    zeroed=attention.decode is None)
+        self._predictor_tables = torch.stack([self.predictor_kv.device_table(self.predictor_kv.take(rows.table_blocks))
+                                              for _ in range(max_batch)])
         # 15 small steps a frame: eager, launches and host work are most of each (about 5 ms at full
         # size against 0.8 ms graphed, ../shared/BENCHMARK_ANCHORS.md). All 15, their sampling on the
-        # device included, are one graph: the host reads the codes once a frame, not once a code.
+        # device included, are one graph: the host reads the codes once a frame, not once a code. A
+        # graph per bucket of replies (as the Talker's step), so that 16 speaking replies replay one
+        # graph a frame, not 16.
         self._capture_predictor = cuda_graphs and self.device.type == "cuda"
-        self.frame_graph: StaticGraph | None = None  # set once captured, by warm_up
-        # The code predictor's sampling row: a reply's parameters and seed are loaded into it at
-        # each frame (spoken replies take turns), at fixed addresses the frame's graph reads.
-        self.predictor_sampler = SeatSampler(1, self.predictor.config.vocab_size, self.device)
+        self.frame_graphs: dict[int, StaticGraph] = {}  # by bucket of replies; set once captured, by warm_up
+        # The code predictor's sampling rows, one per reply of a frame's batch: a reply's parameters
+        # and seed are loaded into its row at each frame (the rows are the batch's, not the
+        # reply's), at fixed addresses the frames' graphs read.
+        self.predictor_sampler = SeatSampler(max_batch, self.predictor.config.vocab_size, self.device)
+        self._predictor_seats = torch.arange(max_batch, device=self.device)
+        self._batch_writers: dict[tuple[int, int], GraphedKVWriter] = {}  # by (group, batch): made once
         # Each step's rows are the same in every frame, so their rotary embedding is made once here,
         # not by a few kernels at each of a frame's 15 steps
         with torch.inference_mode():
@@ -168,15 +178,13 @@ class TalkerRunner:
             hidden, logits = self._forward(self.kv.writer(table, 0, self.attention.eager_prefill), prompt, positions)
             for params in (SamplingParams(), SamplingParams(temperature=1.0)):  # the first code's draw, both ways
                 Sampler(params, seed=0, suppressed=self.suppressed).next_token(logits[0])
-            frame, codec_sum = self.complete_frame(hidden, self._row_zero, SamplingParams(), seed=0, frame=0)
-            codes = frame.tolist()
+            frames, codec_sum = self.complete_frames(hidden, self._row_zero, [SamplingParams()], seeds=[0], frames=[0])
+            codes = frames[0].tolist()
             self.steps([table], [4], codec_sum + self.tts_pad, [0])
             # A prompt's prefill runs eagerly at its own length, up to a whole sequence.
             self.regions.warm_up_experts(self.stack.layers, self.kv.shape.max_tokens)
             if self._capture_predictor:
-                # Captured sampling: greedy rows still take the argmax, the graph serves both.
-                start, keys = hidden.new_zeros((1, 2, hidden.shape[-1])), self._row_zero.expand(len(codes) - 1)
-                self.frame_graph = StaticGraph(partial(self._frame, sampling=True), [start, keys])
+                self._capture_frames(hidden.shape[-1])
             if self._capture_steps:
                 row = self.tts_pad[None]  # [1, 1, width], shaped as a step's input
                 capturable = partial(self.regions.moe.capturable, self.stack.config, self.dtype)
@@ -247,52 +255,94 @@ class TalkerRunner:
         return torch.cat([hidden for hidden, _ in steps]), torch.cat([logits for _, logits in steps])
 
     @torch.inference_mode()
-    def complete_frame(
-        self, hidden: torch.Tensor, first_code: torch.Tensor, params: SamplingParams, seed: int, frame: int
-    ) -> tuple[Readback, torch.Tensor]:
-        """The code predictor's codes for the rest of frame `frame` of a reply, after the Talker's
-        `first_code` [1] (on the device, unread) from `hidden`, sampled by `params` with the reply's
-        `seed`; returns the frame's 16 codes, the first included, on their way to the host (read
-        them once, when wanted), and the sum of their embeddings [1, 1, width] (the next step's
-        input, before the text row is added). Nothing here waits for the device."""
-        first = self.stack.codec_embedding(first_code.view(1, 1))
-        table = self.predictor_sampler
-        table.start(0, params, seed)
-        groups = self.num_code_groups - 1
-        batch = table.batch([0] * groups, [frame * groups + group for group in range(groups)])
-        start = torch.cat([hidden, first], dim=1)
-        if self.frame_graph is not None:
-            codes, codec_sum = self.frame_graph.replay(start, batch.keys)
+    def complete_frames(self, hidden: torch.Tensor, first_codes: torch.Tensor, params: list[SamplingParams],
+                        seeds: list[int], frames: list[int]) -> tuple[list[Readback], torch.Tensor]:
+        """The code predictor's codes for the rest of a frame of each of n replies (at most
+        `max_batch`): reply i's frame `frames[i]`, after the Talker's `first_codes[i]` ([n], on the
+        device, unread) from `hidden[i]` ([n, 1, width]), sampled by `params[i]` with the reply's
+        `seeds[i]`. Returns each reply's 16 codes, the first included, on their way to the host
+        (read them once, when wanted), and the sums of each frame's code embeddings [n, 1, width]
+        (the next steps' input, before the text rows are added). Graphed, one replay for them all
+        (the predictor's weights read once, not once a reply); eager, one after another, each
+        exactly as alone. Nothing here waits for the device."""
+        count, groups = len(params), self.num_code_groups - 1
+        start = torch.cat([hidden, self.stack.codec_embedding(first_codes.view(count, 1))], dim=1)
+        sampler = self.predictor_sampler
+        for seat, (reply_params, seed) in enumerate(zip(params, seeds)):
+            sampler.start(seat, reply_params, seed)
+        # Row `seat` of each group's keys: that reply's draw of the group's code in its frame.
+        batch = sampler.batch([seat for _ in range(groups) for seat in range(count)],
+                              [frame * groups + group for group in range(groups) for frame in frames])
+        keys = batch.keys.view(groups, count)
+        if self.frame_graphs:
+            bucket = min(size for size in self.frame_graphs if size >= count)
+            padded = (torch.cat([start, start.new_zeros((bucket - count, *start.shape[1:]))]),
+                      torch.cat([keys, keys.new_zeros((groups, bucket - count))], dim=1))
+            codes, sums = (out[:count] for out in self.frame_graphs[bucket].replay(*padded))
         else:
-            codes, codec_sum = self._frame(start, batch.keys, batch.sampling)
-        return Readback(torch.cat([first_code, codes])), codec_sum
+            each = [self._frame(start[i : i + 1], keys[:, i : i + 1], batch.sampling, seat=i) for i in range(count)]
+            codes, sums = torch.cat([codes for codes, _ in each]), torch.cat([sums for _, sums in each])
+        return [Readback(torch.cat([first_codes[i : i + 1], codes[i]])) for i in range(count)], sums
 
-    def _frame(self, start: torch.Tensor, keys: torch.Tensor, sampling: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """The code predictor's 15 steps of a frame from `start` [1, 2, width] (the Talker's hidden
-        state, the first code's embedding), each code chosen on the device by `predictor_sampler`'s
-        row 0 with the random key `keys[group]`: the codes [15] and the sum of all 16 codes'
-        embeddings [1, 1, width]. Nothing here waits for the device: the whole frame is one graph."""
+    def _capture_frames(self, width: int) -> None:
+        """The frames' graphs, one per bucket of replies, the largest first, in one memory pool (a
+        frame's batches never run at once). Captured sampling: greedy rows still take the argmax, a
+        graph serves both."""
+        pool = torch.cuda.graph_pool_handle()
+        groups = self.num_code_groups - 1
+        for bucket in reversed(size_buckets(1, self.max_batch)):
+            start = torch.zeros((bucket, 2, width), dtype=self.dtype, device=self.device)
+            keys = torch.zeros((groups, bucket), dtype=torch.long, device=self.device)
+            self.frame_graphs[bucket] = StaticGraph(partial(self._frame, sampling=True), [start, keys], pool)
+
+    def _frame(self, start: torch.Tensor, keys: torch.Tensor, sampling: bool, seat: int | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The code predictor's 15 steps of a frame of B replies from `start` [B, 2, width] (the
+        Talker's hidden states, the first codes' embeddings), each code chosen on the device by
+        `predictor_sampler`'s rows 0 to B - 1 with the random keys `keys[group]` ([15, B]): the codes
+        [B, 15] and the sums of all 16 codes' embeddings [B, 1, width]. `seat`: one reply alone, in
+        that sampling row and KV table, eagerly. Nothing here waits for the device: the whole frame
+        is one graph."""
         model, table = self.predictor.model, self.predictor_sampler
+        seats = self._predictor_seats[:len(start)] if seat is None else self._predictor_seats[seat : seat + 1]
         embeds, codes, step_input = [start[:, 1:]], [], start
         for group in range(self.num_code_groups - 1):
-            logits = self._predict_step(group, step_input)
-            code = table.sample(logits[None], SampleBatch(self._row_zero, keys[group : group + 1], sampling))
+            logits = self._predict_step(group, step_input, seat)
+            code = table.sample(logits, SampleBatch(seats, keys[group], sampling))
             codes.append(code)
-            step_input = model.codec_embedding[group](code[None])
+            step_input = model.codec_embedding[group](code[:, None])
             embeds.append(step_input)
         # One sum over the stacked rows, as transformers does it (the order of float additions matters).
-        return torch.cat(codes), torch.cat(embeds, dim=1).sum(1, keepdim=True)
+        return torch.stack(codes, dim=1), torch.cat(embeds, dim=1).sum(1, keepdim=True)
 
-    def _predict_step(self, group: int, step_input: torch.Tensor) -> torch.Tensor:
-        """Logits [vocab] of the frame's code `group + 1`, from `step_input` [1, n, width]: the
-        hidden state and first code (rows 0 and 1) for group 0, else code `group` (row group + 1)."""
-        row = _predictor_row(group)
+    def _predict_step(self, group: int, step_input: torch.Tensor, seat: int | None) -> torch.Tensor:
+        """Logits [B, vocab] of the frame's code `group + 1`, from `step_input` [B, n, width]: the
+        hidden states and first codes (rows 0 and 1) for group 0, else code `group` (row group + 1);
+        reply b's rows in KV table b, or in table `seat` for one reply alone."""
         # The decode kernel reads the frame's rows in place: one launch a layer, where transformers'
         # attention would gather the rows, make a mask and attend (a frame is 15 steps of 5 layers)
-        cache = self.predictor_kv.writer(self._predictor_table, row, self.attention.decode)
+        cache = (self.predictor_kv.writer(self._predictor_tables[seat], _predictor_row(group), self.attention.decode)
+                 if seat is not None else self._batch_writer(group, len(step_input)))
         last, _ = run_layers(self.predictor.model, cache, step_input, None, regions=self.regions,
                              rotary=self._predictor_rotary[group])
-        return self.predictor.lm_head[group](last)[0, -1].float()
+        return self.predictor.lm_head[group](last)[:, -1].float()
+
+    def _batch_writer(self, group: int, batch: int) -> GraphedKVWriter:
+        """The cache of step `group` of a frame of `batch` replies, reply b's rows in KV table b:
+        made at the first frame of that batch (a graph's eager run before its capture), so a graph
+        reads the places, never computes them."""
+        key = (group, batch)
+        if key not in self._batch_writers:
+            row, length = _predictor_row(group), 2 if group == 0 else 1
+            tables = self._predictor_tables[:batch]
+            indices = torch.arange(row, row + length, device=self.device).expand(batch, -1).contiguous()
+            block_tokens = self.predictor_kv.shape.block_tokens
+            blocks = tables[:, indices[0] // block_tokens].contiguous()
+            offsets = (indices % block_tokens).contiguous()
+            last = torch.full((batch,), length - 1, device=self.device)
+            self._batch_writers[key] = GraphedKVWriter(self.predictor_kv, tables, indices, blocks, offsets, last,
+                                                       row + length, self.attention.decode)
+        return self._batch_writers[key]
 
     def _rotary_at(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The code predictor's rotary embedding (cos, sin) of the rows step `group` writes."""
