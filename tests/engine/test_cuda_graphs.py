@@ -110,6 +110,23 @@ def test_graphs_captured_one_after_another_keep_their_outputs_and_no_workspace_o
     assert torch.cuda.memory_allocated() - before < outputs + (1 << 20)
 
 
+def test_a_capture_that_runs_out_of_memory_gives_the_cache_back_and_tries_once_more(monkeypatch):
+    x = torch.randn(64, 64, device="cuda")
+    runs, emptied = [], []
+
+    def run() -> torch.Tensor:
+        runs.append(len(emptied))
+        if len(runs) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory, as under a cap with the cache full")
+        return x @ x
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    graph, output = capture_graph(run, torch.cuda.graph_pool_handle())
+    graph.replay()
+    assert runs[1:] and runs[1] == 1, "the cache is given back before the second try"
+    torch.testing.assert_close(output, x @ x)
+
+
 def test_graphed_decode_of_two_chats_across_a_bucket_boundary_matches_eager_and_generate(on_gpu):
     app = on_gpu
     prompts = [one_turn(app, text_under_bucket(app, sentence)) for sentence in (STORY, SONG)]

@@ -254,7 +254,20 @@ def capture_graph(run: Callable[[], Outputs], pool: tuple) -> tuple[torch.cuda.C
     """`run` captured as a CUDA graph in memory pool `pool`, and what it returns (refilled by
     each replay). It first runs once eagerly, on the side stream the capture then uses, as
     torch.cuda.graph advises, so lazy set-up (library handles, workspaces, kernel choice) happens
-    outside the capture, which refuses it."""
+    outside the capture, which refuses it. Out of memory, it gives the allocator's cache back
+    and tries once more."""
+    try:
+        return _captured(run, pool)
+    except torch.OutOfMemoryError:
+        # What eager forwards freed (the start-up's first prefill, a request's activations) stays
+        # cached for tensors outside any graph's pool: a pool cannot take it, so a capture can run
+        # out while hundreds of MiB lie cached (about 700 MiB under a 22 GiB cap, on an H100).
+        # Given back to the driver, it is the pool's to take.
+        torch.cuda.empty_cache()
+        return _captured(run, pool)
+
+
+def _captured(run: Callable[[], Outputs], pool: tuple) -> tuple[torch.cuda.CUDAGraph, Outputs]:
     side = capture_stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
