@@ -4,7 +4,8 @@
   experts the plan puts in host memory;
 - engine: what the engine takes besides the KV and the encoder outputs: CUDA graphs and their pools,
   the activations of the largest graphed forward, the code predictor's KV. Measured at each start
-  (its allocations' peak while it starts, less the Thinker's and the Talker's KV) and remembered per
+  (the memory it reserved at its peak while it starts, less the Thinker's and the Talker's KV: what
+  the card no longer has, where a graph's pool keeps more than its tensors take) and remembered per
   GPU, model and settings (<cache_dir>/memory.json); a first start takes FIRST_START_ENGINE_BYTES,
   measured at full size on an H100 (int4). Each start-up step logs its own part (start_up_steps.py);
 - encoder outputs and KV: caches, so caps the plan shrinks to fit, each down to a floor it states.
@@ -269,24 +270,28 @@ def available_bytes(settings: EngineConfig, device: torch.device) -> int | None:
 
 
 def engine_baseline(device: torch.device) -> int:
-    """Before the engine starts: the bytes allocated already (the weights, and whatever else the
-    process holds), the peak counted from here."""
+    """Before the engine starts: the bytes its allocator reserves already (the weights, and whatever
+    else the process holds; what loading them left cached is given back first, so the engine's
+    take is never hidden in it), the peak counted from here."""
     if device.type != "cuda":
         return 0
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    return torch.cuda.memory_allocated(device)
+    return torch.cuda.memory_reserved(device)
 
 
 def remember_engine_bytes(plan: MemoryPlan, settings: EngineConfig, device: torch.device, baseline: int,
                           kv_bytes: int) -> None:
-    """After the engine's warm-up, every graph captured: its measured take at its peak since
-    `baseline` (engine_baseline), less the KV (`kv_bytes`: the Thinker's and the Talker's, which the
+    """After the engine's warm-up, every graph captured: its measured take, the memory reserved at
+    its peak since `baseline` (engine_baseline), less the KV (`kv_bytes`: the Thinker's and the Talker's, which the
     plan counts with the KV), for the next start's plan. A request served
     while the prefill graphs were captured counts too, its activations and encoder outputs: the
     next plan keeps more for the engine than it needs, never less."""
     if device.type != "cuda":
         return
-    engine = torch.cuda.max_memory_allocated(device) - baseline - kv_bytes
+    # Reserved, not allocated: under a 22 GiB cap on an H100 the start-up's graphs and eager forwards
+    # left 700 MiB reserved beyond their tensors (docs/benchmarks/2026-12-08-honest-cap-h100.md).
+    engine = torch.cuda.max_memory_reserved(device) - baseline - kv_bytes
     measured = _measured(settings.cache_path)
     measured[plan.key] = engine
     file = private_folder(settings.cache_path) / "memory.json"
@@ -358,9 +363,9 @@ def _fp8_runs(device: torch.device) -> bool:
 def _key(model: torch.nn.Module, settings: EngineConfig, device: torch.device) -> str:
     """A full-length digest of what the engine's take depends on: the GPU, the model's dimensions, and
     the settings that size graphs and activations. ("measured": what the take holds, so that one
-    measured while it held the Talker's KV is not read as one without.)"""
+    measured while it held the Talker's KV, or in allocated bytes, is not read as this one.)"""
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    parts = {"measured": "without the Talker's KV", "gpu": gpu, "config": model.config.to_json_string(use_diff=False),
+    parts = {"measured": "reserved, without the Talker's KV", "gpu": gpu, "config": model.config.to_json_string(use_diff=False),
              "settings": {
         name: getattr(settings, name) for name in (
             "weights", "speech", "dtype", "max_context_tokens", "max_running_requests", "cuda_graphs",
