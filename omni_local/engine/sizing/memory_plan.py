@@ -283,10 +283,10 @@ def engine_baseline(device: torch.device) -> int:
 def remember_engine_bytes(plan: MemoryPlan, settings: EngineConfig, device: torch.device, baseline: int,
                           kv_bytes: int) -> None:
     """After the engine's warm-up, every graph captured: its measured take, the memory reserved at
-    its peak since `baseline` (engine_baseline), less the KV (`kv_bytes`: the Thinker's and the Talker's, which the
-    plan counts with the KV), for the next start's plan. A request served
-    while the prefill graphs were captured counts too, its activations and encoder outputs: the
-    next plan keeps more for the engine than it needs, never less."""
+    its peak since `baseline` (engine_baseline), less the KV (`kv_bytes`: the Thinker's and the
+    Talker's, which the plan counts with the KV), for the next start's plan. A request served while
+    the prefill graphs were captured counts too, its activations and encoder outputs: the next plan
+    keeps more for the engine than it needs, never less."""
     if device.type != "cuda":
         return
     # Reserved, not allocated: under a 22 GiB cap on an H100 the start-up's graphs and eager forwards
@@ -365,7 +365,8 @@ def _key(model: torch.nn.Module, settings: EngineConfig, device: torch.device) -
     the settings that size graphs and activations. ("measured": what the take holds, so that one
     measured while it held the Talker's KV, or in allocated bytes, is not read as this one.)"""
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    parts = {"measured": "reserved, without the Talker's KV", "gpu": gpu, "config": model.config.to_json_string(use_diff=False),
+    parts = {"measured": "reserved, without the Talker's KV", "gpu": gpu,
+             "config": model.config.to_json_string(use_diff=False),
              "settings": {
         name: getattr(settings, name) for name in (
             "weights", "speech", "dtype", "max_context_tokens", "max_running_requests", "cuda_graphs",
