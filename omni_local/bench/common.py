@@ -1,8 +1,10 @@
 """What the benchmarks share: their command line, the model they time, a synchronised clock, medians."""
 
 import argparse
+import importlib
 import math
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -37,6 +39,22 @@ def settings_and_model(args: argparse.Namespace) -> tuple[Settings, LoadedModel]
 def bench_model(settings: Settings, random_weights: Path | None) -> LoadedModel:
     """The model of `settings`: random weights at the `random_weights` config's size, or the configured checkpoint."""
     return load_random_weights(random_weights, settings) if random_weights else load_model(settings)
+
+
+# What `served` and the `openai` SDK's clients import: fastapi (through the server's routes, with
+# what it imports in turn, such as opentelemetry-api), uvicorn, the SDK and its realtime client's
+# websockets.
+SERVING_MODULES = ("uvicorn", "omni_local.server.routes", "openai", "websockets")
+
+
+def require_modules(names: tuple[str, ...], needed_by: str) -> None:
+    """Imports `names` now: where one does not import, the bench stops at once, naming it, not after
+    minutes of building full-size weights (a GPU machine's image may lack the server's packages)."""
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError as error:
+            sys.exit(f"{needed_by} needs '{error.name or name}', which does not import here: {error}")
 
 
 @contextmanager

@@ -47,7 +47,7 @@ import torch
 
 import omni_local
 from omni_local.api import OmniLocal
-from omni_local.bench.common import bench_parser, served, settings_and_model
+from omni_local.bench.common import SERVING_MODULES, bench_parser, require_modules, served, settings_and_model
 from omni_local.bench.load_clients import MEDIA, LoadSpec, Sample, one_token_words, run_row
 from omni_local.bench.scenarios import SYSTEM
 
@@ -137,6 +137,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = parser().parse_args()
+    if args.through != "api":
+        require_modules(SERVING_MODULES, "--through http")
     settings, loaded = settings_and_model(args)
     settings = settings.replace(api_max_requests=max(settings.api_max_requests, *args.clients))
     replies = args.replies or (["text", "spoken"] if settings.speech else ["text"])

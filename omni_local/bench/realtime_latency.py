@@ -37,7 +37,7 @@ import soundfile
 import soxr
 
 from omni_local.api import OmniLocal
-from omni_local.bench.common import bench_model, bench_parser, served
+from omni_local.bench.common import SERVING_MODULES, bench_model, bench_parser, require_modules, served
 from omni_local.settings import settings_from_arguments
 
 RATE = 24_000
@@ -133,6 +133,7 @@ def main() -> None:
     parser.add_argument("--key", default="no key")
     parser.add_argument("--json", type=Path, help="write the turns here")
     args = parser.parse_args()
+    require_modules(("openai", "websockets") if args.url else SERVING_MODULES, "the realtime bench")
     turns = served_turns(args, question(args.wav))
     print(f"VAD silence window {args.silence_ms} ms (not counted below); first turn apart")
     print("turn | server: asked to first audio (ms) | client: speech_stopped to first audio (ms) | cached tokens")

@@ -82,6 +82,18 @@ def test_the_api_rows_run_where_the_servers_packages_are_not_installed(demo_sett
     assert [line[:16] for line in done.stdout.splitlines() if line.startswith("| api ")] == ["| api | 1 | text"]
 
 
+def test_the_http_rows_stop_at_once_naming_a_server_package_that_does_not_import(demo_settings, tmp_path):
+    # Before the model is built: at full size that takes minutes of a GPU machine's time.
+    run = "import sys; sys.modules['uvicorn'] = None; from omni_local.bench.load import main; main()"
+    done = subprocess.run(
+        [sys.executable, "-c", run, "--through", "both", "--clients", "1", "--seconds", "0.5",
+         "--demo-dir", str(demo_settings.demo_path), "--cache-dir", str(tmp_path / "cache"), "--device", "cpu"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 1 and "--through http needs 'uvicorn', which does not import here" in done.stderr
+    assert "model:" not in done.stdout
+
+
 def test_each_client_and_each_request_asks_a_question_of_its_own_of_about_the_length_asked(demo_checkpoint):
     processor = load_processor(demo_checkpoint)
     words = one_token_words(processor.tokenizer)
