@@ -166,6 +166,16 @@ def test_the_decode_step_bench_smoke_run_prints_a_step_time_for_each_batch_and_c
     assert len(table) >= 2 and all(float(cell) > 0 for line in table for cell in line.strip("| ").split(" | ")[1:])
 
 
+def test_the_speech_steps_bench_smoke_run_times_each_part_of_a_frame_for_each_number_of_replies(
+        demo_settings, demo_checkpoint, tmp_path):
+    done = run_part_bench("speech_steps", demo_settings, tmp_path, "--runs", "1", "--replies", "1", "3")
+    assert done.returncode == 0, done.stderr
+    table = [line.strip("| ").split(" | ") for line in done.stdout.splitlines() if line.startswith("| ")
+             and line[2].isdigit()]
+    assert [row[0] for row in table] == ["1", "3"]
+    assert all(float(cell) > 0 for row in table for cell in row[1:])
+
+
 def test_each_chat_of_a_decode_step_bench_row_decodes_its_own_token_at_its_own_row(app):
     runner = app.backend.engine.runner
     vocab = runner.model.get_input_embeddings().num_embeddings
