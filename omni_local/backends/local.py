@@ -14,7 +14,7 @@ from omni_local.engine.engine import Engine
 from omni_local.engine.request import Failed, Request
 from omni_local.engine.sizing import host_memory
 from omni_local.engine.sizing.memory_plan import MemoryPlan, engine_baseline, plan_memory, remember_engine_bytes
-from omni_local.errors import MediaError, RequestError
+from omni_local.errors import MediaError, RequestError, SettingsError
 from omni_local.media import SAMPLE_RATE, MediaLimits
 from omni_local.media.audio import check_samples
 from omni_local.media.video import Video, load_video
@@ -78,8 +78,15 @@ class LocalBackend:
         log.info("%s", self.host_memory.line())
         baseline = engine_baseline(self.loaded.device) if self.memory is not None else 0
         # Once every graph is captured the engine's take is whole: measured then, for the next plan.
-        self.engine = Engine(self.loaded, self.host_memory.applied(sized), settings.max_prompt_tokens,
-                             warm_up_later=True, when_warm=partial(self._remember_engine_bytes, baseline))
+        try:
+            self.engine = Engine(self.loaded, self.host_memory.applied(sized), settings.max_prompt_tokens,
+                                 warm_up_later=True, when_warm=partial(self._remember_engine_bytes, baseline))
+        except torch.OutOfMemoryError:
+            # Seen on a 22 GiB card's cap (docs/benchmarks/2026-12-08-honest-cap-h100.md): a traceback
+            # there tells a user nothing they can change.
+            if self.memory is None:
+                raise
+            raise SettingsError(self.memory.out_of_memory_at_start()) from None
         if wait_for_graphs:
             self.engine.warm.wait()
         self.info = BackendInfo(

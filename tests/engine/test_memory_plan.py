@@ -90,6 +90,24 @@ def test_the_talkers_kv_holds_a_spoken_chat_of_max_context_tokens_per_chat_the_t
     assert "Talker" not in without_speech.line()
 
 
+def test_an_engine_that_runs_out_of_gpu_memory_while_it_starts_is_refused_with_a_smaller_kv_to_try(
+        planned, monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB.")
+
+    monkeypatch.setattr(local_backend, "Engine", out_of_memory)
+    settings = planned.replace(gpu_memory_bytes=1 << 30)
+    model = load_model(settings).model
+    kv = plan(model, settings).kv
+    refusal = rf"ran out of memory while the engine started.*try gpu_cache_bytes = {kv // 2}$"
+    with pytest.raises(SettingsError, match=refusal):
+        OmniLocal(settings)
+    # Half of one conversation's KV would hold none: another change is named.
+    one_chat = settings.replace(gpu_cache_bytes=memory_plan.least_conversation_kv_bytes(model, settings, torch.float32))
+    with pytest.raises(SettingsError, match=r"try speech = false, or a lower max_context_tokens$"):
+        OmniLocal(one_chat)
+
+
 def test_the_engines_measured_take_leaves_out_the_talkers_kv_with_the_thinkers(planned, monkeypatch):
     measured = []
     monkeypatch.setattr(local_backend, "remember_engine_bytes", lambda plan, settings, device, baseline, kv:

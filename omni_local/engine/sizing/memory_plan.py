@@ -146,6 +146,15 @@ class MemoryPlan:
         chats = f"{self.talker_chats:,} spoken chat{'' if self.talker_chats == 1 else 's'}"
         return f", and the Talker's KV {size(self.talker_kv)} ({chats} of {self.context_tokens:,})"
 
+    def out_of_memory_at_start(self) -> str:
+        """What to change where the engine ran out of GPU memory while it started: half the KV, where
+        half still holds a conversation of `max_context_tokens`."""
+        change = (f"gpu_cache_bytes = {self.kv // 2}" if self.kv_tokens // 2 >= self.context_tokens
+                  else "speech = false, or a lower max_context_tokens")
+        return (f"the GPU ran out of memory while the engine started, with {size(self.kv)} of KV planned "
+                f"({self.kv_tokens:,} tokens): more than the plan's margin went to CUDA and the engine's "
+                f"graphs on this GPU; try {change}")
+
     def applied(self, settings: Planned) -> Planned:
         """`settings` with the caches as planned."""
         return settings.replace(gpu_cache_bytes=self.kv, encoder_cache_bytes=self.encoder_outputs or
