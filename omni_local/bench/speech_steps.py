@@ -10,9 +10,9 @@ reply has enough frames, a Code2Wav chunk of it. A row times each part for B rep
 at its own row near --talker-rows, its own input row), the code predictor's frames (each reply its
 own hidden state and first code), and B full Code2Wav chunks one after another, as the engine
 decodes them (each `audio_chunk_frames` new frames after `audio_left_context_frames`, its own
-codes). Replies
-speak in real time while a turn's parts take less than a frame's 80 ms. Settings as for the app
-(speech is on): `--max-running-requests` is the largest batch a step or frame takes at once.
+codes). Replies speak in real time while a turn's parts take less than a frame's 80 ms. Settings
+as for the app (speech is on): `--max-running-requests` is the largest batch a step or frame takes
+at once.
 """
 
 import numpy as np

@@ -97,13 +97,14 @@ def test_an_engine_that_runs_out_of_gpu_memory_while_it_starts_is_refused_with_a
 
     monkeypatch.setattr(local_backend, "Engine", out_of_memory)
     settings = planned.replace(gpu_memory_bytes=1 << 30)
-    model = load_model(settings).model
-    kv = plan(model, settings).kv
+    loaded = load_model(settings)
+    kv = plan(loaded.model, settings).kv
     refusal = rf"ran out of memory while the engine started.*try gpu_cache_bytes = {kv // 2}$"
     with pytest.raises(SettingsError, match=refusal):
         OmniLocal(settings)
     # Half of one conversation's KV would hold none: another change is named.
-    one_chat = settings.replace(gpu_cache_bytes=memory_plan.least_conversation_kv_bytes(model, settings, torch.float32))
+    one_chat = settings.replace(
+        gpu_cache_bytes=memory_plan.least_conversation_kv_bytes(loaded.model, settings, loaded.dtype))
     with pytest.raises(SettingsError, match=r"try speech = false, or a lower max_context_tokens$"):
         OmniLocal(one_chat)
 
