@@ -37,7 +37,7 @@ import torch
 from omni_local.api import OmniLocal
 from omni_local.bench.common import bench_parser, median_wall_ms, settings_and_model
 from omni_local.engine.forward.thinker import ThinkerRunner
-from omni_local.engine.memory.kv_store import BlockTable
+from omni_local.engine.memory.kv_store import BlockTable, KVStore
 
 BATCHES = [1, 2, 4, 8, 16]
 CONTEXTS = [256, 1024, 4096]
@@ -59,15 +59,16 @@ def chat_tokens(batch: int, vocab: int) -> list[int]:
 
 
 @contextmanager
-def held_tables(runner: ThinkerRunner, contexts: list[int]) -> Iterator[list[BlockTable]]:
-    """A block table for each chat, of its context's rows, from the runner's free blocks, given back
-    after. The engine's worker is idle: the blocks it does not hold are ours for the steps."""
-    tables = [runner.kv.take(runner.kv.shape.blocks_for(context)) for context in contexts]
+def held_tables(kv: KVStore, contexts: list[int]) -> Iterator[list[BlockTable]]:
+    """A block table for each chat, of its context's rows, from the store's free blocks (the
+    Thinker's, or the Talker's), given back after. The engine's worker is idle: the blocks it does
+    not hold are ours for the steps."""
+    tables = [kv.take(kv.shape.blocks_for(context)) for context in contexts]
     try:
         yield tables
     finally:
         for table in tables:
-            runner.kv.pool.release(table)
+            kv.pool.release(table)
 
 
 def within_context(runner: ThinkerRunner, context: int) -> bool:
@@ -93,7 +94,7 @@ def device_label(runner: ThinkerRunner) -> str:
 
 def step_ms(runner: ThinkerRunner, batch: int, context: int, runs: int, queued: bool = False) -> float:
     contexts = chat_contexts(batch, context)
-    with held_tables(runner, contexts) as tables:
+    with held_tables(runner.kv, contexts) as tables:
         step = decode_step(runner, tables, contexts)
         if not queued:
             return median_wall_ms(step, runs)

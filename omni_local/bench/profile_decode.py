@@ -185,7 +185,7 @@ def main() -> None:
             parser.error("--step replay: the runner captured no decode graphs (on the CPU, or with cuda_graphs off)")
         cuda = runner.device.type == "cuda"
         contexts = chat_contexts(args.chats, args.context)
-        with held_tables(runner, contexts) as tables:
+        with held_tables(runner.kv, contexts) as tables:
             steps = {"eager": eager_step(runner, tables, contexts)}
             if runner.decode_graphs is not None:
                 steps["replay"] = decode_step(runner, tables, contexts)

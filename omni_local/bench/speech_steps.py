@@ -20,6 +20,7 @@ import torch
 
 from omni_local.api import OmniLocal
 from omni_local.bench.common import bench_model, bench_parser, median_wall_ms
+from omni_local.bench.decode_steps import held_tables
 from omni_local.engine.forward.speech import Speaker
 from omni_local.engine.forward.vocoder import AudioStream
 from omni_local.model.loader import quiet_library_logs
@@ -34,15 +35,10 @@ def talker_step_ms(speaker: Speaker, replies: int, rows: int, runs: int) -> floa
     """The Talker's step of `replies` replies, each at its own row around `rows`, from its own input."""
     runner = speaker.runner
     indices = [rows + i for i in range(replies)]
-    tables = [runner.kv.take(runner.kv.shape.blocks_for(index + 1)) for index in indices]
-    try:
-        generator = torch.Generator().manual_seed(replies)
-        embeds = torch.randn((replies, 1, runner.tts_pad.shape[-1]), generator=generator)
-        embeds = embeds.to(runner.device, runner.dtype)
+    generator = torch.Generator().manual_seed(replies)
+    embeds = torch.randn((replies, 1, runner.tts_pad.shape[-1]), generator=generator).to(runner.device, runner.dtype)
+    with held_tables(runner.kv, [index + 1 for index in indices]) as tables:
         return median_wall_ms(lambda: runner.steps(tables, indices, embeds, [0] * replies), runs)
-    finally:
-        for table in tables:
-            runner.kv.pool.release(table)
 
 
 def frames_ms(speaker: Speaker, replies: int, runs: int) -> float:

@@ -183,7 +183,7 @@ def test_each_chat_of_a_decode_step_bench_row_decodes_its_own_token_at_its_own_r
     contexts, tokens = chat_contexts(16, 256), chat_tokens(16, vocab)
     assert len(set(contexts)) == 16 and min(contexts) == 224 and max(contexts) == 288
     assert len(set(tokens)) == 16 and all(0 <= t < vocab for t in tokens)
-    with held_tables(runner, contexts[:4]) as tables:
+    with held_tables(runner.kv, contexts[:4]) as tables:
         logits = decode_step(runner, tables, contexts[:4])()
     assert all(not torch.equal(logits[i], logits[j]) for i in range(4) for j in range(i + 1, 4))
 

@@ -70,9 +70,13 @@ GiB = 1 << 30
 # - a request's transient memory (its pixels, the encoders' activations, its prefill's), which grows
 #   with its image tokens, about 230 KiB each: the other 382 MiB hold about 1,700 (several photos,
 #   or a short video). A request of more, on a card the plan fills, is refused with "out of memory:
-#   try a shorter conversation, a smaller image or clip" and the engine goes on; the most a default prompt holds, 5,832, took 1,311.
+#   try a shorter conversation, a smaller image or clip" and the engine goes on; the most a default
+#   prompt holds, 5,832, took 1,311.
 # At 22 GiB this margin kept the prefill graphs at 512 tokens, where 640 MiB let the plan choose
-# 1,024-token graphs whose capture then ran out of memory (same file).
+# 1,024-token graphs whose capture then ran out of memory (same file). Those runs capped torch's
+# allocator alone: counting the 386 MiB against the card too, 22 GiB did not serve at this margin,
+# as the engine's graphs reserved about 700 MiB beyond what its take had counted
+# (docs/benchmarks/2026-12-08-honest-cap-h100.md); the margin that serves is still to be measured.
 MARGIN_BYTES = 768 << 20
 # The engine's start-up take besides the KV, at full size with speech and the default settings, on an
 # H100 with int4 weights (docs/benchmarks/2026-12-07-engine-take-h100.md): its CUDA graph pools
